@@ -1,0 +1,141 @@
+"""The engine core: one step is schedule → run → update.
+
+Owns the scheduler, the KV cache manager and the model runner of one node. Token-level
+stopping (eos, stop token ids, max_tokens, the model's length) happens here; text-level
+stopping (stop strings) belongs to whoever detokenizes, which then calls `abort`.
+"""
+
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.model_loader import LoadedModel, load_model
+from pdserve.engine.model_runner import ModelRunner, SampledToken, kv_block_bytes
+from pdserve.engine.policy import SchedulingPolicy
+from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.scheduler import Scheduler
+
+
+@dataclass(slots=True)
+class EngineCoreOutput:
+    req_id: str
+    new_token_id: int
+    logprobs: TokenLogprobs | None
+    finish_reason: FinishReason | None
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+
+class RequestRejected(ValueError):
+    """A request this engine can never serve; the message names the field at fault."""
+
+
+class EngineCore:
+    def __init__(self, config: EngineConfig, policy: SchedulingPolicy | None = None, loaded: LoadedModel | None = None):
+        if config.num_threads is not None:
+            torch.set_num_threads(config.num_threads)
+        self.config = config
+        self.loaded = loaded or load_model(config.model, config.torch_dtype)
+        self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
+        num_blocks = config.num_blocks or max(
+            1, config.kv_cache_bytes // kv_block_bytes(self.loaded, config.block_size, config.torch_dtype)
+        )
+        self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.scheduler = Scheduler(self.kv, policy or SchedulingPolicy(), config.max_num_batched_tokens, config.max_num_seqs)
+        self.runner = ModelRunner(self.loaded, self.kv, num_blocks, config.torch_dtype, config.attention_backend)
+        self._requests: dict[str, Request] = {}
+        self._seeds = random.Random(config.seed)
+        self._arrivals = 0
+
+    @property
+    def num_blocks(self) -> int:
+        return self.kv.pool.num_blocks
+
+    def add_request(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int = 0
+    ) -> Request:
+        self._validate(req_id, prompt_token_ids, params)
+        seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
+        request = Request(req_id, list(prompt_token_ids), params, self._arrivals, seed, sample_index)
+        self._arrivals += 1
+        self._requests[req_id] = request
+        self.scheduler.add(request)
+        return request
+
+    def abort(self, req_id: str) -> bool:
+        request = self._requests.pop(req_id, None)
+        if request is None:
+            return False
+        request.finish(FinishReason.ABORT)
+        self.scheduler.finish(request)
+        return True
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[EngineCoreOutput]:
+        out = self.scheduler.schedule()
+        if out.is_empty:
+            return []
+        sampled = self.runner.execute(out)
+        self.scheduler.update_after_step(out)
+        return [self._process(s) for s in sampled]
+
+    def _process(self, sampled: SampledToken) -> EngineCoreOutput:
+        request = sampled.scheduled.request
+        request.append_output_token(sampled.token_id)
+        reason = self._finish_reason(request, sampled.token_id)
+        if reason is not None:
+            request.finish(reason)
+            self.scheduler.finish(request)
+            del self._requests[request.req_id]
+        return EngineCoreOutput(
+            request.req_id,
+            sampled.token_id,
+            sampled.logprobs,
+            reason,
+            request.num_prompt_tokens,
+            request.num_cached_tokens,
+        )
+
+    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
+        params = request.params
+        if request.num_output_tokens >= params.min_tokens:
+            if token_id in params.stop_token_ids:
+                request.stop_token_id = token_id
+                return FinishReason.STOP
+            if not params.ignore_eos and token_id in self.loaded.eos_token_ids:
+                return FinishReason.STOP
+        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+            return FinishReason.LENGTH
+        if self.scheduler.policy.finishes_after_first_token():
+            return FinishReason.LENGTH
+        return None
+
+    def _validate(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+        if req_id in self._requests:
+            raise RequestRejected(f"req_id {req_id!r} is already in use")
+        if not prompt_token_ids:
+            raise RequestRejected("prompt_token_ids must not be empty")
+        vocab = self.loaded.vocab_size
+        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
+        if bad is not None:
+            raise RequestRejected(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {vocab})")
+        total = len(prompt_token_ids) + params.max_tokens
+        if len(prompt_token_ids) >= self.max_model_len:
+            raise RequestRejected(
+                f"prompt_token_ids has {len(prompt_token_ids)} tokens; the model holds {self.max_model_len}"
+            )
+        max_tokens = min(total, self.max_model_len)
+        if self.kv.blocks_needed(max_tokens) > self.num_blocks:
+            raise RequestRejected(
+                f"prompt_token_ids + max_tokens need {self.kv.blocks_needed(max_tokens)} KV blocks; "
+                f"this engine has {self.num_blocks}"
+            )

@@ -1,0 +1,92 @@
+"""Which blocks each request holds: allocation, prefix-cache hits and release.
+
+Answers "can't" with None rather than raising, so the scheduler can preempt or wait.
+Block hashes of a request are computed once per full block and kept, so a long
+prompt is hashed once however many steps it is scheduled over.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from pdserve.engine.block_pool import BlockHash, BlockPool, KVBlock, hash_block_tokens
+from pdserve.engine.request import Request
+
+
+@dataclass(slots=True)
+class PrefixHit:
+    blocks: list[KVBlock]
+    num_tokens: int
+
+
+class KVCacheManager:
+    def __init__(self, num_blocks: int, block_size: int, enable_caching: bool = True) -> None:
+        self.block_size = block_size
+        self.pool = BlockPool(num_blocks, enable_caching)
+        self._req_blocks: dict[str, list[KVBlock]] = {}
+        self._req_hashes: dict[str, list[BlockHash]] = {}
+
+    @property
+    def num_free_blocks(self) -> int:
+        return self.pool.num_free_blocks
+
+    @property
+    def num_used_blocks(self) -> int:
+        return self.pool.num_used_blocks
+
+    def blocks_needed(self, num_tokens: int) -> int:
+        return -(-num_tokens // self.block_size)
+
+    def block_ids(self, req_id: str) -> list[int]:
+        return [b.block_id for b in self._req_blocks.get(req_id, ())]
+
+    def find_prefix_hit(self, request: Request) -> PrefixHit:
+        """Cached leading blocks of a request that has computed nothing yet.
+
+        Stops one token short of the request's tokens: the last token is always
+        computed, because its logits give the next token.
+        """
+        max_blocks = (request.num_tokens - 1) // self.block_size
+        hashes = self._block_hashes(request)[:max_blocks]
+        blocks = self.pool.lookup(hashes)
+        return PrefixHit(blocks, len(blocks) * self.block_size)
+
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
+        """Hold enough blocks for `num_new_tokens` more tokens; the new block ids, or None."""
+        held = self._req_blocks.setdefault(request.req_id, [])
+        hit_blocks = hit.blocks if hit else []
+        num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
+        num_needed = self.blocks_needed(num_computed + num_new_tokens) - len(held) - len(hit_blocks)
+        # Cached blocks sitting in the free queue stop being free once we take them.
+        num_hits_free = sum(1 for b in hit_blocks if b.ref_count == 0)
+        if max(num_needed, 0) + num_hits_free > self.pool.num_free_blocks:
+            return None
+        self.pool.touch(hit_blocks)
+        held.extend(hit_blocks)
+        new_blocks = self.pool.allocate(max(num_needed, 0)) or []
+        held.extend(new_blocks)
+        self._cache_full_blocks(request, held, num_computed + num_new_tokens)
+        return [b.block_id for b in new_blocks]
+
+    def free(self, request: Request) -> None:
+        """Release every block of the request; its tail blocks are evicted first."""
+        blocks = self._req_blocks.pop(request.req_id, [])
+        self._req_hashes.pop(request.req_id, None)
+        self.pool.free(reversed(blocks))
+
+    def _cache_full_blocks(self, request: Request, held: list[KVBlock], num_tokens: int) -> None:
+        # Blocks that are full once this step's tokens are written may be shared:
+        # a sharer scheduled in the same step reads them after this step's cache write.
+        if not self.pool.enable_caching:
+            return
+        hashes = self._block_hashes(request)
+        for block, block_hash in zip(held[: num_tokens // self.block_size], hashes):
+            self.pool.cache(block, block_hash)
+
+    def _block_hashes(self, request: Request) -> list[BlockHash]:
+        hashes = self._req_hashes.setdefault(request.req_id, [])
+        tokens, size = request.token_ids, self.block_size
+        for i in range(len(hashes), request.num_tokens // size):
+            parent = hashes[-1] if hashes else None
+            hashes.append(hash_block_tokens(parent, tokens[i * size : (i + 1) * size]))
+        return hashes

@@ -1,0 +1,85 @@
+"""Turns engine-core tokens into what a caller sees: text deltas, stop strings, finish reasons.
+
+One `SequenceStream` per generated sequence. It detokenizes incrementally, cuts the
+text at the first stop string (the stop string itself is not returned) and, while a
+stop string could still be forming, holds back the last few characters of a stream so
+a caller never receives text that is later taken back.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.engine_core import EngineCoreOutput
+from pdserve.engine.request import FinishReason
+from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+
+
+@dataclass(slots=True)
+class CompletionDelta:
+    """What one sequence produced in one step."""
+
+    req_id: str
+    text: str
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+    finish_reason: FinishReason | None
+    stop_reason: str | int | None = None
+
+
+@dataclass(slots=True)
+class SequenceStream:
+    req_id: str
+    params: SamplingParams
+    detokenizer: IncrementalDetokenizer
+    text: str = ""
+    num_emitted_chars: int = 0
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+    hold_back: int = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.hold_back = max((len(s) for s in self.params.stop), default=1) - 1
+
+    def push(self, out: EngineCoreOutput) -> CompletionDelta:
+        """Consume one token from the core; returns the delta to show the caller."""
+        before = len(self.text)
+        self.text += self.detokenizer.push(out.new_token_id)
+        self.finish_reason = out.finish_reason
+        if out.finish_reason is FinishReason.STOP and self.params.stop_token_ids:
+            if out.new_token_id in self.params.stop_token_ids:
+                self.stop_reason = out.new_token_id
+        self._check_stop_strings(before)
+        return CompletionDelta(
+            self.req_id,
+            self._take_text(),
+            [out.new_token_id],
+            [out.logprobs] if out.logprobs is not None else [],
+            self.finish_reason,
+            self.stop_reason,
+        )
+
+    @property
+    def hit_stop_string(self) -> bool:
+        return isinstance(self.stop_reason, str)
+
+    def _check_stop_strings(self, before: int) -> None:
+        if not self.params.stop or self.hit_stop_string:
+            return
+        window_start = max(0, before - self.hold_back)
+        hits = [(self.text.find(s, window_start), s) for s in self.params.stop]
+        hits = [(i, s) for i, s in hits if i >= 0]
+        if not hits:
+            return
+        index, stop = min(hits)
+        self.text = self.text[:index]
+        self.finish_reason = FinishReason.STOP
+        self.stop_reason = stop
+
+    def _take_text(self) -> str:
+        end = len(self.text) if self.finish_reason else max(self.num_emitted_chars, len(self.text) - self.hold_back)
+        delta = self.text[self.num_emitted_chars : end]
+        self.num_emitted_chars = end
+        return delta

@@ -1,0 +1,71 @@
+"""A request's state inside one engine: its tokens, progress and how it ended.
+
+The engine core owns these objects; the scheduler moves them between its waiting and
+running queues and the KV cache manager keys blocks by `req_id`.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass, field
+
+from pdserve.engine.sampling_params import SamplingParams
+
+
+class RequestStatus(enum.Enum):
+    WAITING = "waiting"
+    RUNNING = "running"
+    FINISHED = "finished"
+
+
+class FinishReason(enum.Enum):
+    STOP = "stop"  # eos, a stop token or a stop string
+    LENGTH = "length"  # max_tokens or the model's length limit
+    ABORT = "abort"  # cancelled by the caller
+
+
+@dataclass(slots=True, eq=False)
+class Request:
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    arrival_index: int  # order of arrival: the preemption victim is the latest
+    seed: int
+    sample_index: int = 0  # which of the n samples of the caller's request
+    # prompt + output; the scheduler computes KV for all of these.
+    token_ids: list[int] = field(default_factory=list)
+    output_token_ids: list[int] = field(default_factory=list)
+    num_computed_tokens: int = 0
+    num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
+    num_preemptions: int = 0
+    status: RequestStatus = RequestStatus.WAITING
+    finish_reason: FinishReason | None = None
+    stop_token_id: int | None = None
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def num_output_tokens(self) -> int:
+        return len(self.output_token_ids)
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status is RequestStatus.FINISHED
+
+    def append_output_token(self, token_id: int) -> None:
+        self.token_ids.append(token_id)
+        self.output_token_ids.append(token_id)
+
+    def finish(self, reason: FinishReason) -> None:
+        self.status = RequestStatus.FINISHED
+        self.finish_reason = reason

@@ -1,0 +1,133 @@
+"""The iteration-level scheduler: which requests run this step, and how many tokens each.
+
+Lifecycle of a request through it:
+  add() → waiting ─(blocks + budget)→ running ─(finished)→ removed by finish()
+                 ↖──── preempted (blocks freed, recompute later) ────┘
+Each step spends at most `max_num_batched_tokens` tokens on at most `max_num_seqs`
+requests. A request that cannot get blocks preempts the latest arrival (recompute),
+so earlier requests always make progress. The scheduler never runs the model.
+"""
+
+from __future__ import annotations
+
+import bisect
+from collections import deque
+from dataclasses import dataclass, field
+
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.policy import SchedulingPolicy
+from pdserve.engine.request import Request, RequestStatus
+
+
+@dataclass(slots=True)
+class ScheduledRequest:
+    request: Request
+    num_scheduled_tokens: int
+
+    @property
+    def samples(self) -> bool:
+        """Does this step reach the request's last token, whose logits give the next one?"""
+        req = self.request
+        return req.num_computed_tokens + self.num_scheduled_tokens == req.num_tokens
+
+
+@dataclass(slots=True)
+class SchedulerOutput:
+    scheduled: list[ScheduledRequest] = field(default_factory=list)
+    preempted: list[Request] = field(default_factory=list)
+
+    @property
+    def num_batched_tokens(self) -> int:
+        return sum(s.num_scheduled_tokens for s in self.scheduled)
+
+    @property
+    def is_empty(self) -> bool:
+        return not self.scheduled
+
+
+class Scheduler:
+    def __init__(
+        self,
+        kv: KVCacheManager,
+        policy: SchedulingPolicy,
+        max_num_batched_tokens: int,
+        max_num_seqs: int,
+    ) -> None:
+        self.kv = kv
+        self.policy = policy
+        self.max_num_batched_tokens = max_num_batched_tokens
+        self.max_num_seqs = max_num_seqs
+        self.waiting: deque[Request] = deque()
+        self.running: list[Request] = []  # kept in arrival order
+        self.num_preemptions = 0
+
+    def add(self, request: Request) -> None:
+        self.waiting.append(request)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> SchedulerOutput:
+        out = SchedulerOutput()
+        budget = self._schedule_running(out, self.max_num_batched_tokens)
+        if not out.preempted:
+            self._schedule_waiting(out, budget)
+        return out
+
+    def update_after_step(self, out: SchedulerOutput) -> None:
+        """The step ran: its tokens are now in the cache."""
+        for s in out.scheduled:
+            s.request.num_computed_tokens += s.num_scheduled_tokens
+
+    def finish(self, request: Request) -> None:
+        """Remove a finished request from whichever queue holds it and free its blocks."""
+        if request in self.running:
+            self.running.remove(request)
+        elif request in self.waiting:
+            self.waiting.remove(request)
+        self.kv.free(request)
+
+    def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
+        i = 0
+        while i < len(self.running) and budget > 0:
+            req = self.running[i]
+            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            if self.kv.allocate_slots(req, num_new) is None:
+                victim = self.running[-1]  # the latest arrival
+                self._preempt(victim, out)
+                if victim is req:
+                    break
+                continue
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+            i += 1
+        return budget
+
+    def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
+        while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
+            req = self.waiting[0]
+            if not self.policy.may_start(req):
+                break
+            hit = self.kv.find_prefix_hit(req) if req.num_computed_tokens == 0 else None
+            num_done = req.num_computed_tokens + (hit.num_tokens if hit else 0)
+            num_new = min(req.num_tokens - num_done, budget)
+            if self.kv.allocate_slots(req, num_new, hit) is None:
+                break
+            self.waiting.popleft()
+            if hit:
+                req.num_computed_tokens += hit.num_tokens
+                req.num_cached_tokens = max(req.num_cached_tokens, hit.num_tokens)
+            req.status = RequestStatus.RUNNING
+            bisect.insort(self.running, req, key=lambda r: r.arrival_index)
+            out.scheduled.append(ScheduledRequest(req, num_new))
+            budget -= num_new
+
+    def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
+        self.running.remove(victim)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        victim.status = RequestStatus.WAITING
+        self.waiting.appendleft(victim)
+        self.num_preemptions += 1
+        out.preempted.append(victim)

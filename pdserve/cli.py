@@ -1,0 +1,84 @@
+"""The `pdserve` command line: one subcommand per job, each a thin call into the package."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve.engine.sampling_params import SamplingParams
+
+DEMO_PROMPTS = [
+    "The quick brown fox",
+    "def fibonacci(n):",
+    "Disaggregated serving splits prefill and decode because",
+    "Bonjour, je m'appelle",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if not hasattr(args, "run"):
+        parser.print_help()
+        return 2
+    return args.run(args) or 0
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    sub = parser.add_subparsers(title="commands")
+    make = sub.add_parser("make-model", help="write a randomly initialised model + tokenizer to DIR")
+    make.add_argument("dir")
+    make.add_argument("--arch", choices=["llama", "qwen2", "mistral", "qwen3"], default="llama")
+    make.add_argument("--size", choices=["tiny", "small", "smol135m"], default="tiny")
+    make.add_argument("--dtype", choices=["float32", "bfloat16"], default="float32")
+    make.add_argument("--seed", type=int, default=0)
+    make.set_defaults(run=_make_model)
+
+    demo = sub.add_parser("demo", help="offline generation on the built-in demo model")
+    demo.add_argument("--model", help="model directory (default: the built-in demo model)")
+    demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--temperature", type=float, default=0.0)
+    demo.add_argument("prompts", nargs="*", default=DEMO_PROMPTS)
+    demo.set_defaults(run=_demo)
+
+    bench = sub.add_parser("bench", help="benchmarks")
+    bench_sub = bench.add_subparsers(title="benchmarks")
+    throughput = bench_sub.add_parser("throughput", help="offline throughput vs transformers")
+    throughput.add_argument("rest", nargs=argparse.REMAINDER)
+    throughput.set_defaults(run=_bench_throughput)
+    return parser
+
+
+def _make_model(args) -> int:
+    import torch
+
+    from pdserve.engine.model_factory import make_model
+
+    dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
+    path = make_model(args.dir, args.arch, args.size, dtype=dtype, seed=args.seed)
+    print(f"wrote {args.arch}/{args.size} ({args.dtype}) to {path}")
+    return 0
+
+
+def _demo(args) -> int:
+    from pdserve.engine.model_factory import ensure_demo_model
+    from pdserve.llm import LLM
+
+    model = args.model or ensure_demo_model()
+    llm = LLM(model, dtype="float32")
+    params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
+    for event in llm.stream(args.prompts, params):
+        if event.delta.text:
+            print(f"[{event.prompt_index}] {event.delta.text!r}")
+    return 0
+
+
+def _bench_throughput(args) -> int:
+    from pdserve.bench.throughput import main as throughput_main
+
+    return throughput_main(args.rest)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,172 @@
+"""The offline API: `LLM(model_dir).generate(prompts, params)`.
+
+Runs one in-process engine core. Prompts may be strings or token-id lists; outputs
+come back in input order. `stream()` yields deltas as they are produced; `generate()`
+collects them. A request with `n > 1` first runs its sample 0; the other samples join
+once its prompt is in the cache, so they read the prompt's blocks from the prefix cache
+instead of computing them again.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass, field, replace
+from pathlib import Path
+
+from tqdm.auto import tqdm
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.output_processor import CompletionDelta, SequenceStream
+from pdserve.engine.request import FinishReason
+from pdserve.engine.sampler import TokenLogprobs
+from pdserve.engine.sampling_params import SamplingParams
+
+Prompt = str | Sequence[int]
+
+
+@dataclass
+class CompletionOutput:
+    index: int
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprobs] = field(default_factory=list)
+    finish_reason: FinishReason | None = None
+    stop_reason: str | int | None = None
+
+
+@dataclass
+class RequestOutput:
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    outputs: list[CompletionOutput]
+    num_cached_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return all(o.finish_reason is not None for o in self.outputs)
+
+
+@dataclass(slots=True)
+class StreamEvent:
+    prompt_index: int
+    sample_index: int
+    delta: CompletionDelta
+
+
+@dataclass(slots=True)
+class _Pending:
+    """A caller's request whose samples 1..n-1 wait for sample 0's prompt to be cached."""
+
+    prompt_index: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    siblings_added: bool = False
+
+
+class LLM:
+    def __init__(self, model: str | Path, **engine_kwargs) -> None:
+        self.config = EngineConfig(model=str(model), **engine_kwargs)
+        self.engine = EngineCore(self.config)
+        self.tokenizer = self.engine.loaded.tokenizer
+        self._ids = itertools.count()
+
+    def generate(
+        self,
+        prompts: Prompt | Sequence[Prompt],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+    ) -> list[RequestOutput]:
+        prompt_list = _as_prompt_list(prompts)
+        results = [self._empty_output(p) for p in prompt_list]
+        for r, p in zip(results, self._params_list(params, len(prompt_list))):
+            r.outputs = [CompletionOutput(i) for i in range(p.n)]
+        with tqdm(total=len(results), desc="generate", disable=not use_tqdm) as bar:
+            for event in self.stream(prompt_list, params):
+                result = results[event.prompt_index]
+                _accumulate(result.outputs[event.sample_index], event.delta)
+                if event.delta.finish_reason is not None and result.finished:
+                    bar.update(1)
+        return results
+
+    def stream(
+        self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
+    ) -> Iterator[StreamEvent]:
+        """Run the prompts to completion, yielding every sequence's delta as it comes."""
+        prompt_list = _as_prompt_list(prompts)
+        streams: dict[str, tuple[int, int, SequenceStream]] = {}
+        pending: dict[str, _Pending] = {}
+        batch_id = next(self._ids)
+        try:
+            for index, (prompt, p) in enumerate(zip(prompt_list, self._params_list(params, len(prompt_list)))):
+                token_ids = self._tokenize(prompt)
+                req_id = self._add(f"{batch_id}-{index}", token_ids, p, 0, index, streams)
+                pending[req_id] = _Pending(index, token_ids, p, p.n == 1)
+            yield from self._drive(streams, pending)
+        finally:
+            for req_id in streams:
+                self.engine.abort(req_id)
+
+    def _drive(self, streams, pending) -> Iterator[StreamEvent]:
+        while self.engine.has_unfinished():
+            for out in self.engine.step():
+                prompt_index, sample_index, stream = streams[out.req_id]
+                delta = stream.push(out)
+                if stream.hit_stop_string and out.finish_reason is None:
+                    self.engine.abort(out.req_id)
+                self._release_siblings(pending.get(out.req_id), streams)
+                if delta.finish_reason is not None:
+                    del streams[out.req_id]
+                yield StreamEvent(prompt_index, sample_index, delta)
+
+    def _release_siblings(self, waiting: _Pending | None, streams) -> None:
+        if waiting is None or waiting.siblings_added:
+            return
+        waiting.siblings_added = True
+        base = f"{next(self._ids)}-{waiting.prompt_index}"
+        for i in range(1, waiting.params.n):
+            self._add(f"{base}-{i}", waiting.prompt_token_ids, waiting.params, i, waiting.prompt_index, streams)
+
+    def _add(self, req_id, token_ids, params, sample_index, prompt_index, streams) -> str:
+        self.engine.add_request(req_id, token_ids, params, sample_index)
+        detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+        streams[req_id] = (prompt_index, sample_index, SequenceStream(req_id, params, detok))
+        return req_id
+
+    def _tokenize(self, prompt: Prompt) -> list[int]:
+        if isinstance(prompt, str):
+            return self.tokenizer.encode(prompt)
+        return list(prompt)
+
+    def _empty_output(self, prompt: Prompt) -> RequestOutput:
+        text = prompt if isinstance(prompt, str) else None
+        return RequestOutput(str(next(self._ids)), text, self._tokenize(prompt), [])
+
+    @staticmethod
+    def _params_list(params, count: int) -> list[SamplingParams]:
+        if params is None:
+            return [SamplingParams()] * count
+        if isinstance(params, SamplingParams):
+            return [params] * count
+        if len(params) != count:
+            raise ValueError(f"params has {len(params)} entries for {count} prompts")
+        return list(params)
+
+
+def _as_prompt_list(prompts) -> list[Prompt]:
+    if isinstance(prompts, str):
+        return [prompts]
+    if prompts and isinstance(prompts[0], int):
+        return [prompts]
+    return list(prompts)
+
+
+def _accumulate(output: CompletionOutput, delta: CompletionDelta) -> None:
+    output.text += delta.text
+    output.token_ids.extend(delta.token_ids)
+    output.logprobs.extend(delta.logprobs)
+    output.finish_reason = delta.finish_reason
+    output.stop_reason = delta.stop_reason

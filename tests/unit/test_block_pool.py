@@ -1,0 +1,108 @@
+"""Block pool and KV cache manager: exact block ids, free-queue order, prefix hits, no leaks."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.block_pool import BlockPool, hash_block_tokens
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+
+
+def make_request(req_id: str, tokens: list[int], arrival: int = 0) -> Request:
+    return Request(req_id, tokens, SamplingParams(max_tokens=4), arrival, seed=0)
+
+
+def test_allocate_takes_lru_order_and_free_returns_tail_first():
+    pool = BlockPool(4)
+    a = pool.allocate(2)
+    assert [b.block_id for b in a] == [0, 1]
+    assert pool.num_free_blocks == 2
+    pool.free(reversed(a))
+    # Freed in reverse: block 1 before block 0, behind the never-used 2 and 3.
+    assert [b.block_id for b in pool.allocate(4)] == [2, 3, 1, 0]
+    assert pool.allocate(1) is None
+
+
+def test_double_free_is_an_error():
+    pool = BlockPool(2)
+    (block,) = pool.allocate(1)
+    pool.free([block])
+    with pytest.raises(RuntimeError):
+        pool.free([block])
+
+
+def test_hash_chains_over_parents():
+    h1 = hash_block_tokens(None, [1, 2])
+    assert hash_block_tokens(None, [1, 2]) == h1
+    assert hash_block_tokens(h1, [3, 4]) != hash_block_tokens(None, [3, 4])
+    assert hash_block_tokens(None, [1, 2]) != hash_block_tokens(None, [2, 1])
+
+
+def test_prefix_hit_stops_one_token_short_and_counts():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    first = make_request("a", list(range(12)))
+    assert kv.allocate_slots(first, 12) == [0, 1, 2]
+    kv.free(first)
+    assert kv.num_used_blocks == 0
+
+    same = make_request("b", list(range(12)))
+    hit = kv.find_prefix_hit(same)
+    # 12 tokens = 3 full blocks, but the last token must be computed: only 2 blocks hit.
+    assert [b.block_id for b in hit.blocks] == [0, 1] and hit.num_tokens == 8
+    longer = make_request("c", list(range(13)))
+    assert kv.find_prefix_hit(longer).num_tokens == 12
+    other = make_request("d", [99] + list(range(1, 12)))
+    assert kv.find_prefix_hit(other).num_tokens == 0
+    assert kv.pool.stats.hits == 2 + 3
+
+
+def test_shared_prefix_blocks_are_reference_counted():
+    kv = KVCacheManager(num_blocks=8, block_size=4)
+    a = make_request("a", list(range(9)))
+    kv.allocate_slots(a, 9)
+    b = make_request("b", list(range(8)) + [50])
+    hit = kv.find_prefix_hit(b)
+    assert hit.num_tokens == 8
+    new = kv.allocate_slots(b, 1, hit)
+    assert kv.block_ids("b") == [0, 1] + new
+    assert kv.pool.blocks[0].ref_count == 2
+    kv.free(a)
+    assert kv.pool.blocks[0].ref_count == 1
+    kv.free(b)
+    assert kv.num_used_blocks == 0
+    assert kv.num_free_blocks == 8
+
+
+def test_cached_free_blocks_are_evicted_lazily():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    kv.allocate_slots(a, 5)
+    kv.free(a)
+    assert kv.pool.num_cached_blocks == 2  # only full blocks are cached
+    b = make_request("b", [7, 8, 9, 10, 11])
+    assert kv.allocate_slots(b, 5) is not None  # takes all three, evicting the cache
+    assert kv.pool.num_cached_blocks == 2  # b's own full blocks now
+    assert kv.find_prefix_hit(make_request("c", [1, 2, 3, 4, 5])).num_tokens == 0
+
+
+def test_allocation_refused_when_short_counts_hit_blocks_in_free_queue():
+    kv = KVCacheManager(num_blocks=3, block_size=2)
+    a = make_request("a", [1, 2, 3, 4])
+    kv.allocate_slots(a, 4)
+    kv.free(a)
+    b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8])
+    hit = kv.find_prefix_hit(b)
+    assert hit.num_tokens == 4
+    # 2 hit blocks are free but would be taken; 2 more needed; only 1 other free.
+    assert kv.allocate_slots(b, 4, hit) is None
+    assert kv.num_used_blocks == 0
+
+
+def test_disabled_caching_never_hits():
+    kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=False)
+    a = make_request("a", [1, 2, 3])
+    kv.allocate_slots(a, 3)
+    kv.free(a)
+    assert kv.find_prefix_hit(make_request("b", [1, 2, 3])).num_tokens == 0
