@@ -1,0 +1,134 @@
+"""What a request asks of the sampler, validated once at the edge.
+
+`SamplingParams` owns the per-request sampling knobs (vLLM's names and defaults) and
+their validation: every bad value raises `ValueError` naming the field, at
+construction, so nothing downstream re-checks them. Numbers are normalised to plain
+`int`/`float` and `stop`/`stop_token_ids` to tuples, so the object is hashable and
+compares by value. It never touches tensors or tokenizers.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from numbers import Integral, Real
+
+MAX_LOGPROBS = 20
+MAX_ABS_PENALTY = 2.0
+
+
+def _as_int(name: str, value: object) -> int:
+    # bool is an Integral; a True where a count belongs is a caller bug, not a 1.
+    if isinstance(value, bool) or not isinstance(value, Integral):
+        raise ValueError(f"{name} must be an int, got {type(value).__name__} {value!r}")
+    return int(value)
+
+
+def _as_float(name: str, value: object) -> float:
+    if isinstance(value, bool) or not isinstance(value, Real):
+        raise ValueError(f"{name} must be a float, got {type(value).__name__} {value!r}")
+    value = float(value)
+    if not math.isfinite(value):
+        raise ValueError(f"{name} must be finite, got {value}")
+    return value
+
+
+def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
+    if low is not None and value < low:
+        raise ValueError(f"{name} must be >= {low:g}, got {value:g}")
+    if high is not None and value > high:
+        raise ValueError(f"{name} must be <= {high:g}, got {value:g}")
+
+
+def _as_stop(value: object) -> tuple[str, ...]:
+    if isinstance(value, str):
+        value = (value,)
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"stop must be a str or a list of str, got {type(value).__name__}")
+    for s in value:
+        if not isinstance(s, str):
+            raise ValueError(f"stop must contain only str, got {type(s).__name__} {s!r}")
+        if not s:
+            raise ValueError("stop must not contain empty strings")
+    return tuple(value)
+
+
+def _as_token_ids(name: str, value: object) -> tuple[int, ...]:
+    if not isinstance(value, (list, tuple)):
+        raise ValueError(f"{name} must be a list of int, got {type(value).__name__}")
+    ids = tuple(_as_int(name, t) for t in value)
+    for t in ids:
+        _check_range(name, t, 0, None)
+    return ids
+
+
+@dataclass(frozen=True, slots=True)
+class SamplingParams:
+    n: int = 1
+    temperature: float = 1.0  # 0 => greedy
+    top_p: float = 1.0  # (0, 1]
+    top_k: int | None = None  # None => off
+    min_p: float = 0.0  # [0, 1]
+    repetition_penalty: float = 1.0  # > 0; 1 => off
+    presence_penalty: float = 0.0  # [-2, 2]
+    frequency_penalty: float = 0.0  # [-2, 2]
+    seed: int | None = None
+    max_tokens: int = 16
+    min_tokens: int = 0
+    stop: tuple[str, ...] = ()
+    stop_token_ids: tuple[int, ...] = ()
+    ignore_eos: bool = False
+    logprobs: int | None = None  # top logprobs to return; 0 => only the sampled token's
+
+    def __post_init__(self) -> None:
+        self._validate_counts()
+        self._validate_distribution()
+        self._validate_penalties()
+        self._validate_stopping()
+
+    def _set(self, name: str, value: object) -> None:
+        object.__setattr__(self, name, value)  # the dataclass is frozen
+
+    def _validate_counts(self) -> None:
+        self._set("n", _as_int("n", self.n))
+        _check_range("n", self.n, 1, None)
+        self._set("max_tokens", _as_int("max_tokens", self.max_tokens))
+        _check_range("max_tokens", self.max_tokens, 1, None)
+        self._set("min_tokens", _as_int("min_tokens", self.min_tokens))
+        _check_range("min_tokens", self.min_tokens, 0, self.max_tokens)
+        if self.seed is not None:
+            self._set("seed", _as_int("seed", self.seed))
+        if self.logprobs is not None:
+            self._set("logprobs", _as_int("logprobs", self.logprobs))
+            _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+
+    def _validate_distribution(self) -> None:
+        self._set("temperature", _as_float("temperature", self.temperature))
+        _check_range("temperature", self.temperature, 0.0, None)
+        self._set("top_p", _as_float("top_p", self.top_p))
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p:g}")
+        if self.top_k is not None:
+            self._set("top_k", _as_int("top_k", self.top_k))
+            _check_range("top_k", self.top_k, 1, None)
+        self._set("min_p", _as_float("min_p", self.min_p))
+        _check_range("min_p", self.min_p, 0.0, 1.0)
+
+    def _validate_penalties(self) -> None:
+        self._set("repetition_penalty", _as_float("repetition_penalty", self.repetition_penalty))
+        if self.repetition_penalty <= 0.0:
+            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty:g}")
+        self._set("presence_penalty", _as_float("presence_penalty", self.presence_penalty))
+        _check_range("presence_penalty", self.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+        self._set("frequency_penalty", _as_float("frequency_penalty", self.frequency_penalty))
+        _check_range("frequency_penalty", self.frequency_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
+
+    def _validate_stopping(self) -> None:
+        self._set("stop", _as_stop(self.stop))
+        self._set("stop_token_ids", _as_token_ids("stop_token_ids", self.stop_token_ids))
+        if not isinstance(self.ignore_eos, bool):
+            raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
