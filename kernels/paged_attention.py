@@ -1,0 +1,225 @@
+"""Attention over the paged KV cache: an obviously correct reference and a fast CPU path.
+
+Owns the attention math for one packed batch (decodes first, then prefill chunks; see
+AttentionMetadata) over caches shaped [num_blocks, num_kv_heads, block_size, head_dim].
+It only reads the cache; storing new keys and values is cache_write's job, and it never
+syncs on device values: every length it needs on the host comes from the metadata.
+
+Semantics shared by both paths: a sequence with query_len q and context seq_len L owns
+the last q positions of its context, and its query token j sees context positions
+<= L - q + j (causal, bottom-right aligned). Query head h reads kv head h // group,
+group = num_heads // num_kv_heads. Scores and softmax are float32 whatever the input dtype.
+
+The fast path copies whole blocks, so it also reads slots past a sequence's end (the
+tail of its last block, table padding) and masks them out of the softmax. Those slots
+must hold finite values (0 * NaN is NaN); they do in caches allocated with torch.zeros
+and written only by write_kv_cache.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels.metadata import AttentionMetadata
+
+# Decodes are attended in chunks of at most this many (padded) cache blocks, so that a
+# chunk's gathered keys/values stay in the CPU cache between the gather and the matmuls.
+DEFAULT_DECODE_CHUNK_BLOCKS = 256
+
+
+def paged_attention_reference(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """One sequence at a time, token by token gather, float32 math. Slow; for tests."""
+    _check_shapes(query, k_cache, v_cache, metadata)
+    out = torch.empty_like(query)
+    start = 0
+    for seq_idx, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
+        end = start + query_len
+        out[start:end] = _reference_one_seq(
+            query[start:end], k_cache, v_cache, metadata.block_tables[seq_idx], seq_len, scale
+        )
+        start = end
+    return out
+
+
+def _reference_one_seq(
+    query: torch.Tensor,  # [query_len, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks_per_seq]
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [query_len, num_heads, head_dim]
+    query_len, num_heads, _ = query.shape
+    block_size = k_cache.shape[2]
+    group = num_heads // k_cache.shape[1]
+    positions = torch.arange(seq_len, device=query.device)
+    block_ids = block_table.long()[positions // block_size]
+    offsets = positions % block_size
+    # [seq_len, num_heads, head_dim]: token p's kv heads, repeated for each query head.
+    k = k_cache[block_ids, :, offsets].float().repeat_interleave(group, dim=1)
+    v = v_cache[block_ids, :, offsets].float().repeat_interleave(group, dim=1)
+    scores = torch.einsum("qhd,khd->hqk", query.float(), k) * scale  # [num_heads, query_len, seq_len]
+    query_positions = positions[seq_len - query_len :]
+    visible = positions[None, :] <= query_positions[:, None]  # [query_len, seq_len]
+    scores = scores.masked_fill(~visible, float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    return torch.einsum("hqk,khd->qhd", probs, v).to(query.dtype)
+
+
+def paged_attention(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    decode_chunk_blocks: int = DEFAULT_DECODE_CHUNK_BLOCKS,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """Fast path: decodes batched in chunks of similar length, one SDPA call per prefill chunk."""
+    _check_shapes(query, k_cache, v_cache, metadata)
+    out = torch.empty_like(query)
+    num_decodes = metadata.num_decodes
+    if num_decodes:
+        # Decode sequence i owns exactly query token i.
+        out[:num_decodes] = _batched_decode(
+            query[:num_decodes], k_cache, v_cache, metadata, scale, decode_chunk_blocks
+        )
+    start = num_decodes
+    for seq_idx in range(num_decodes, metadata.num_seqs):
+        end = start + metadata.query_lens_cpu[seq_idx]
+        block_table, seq_len = metadata.block_tables[seq_idx], metadata.seq_lens_cpu[seq_idx]
+        out[start:end] = _prefill_attention(query[start:end], k_cache, v_cache, block_table, seq_len, scale)
+        start = end
+    return out
+
+
+def _batched_decode(
+    query: torch.Tensor,  # [num_decodes, num_heads, head_dim]
+    k_cache: torch.Tensor,
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    chunk_blocks: int,
+) -> torch.Tensor:  # [num_decodes, num_heads, head_dim]
+    """Sort decodes by context length and attend in chunks of similar length, so padding to
+    the longest context of a chunk wastes little and a chunk's gathered K/V stay in cache."""
+    num_decodes = query.shape[0]
+    seq_lens_cpu = metadata.seq_lens_cpu[:num_decodes]
+    order = sorted(range(num_decodes), key=seq_lens_cpu.__getitem__)
+    sorted_lens = [seq_lens_cpu[i] for i in order]
+    order_t = torch.tensor(order, device=query.device)
+    query = query.index_select(0, order_t)
+    block_tables = metadata.block_tables[:num_decodes].index_select(0, order_t)
+    seq_lens = metadata.seq_lens[:num_decodes].index_select(0, order_t)
+    sorted_out = torch.empty_like(query)
+    for first, last in _decode_chunks(sorted_lens, metadata.block_size, chunk_blocks):
+        tables, lens = block_tables[first:last], seq_lens[first:last]
+        max_len = sorted_lens[last - 1]
+        sorted_out[first:last] = _decode_attention(query[first:last], k_cache, v_cache, tables, lens, max_len, scale)
+    return torch.empty_like(sorted_out).index_copy_(0, order_t, sorted_out)
+
+
+def _decode_chunks(sorted_lens: list[int], block_size: int, max_blocks: int) -> list[tuple[int, int]]:
+    """Split length-sorted sequences into runs [first, last) whose padded size, run length
+    times the blocks of its longest (last) member, stays within max_blocks (or is one sequence)."""
+    chunks: list[tuple[int, int]] = []
+    first = 0
+    for seq_idx, seq_len in enumerate(sorted_lens):
+        padded_blocks = (seq_idx + 1 - first) * -(-seq_len // block_size)
+        if seq_idx > first and padded_blocks > max_blocks:
+            chunks.append((first, seq_idx))
+            first = seq_idx
+    if sorted_lens:
+        chunks.append((first, len(sorted_lens)))
+    return chunks
+
+
+def _decode_attention(
+    query: torch.Tensor,  # [num_seqs, num_heads, head_dim], one token per sequence
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,
+    block_tables: torch.Tensor,  # [num_seqs, max_blocks_per_seq]
+    seq_lens: torch.Tensor,  # [num_seqs]
+    max_seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [num_seqs, num_heads, head_dim]
+    """All sequences padded to max_seq_len: one matmul per side for the whole chunk."""
+    num_seqs, num_heads, head_dim = query.shape
+    num_kv_heads, block_size = k_cache.shape[1], k_cache.shape[2]
+    group = num_heads // num_kv_heads
+    num_blocks = -(-max_seq_len // block_size)
+    # Shorter sequences read their table's padding blocks too; those positions are masked.
+    block_ids = block_tables[:, :num_blocks].reshape(-1)  # [num_seqs * num_blocks]
+    # Keys in float32 so bf16 logits keep their precision; softmax is float32 too.
+    # [num_seqs, num_kv_heads, padded_len, head_dim]
+    k = _gather_head_major(k_cache, block_ids, num_seqs, torch.float32)
+    v = _gather_head_major(v_cache, block_ids, num_seqs, v_cache.dtype)
+    q = query.reshape(num_seqs, num_kv_heads, group, head_dim).float() * scale
+    scores = torch.matmul(q, k.transpose(-1, -2))  # [num_seqs, num_kv_heads, group, padded_len]
+    beyond_context = torch.arange(num_blocks * block_size, device=query.device) >= seq_lens[:, None]
+    scores.masked_fill_(beyond_context[:, None, None, :], float("-inf"))
+    probs = torch.softmax(scores, dim=-1)
+    out = torch.matmul(probs.to(v.dtype), v)  # [num_seqs, num_kv_heads, group, head_dim]
+    return out.to(query.dtype).reshape(num_seqs, num_heads, head_dim)
+
+
+def _prefill_attention(
+    query: torch.Tensor,  # [query_len, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,
+    block_table: torch.Tensor,  # [max_blocks_per_seq]
+    seq_len: int,
+    scale: float,
+) -> torch.Tensor:  # [query_len, num_heads, head_dim]
+    query_len = query.shape[0]
+    block_ids = block_table[: -(-seq_len // k_cache.shape[2])]
+    # [1, num_kv_heads, seq_len, head_dim]
+    k = _gather_head_major(k_cache, block_ids, 1, k_cache.dtype)[:, :, :seq_len]
+    v = _gather_head_major(v_cache, block_ids, 1, v_cache.dtype)[:, :, :seq_len]
+    q = query.transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
+    if query_len == seq_len:
+        out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    else:
+        # Earlier chunks are fully visible; is_causal would align top-left, so build the mask.
+        positions = torch.arange(seq_len, device=query.device)
+        visible = positions[None, :] <= positions[seq_len - query_len :, None]  # [query_len, seq_len]
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
+    return out[0].transpose(0, 1)
+
+
+def _gather_head_major(
+    cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    block_ids: torch.Tensor,  # [num_seqs * blocks_per_seq], each sequence's blocks in order
+    num_seqs: int,
+    dtype: torch.dtype,
+) -> torch.Tensor:  # [num_seqs, num_kv_heads, blocks_per_seq * block_size, head_dim]
+    """One gather that also makes each kv head's tokens contiguous per sequence: a block's
+    head slice is contiguous (heads-major layout), so copy (block, head) rows in the order
+    (sequence, head, block)."""
+    num_blocks, num_kv_heads, block_size, head_dim = cache.shape
+    blocks_per_seq = block_ids.shape[0] // num_seqs
+    heads = torch.arange(num_kv_heads, device=cache.device, dtype=block_ids.dtype)
+    rows = block_ids.view(num_seqs, 1, blocks_per_seq) * num_kv_heads + heads.view(1, num_kv_heads, 1)
+    head_rows = cache.view(num_blocks * num_kv_heads, block_size * head_dim)
+    # [num_seqs * num_kv_heads * blocks_per_seq, block_size * head_dim]
+    gathered = head_rows.index_select(0, rows.reshape(-1))
+    return gathered.view(num_seqs, num_kv_heads, blocks_per_seq * block_size, head_dim).to(dtype)
+
+
+def _check_shapes(
+    query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, metadata: AttentionMetadata
+) -> None:
+    assert query.dim() == 3 and k_cache.dim() == 4, (query.shape, k_cache.shape)
+    assert k_cache.shape == v_cache.shape, (k_cache.shape, v_cache.shape)
+    assert k_cache.is_contiguous() and v_cache.is_contiguous()
+    assert k_cache.shape[2] == metadata.block_size, (k_cache.shape, metadata.block_size)
+    assert query.shape[2] == k_cache.shape[3], (query.shape, k_cache.shape)
+    assert query.shape[1] % k_cache.shape[1] == 0, (query.shape, k_cache.shape)
+    assert query.shape[0] == sum(metadata.query_lens_cpu), (query.shape, metadata.query_lens_cpu)

@@ -1,0 +1,219 @@
+"""Paged attention kernels against dense causal attention on contiguous K/V, and the cache write."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from pdserve.kernels import AttentionMetadata, paged_attention, paged_attention_reference, write_kv_cache
+
+HEAD_DIM = 16
+IMPLS = {"fast": paged_attention, "reference": paged_attention_reference}
+TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@dataclass
+class Batch:
+    query: torch.Tensor  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor
+    metadata: AttentionMetadata
+    expected: torch.Tensor  # [num_tokens, num_heads, head_dim], float64
+
+
+def make_metadata(
+    seqs: list[tuple[int, int]], block_ids: list[list[int]], block_size: int, num_decodes: int | None = None
+) -> AttentionMetadata:
+    """seqs: (seq_len, query_len) per sequence; decodes (query_len 1) come first."""
+    if num_decodes is None:
+        num_decodes = next((i for i, (_, query_len) in enumerate(seqs) if query_len != 1), len(seqs))
+    query_lens = [query_len for _, query_len in seqs]
+    seq_lens = [seq_len for seq_len, _ in seqs]
+    slots = []
+    for (seq_len, query_len), ids in zip(seqs, block_ids):
+        positions = range(seq_len - query_len, seq_len)
+        slots += [ids[pos // block_size] * block_size + pos % block_size for pos in positions]
+    width = max(len(ids) for ids in block_ids) + 2  # extra zero padding the kernels must ignore
+    tables = [ids + [0] * (width - len(ids)) for ids in block_ids]
+    return AttentionMetadata(
+        slot_mapping=torch.tensor(slots, dtype=torch.int64),
+        query_start_loc=torch.tensor([0] + query_lens, dtype=torch.int32).cumsum(0, dtype=torch.int32),
+        seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
+        block_tables=torch.tensor(tables, dtype=torch.int32),
+        num_decodes=num_decodes,
+        block_size=block_size,
+        query_lens_cpu=query_lens,
+        seq_lens_cpu=seq_lens,
+    )
+
+
+def dense_causal(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, scale: float) -> torch.Tensor:
+    """q [query_len, heads, d], k/v [seq_len, kv_heads, d] -> [query_len, heads, d] in float64."""
+    query_len, seq_len = q.shape[0], k.shape[0]
+    group = q.shape[1] // k.shape[1]
+    q, k, v = (x.double().transpose(0, 1) for x in (q, k, v))
+    k, v = k.repeat_interleave(group, dim=0), v.repeat_interleave(group, dim=0)
+    positions = torch.arange(seq_len)
+    visible = positions[None, :] <= positions[seq_len - query_len :, None]
+    return F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale).transpose(0, 1)
+
+
+def make_batch(
+    seqs: list[tuple[int, int]],
+    num_heads: int,
+    num_kv_heads: int,
+    block_size: int,
+    dtype: torch.dtype = torch.float32,
+    seed: int = 0,
+    num_decodes: int | None = None,
+) -> Batch:
+    gen = torch.Generator().manual_seed(seed)
+    blocks_needed = [-(-seq_len // block_size) for seq_len, _ in seqs]
+    num_blocks = 2 * sum(blocks_needed) + 3
+    # Random, non-contiguous block ids; block 0 stays unused so padding never aliases data.
+    pool = (torch.randperm(num_blocks - 1, generator=gen) + 1).tolist()
+    block_ids = []
+    for n in blocks_needed:
+        block_ids.append(pool[:n])
+        pool = pool[n:]
+    shape = (num_blocks, num_kv_heads, block_size, HEAD_DIM)
+    k_cache = torch.randn(shape, generator=gen).to(dtype)
+    v_cache = torch.randn(shape, generator=gen).to(dtype)
+    scale = HEAD_DIM**-0.5
+    queries, expected = [], []
+    for (seq_len, query_len), ids in zip(seqs, block_ids):
+        positions = torch.arange(seq_len)
+        blocks, offsets = torch.tensor(ids)[positions // block_size], positions % block_size
+        k = k_cache[blocks, :, offsets]  # [seq_len, num_kv_heads, head_dim], contiguous copy
+        v = v_cache[blocks, :, offsets]
+        q = (2 * torch.randn(query_len, num_heads, HEAD_DIM, generator=gen)).to(dtype)
+        queries.append(q)
+        expected.append(dense_causal(q, k, v, scale))
+    metadata = make_metadata(seqs, block_ids, block_size, num_decodes)
+    return Batch(torch.cat(queries), k_cache, v_cache, metadata, torch.cat(expected))
+
+
+def run(impl: str, batch: Batch, **kwargs) -> torch.Tensor:
+    scale = HEAD_DIM**-0.5
+    out = IMPLS[impl](batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale, **kwargs)
+    assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
+    return out
+
+
+def assert_matches(out: torch.Tensor, batch: Batch) -> None:
+    tol = TOLERANCE[out.dtype]
+    torch.testing.assert_close(out.double(), batch.expected, atol=tol, rtol=tol)
+
+
+# Decodes (partial and exactly full last blocks), a whole prompt (context == query), a chunk
+# reading earlier chunks (context > query), and a one-block chunk.
+MIXED = [(37, 1), (1, 1), (64, 1), (50, 1), (40, 40), (70, 23), (33, 5)]
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("block_size", [1, 2, 8, 16, 32])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (9, 3), (4, 4)])
+def test_mixed_batch_matches_dense(impl, dtype, block_size, num_heads, num_kv_heads):
+    batch = make_batch(MIXED, num_heads, num_kv_heads, block_size, dtype)
+    assert_matches(run(impl, batch), batch)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+@pytest.mark.parametrize(
+    "seqs",
+    [
+        [(17, 1), (200, 1), (3, 1)],  # decodes only
+        [(48, 48)],  # one prompt, context == query
+        [(96, 32), (20, 20)],  # prefill chunks only
+        [(100, 1), (31, 31), (80, 16)],
+    ],
+)
+def test_batch_shapes_match_dense(impl, seqs):
+    batch = make_batch(seqs, 9, 3, 16, seed=1)
+    assert_matches(run(impl, batch), batch)
+
+
+@pytest.mark.parametrize("chunk_blocks", [1, 3, 8, 10_000])
+def test_decode_chunking_does_not_change_result(chunk_blocks):
+    # Some sequences span more blocks than a chunk; each then gets a chunk of its own.
+    seqs = [(length, 1) for length in (5, 70, 16, 33, 1, 128, 9, 64)] + [(40, 12)]
+    batch = make_batch(seqs, 4, 2, 8, seed=2)
+    assert_matches(run("fast", batch, decode_chunk_blocks=chunk_blocks), batch)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_single_token_prefill_chunk_after_decodes(impl):
+    # A one-token chunk that the runner did not count as a decode still attends causally.
+    batch = make_batch([(20, 1), (45, 1), (30, 1)], 4, 2, 8, seed=3, num_decodes=1)
+    assert_matches(run(impl, batch), batch)
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_token_major_view_of_head_major_query(impl):
+    # The transformers glue hands query[0].transpose(0, 1): a non-contiguous view.
+    batch = make_batch(MIXED, 9, 3, 16, seed=4)
+    batch.query = batch.query.transpose(0, 1).contiguous().transpose(0, 1)
+    assert not batch.query.is_contiguous()
+    assert_matches(run(impl, batch), batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fast_matches_reference_with_large_logits(dtype):
+    batch = make_batch([(300, 1)] * 6 + [(300, 40)], 8, 2, 16, dtype, seed=5)
+    batch.query = batch.query * 40  # logits in the hundreds: exp overflows without the max
+    fast, reference = run("fast", batch), run("reference", batch)
+    tol = TOLERANCE[dtype]
+    torch.testing.assert_close(fast.float(), reference.float(), atol=tol, rtol=tol)
+    assert torch.isfinite(fast.float()).all()
+
+
+@pytest.mark.parametrize("impl", IMPLS)
+def test_slots_outside_every_context_are_ignored(impl):
+    # Large values in block tails, padding block 0 and unused blocks must not leak in.
+    batch = make_batch([(37, 1), (64, 1), (5, 1), (70, 23)], 4, 2, 16, seed=8)
+    used = torch.zeros(batch.k_cache.shape[0], batch.k_cache.shape[2], dtype=torch.bool)
+    for seq_idx, seq_len in enumerate(batch.metadata.seq_lens_cpu):
+        positions = torch.arange(seq_len)
+        used[batch.metadata.block_tables[seq_idx].long()[positions // 16], positions % 16] = True
+    unused = (~used)[:, None, :, None].expand_as(batch.k_cache)
+    batch.k_cache[unused] = 1e4
+    batch.v_cache[unused] = -1e4
+    assert_matches(run(impl, batch), batch)
+
+
+@pytest.mark.parametrize("block_size", [1, 4, 16])
+def test_write_kv_cache_writes_exact_slots_only(block_size):
+    num_blocks, num_kv_heads = 6, 3
+    gen = torch.Generator().manual_seed(6)
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, HEAD_DIM, generator=gen)
+    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, HEAD_DIM, generator=gen)
+    k_before, v_before = k_cache.clone(), v_cache.clone()
+    slots = torch.randperm(num_blocks * block_size, generator=gen)[: max(1, num_blocks * block_size // 3)]
+    key = torch.randn(len(slots), num_kv_heads, HEAD_DIM, generator=gen)
+    value = torch.randn(len(slots), num_kv_heads, HEAD_DIM, generator=gen)
+
+    write_kv_cache(key, value, k_cache, v_cache, slots)
+
+    written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
+    for t, slot in enumerate(slots.tolist()):
+        block, offset = divmod(slot, block_size)
+        assert torch.equal(k_cache[block, :, offset], key[t])
+        assert torch.equal(v_cache[block, :, offset], value[t])
+        written[block, offset] = True
+    untouched = (~written)[:, None, :].expand(num_blocks, num_kv_heads, block_size)
+    assert torch.equal(k_cache[untouched], k_before[untouched])
+    assert torch.equal(v_cache[untouched], v_before[untouched])
+
+
+def test_write_then_attend_round_trip():
+    # The cache write and the fast kernel agree on where a token lives.
+    batch = make_batch(MIXED, 4, 2, 8, seed=7)
+    k_new = torch.randn(batch.metadata.num_tokens, 2, HEAD_DIM)
+    v_new = torch.randn(batch.metadata.num_tokens, 2, HEAD_DIM)
+    write_kv_cache(k_new, v_new, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)
+    fast, reference = run("fast", batch), run("reference", batch)
+    torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
