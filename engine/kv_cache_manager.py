@@ -65,23 +65,31 @@ class KVCacheManager:
         held.extend(hit_blocks)
         new_blocks = self.pool.allocate(max(num_needed, 0)) or []
         held.extend(new_blocks)
-        self._cache_full_blocks(request, held, num_computed + num_new_tokens)
         return [b.block_id for b in new_blocks]
+
+    def cache_computed_blocks(self, request: Request) -> None:
+        """Publish the request's full blocks whose KV is now in the cache.
+
+        Called once their content exists (computed by a step, or imported from a
+        prefill node), never at allocation: a reserved block must not be found by
+        another request before its bytes arrive.
+        """
+        if not self.pool.enable_caching:
+            return
+        held = self._req_blocks.get(request.req_id, [])
+        hashes = self._block_hashes(request)
+        for block, block_hash in zip(held[: request.num_computed_tokens // self.block_size], hashes):
+            self.pool.cache(block, block_hash)
 
     def free(self, request: Request) -> None:
         """Release every block of the request; its tail blocks are evicted first."""
-        blocks = self._req_blocks.pop(request.req_id, [])
-        self._req_hashes.pop(request.req_id, None)
-        self.pool.free(reversed(blocks))
+        self.pool.free(reversed(self.take_blocks(request)))
 
-    def _cache_full_blocks(self, request: Request, held: list[KVBlock], num_tokens: int) -> None:
-        # Blocks that are full once this step's tokens are written may be shared:
-        # a sharer scheduled in the same step reads them after this step's cache write.
-        if not self.pool.enable_caching:
-            return
-        hashes = self._block_hashes(request)
-        for block, block_hash in zip(held[: num_tokens // self.block_size], hashes):
-            self.pool.cache(block, block_hash)
+    def take_blocks(self, request: Request) -> list[KVBlock]:
+        """Detach the request's blocks without freeing them; the caller frees them later
+        with `pool.free` (a prefill node holds them until the decode node has the KV)."""
+        self._req_hashes.pop(request.req_id, None)
+        return self._req_blocks.pop(request.req_id, [])
 
     def _block_hashes(self, request: Request) -> list[BlockHash]:
         hashes = self._req_hashes.setdefault(request.req_id, [])

@@ -47,6 +47,8 @@ class SequenceStream:
         """Consume one token from the core; returns the delta to show the caller."""
         before = len(self.text)
         self.text += self.detokenizer.push(out.new_token_id)
+        if out.finish_reason is not None:
+            self.text += self.detokenizer.flush()  # a trailing partial character, as decode() shows it
         self.finish_reason = out.finish_reason
         if out.finish_reason is FinishReason.STOP and self.params.stop_token_ids:
             if out.new_token_id in self.params.stop_token_ids:

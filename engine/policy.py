@@ -7,6 +7,7 @@ differ, so adding a node kind never adds an `if` to the loop.
 
 from __future__ import annotations
 
+from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 
 
@@ -27,6 +28,10 @@ class SchedulingPolicy:
     def finishes_after_first_token(self) -> bool:
         """Does a request end once its first token is sampled? (prefill-only: yes)"""
         return False
+
+    def release_blocks(self, request: Request, kv: KVCacheManager) -> None:
+        """A request ended. Free its blocks (prefill-only: hold them until they are sent)."""
+        kv.free(request)
 
 
 ColocatedPolicy = SchedulingPolicy

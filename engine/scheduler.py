@@ -78,14 +78,15 @@ class Scheduler:
         """The step ran: its tokens are now in the cache."""
         for s in out.scheduled:
             s.request.num_computed_tokens += s.num_scheduled_tokens
+            self.kv.cache_computed_blocks(s.request)
 
     def finish(self, request: Request) -> None:
-        """Remove a finished request from whichever queue holds it and free its blocks."""
+        """Remove a finished request from whichever queue holds it; the policy releases its blocks."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.kv.free(request)
+        self.policy.release_blocks(request, self.kv)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0

@@ -14,6 +14,15 @@ def make_request(req_id: str, tokens: list[int], arrival: int = 0) -> Request:
     return Request(req_id, tokens, SamplingParams(max_tokens=4), arrival, seed=0)
 
 
+def compute(kv: KVCacheManager, request: Request, num_tokens: int, hit=None) -> list[int] | None:
+    """Allocate for `num_tokens` more tokens and mark them computed, as a step would."""
+    new = kv.allocate_slots(request, num_tokens, hit)
+    if new is not None:
+        request.num_computed_tokens += num_tokens + (hit.num_tokens if hit else 0)
+        kv.cache_computed_blocks(request)
+    return new
+
+
 def test_allocate_takes_lru_order_and_free_returns_tail_first():
     pool = BlockPool(4)
     a = pool.allocate(2)
@@ -43,7 +52,7 @@ def test_hash_chains_over_parents():
 def test_prefix_hit_stops_one_token_short_and_counts():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     first = make_request("a", list(range(12)))
-    assert kv.allocate_slots(first, 12) == [0, 1, 2]
+    assert compute(kv, first, 12) == [0, 1, 2]
     kv.free(first)
     assert kv.num_used_blocks == 0
 
@@ -61,11 +70,11 @@ def test_prefix_hit_stops_one_token_short_and_counts():
 def test_shared_prefix_blocks_are_reference_counted():
     kv = KVCacheManager(num_blocks=8, block_size=4)
     a = make_request("a", list(range(9)))
-    kv.allocate_slots(a, 9)
+    compute(kv, a, 9)
     b = make_request("b", list(range(8)) + [50])
     hit = kv.find_prefix_hit(b)
     assert hit.num_tokens == 8
-    new = kv.allocate_slots(b, 1, hit)
+    new = compute(kv, b, 1, hit)
     assert kv.block_ids("b") == [0, 1] + new
     assert kv.pool.blocks[0].ref_count == 2
     kv.free(a)
@@ -78,11 +87,11 @@ def test_shared_prefix_blocks_are_reference_counted():
 def test_cached_free_blocks_are_evicted_lazily():
     kv = KVCacheManager(num_blocks=3, block_size=2)
     a = make_request("a", [1, 2, 3, 4, 5])
-    kv.allocate_slots(a, 5)
+    compute(kv, a, 5)
     kv.free(a)
     assert kv.pool.num_cached_blocks == 2  # only full blocks are cached
     b = make_request("b", [7, 8, 9, 10, 11])
-    assert kv.allocate_slots(b, 5) is not None  # takes all three, evicting the cache
+    assert compute(kv, b, 5) is not None  # takes all three, evicting the cache
     assert kv.pool.num_cached_blocks == 2  # b's own full blocks now
     assert kv.find_prefix_hit(make_request("c", [1, 2, 3, 4, 5])).num_tokens == 0
 
@@ -90,7 +99,7 @@ def test_cached_free_blocks_are_evicted_lazily():
 def test_allocation_refused_when_short_counts_hit_blocks_in_free_queue():
     kv = KVCacheManager(num_blocks=3, block_size=2)
     a = make_request("a", [1, 2, 3, 4])
-    kv.allocate_slots(a, 4)
+    compute(kv, a, 4)
     kv.free(a)
     b = make_request("b", [1, 2, 3, 4, 5, 6, 7, 8])
     hit = kv.find_prefix_hit(b)
@@ -103,6 +112,26 @@ def test_allocation_refused_when_short_counts_hit_blocks_in_free_queue():
 def test_disabled_caching_never_hits():
     kv = KVCacheManager(num_blocks=4, block_size=2, enable_caching=False)
     a = make_request("a", [1, 2, 3])
-    kv.allocate_slots(a, 3)
+    compute(kv, a, 3)
     kv.free(a)
     assert kv.find_prefix_hit(make_request("b", [1, 2, 3])).num_tokens == 0
+
+
+def test_blocks_are_published_only_once_computed():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = make_request("a", [1, 2, 3, 4, 5])
+    kv.allocate_slots(a, 5)  # reserved, not computed: nothing to find yet
+    assert kv.find_prefix_hit(make_request("b", [1, 2, 3, 4, 5])).num_tokens == 0
+    a.num_computed_tokens = 5
+    kv.cache_computed_blocks(a)
+    assert kv.find_prefix_hit(make_request("c", [1, 2, 3, 4, 5])).num_tokens == 4
+
+
+def test_taken_blocks_stay_held_until_freed():
+    kv = KVCacheManager(num_blocks=4, block_size=2)
+    a = make_request("a", [1, 2, 3])
+    compute(kv, a, 3)
+    blocks = kv.take_blocks(a)
+    assert kv.block_ids("a") == [] and kv.num_used_blocks == 2
+    kv.pool.free(blocks)
+    assert kv.num_used_blocks == 0

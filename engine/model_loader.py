@@ -1,0 +1,134 @@
+"""Load a causal LM from disk with transformers itself, wired to the engine's attention.
+
+Owns: reading a model directory (weights, config, tokenizer, generation config),
+refusing configs the engine cannot serve exactly, and the shape facts the KV cache
+is sized from (`num_layers`, `num_kv_heads`, `head_dim`, ...). It never edits the
+files on disk and never reaches the network (`local_files_only`).
+"""
+
+from __future__ import annotations
+
+import copy
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from pdserve.engine.attention import register_paged_attention
+
+REFERENCE_ATTENTION = "sdpa"
+
+
+@dataclass(frozen=True)
+class LoadedModel:
+    model: torch.nn.Module  # eval mode, no grad, attention = the engine's paged attention
+    tokenizer: PreTrainedTokenizerBase
+    config: PretrainedConfig
+    eos_token_ids: list[int]
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
+    vocab_size: int  # rows of the lm_head (may exceed the tokenizer's vocab)
+    max_model_len: int
+
+
+def load_model(model_dir: str | os.PathLike, dtype: torch.dtype | str) -> LoadedModel:
+    """Load weights, tokenizer and config; switch attention to the paged kernels."""
+    path = Path(model_dir)
+    config = AutoConfig.from_pretrained(path, local_files_only=True)
+    check_servable(config)
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=_as_dtype(dtype), local_files_only=True)
+    try:
+        model.set_attn_implementation(register_paged_attention())
+    except (ValueError, NotImplementedError) as exc:
+        raise ValueError(f"{path}: model class {type(model).__name__} cannot use a custom attention: {exc}") from exc
+    model.eval().requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
+    text = model.config.get_text_config()
+    return LoadedModel(
+        model=model,
+        tokenizer=tokenizer,
+        config=model.config,
+        eos_token_ids=_eos_token_ids(path, model.config, tokenizer),
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=_num_kv_heads(text),
+        head_dim=_head_dim(text),
+        vocab_size=text.vocab_size,
+        max_model_len=text.max_position_embeddings,
+    )
+
+
+def load_reference_model(model_dir: str | os.PathLike, dtype: torch.dtype | str) -> torch.nn.Module:
+    """An independent copy with transformers' stock attention, for tests and benchmarks.
+
+    The config is deep-copied: `set_attn_implementation` writes into the config
+    object, and a config shared with the engine's model would switch both.
+    """
+    path = Path(model_dir)
+    config = copy.deepcopy(AutoConfig.from_pretrained(path, local_files_only=True))
+    model = AutoModelForCausalLM.from_pretrained(
+        path, config=config, dtype=_as_dtype(dtype), attn_implementation=REFERENCE_ATTENTION, local_files_only=True
+    )
+    return model.eval().requires_grad_(False)
+
+
+def check_servable(config: PretrainedConfig) -> None:
+    """Raise ValueError naming the first feature the engine's attention cannot reproduce."""
+    name = config.model_type
+    if config.is_encoder_decoder:
+        raise ValueError(f"{name}: encoder-decoder models are not supported (decoder-only causal LMs only)")
+    text = config.get_text_config()
+    # transformers 5 lists each layer's attention kind; anything else than full
+    # attention (sliding, chunked, linear/recurrent) would silently differ.
+    layer_types = set(_optional(text, "layer_types") or [])
+    if layer_types - {"full_attention"}:
+        raise ValueError(f"{name}: layer types {sorted(layer_types)} are not supported; only full attention is")
+    window = _optional(text, "sliding_window")
+    window_enabled = _optional(text, "use_sliding_window") is not False
+    if window is not None and window_enabled and window < text.max_position_embeddings:
+        raise ValueError(
+            f"{name}: sliding window {window} < max_position_embeddings {text.max_position_embeddings}; "
+            "the engine's attention has no sliding window"
+        )
+    if text.num_attention_heads % _num_kv_heads(text):
+        raise ValueError(f"{name}: {text.num_attention_heads} heads is not a multiple of the KV heads")
+
+
+def _optional(config: PretrainedConfig, key: str):
+    # Config classes differ in which of these keys they define at all.
+    return config.to_dict().get(key)
+
+
+def _num_kv_heads(text: PretrainedConfig) -> int:
+    kv = _optional(text, "num_key_value_heads")
+    return kv if kv is not None else text.num_attention_heads
+
+
+def _head_dim(text: PretrainedConfig) -> int:
+    head_dim = _optional(text, "head_dim")
+    return head_dim if head_dim is not None else text.hidden_size // text.num_attention_heads
+
+
+def _eos_token_ids(path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
+    """Union of the generation config's, the model config's and the tokenizer's EOS ids."""
+    candidates = [_optional(config.get_text_config(), "eos_token_id"), tokenizer.eos_token_id]
+    if (path / "generation_config.json").is_file():
+        candidates.insert(0, GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
+    ids: list[int] = []
+    for c in candidates:
+        for token_id in c if isinstance(c, list) else [c]:
+            if token_id is not None and token_id not in ids:
+                ids.append(int(token_id))
+    return ids
+
+
+def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    resolved = getattr(torch, dtype, None)
+    if not isinstance(resolved, torch.dtype):
+        raise ValueError(f"unknown dtype {dtype!r}")
+    return resolved

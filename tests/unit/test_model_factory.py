@@ -1,0 +1,233 @@
+"""Random test models and their tokenizer: built to disk, loaded back, served exactly.
+
+Covers engine/model_factory.py and engine/model_loader.py: every arch builds at the
+tiny size and, loaded through the engine's paged attention, gives the logits of
+transformers' own attention; smol135m has the published SmolLM2-135M shape; the
+tokenizer round-trips text; the same seed gives the same weights.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import unicodedata
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from safetensors.torch import load_file
+from tokenizers import Tokenizer
+from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, T5Config
+
+from pdserve.engine.attention import ATTENTION_NAME, FORWARD_KWARG, ForwardContext
+from pdserve.engine.model_factory import ARCHS, build_tokenizer, ensure_demo_model, make_config, make_model
+from pdserve.engine.model_loader import check_servable, load_model, load_reference_model
+from pdserve.kernels import AttentionMetadata, paged_attention_reference
+
+TEXTS = [
+    "Hello, world! The quick brown fox jumps over the lazy dog.",
+    "def add(x, y):\n    return x + y  # 🚀\n\n\tclass A: pass",
+    "我们在服务器上运行大型语言模型。東京の天気は晴れです。안녕하세요",
+    "emoji 😀👨‍👩‍👧‍👦🏳️‍🌈 flags 🇯🇵 and skin tones 👍🏽",
+    "combining: e\u0301 a\u0308 n\u0303 — precomposed: é ä ñ",
+    "مرحبا بالعالم नमस्ते Ελληνικά Кириллица",
+    "  leading and trailing spaces  \n\n",
+    "\x00\x01\x7f control chars and U+FFFD \ufffd itself",
+    "𝔘𝔫𝔦𝔠𝔬𝔡𝔢 math ∑ᵢ xᵢ² ≤ ∞ and rare CJK 𠀋𪚥",
+]
+# SmolLM2-135M as published (llama arch): 134,515,008 parameters.
+SMOL_SHAPE = dict(
+    hidden_size=576, num_hidden_layers=30, num_attention_heads=9, num_key_value_heads=3,
+    intermediate_size=1536, vocab_size=49152, tie_word_embeddings=True, max_position_embeddings=8192,
+)
+SMOL_LLAMA_PARAMS = 134_515_008
+
+
+@pytest.fixture(scope="module")
+def tiny_dirs(tmp_path_factory):
+    root = tmp_path_factory.mktemp("models")
+    return {arch: make_model(root / arch, arch, "tiny") for arch in ARCHS}
+
+
+def paged_forward(loaded, token_ids: list[int], block_size: int = 4, dtype=torch.float32) -> torch.Tensor:
+    """One prefill of token_ids through the engine's attention; returns [len, vocab] logits."""
+    num_blocks = (len(token_ids) + block_size - 1) // block_size
+    block_ids = list(range(num_blocks + 3, 3, -1))  # non-contiguous, reversed
+    positions = torch.arange(len(token_ids))
+    slot_mapping = torch.tensor(block_ids)[positions // block_size] * block_size + positions % block_size
+    metadata = AttentionMetadata(
+        slot_mapping=slot_mapping,
+        query_start_loc=torch.tensor([0, len(token_ids)], dtype=torch.int32),
+        seq_lens=torch.tensor([len(token_ids)], dtype=torch.int32),
+        block_tables=torch.tensor([block_ids], dtype=torch.int32),
+        num_decodes=0,
+        block_size=block_size,
+        query_lens_cpu=[len(token_ids)],
+        seq_lens_cpu=[len(token_ids)],
+    )
+    shape = (num_blocks + 4, loaded.num_kv_heads, block_size, loaded.head_dim)
+    k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(loaded.num_layers)]
+    v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(loaded.num_layers)]
+    ctx = ForwardContext(metadata, k_caches, v_caches, paged_attention_reference)
+    with torch.inference_mode():
+        out = loaded.model(
+            input_ids=torch.tensor([token_ids]), position_ids=positions.unsqueeze(0), use_cache=False,
+            **{FORWARD_KWARG: ctx},
+        )
+    return out.logits[0]
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_tiny_model_loads_and_paged_forward_matches_transformers(tiny_dirs, arch):
+    loaded = load_model(tiny_dirs[arch], torch.float32)
+    assert (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim) == (3, 2, 16)
+    assert loaded.vocab_size == 960 >= len(loaded.tokenizer)
+    assert loaded.max_model_len == 4096
+    assert loaded.eos_token_ids == [0]
+    assert loaded.model.config._attn_implementation == ATTENTION_NAME
+    assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
+
+    token_ids = loaded.tokenizer("Paged attention must match: 世界 😀 def f(x): return x")["input_ids"]
+    reference = load_reference_model(tiny_dirs[arch], torch.float32)
+    assert reference.config is not loaded.model.config
+    with torch.inference_mode():
+        expected = reference(torch.tensor([token_ids])).logits[0]
+    torch.testing.assert_close(paged_forward(loaded, token_ids), expected, atol=1e-4, rtol=1e-4)
+    assert loaded.model.config._attn_implementation == ATTENTION_NAME  # untouched by the reference
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_random_init_gives_varied_greedy_text_with_clear_margins(tiny_dirs, arch):
+    model = load_reference_model(tiny_dirs[arch], torch.float32)
+    for prompt in ([17, 300, 42], [5, 6, 7, 8, 9]):
+        with torch.inference_mode():
+            out = model.generate(
+                torch.tensor([prompt]), max_new_tokens=32, do_sample=False, eos_token_id=None, pad_token_id=0,
+                output_logits=True, return_dict_in_generate=True,
+            )
+        new_tokens = out.sequences[0, len(prompt) :].tolist()
+        gaps = [float(torch.topk(step[0], 2).values.diff().abs()) for step in out.logits]
+        assert len(set(new_tokens)) >= 16, new_tokens
+        assert sorted(gaps)[len(gaps) // 2] > 0.1  # median top-1/top-2 gap
+        assert min(gaps) > 1e-4
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_smol135m_config_has_published_shape(arch):
+    config = make_config(arch, "smol135m")
+    for key, value in SMOL_SHAPE.items():
+        assert getattr(config, key) == value, key
+    assert config.rope_parameters["rope_theta"] == 100000.0
+    assert config.hidden_size // config.num_attention_heads == 64
+    check_servable(config)
+    if arch in ("llama", "mistral"):
+        with torch.device("meta"):
+            model = AutoModelForCausalLM.from_config(config)
+        assert sum(p.numel() for p in model.parameters()) == SMOL_LLAMA_PARAMS
+
+
+def test_factory_configs_have_full_attention_only():
+    assert make_config("mistral", "tiny").sliding_window is None
+    assert set(make_config("qwen2", "tiny").layer_types) == {"full_attention"}
+    assert make_config("qwen2", "tiny").num_hidden_layers == 3
+
+
+def test_unservable_configs_are_refused(tiny_dirs, tmp_path):
+    with pytest.raises(ValueError, match="sliding window"):
+        check_servable(MistralConfig(sliding_window=1024, max_position_embeddings=4096))
+    with pytest.raises(ValueError, match="layer types"):
+        check_servable(Qwen2Config(use_sliding_window=True, sliding_window=512, max_window_layers=0))
+    with pytest.raises(ValueError, match="encoder-decoder"):
+        check_servable(T5Config())
+    config = json.loads((tiny_dirs["mistral"] / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps(config | {"sliding_window": 128}))
+    with pytest.raises(ValueError, match="sliding window 128"):
+        load_model(tmp_path, torch.float32)
+
+
+def test_special_ids_are_endoftext(tiny_dirs):
+    generation = json.loads((tiny_dirs["llama"] / "generation_config.json").read_text())
+    assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (0, 0, 0)
+    tokenizer = load_model(tiny_dirs["llama"], torch.float32).tokenizer
+    assert tokenizer.convert_ids_to_tokens(0) == "<|endoftext|>"
+    assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 0, 0)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_loaded_tokenizer_agrees_with_tokenizer_json(tiny_dirs, arch):
+    # AutoTokenizer swaps in a model-specific class for some model types (qwen2).
+    loaded = load_model(tiny_dirs[arch], torch.float32).tokenizer
+    on_disk = Tokenizer.from_file(str(tiny_dirs[arch] / "tokenizer.json"))
+    for text in TEXTS:
+        assert loaded(text)["input_ids"] == on_disk.encode(text).ids
+        # Qwen2Tokenizer normalises to NFC, as the real Qwen2 tokenizer does.
+        expected = unicodedata.normalize("NFC", text) if arch == "qwen2" else text
+        assert loaded.decode(loaded(text)["input_ids"]) == expected
+
+
+@pytest.fixture(scope="module")
+def tokenizers_by_style():
+    return {"bytelevel": build_tokenizer(960), "qwen2": build_tokenizer(960, qwen2_style=True)}
+
+
+def test_tokenizer_round_trips_fixed_texts(tokenizers_by_style):
+    for text in TEXTS:
+        ids = tokenizers_by_style["bytelevel"](text)["input_ids"]
+        assert tokenizers_by_style["bytelevel"].decode(ids) == text
+        nfc = unicodedata.normalize("NFC", text)
+        assert tokenizers_by_style["qwen2"].decode(tokenizers_by_style["qwen2"](nfc)["input_ids"]) == nfc
+
+
+@settings(max_examples=200, deadline=None)
+@given(text=st.text(max_size=64))
+def test_tokenizer_round_trips_any_text(tokenizers_by_style, text):
+    tokenizer = tokenizers_by_style["bytelevel"]
+    assert tokenizer.decode(tokenizer(text)["input_ids"]) == text
+
+
+def test_tokenizer_vocab_sizes(tokenizers_by_style):
+    assert len(tokenizers_by_style["bytelevel"]) == 960
+    assert 257 < len(build_tokenizer(49152)) <= 49152
+
+
+def weights_hash(model_dir) -> str:
+    digest = hashlib.sha256()
+    for name, tensor in sorted(load_file(model_dir / "model.safetensors").items()):
+        digest.update(name.encode())
+        digest.update(tensor.numpy().tobytes())
+    return digest.hexdigest()
+
+
+def test_same_seed_gives_same_weights(tiny_dirs, tmp_path):
+    again = make_model(tmp_path / "again", "qwen3", "tiny", seed=0)
+    other = make_model(tmp_path / "other", "qwen3", "tiny", seed=1)
+    assert weights_hash(again) == weights_hash(tiny_dirs["qwen3"])
+    assert weights_hash(other) != weights_hash(again)
+    assert (again / "tokenizer.json").read_bytes() == (tiny_dirs["qwen3"] / "tokenizer.json").read_bytes()
+
+
+def test_make_model_leaves_global_rng_alone(tmp_path):
+    torch.manual_seed(123)
+    expected = torch.rand(3)
+    torch.manual_seed(123)
+    make_model(tmp_path, "llama", "tiny", seed=7)
+    torch.testing.assert_close(torch.rand(3), expected)
+
+
+def test_bfloat16_model_is_saved_and_loaded_in_bfloat16(tmp_path):
+    model_dir = make_model(tmp_path, "qwen2", "tiny", dtype=torch.bfloat16)
+    assert {t.dtype for t in load_file(model_dir / "model.safetensors").values()} == {torch.bfloat16}
+    loaded = load_model(model_dir, torch.bfloat16)
+    assert loaded.model.dtype == torch.bfloat16
+    logits = paged_forward(loaded, [1, 2, 3, 4, 5, 6], dtype=torch.bfloat16)
+    assert torch.isfinite(logits).all()
+
+
+def test_ensure_demo_model_builds_once(tmp_path):
+    first = ensure_demo_model(tmp_path)
+    stamp = (first / "model.safetensors").stat().st_mtime_ns
+    assert ensure_demo_model(tmp_path) == first
+    assert (first / "model.safetensors").stat().st_mtime_ns == stamp
+    assert first.name == "demo-llama-small"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["demo-llama-small"]  # no staging left behind
