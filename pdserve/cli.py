@@ -1,8 +1,15 @@
-"""The `pdserve` command line: one subcommand per job, each a thin call into the package."""
+"""The `pdserve` command line: one subcommand per job, each a thin call into the package.
+
+The serving commands (router, prefill, decode, cluster, generate) belong to their own
+modules: their whole argument list is handed to that module's `main(argv)`, imported
+only when the command runs, so `pdserve demo` never loads gRPC and a server's flags
+are documented by `pdserve <command> --help`.
+"""
 
 from __future__ import annotations
 
 import argparse
+import importlib
 import sys
 
 from pdserve.engine.sampling_params import SamplingParams
@@ -15,7 +22,21 @@ DEMO_PROMPTS = [
 ]
 
 
+# command -> (module whose main(argv) runs it, one-line help)
+DELEGATED_COMMANDS: dict[str, tuple[str, str]] = {
+    "router": ("pdserve.router.server", "run the router (public gRPC API, placement, registry)"),
+    "prefill": ("pdserve.prefill_node.server", "run a prefill node"),
+    "decode": ("pdserve.decode_node.server", "run a decode node"),
+    "cluster": ("pdserve.cluster", "run a local cluster: router + N prefill + M decode nodes"),
+    "generate": ("pdserve.router.client", "stream a generation from a running cluster"),
+}
+
+
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else list(argv)
+    # Before argparse: its REMAINDER cannot capture a rest that starts with an option.
+    if argv and argv[0] in DELEGATED_COMMANDS:
+        return _delegate(argv[0], argv[1:])
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
@@ -25,8 +46,10 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__)
+    parser = argparse.ArgumentParser(prog="pdserve", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(title="commands")
+    for name, (_, help_text) in DELEGATED_COMMANDS.items():
+        sub.add_parser(name, help=help_text, add_help=False)  # listed here, run by _delegate
     make = sub.add_parser("make-model", help="write a randomly initialised model + tokenizer to DIR")
     make.add_argument("dir")
     make.add_argument("--arch", choices=["llama", "qwen2", "mistral", "qwen3"], default="llama")
@@ -48,6 +71,18 @@ def _parser() -> argparse.ArgumentParser:
     throughput.add_argument("rest", nargs=argparse.REMAINDER)
     throughput.set_defaults(run=_bench_throughput)
     return parser
+
+
+def _delegate(command: str, rest: list[str]) -> int:
+    module_name = DELEGATED_COMMANDS[command][0]
+    try:
+        module = importlib.import_module(module_name)
+    except ModuleNotFoundError as err:
+        if err.name != module_name:  # a missing dependency inside it: show the real error
+            raise
+        print(f"pdserve {command}: {module_name} is not part of this installation", file=sys.stderr)
+        return 2
+    return module.main(rest) or 0
 
 
 def _make_model(args) -> int:

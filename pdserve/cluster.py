@@ -1,0 +1,297 @@
+"""`pdserve cluster`: a whole local cluster (router + N prefill + M decode nodes) from one command.
+
+Owns: the launcher's config, the command line of every child (`python -m pdserve <kind>
+...`, each pool tuned by its own pass-through flags), the start order (router, then the
+nodes once the router answers), the wait until the router's Health reports the expected
+node counts, and the launcher's lifecycle. The processes themselves (start, logs, stop)
+belong to `pdserve.cluster_supervisor.ClusterSupervisor`.
+
+Lifecycle: start router → wait until it answers → start nodes → wait until serving with
+N prefill + M decode → print the address → serve until SIGINT/SIGTERM or until a child
+exits → stop every child (SIGTERM, then SIGKILL of its process group after a grace
+period). Every exit path, the launcher's own failures included, goes through that stop.
+
+Must never: run model code in the launcher (it only builds the demo model when none is
+given), bind anything but the configured host, or leave a child process behind.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import shlex
+import signal
+import socket
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TextIO
+
+from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor
+from pdserve.healthcheck import HealthcheckConfig, Verdict, check
+
+# Flags the launcher sets itself on every node / on the router; pass-through args must not.
+NODE_OWNED_FLAGS = ("--model", "--host", "--port", "--router", "--node-id", "--kv-host", "--kv-port",
+                    "--dtype", "--block-size")
+ROUTER_OWNED_FLAGS = ("--host", "--port", "--model", "--prefill", "--decode", "--block-size")
+EXAMPLE_PROMPT = "The quick brown fox"
+
+
+class ClusterError(RuntimeError):
+    """The cluster could not be started or kept up."""
+
+
+@dataclass(frozen=True)
+class ClusterConfig:
+    """Every knob of the launcher, with its default in one place."""
+
+    model: str | None = None  # None: the built-in demo model (built once, cached)
+    num_prefill: int = 1
+    num_decode: int = 1
+    host: str = "127.0.0.1"
+    port: int = 50051  # router port; 0 picks a free one
+    dtype: str = "float32"
+    block_size: int = 16  # shared: both pools' KV layouts must match for the transfer
+    threads_per_node: int | None = None  # None: the machine's cores split over the nodes
+    router_args: tuple[str, ...] = ()
+    prefill_args: tuple[str, ...] = ()
+    decode_args: tuple[str, ...] = ()
+    ready_timeout_s: float = 180.0
+    stop_grace_s: float = 10.0
+    poll_interval_s: float = 0.25
+    probe_timeout_s: float = 1.0
+    log_dir: str | None = None  # None: logs go to the console, prefixed by child name
+
+    def __post_init__(self) -> None:
+        if self.num_prefill < 1 or self.num_decode < 1:
+            raise ValueError("a cluster needs at least 1 prefill and 1 decode node")
+        if not 0 <= self.port <= 65535:
+            raise ValueError(f"port out of range: {self.port}")
+        if self.host in ("0.0.0.0", "::", ""):
+            raise ValueError("the local cluster needs a concrete host address (default 127.0.0.1), "
+                             f"not {self.host!r}: nodes register it as the address to dial")
+        for name in ("ready_timeout_s", "stop_grace_s", "poll_interval_s", "probe_timeout_s"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"{name} must be > 0")
+        _reject_owned_flags("--router-args", self.router_args, ROUTER_OWNED_FLAGS)
+        _reject_owned_flags("--prefill-args", self.prefill_args, NODE_OWNED_FLAGS)
+        _reject_owned_flags("--decode-args", self.decode_args, NODE_OWNED_FLAGS)
+
+    @property
+    def num_nodes(self) -> int:
+        return self.num_prefill + self.num_decode
+
+
+def _reject_owned_flags(option: str, args: Sequence[str], owned: Sequence[str]) -> None:
+    for arg in args:
+        if arg.split("=", 1)[0] in owned:
+            raise ValueError(f"{option} must not set {arg.split('=', 1)[0]}: the launcher sets it")
+
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """What to start: the router, then the nodes; and the router address to probe."""
+
+    router: ChildSpec
+    nodes: tuple[ChildSpec, ...]
+    router_addr: str
+
+
+def build_plan(config: ClusterConfig, model_dir: str, router_port: int,
+               python: str = sys.executable) -> ClusterPlan:
+    """The command line of every child of the cluster."""
+    base = (python, "-m", "pdserve")
+    router_addr = f"{config.host}:{router_port}"
+    router = ChildSpec("router", (*base, "router", "--host", config.host, "--port", str(router_port),
+                                  "--model", model_dir, "--block-size", str(config.block_size),
+                                  *config.router_args))
+    nodes = []
+    for kind, count, extra in (("prefill", config.num_prefill, config.prefill_args),
+                               ("decode", config.num_decode, config.decode_args)):
+        for index in range(count):
+            name = f"{kind}-{index}"
+            argv = (*base, kind, "--model", model_dir, "--host", config.host, "--port", "0",
+                    "--router", router_addr, "--node-id", name, "--kv-host", config.host,
+                    "--kv-port", "0", "--dtype", config.dtype, "--block-size", str(config.block_size),
+                    *_threads_args(config, extra), *extra)
+            nodes.append(ChildSpec(name, argv))
+    return ClusterPlan(router, tuple(nodes), router_addr)
+
+
+def _threads_args(config: ClusterConfig, extra: Sequence[str]) -> tuple[str, ...]:
+    # Nodes on one machine share its cores; torch's default (all cores each) oversubscribes.
+    if any(arg.split("=", 1)[0] == "--threads" for arg in extra):
+        return ()
+    threads = config.threads_per_node or max(1, (os.cpu_count() or 1) // config.num_nodes)
+    return ("--threads", str(threads))
+
+
+def resolve_port(host: str, port: int) -> int:
+    """`port`, checked free on `host`; 0 → a free port the OS picks."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        # SO_REUSEADDR so a TIME_WAIT leftover does not count as busy; a live listener
+        # still does (gRPC servers set SO_REUSEPORT, which would otherwise share the port).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise ClusterError(f"cannot use {host}:{port} for the router ({err.strerror}); "
+                               "pass --port 0 to pick a free port") from err
+        return int(sock.getsockname()[1])
+
+
+Probe = Callable[[], Verdict]  # one Health probe of the router
+
+
+def run_cluster(config: ClusterConfig, plan: ClusterPlan, supervisor: ClusterSupervisor,
+                probe: Probe, stop: threading.Event, out: TextIO | None = None) -> int:
+    """Start, wait until ready, serve until `stop` is set; stop every child on every path."""
+    out = out or sys.stdout
+    try:
+        deadline = time.monotonic() + config.ready_timeout_s
+        supervisor.start(plan.router)
+        if not _wait_for(lambda: probe().reachable, "the router to answer", supervisor, stop, deadline, config):
+            return 0
+        for spec in plan.nodes:
+            supervisor.start(spec)
+        if not _wait_for(lambda: probe().healthy, "the cluster to serve", supervisor, stop, deadline, config):
+            return 0
+        _print_ready(config, plan, out)
+        _serve(supervisor, stop, config)
+        return 0
+    except ChildExited as err:
+        _print_failure(str(err), err.tail, out)
+        return 1
+    except ClusterError as err:
+        _print_failure(str(err), (), out)
+        return 1
+    finally:
+        supervisor.stop_all(config.stop_grace_s)
+
+
+def _wait_for(ready: Callable[[], bool], what: str, supervisor: ClusterSupervisor, stop: threading.Event,
+              deadline: float, config: ClusterConfig) -> bool:
+    """True once `ready()`; False when asked to stop; raises on a dead child or the deadline."""
+    while not stop.is_set():
+        supervisor.raise_if_exited()
+        if ready():
+            return True
+        if time.monotonic() >= deadline:
+            raise ClusterError(f"timed out after {config.ready_timeout_s:g}s waiting for {what}")
+        stop.wait(config.poll_interval_s)
+    return False
+
+
+def _serve(supervisor: ClusterSupervisor, stop: threading.Event, config: ClusterConfig) -> None:
+    while not stop.wait(config.poll_interval_s):
+        supervisor.raise_if_exited()
+
+
+def _print_ready(config: ClusterConfig, plan: ClusterPlan, out: TextIO) -> None:
+    print(f"pdserve cluster ready at {plan.router_addr} "
+          f"({config.num_prefill} prefill, {config.num_decode} decode)", file=out)
+    print(f"try: pdserve generate --addr {plan.router_addr} --max-tokens 32 "
+          f"{shlex.quote(EXAMPLE_PROMPT)}", file=out)
+    print("stop with Ctrl-C", file=out, flush=True)
+
+
+def _print_failure(message: str, tail: Sequence[str], out: TextIO) -> None:
+    print(f"pdserve cluster failed: {message}", file=out)
+    for line in tail:
+        print(f"  | {line}", file=out)
+    out.flush()
+
+
+@dataclass
+class _StopSignals:
+    """SIGINT/SIGTERM set `stop` instead of raising; the previous handlers come back on exit."""
+
+    stop: threading.Event
+    previous: dict[int, object] = field(default_factory=dict)
+
+    def __enter__(self) -> _StopSignals:
+        for signum in (signal.SIGINT, signal.SIGTERM):
+            self.previous[signum] = signal.signal(signum, lambda *_: self.stop.set())
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        for signum, handler in self.previous.items():
+            signal.signal(signum, handler)
+
+
+def _parser() -> argparse.ArgumentParser:
+    d = ClusterConfig()
+    p = argparse.ArgumentParser(prog="pdserve cluster", description="Run a local pdserve cluster: "
+                                "a router, N prefill nodes and M decode nodes, until Ctrl-C.")
+    p.add_argument("--model", default=d.model, help="model directory (default: the built-in demo model)")
+    p.add_argument("--prefill", type=int, default=d.num_prefill, metavar="N", help="prefill nodes")
+    p.add_argument("--decode", type=int, default=d.num_decode, metavar="M", help="decode nodes")
+    p.add_argument("--host", default=d.host)
+    p.add_argument("--port", type=int, default=d.port, help="router port (0: pick a free one)")
+    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
+    p.add_argument("--block-size", type=int, default=d.block_size)
+    p.add_argument("--threads-per-node", type=int, default=d.threads_per_node)
+    p.add_argument("--router-args", default="", metavar='"ARGS"', help="extra router flags")
+    for pool in ("prefill", "decode"):
+        p.add_argument(f"--{pool}-args", default="", metavar='"ARGS"',
+                       help=f"extra flags for every {pool} node (one quoted string), "
+                            f"e.g. \"--max-num-seqs 32 --num-blocks 1024\"")
+    p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s)
+    p.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s)
+    p.add_argument("--log-dir", default=d.log_dir, help="write one log file per child here instead of the console")
+    return p
+
+
+def config_from_args(argv: Sequence[str] | None) -> ClusterConfig:
+    args = _parser().parse_args(argv)
+    return ClusterConfig(
+        model=args.model, num_prefill=args.prefill, num_decode=args.decode, host=args.host,
+        port=args.port, dtype=args.dtype, block_size=args.block_size,
+        threads_per_node=args.threads_per_node, router_args=tuple(shlex.split(args.router_args)),
+        prefill_args=tuple(shlex.split(args.prefill_args)), decode_args=tuple(shlex.split(args.decode_args)),
+        ready_timeout_s=args.ready_timeout_s, stop_grace_s=args.stop_grace_s, log_dir=args.log_dir)
+
+
+def _model_dir(config: ClusterConfig, python: str = sys.executable) -> str:
+    if config.model is not None:
+        if not (Path(config.model) / "config.json").is_file():
+            raise ClusterError(f"--model {config.model}: no config.json there")
+        return str(Path(config.model).resolve())
+    # In a child process: the launcher itself never loads torch or transformers.
+    print("using the built-in demo model (built on first use, then cached)", flush=True)
+    code = "from pdserve.engine.model_factory import ensure_demo_model; print(ensure_demo_model())"
+    try:
+        done = subprocess.run([python, "-c", code], stdout=subprocess.PIPE, text=True,
+                              timeout=config.ready_timeout_s, check=False)
+    except subprocess.TimeoutExpired as err:
+        raise ClusterError(f"building the demo model took over {config.ready_timeout_s:g}s") from err
+    if done.returncode != 0 or not done.stdout.strip():
+        raise ClusterError(f"building the demo model failed (exit code {done.returncode})")
+    return done.stdout.strip().splitlines()[-1]
+
+
+def main(argv: list[str] | None = None) -> int:
+    try:
+        config = config_from_args(argv)
+        plan = build_plan(config, _model_dir(config), resolve_port(config.host, config.port))
+    except (ValueError, ClusterError) as err:
+        print(f"pdserve cluster: {err}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:  # Ctrl-C while the demo model builds: nothing started yet
+        return 130
+    probe_config = HealthcheckConfig(timeout_s=config.probe_timeout_s, min_prefill=config.num_prefill,
+                                     min_decode=config.num_decode)
+    supervisor = ClusterSupervisor(log_dir=Path(config.log_dir) if config.log_dir else None)
+    if config.log_dir:
+        print(f"logs in {config.log_dir}/<name>.log", flush=True)
+    stop = threading.Event()
+    with _StopSignals(stop):
+        return run_cluster(config, plan, supervisor, lambda: check(plan.router_addr, "router", probe_config), stop)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,164 @@
+"""Child processes of a local cluster: start, watch, log, stop — and never leave one behind.
+
+Owns: one subprocess per `ChildSpec`, each the leader of its own process group (so a
+signal reaches whatever it spawns, e.g. a node's engine-core process, and a Ctrl-C in
+the terminal reaches only the launcher, which then stops the children in order); one
+reader thread per child that prefixes its output lines with the child's name (console)
+or writes them to `<log_dir>/<name>.log`, and keeps the last lines for error reports.
+
+Stop: SIGTERM to every child (the group leader only, so a node can shut its own engine
+core down in order), wait up to the grace period for them, then SIGKILL every group — a
+child that ignored SIGTERM, and whatever a child left behind (once the leader is gone,
+anything left in its group is an orphan).
+
+Must never: know what the children are (router, node, or `sleep` in a test), signal a
+process group it did not create, or block longer than the grace period plus a moment.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections import deque
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, TextIO
+
+READER_JOIN_S = 1.0  # how long to wait for a reader to drain an exited child's pipe
+
+
+@dataclass(frozen=True)
+class ChildSpec:
+    name: str
+    argv: tuple[str, ...]
+    env: Mapping[str, str] = field(default_factory=dict)  # added to the launcher's environment
+
+
+class ChildExited(RuntimeError):
+    """A child ended while the cluster needed it."""
+
+    def __init__(self, name: str, returncode: int, tail: list[str]) -> None:
+        self.name = name
+        self.returncode = returncode
+        self.tail = tail
+        super().__init__(f"{name} exited with code {returncode}")
+
+
+@dataclass
+class _Child:
+    spec: ChildSpec
+    proc: subprocess.Popen
+    tail: deque[str]
+    reader: threading.Thread
+    killed: bool = False  # the supervisor stopped it (not an exit to report)
+
+
+class ClusterSupervisor:
+    def __init__(self, log_dir: Path | None = None, console: TextIO | None = None,
+                 tail_lines: int = 40) -> None:
+        self._log_dir = log_dir
+        self._console = console
+        self._tail_lines = tail_lines
+        self._children: list[_Child] = []
+        self._write_lock = threading.Lock()
+        if log_dir is not None:
+            log_dir.mkdir(parents=True, exist_ok=True)
+
+    @property
+    def pids(self) -> dict[str, int]:
+        return {c.spec.name: c.proc.pid for c in self._children}
+
+    def start(self, spec: ChildSpec) -> int:
+        """Start `spec` in its own process group; returns its pid."""
+        if any(c.spec.name == spec.name for c in self._children):
+            raise ValueError(f"a child named {spec.name!r} is already supervised")
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+        proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                                stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        tail: deque[str] = deque(maxlen=self._tail_lines)
+        reader = threading.Thread(target=self._pump, args=(spec.name, proc.stdout, tail),
+                                  name=f"log-{spec.name}", daemon=True)
+        self._children.append(_Child(spec, proc, tail, reader))
+        reader.start()
+        return proc.pid
+
+    def first_exit(self) -> ChildExited | None:
+        """The first child (in start order) that has exited on its own, or None."""
+        for child in self._children:
+            if child.killed or child.proc.poll() is None:
+                continue
+            child.reader.join(READER_JOIN_S)  # let its last lines reach the tail
+            return ChildExited(child.spec.name, child.proc.returncode, list(child.tail))
+        return None
+
+    def raise_if_exited(self) -> None:
+        exited = self.first_exit()
+        if exited is not None:
+            raise exited
+
+    def tail(self, name: str) -> list[str]:
+        """The last output lines of child `name` (KeyError if there is none)."""
+        for child in self._children:
+            if child.spec.name == name:
+                return list(child.tail)
+        raise KeyError(name)
+
+    def stop_all(self, grace_s: float) -> None:
+        """SIGTERM every child, wait up to `grace_s` for them, then SIGKILL every group."""
+        for child in self._children:
+            child.killed = True
+            if child.proc.poll() is None:
+                child.proc.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + grace_s
+        for child in self._children:
+            try:
+                child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                pass
+        for child in self._children:
+            _signal_group(child.proc.pid, signal.SIGKILL)
+            child.proc.wait()
+        for child in self._children:
+            child.reader.join(READER_JOIN_S)
+
+    def __enter__(self) -> ClusterSupervisor:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.stop_all(grace_s=0.0)
+
+    def _pump(self, name: str, stream: IO[bytes], tail: deque[str]) -> None:
+        sink = open(self._log_dir / f"{name}.log", "a", encoding="utf-8") if self._log_dir else None
+        try:
+            for raw in iter(stream.readline, b""):
+                line = raw.decode("utf-8", errors="replace").rstrip("\r\n")
+                tail.append(line)
+                self._write(name, line, sink)
+        finally:
+            stream.close()
+            if sink is not None:
+                sink.close()
+
+    def _write(self, name: str, line: str, sink: IO[str] | None) -> None:
+        if sink is not None:
+            sink.write(line + "\n")
+            sink.flush()
+            return
+        console = self._console or sys.stdout
+        with self._write_lock:
+            console.write(f"[{name}] {line}\n")
+            console.flush()
+
+
+def _signal_group(pgid: int, signum: signal.Signals) -> None:
+    # The child called setsid, so its pid is its group id; a group with no members left
+    # is already gone. Stopping runs in `finally` blocks: it must not raise.
+    try:
+        os.killpg(pgid, signum)
+    except (ProcessLookupError, PermissionError):
+        pass

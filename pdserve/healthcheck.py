@@ -1,0 +1,122 @@
+"""One-shot health probes of a pdserve router or node, for container healthchecks and the launcher.
+
+Owns: asking a router `Generation.Health` or a node `GetStats` with a deadline, and the
+verdict (healthy or not, with a one-line reason). `python -m pdserve.healthcheck ADDR`
+exits 0 when healthy and 1 otherwise, printing that line.
+
+Must never: retry, wait longer than its timeout, or change anything on the probed server.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import sys
+from collections.abc import Coroutine
+from dataclasses import dataclass
+from typing import Any, TypeVar
+
+import grpc
+import uvloop
+
+from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+
+T = TypeVar("T")
+SERVICES = ("router", "prefill", "decode")
+# Codes meaning nothing answered (not listening yet, gone, or hung) rather than a refusal.
+_NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+
+
+@dataclass(frozen=True)
+class HealthcheckConfig:
+    """Defaults of the probe, in one place."""
+
+    timeout_s: float = 2.0
+    # A router is healthy once it serves with at least this many nodes of each kind.
+    min_prefill: int = 1
+    min_decode: int = 1
+
+
+@dataclass(frozen=True)
+class Verdict:
+    healthy: bool
+    reason: str
+    reachable: bool = True  # False: no answer at all (not listening yet, or gone)
+
+
+async def _router_health(addr: str, timeout_s: float) -> pdserve_pb2.HealthResponse:
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub = pdserve_pb2_grpc.GenerationStub(channel)
+        return await stub.Health(pdserve_pb2.HealthRequest(), timeout=timeout_s)
+
+
+async def _node_stats(addr: str, kind: str, timeout_s: float) -> node_pb2.NodeStats:
+    async with grpc.aio.insecure_channel(addr) as channel:
+        stub_type = node_pb2_grpc.PrefillNodeStub if kind == "prefill" else node_pb2_grpc.DecodeNodeStub
+        return await stub_type(channel).GetStats(node_pb2.StatsRequest(), timeout=timeout_s)
+
+
+def _run(coro: Coroutine[Any, Any, T]) -> T:
+    # asyncio.Runner: Python 3.11's asyncio.run takes no loop_factory.
+    with asyncio.Runner(loop_factory=uvloop.new_event_loop) as runner:
+        return runner.run(coro)
+
+
+def router_health(addr: str, timeout_s: float = HealthcheckConfig.timeout_s) -> pdserve_pb2.HealthResponse:
+    """The router's Health answer; raises grpc.RpcError when it does not answer in time."""
+    return _run(_router_health(addr, timeout_s))
+
+
+def node_stats(addr: str, kind: str, timeout_s: float = HealthcheckConfig.timeout_s) -> node_pb2.NodeStats:
+    """A node's NodeStats; raises grpc.RpcError when it does not answer in time."""
+    if kind not in ("prefill", "decode"):
+        raise ValueError(f"node kind must be 'prefill' or 'decode', got {kind!r}")
+    return _run(_node_stats(addr, kind, timeout_s))
+
+
+def check(addr: str, service: str, config: HealthcheckConfig = HealthcheckConfig()) -> Verdict:
+    """Probe `addr` as `service` once; never raises for an unreachable or unhealthy server."""
+    try:
+        if service == "router":
+            return _judge_router(router_health(addr, config.timeout_s), config)
+        stats = node_stats(addr, service, config.timeout_s)
+    except grpc.RpcError as err:
+        detail = f"{service} at {addr}: {err.code().name} {err.details() or ''}".rstrip()
+        return Verdict(False, detail, reachable=err.code() not in _NO_ANSWER)
+    if stats.kind != service:
+        return Verdict(False, f"{addr} is a {stats.kind or 'unknown'} node, not {service}")
+    return Verdict(True, f"{service} at {addr}: {stats.used_blocks}/{stats.num_blocks} blocks used, "
+                         f"{stats.num_running} running, {stats.num_waiting} waiting")
+
+
+def _judge_router(health: pdserve_pb2.HealthResponse, config: HealthcheckConfig) -> Verdict:
+    counts = f"{health.prefill_nodes} prefill, {health.decode_nodes} decode"
+    if not health.serving:
+        return Verdict(False, f"router not serving ({counts})")
+    if health.prefill_nodes < config.min_prefill or health.decode_nodes < config.min_decode:
+        return Verdict(False, f"router serving with too few nodes ({counts}; want at least "
+                              f"{config.min_prefill} prefill, {config.min_decode} decode)")
+    return Verdict(True, f"router serving ({counts})")
+
+
+def _parser() -> argparse.ArgumentParser:
+    defaults = HealthcheckConfig()
+    parser = argparse.ArgumentParser(prog="python -m pdserve.healthcheck", description=__doc__.splitlines()[0])
+    parser.add_argument("addr", help="HOST:PORT of the router or node")
+    parser.add_argument("--service", choices=SERVICES, default="router")
+    parser.add_argument("--timeout-s", type=float, default=defaults.timeout_s)
+    parser.add_argument("--min-prefill", type=int, default=defaults.min_prefill)
+    parser.add_argument("--min-decode", type=int, default=defaults.min_decode)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    config = HealthcheckConfig(timeout_s=args.timeout_s, min_prefill=args.min_prefill, min_decode=args.min_decode)
+    verdict = check(args.addr, args.service, config)
+    print(("healthy: " if verdict.healthy else "unhealthy: ") + verdict.reason)
+    return 0 if verdict.healthy else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,325 @@
+"""`pdserve cluster`: command lines, the supervisor with dummy children, the launcher's lifecycle.
+
+Children here are tiny Python scripts (sleepers, a fast exiter, one that ignores SIGTERM,
+one that spawns a grandchild, a fake router serving only Health). Every test stops what
+it starts through the supervisor, in a finally, and checks that nothing is left alive.
+"""
+
+from __future__ import annotations
+
+import io
+import socket
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+
+from pdserve import cli
+from pdserve.cluster import (
+    ClusterConfig,
+    ClusterError,
+    ClusterPlan,
+    build_plan,
+    config_from_args,
+    resolve_port,
+    run_cluster,
+)
+from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor
+from pdserve.healthcheck import HealthcheckConfig, Verdict, check
+
+PY = sys.executable
+SLEEPER = (PY, "-c", "import time; print('up', flush=True); time.sleep(60)")
+STUBBORN = (PY, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
+                      "print('up', flush=True); time.sleep(60)")
+# Prints its grandchild's pid, then sleeps: the grandchild must die with it.
+PARENT = (PY, "-c", "import subprocess, sys, time; "
+                    "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
+                    "print('grandchild', p.pid, flush=True); time.sleep(60)")
+EXITER = (PY, "-c", "import sys; print('line one'); print('fatal: no model', flush=True); sys.exit(3)")
+
+FAKE_ROUTER = '''
+import sys, time
+from concurrent import futures
+import grpc
+from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+
+class Gen(pdserve_pb2_grpc.GenerationServicer):
+    def Health(self, request, context):
+        return pdserve_pb2.HealthResponse(serving=True, prefill_nodes=int(sys.argv[2]),
+                                          decode_nodes=int(sys.argv[3]))
+
+class Prefill(node_pb2_grpc.PrefillNodeServicer):  # answers node probes too
+    def GetStats(self, request, context):
+        return node_pb2.NodeStats(kind="prefill", num_blocks=64, used_blocks=3)
+
+server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
+pdserve_pb2_grpc.add_GenerationServicer_to_server(Gen(), server)
+node_pb2_grpc.add_PrefillNodeServicer_to_server(Prefill(), server)
+server.add_insecure_port(sys.argv[1])
+server.start()
+print("fake router up", flush=True)
+time.sleep(60)
+'''
+
+
+def _alive(pid: int) -> bool:
+    """Running, not merely an unreaped zombie."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except (FileNotFoundError, ProcessLookupError):
+        return False
+    return stat.rsplit(")", 1)[1].split()[0] != "Z"
+
+
+def _all_dead(pids, timeout_s: float = 5.0) -> bool:
+    """True once none of `pids` runs (a SIGKILLed grandchild dies a moment after the signal)."""
+    deadline = time.monotonic() + timeout_s
+    while any(_alive(pid) for pid in pids):
+        if time.monotonic() > deadline:
+            return False
+        time.sleep(0.02)
+    return True
+
+
+def _wait_for_line(supervisor: ClusterSupervisor, name: str, prefix: str, timeout_s: float = 20.0) -> str:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline:
+        for line in supervisor.tail(name):
+            if line.startswith(prefix):
+                return line
+        time.sleep(0.05)
+    raise AssertionError(f"{name} never printed {prefix!r}: {supervisor.tail(name)}")
+
+
+@pytest.fixture
+def supervisor():
+    console = io.StringIO()
+    sup = ClusterSupervisor(console=console)
+    sup.console_text = console  # for assertions
+    try:
+        yield sup
+    finally:
+        pids = list(sup.pids.values())
+        sup.stop_all(grace_s=1.0)
+        assert _all_dead(pids), "children left alive"
+
+
+def _free_port() -> int:
+    return resolve_port("127.0.0.1", 0)
+
+
+# ---- command lines -------------------------------------------------------------------
+
+
+def test_plan_starts_router_then_each_pool_with_its_own_flags():
+    config = ClusterConfig(num_prefill=2, num_decode=1, block_size=8, threads_per_node=1,
+                           prefill_args=("--max-num-batched-tokens", "1024"),
+                           decode_args=("--max-num-seqs", "128"))
+    plan = build_plan(config, "/m", 50999, python="py")
+    assert plan.router_addr == "127.0.0.1:50999"
+    assert plan.router.argv == ("py", "-m", "pdserve", "router", "--host", "127.0.0.1",
+                                "--port", "50999", "--model", "/m", "--block-size", "8")
+    assert [n.name for n in plan.nodes] == ["prefill-0", "prefill-1", "decode-0"]
+    prefill = plan.nodes[0].argv
+    assert prefill[:4] == ("py", "-m", "pdserve", "prefill")
+    flags = dict(zip(prefill[4::2], prefill[5::2]))
+    assert flags == {"--model": "/m", "--host": "127.0.0.1", "--port": "0", "--router": "127.0.0.1:50999",
+                     "--node-id": "prefill-0", "--kv-host": "127.0.0.1", "--kv-port": "0",
+                     "--dtype": "float32", "--block-size": "8", "--threads": "1",
+                     "--max-num-batched-tokens": "1024"}
+    assert plan.nodes[2].argv[3] == "decode"
+    assert plan.nodes[2].argv[-2:] == ("--max-num-seqs", "128")
+    assert "--max-num-batched-tokens" not in plan.nodes[2].argv
+
+
+def test_pool_args_are_one_quoted_string_each():
+    config = config_from_args(["--prefill", "1", "--decode", "2", "--prefill-args", "--max-num-batched-tokens 1024",
+                               "--decode-args", "--max-num-seqs 128 --num-blocks 4096"])
+    assert (config.num_prefill, config.num_decode) == (1, 2)
+    assert config.prefill_args == ("--max-num-batched-tokens", "1024")
+    assert config.decode_args == ("--max-num-seqs", "128", "--num-blocks", "4096")
+
+
+def test_threads_split_the_cores_unless_the_pool_sets_them(monkeypatch):
+    monkeypatch.setattr("os.cpu_count", lambda: 8)
+    plan = build_plan(ClusterConfig(num_prefill=1, num_decode=3, decode_args=("--threads=2",)), "/m", 1)
+    assert plan.nodes[0].argv[-2:] == ("--threads", "2")  # 8 cores / 4 nodes
+    assert plan.nodes[1].argv.count("--threads") == 0 and plan.nodes[1].argv[-1] == "--threads=2"
+
+
+@pytest.mark.parametrize("kwargs, message", [
+    (dict(prefill_args=("--port", "9")), "--prefill-args must not set --port"),
+    (dict(decode_args=("--block-size=32",)), "--decode-args must not set --block-size"),
+    (dict(router_args=("--model", "x")), "--router-args must not set --model"),
+    (dict(host="0.0.0.0"), "concrete host"),
+    (dict(num_decode=0), "at least 1 prefill and 1 decode"),
+    (dict(ready_timeout_s=0), "ready_timeout_s must be > 0"),
+])
+def test_config_rejects_what_would_break_the_cluster(kwargs, message):
+    with pytest.raises(ValueError, match=message):
+        ClusterConfig(**kwargs)
+
+
+def test_resolve_port_picks_a_free_port_and_refuses_a_busy_one():
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        busy = listener.getsockname()[1]
+        with pytest.raises(ClusterError, match="--port 0"):
+            resolve_port("127.0.0.1", busy)
+    assert resolve_port("127.0.0.1", 0) > 0
+
+
+def test_cli_hands_the_rest_of_argv_to_the_cluster_module(capsys):
+    assert cli.main(["cluster", "--prefill", "0"]) == 2  # rejected before anything starts
+    assert "at least 1 prefill" in capsys.readouterr().err
+
+
+# ---- the supervisor ------------------------------------------------------------------
+
+
+def test_stop_all_ends_every_child_and_its_descendants(supervisor):
+    supervisor.start(ChildSpec("a", SLEEPER))
+    supervisor.start(ChildSpec("b", PARENT))
+    grandchild = int(_wait_for_line(supervisor, "b", "grandchild").split()[1])
+    _wait_for_line(supervisor, "a", "up")
+    pids = supervisor.pids
+    assert supervisor.first_exit() is None
+    supervisor.stop_all(grace_s=5.0)
+    assert _all_dead([*pids.values(), grandchild])
+    assert "[a] up" in supervisor.console_text.getvalue()
+
+
+def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(supervisor):
+    supervisor.start(ChildSpec("stubborn", STUBBORN))
+    _wait_for_line(supervisor, "stubborn", "up")
+    started = time.monotonic()
+    supervisor.stop_all(grace_s=0.5)
+    assert 0.4 < time.monotonic() - started < 5.0
+    assert not _alive(supervisor.pids["stubborn"])
+
+
+def test_an_early_exit_is_reported_with_its_last_lines(supervisor):
+    supervisor.start(ChildSpec("ok", SLEEPER))
+    supervisor.start(ChildSpec("bad", EXITER))
+    deadline = time.monotonic() + 20
+    while (exited := supervisor.first_exit()) is None and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert exited is not None and exited.name == "bad" and exited.returncode == 3
+    assert exited.tail == ["line one", "fatal: no model"]
+    with pytest.raises(ChildExited, match="bad exited with code 3"):
+        supervisor.raise_if_exited()
+
+
+def test_log_dir_gets_one_file_per_child(tmp_path):
+    sup = ClusterSupervisor(log_dir=tmp_path / "logs")
+    try:
+        sup.start(ChildSpec("bad", EXITER))
+        deadline = time.monotonic() + 20
+        while sup.first_exit() is None and time.monotonic() < deadline:  # drains the pipe
+            time.sleep(0.05)
+    finally:
+        sup.stop_all(grace_s=0.0)
+    assert (tmp_path / "logs" / "bad.log").read_text() == "line one\nfatal: no model\n"
+
+
+# ---- the launcher's lifecycle --------------------------------------------------------
+
+
+def _plan(nodes: list[ChildSpec], router: tuple[str, ...] = SLEEPER) -> ClusterPlan:
+    return ClusterPlan(ChildSpec("router", router), tuple(nodes), "127.0.0.1:1")
+
+
+FAST = ClusterConfig(ready_timeout_s=20.0, stop_grace_s=2.0, poll_interval_s=0.05)
+
+
+def test_ready_then_stopped_by_signal_stops_every_child(supervisor):
+    stop = threading.Event()
+    probes = iter([Verdict(False, "down", reachable=False)] + [Verdict(False, "no nodes")] * 2)
+    out = io.StringIO()
+
+    def probe() -> Verdict:
+        verdict = next(probes, Verdict(True, "serving"))
+        if verdict.healthy:
+            threading.Timer(0.3, stop.set).start()  # what SIGINT does in main()
+        return verdict
+
+    plan = _plan([ChildSpec("prefill-0", SLEEPER), ChildSpec("decode-0", SLEEPER)])
+    assert run_cluster(FAST, plan, supervisor, probe, stop, out) == 0
+    assert "pdserve cluster ready at 127.0.0.1:1 (1 prefill, 1 decode)" in out.getvalue()
+    assert "pdserve generate --addr 127.0.0.1:1" in out.getvalue()
+    assert set(supervisor.pids) == {"router", "prefill-0", "decode-0"}
+    assert _all_dead(supervisor.pids.values())
+
+
+def test_nodes_start_only_once_the_router_answers(supervisor):
+    seen: list[set[str]] = []
+
+    def probe() -> Verdict:
+        seen.append(set(supervisor.pids))
+        return Verdict(False, "down", reachable=False)
+
+    config = ClusterConfig(ready_timeout_s=0.5, stop_grace_s=2.0, poll_interval_s=0.05)
+    out = io.StringIO()
+    assert run_cluster(config, _plan([ChildSpec("decode-0", SLEEPER)]), supervisor, probe,
+                       threading.Event(), out) == 1
+    assert seen and all(names == {"router"} for names in seen)
+    assert "timed out after 0.5s waiting for the router to answer" in out.getvalue()
+
+
+def test_a_node_dying_before_ready_fails_the_launch_with_its_log(supervisor):
+    out = io.StringIO()
+    plan = _plan([ChildSpec("prefill-0", SLEEPER), ChildSpec("decode-0", EXITER)])
+    code = run_cluster(FAST, plan, supervisor, lambda: Verdict(False, "no nodes"), threading.Event(), out)
+    assert code == 1
+    assert "pdserve cluster failed: decode-0 exited with code 3" in out.getvalue()
+    assert "  | fatal: no model" in out.getvalue()
+    assert _all_dead(supervisor.pids.values())
+
+
+def test_a_node_dying_while_serving_stops_the_cluster(supervisor):
+    out = io.StringIO()
+    plan = _plan([ChildSpec("decode-0", (PY, "-c", "import time, sys; time.sleep(1); sys.exit(5)"))])
+    code = run_cluster(FAST, plan, supervisor, lambda: Verdict(True, "ok"), threading.Event(), out)
+    assert code == 1
+    assert "ready at" in out.getvalue() and "decode-0 exited with code 5" in out.getvalue()
+
+
+def test_launcher_with_a_real_health_probe(supervisor, tmp_path):
+    script = tmp_path / "fake_router.py"
+    script.write_text(FAKE_ROUTER)
+    addr = f"127.0.0.1:{_free_port()}"
+    plan = ClusterPlan(ChildSpec("router", (PY, str(script), addr, "1", "2")),
+                       (ChildSpec("decode-0", SLEEPER),), addr)
+    config = ClusterConfig(num_decode=2, ready_timeout_s=60.0, stop_grace_s=2.0, poll_interval_s=0.1)
+    probe_config = HealthcheckConfig(timeout_s=1.0, min_prefill=1, min_decode=2)
+    stop = threading.Event()
+    out = io.StringIO()
+
+    stricter: list[Verdict] = []
+
+    def probe() -> Verdict:
+        verdict = check(addr, "router", probe_config)
+        if verdict.healthy and not stricter:  # first answer: the router is up
+            stricter.append(check(addr, "router", HealthcheckConfig(min_decode=3)))
+            stricter.append(check(addr, "prefill"))
+            stricter.append(check(addr, "decode"))
+        elif verdict.healthy:  # second: the cluster is ready; then stop it
+            stop.set()
+        return verdict
+
+    assert run_cluster(config, plan, supervisor, probe, stop, out) == 0
+    assert f"ready at {addr} (1 prefill, 2 decode)" in out.getvalue()
+    too_few, prefill, decode = stricter
+    assert not too_few.healthy and "too few nodes (1 prefill, 2 decode" in too_few.reason
+    assert prefill.healthy and "3/64 blocks used" in prefill.reason
+    assert not decode.healthy and decode.reachable and "UNIMPLEMENTED" in decode.reason
+    assert check(addr, "router", probe_config).reachable is False  # stopped with the cluster
+
+
+def test_healthcheck_names_an_unreachable_router():
+    verdict = check(f"127.0.0.1:{_free_port()}", "router", HealthcheckConfig(timeout_s=0.5))
+    assert not verdict.healthy and not verdict.reachable
+    assert "UNAVAILABLE" in verdict.reason or "DEADLINE_EXCEEDED" in verdict.reason
