@@ -9,12 +9,15 @@ a caller never receives text that is later taken back.
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.engine_core import EngineCoreOutput
 from pdserve.engine.request import FinishReason
-from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # types only: the router detokenizes without loading torch or model code
+    from pdserve.engine.engine_core import EngineCoreOutput
+    from pdserve.engine.sampler import TokenLogprobs
 
 
 @dataclass(slots=True)
@@ -45,23 +48,36 @@ class SequenceStream:
 
     def push(self, out: EngineCoreOutput) -> CompletionDelta:
         """Consume one token from the core; returns the delta to show the caller."""
+        return self.push_token(out.new_token_id, out.logprobs, out.finish_reason)
+
+    def push_token(
+        self, token_id: int, logprobs: TokenLogprobs | None, finish_reason: FinishReason | None
+    ) -> CompletionDelta:
+        """Consume one token, wherever it was sampled (a local core or a remote node)."""
         before = len(self.text)
-        self.text += self.detokenizer.push(out.new_token_id)
-        if out.finish_reason is not None:
+        self.text += self.detokenizer.push(token_id)
+        if finish_reason is not None:
             self.text += self.detokenizer.flush()  # a trailing partial character, as decode() shows it
-        self.finish_reason = out.finish_reason
-        if out.finish_reason is FinishReason.STOP and self.params.stop_token_ids:
-            if out.new_token_id in self.params.stop_token_ids:
-                self.stop_reason = out.new_token_id
+        self.finish_reason = finish_reason
+        if finish_reason is FinishReason.STOP and token_id in self.params.stop_token_ids:
+            self.stop_reason = token_id
         self._check_stop_strings(before)
         return CompletionDelta(
             self.req_id,
             self._take_text(),
-            [out.new_token_id],
-            [out.logprobs] if out.logprobs is not None else [],
+            [token_id],
+            [logprobs] if logprobs is not None else [],
             self.finish_reason,
             self.stop_reason,
         )
+
+    def finish(self, finish_reason: FinishReason) -> CompletionDelta:
+        """End the sequence without a new token (the sampler's node ended it after the last one)."""
+        before = len(self.text)
+        self.text += self.detokenizer.flush()
+        self.finish_reason = finish_reason
+        self._check_stop_strings(before)
+        return CompletionDelta(self.req_id, self._take_text(), [], [], self.finish_reason, self.stop_reason)
 
     @property
     def hit_stop_string(self) -> bool:

@@ -1,0 +1,196 @@
+"""KV transfer throughput: UCX between two processes vs a local torch memory copy.
+
+Moves the KV of one request (default: 512 tokens of a 30-layer, 3-KV-head, head_dim-64
+bf16 model, block 16 -> 32 blocks, 11.8 MB) from a sender process into random,
+non-contiguous reserved blocks of a receiver process, push() to ack, and prints:
+
+  * memcpy     : torch copy_ of the same bytes, contiguous, in one process;
+  * gather     : index_select of the blocks into a staging buffer (sender's local cost);
+  * ucx <path> : one push at a time (latency) and `--pipeline` pushes in flight
+                 (throughput), for the shared-memory fast path and TCP, and how long
+                 the push() call itself holds the caller;
+
+each with its ratio to memcpy. A script, never a timed test.
+
+    python -m pdserve.bench.kv_transfer [--tokens 512] [--iters 20]
+"""
+
+from __future__ import annotations
+
+import argparse
+import multiprocessing as mp
+import random
+import statistics
+import time
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from pdserve.kv_transfer import KVCacheSpec
+from pdserve.kv_transfer.layout import gather, make_plan, staging_shape
+
+TIMEOUT_S = 120.0
+
+
+@dataclass(frozen=True)
+class Shape:
+    tokens: int
+    layers: int
+    kv_heads: int
+    head_dim: int
+    block_size: int
+    dtype: str
+
+    @property
+    def blocks(self) -> int:
+        return -(-self.tokens // self.block_size)  # the partial last block moves whole
+
+    def spec(self) -> KVCacheSpec:
+        return KVCacheSpec(model="bench", dtype=self.dtype, num_layers=self.layers,
+                           num_kv_heads=self.kv_heads, head_dim=self.head_dim,
+                           block_size=self.block_size)
+
+    def caches(self, num_blocks: int) -> tuple[list[torch.Tensor], list[torch.Tensor]]:
+        spec = self.spec()
+        shape = (num_blocks, self.kv_heads, self.block_size, self.head_dim)
+        return ([torch.randn(shape).to(spec.torch_dtype) for _ in range(self.layers)],
+                [torch.randn(shape).to(spec.torch_dtype) for _ in range(self.layers)])
+
+    @property
+    def nbytes(self) -> int:
+        return 2 * self.layers * self.blocks * self.spec().block_nbytes(self.kv_heads)
+
+
+def receiver(shape: Shape, cfg_kw: dict[str, Any], out: Any, cmd: Any) -> None:
+    from pdserve.kv_transfer import KVTransferConfig, UcxTransport
+
+    transport = UcxTransport(KVTransferConfig(**cfg_kw))
+    k, v = shape.caches(4 * shape.blocks)
+    out.put(transport.register(k, v, shape.spec()).to_bytes())
+    cmd.get(timeout=TIMEOUT_S)
+    transport.close()
+
+
+def sender(shape: Shape, cfg_kw: dict[str, Any], desc: bytes, iters: int, pipeline: int,
+           out: Any) -> None:
+    from pdserve.kv_transfer import KVDescriptor, KVTransferConfig, UcxTransport
+
+    config = KVTransferConfig(**cfg_kw)
+    transport = UcxTransport(config)
+    k, v = shape.caches(2 * shape.blocks)
+    transport.register(k, v, shape.spec())
+    transport.connect(KVDescriptor.from_bytes(desc))
+    rng = random.Random(0)
+
+    def push(i: int) -> Any:
+        src = rng.sample(range(2 * shape.blocks), shape.blocks)
+        dst = rng.sample(range(4 * shape.blocks), shape.blocks)
+        return transport.push(f"req-{i}", src, dst)
+
+    def finish(handle: Any) -> None:
+        if handle.wait(config.transfer_timeout_s).name != "SUCCESS":
+            raise RuntimeError(f"push failed: {handle.error}")
+
+    for i in range(3):  # warm-up: endpoints, staging buffers, page faults
+        finish(push(i))
+    latencies, call_times = [], []
+    for i in range(iters):
+        start = time.perf_counter()
+        handle = push(i)
+        call_times.append(time.perf_counter() - start)
+        finish(handle)
+        latencies.append(time.perf_counter() - start)
+    start = time.perf_counter()
+    for handle in [push(i) for i in range(iters * pipeline)][::-1]:
+        finish(handle)
+    pipelined = (time.perf_counter() - start) / (iters * pipeline)
+    out.put((latencies, pipelined, statistics.median(call_times), transport.stats().failures))
+    transport.close()
+
+
+def run_ucx(shape: Shape, fast: bool, iters: int,
+            pipeline: int) -> tuple[list[float], float, float]:
+    ctx = mp.get_context("spawn")
+    cfg_kw = dict(fast_data_path=fast)
+    r_out, r_cmd, s_out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    recv = ctx.Process(target=receiver, args=(shape, cfg_kw, r_out, r_cmd), daemon=True)
+    recv.start()
+    send = None
+    try:
+        desc = r_out.get(timeout=TIMEOUT_S)
+        send = ctx.Process(target=sender, args=(shape, cfg_kw, desc, iters, pipeline, s_out),
+                           daemon=True)
+        send.start()
+        latencies, pipelined, call_s, failures = s_out.get(timeout=TIMEOUT_S)
+        assert failures == 0
+        return latencies, pipelined, call_s
+    finally:
+        r_cmd.put("exit")
+        for proc in (send, recv):
+            if proc is not None:
+                proc.join(timeout=10)
+                if proc.is_alive():
+                    proc.kill()
+
+
+def median_seconds(fn: Any, iters: int) -> float:
+    fn()
+    samples = []
+    for _ in range(iters):
+        start = time.perf_counter()
+        fn()
+        samples.append(time.perf_counter() - start)
+    return statistics.median(samples)
+
+
+def local_baselines(shape: Shape, iters: int) -> tuple[float, float]:
+    """(memcpy seconds, gather seconds) for the same number of bytes."""
+    src = torch.empty(shape.nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    memcpy = median_seconds(lambda: dst.copy_(src), iters)
+    spec = shape.spec()
+    k, v = shape.caches(2 * shape.blocks)
+    ids = random.Random(1).sample(range(2 * shape.blocks), shape.blocks)
+    plan = make_plan("bench", ids, list(range(shape.blocks)), None, None, spec,
+                     2 * shape.blocks, spec, shape.blocks)
+    staging = torch.empty(staging_shape(plan, spec), dtype=spec.torch_dtype)
+    return memcpy, median_seconds(lambda: gather(plan, k, v, staging), iters)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--tokens", type=int, default=512)
+    parser.add_argument("--layers", type=int, default=30)
+    parser.add_argument("--kv-heads", type=int, default=3)
+    parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--dtype", default="bfloat16")
+    parser.add_argument("--iters", type=int, default=20)
+    parser.add_argument("--pipeline", type=int, default=2, help="pushes in flight x iters")
+    parser.add_argument("--paths", default="fast,tcp", help="comma list of: fast, tcp")
+    args = parser.parse_args()
+    torch.set_num_threads(1)
+    shape = Shape(args.tokens, args.layers, args.kv_heads, args.head_dim, args.block_size,
+                  args.dtype)
+    gb = shape.nbytes / 1e9
+    memcpy, gather_s = local_baselines(shape, args.iters)
+    print(f"KV of {shape.tokens} tokens: {shape.blocks} blocks x {shape.layers} layers x K,V "
+          f"= {shape.nbytes / 1e6:.2f} MB ({shape.dtype})")
+    print(f"{'memcpy (torch copy_)':34s} {gb / memcpy:7.2f} GB/s  "
+          f"{memcpy * 1e3:7.2f} ms  ratio 1.000")
+    print(f"{'gather (index_select, sender)':34s} {gb / gather_s:7.2f} GB/s  "
+          f"{gather_s * 1e3:7.2f} ms  ratio {memcpy / gather_s:.3f}")
+    for path in args.paths.split(","):
+        latencies, pipelined, call_s = run_ucx(shape, path == "fast", args.iters,
+                                               args.pipeline)
+        lat = statistics.median(latencies)
+        print(f"{'ucx ' + path + ' (1 in flight, median)':34s} {gb / lat:7.2f} GB/s  "
+              f"{lat * 1e3:7.2f} ms  ratio {memcpy / lat:.3f}")
+        print(f"{'ucx ' + path + ' (pipelined)':34s} {gb / pipelined:7.2f} GB/s  "
+              f"{pipelined * 1e3:7.2f} ms  ratio {memcpy / pipelined:.3f}")
+        print(f"{'  push() call returns in':34s} {call_s * 1e6:7.1f} us (median)")
+
+
+if __name__ == "__main__":
+    main()

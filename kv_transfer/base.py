@@ -1,0 +1,317 @@
+"""The transport seam: what a KV cache looks like to a transfer, and what moving it means.
+
+Owns the value types every transport shares (`KVCacheSpec` and its fingerprint,
+`KVDescriptor`, `TransferState`, `TransferHandle`, `TransferStats`), the head-range
+planning rule (`plan_head_overlap`) and the `KVTransport` interface.
+
+A push's life, on the sending side:
+
+    push() ──▶ PENDING ──▶ TRANSFERRING ──▶ SUCCESS   (receiver placed the bytes and acked)
+                                   └──────▶ FAILED    (peer dead, refused, or timed out)
+
+The receiving side sees the bytes land in the blocks it reserved, then the request's
+completion message (`send_done`), never the other way round.
+
+Must never: import a network library, pickle anything, or block the caller of `push`.
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+import threading
+import time
+from abc import ABC, abstractmethod
+from collections.abc import Callable, Sequence
+from dataclasses import asdict, dataclass, field, replace
+
+import torch
+
+KV_LAYOUT_VERSION = 1  # [num_blocks, num_kv_heads, block_size, head_dim], heads-major
+
+_DTYPES: dict[str, torch.dtype] = {
+    "float32": torch.float32,
+    "float16": torch.float16,
+    "bfloat16": torch.bfloat16,
+}
+
+FINGERPRINT_FIELDS = ("model", "dtype", "num_layers", "num_kv_heads", "head_dim",
+                      "block_size", "layout_version")
+
+
+class KVTransferError(RuntimeError):
+    """A transfer could not be set up or carried out."""
+
+
+class FingerprintMismatch(KVTransferError):
+    """Two nodes' KV caches are laid out differently; moving bytes would be garbage."""
+
+    def __init__(self, diffs: dict[str, tuple[object, object]], context: str = "") -> None:
+        self.diffs = dict(diffs)
+        parts = [f"{name}: local={local!r} remote={remote!r}"
+                 for name, (local, remote) in self.diffs.items()]
+        prefix = f"{context}: " if context else ""
+        super().__init__(f"{prefix}KV cache fingerprint mismatch ({'; '.join(parts)})")
+
+
+def dtype_from_name(name: str) -> torch.dtype:
+    if name not in _DTYPES:
+        raise ValueError(f"unsupported KV dtype {name!r}; expected one of {sorted(_DTYPES)}")
+    return _DTYPES[name]
+
+
+@dataclass(frozen=True)
+class KVCacheSpec:
+    """What this rank's KV cache is. Everything but `head_range` must match a peer's."""
+
+    model: str
+    dtype: str
+    num_layers: int
+    num_kv_heads: int  # the model's total; this rank holds head_range of them
+    head_dim: int
+    block_size: int
+    layout_version: int = KV_LAYOUT_VERSION
+    head_range: tuple[int, int] | None = None  # None: all heads
+
+    def __post_init__(self) -> None:
+        dtype_from_name(self.dtype)
+        for name in ("num_layers", "num_kv_heads", "head_dim", "block_size"):
+            if getattr(self, name) <= 0:
+                raise ValueError(f"KVCacheSpec.{name} must be > 0")
+        start, end = self.head_range if self.head_range is not None else (0, self.num_kv_heads)
+        if not 0 <= start < end <= self.num_kv_heads:
+            raise ValueError(f"KVCacheSpec.head_range {self.head_range} not within "
+                             f"[0, {self.num_kv_heads}]")
+        # Normalised so that equal specs compare equal after a JSON round trip.
+        object.__setattr__(self, "head_range", (int(start), int(end)))
+
+    @property
+    def local_heads(self) -> tuple[int, int]:
+        """The global KV-head range [start, end) whose cache this rank holds."""
+        assert self.head_range is not None  # normalised in __post_init__
+        return self.head_range
+
+    @property
+    def torch_dtype(self) -> torch.dtype:
+        return dtype_from_name(self.dtype)
+
+    def block_nbytes(self, num_heads: int) -> int:
+        """Bytes of one block of one of K or V for `num_heads` heads."""
+        return num_heads * self.block_size * self.head_dim * self.torch_dtype.itemsize
+
+    def fingerprint(self) -> dict[str, object]:
+        return {name: getattr(self, name) for name in FINGERPRINT_FIELDS}
+
+    def check_compatible(self, remote: dict[str, object], context: str = "") -> None:
+        """Raise FingerprintMismatch naming every field that differs from `remote`."""
+        local = self.fingerprint()
+        diffs = {name: (local[name], remote.get(name)) for name in FINGERPRINT_FIELDS
+                 if local[name] != remote.get(name)}
+        if diffs:
+            raise FingerprintMismatch(diffs, context)
+
+    def to_dict(self) -> dict[str, object]:
+        data = asdict(self)
+        data["head_range"] = list(self.local_heads)
+        return data
+
+    @classmethod
+    def from_dict(cls, data: dict[str, object]) -> KVCacheSpec:
+        fields = dict(data)
+        if fields.get("head_range") is not None:
+            fields["head_range"] = tuple(fields["head_range"])
+        return cls(**fields)
+
+
+@dataclass(frozen=True)
+class KVDescriptor:
+    """How to reach a registered cache: JSON on the wire, never pickle."""
+
+    transport: str
+    address: str
+    port: int
+    num_blocks: int
+    spec: KVCacheSpec
+
+    def to_bytes(self) -> bytes:
+        data = {"transport": self.transport, "address": self.address, "port": self.port,
+                "num_blocks": self.num_blocks, "spec": self.spec.to_dict()}
+        return json.dumps(data, sort_keys=True).encode()
+
+    @classmethod
+    def from_bytes(cls, raw: bytes) -> KVDescriptor:
+        data = json.loads(raw)
+        return cls(transport=str(data["transport"]), address=str(data["address"]),
+                   port=int(data["port"]), num_blocks=int(data["num_blocks"]),
+                   spec=KVCacheSpec.from_dict(data["spec"]))
+
+
+@dataclass(frozen=True)
+class HeadOverlap:
+    """The KV heads one rank pair moves: global range, and the slice of each local cache."""
+
+    heads: tuple[int, int]  # global [start, end)
+    src: tuple[int, int]    # slice of the sender's cache head axis
+    dst: tuple[int, int]    # slice of the receiver's cache head axis
+
+    @property
+    def num_heads(self) -> int:
+        return self.heads[1] - self.heads[0]
+
+
+def plan_head_overlap(src_range: tuple[int, int],
+                      dst_range: tuple[int, int]) -> HeadOverlap | None:
+    """Intersect the sender's and receiver's global KV-head ranges; None when disjoint."""
+    start = max(src_range[0], dst_range[0])
+    end = min(src_range[1], dst_range[1])
+    if start >= end:
+        return None
+    return HeadOverlap(heads=(start, end),
+                       src=(start - src_range[0], end - src_range[0]),
+                       dst=(start - dst_range[0], end - dst_range[0]))
+
+
+class TransferState(enum.Enum):
+    PENDING = "pending"
+    TRANSFERRING = "transferring"
+    SUCCESS = "success"
+    FAILED = "failed"
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Counters of completed work; `latency_s` sums push()-to-ack time of successes."""
+
+    bytes: int = 0
+    blocks: int = 0
+    transfers: int = 0
+    failures: int = 0
+    latency_s: float = 0.0
+
+    def record_success(self, nbytes: int, num_blocks: int, latency_s: float) -> None:
+        self.bytes += nbytes
+        self.blocks += num_blocks
+        self.transfers += 1
+        self.latency_s += latency_s
+
+    def record_failure(self) -> None:
+        self.failures += 1
+
+    def snapshot(self) -> TransferStats:
+        return replace(self)
+
+    @property
+    def mean_latency_s(self) -> float:
+        return self.latency_s / self.transfers if self.transfers else 0.0
+
+
+@dataclass(eq=False)
+class TransferHandle:
+    """The sender's view of one push or done message; `poll()` never blocks.
+
+    Transports move it forward with `_start()` / `_finish()` from their own thread; the
+    first terminal state wins (a late ack after a timeout changes nothing).
+    """
+
+    req_id: str
+    nbytes: int = 0
+    num_blocks: int = 0
+    created_at: float = field(default_factory=time.monotonic)
+    error: str | None = field(default=None, init=False)
+    finished_at: float | None = field(default=None, init=False)
+    _state: TransferState = field(default=TransferState.PENDING, init=False)
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
+    _done: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+
+    def poll(self) -> TransferState:
+        return self._state
+
+    @property
+    def done(self) -> bool:
+        return self._state in (TransferState.SUCCESS, TransferState.FAILED)
+
+    def wait(self, timeout: float | None = None) -> TransferState:
+        """Block until terminal or `timeout`; for tests and benchmarks, not the step loop."""
+        self._done.wait(timeout)
+        return self._state
+
+    def _start(self) -> bool:
+        with self._lock:
+            if self._state is not TransferState.PENDING:
+                return False
+            self._state = TransferState.TRANSFERRING
+            return True
+
+    def _finish(self, state: TransferState, error: str | None = None) -> bool:
+        with self._lock:
+            if self.done:
+                return False
+            self._state = state
+            self.error = error
+            self.finished_at = time.monotonic()
+        self._done.set()
+        return True
+
+
+DoneCallback = Callable[[str, bytes], None]
+
+
+class KVTransport(ABC):
+    """Moves KV blocks of a request from this rank's cache into a peer's reserved blocks.
+
+    `register` once, `connect` to each peer (fingerprints are checked both ways), then
+    `push` per finished chunk and `send_done` once per request. A receiver learns of a
+    request's completion from `poll_done()` or the done callback, always after its bytes.
+    """
+
+    @abstractmethod
+    def register(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+                 spec: KVCacheSpec) -> KVDescriptor:
+        """Expose this rank's per-layer caches `[num_blocks, heads, block_size, head_dim]`."""
+
+    @abstractmethod
+    def descriptor(self) -> KVDescriptor:
+        """This rank's descriptor (after `register`), to hand to peers."""
+
+    @abstractmethod
+    def connect(self, remote: KVDescriptor) -> str:
+        """Handshake with a peer; returns its peer id. Raises FingerprintMismatch."""
+
+    @abstractmethod
+    def push(self, req_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+             layers: Sequence[int] | None = None, head_range: tuple[int, int] | None = None,
+             *, peer: str | None = None) -> TransferHandle:
+        """Start copying src blocks into the peer's dst blocks; returns at once.
+
+        `layers` defaults to all; `head_range` (global) defaults to the overlap of both
+        ranks' heads. `peer` may be omitted when exactly one peer is connected.
+        """
+
+    @abstractmethod
+    def send_done(self, req_id: str, payload: bytes, *, peer: str | None = None
+                  ) -> TransferHandle:
+        """Queue the request's completion message behind its pushes to that peer."""
+
+    @abstractmethod
+    def poll_done(self) -> list[tuple[str, bytes]]:
+        """Drain completion messages received so far, in arrival order."""
+
+    @abstractmethod
+    def set_done_callback(self, callback: DoneCallback | None) -> None:
+        """Also call `callback(req_id, payload)` on each completion (transport thread)."""
+
+    @abstractmethod
+    def stats(self) -> TransferStats:
+        """Counters of what this rank sent (pushes only)."""
+
+    @abstractmethod
+    def recv_stats(self) -> TransferStats:
+        """Counters of what this rank received and placed."""
+
+    @abstractmethod
+    def handshake_refusals(self) -> list[FingerprintMismatch]:
+        """Incoming connections this rank refused, as errors naming the fields."""
+
+    @abstractmethod
+    def close(self) -> None:
+        """Stop serving; in-flight handles end FAILED."""

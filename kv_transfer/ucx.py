@@ -1,0 +1,334 @@
+"""UCX KV transport (ucxx): host caches moved between processes and machines.
+
+Wiring. `register` starts a listener (the descriptor carries config.host and its port).
+`connect` dials it, sends HELLO (descriptor + UCX worker address), and both sides check
+the fingerprint: the listener answers HELLO_REPLY and records any refusal, the connector
+raises FingerprintMismatch. With `fast_data_path` the connector also opens a data
+endpoint from the listener's worker address (shared memory / CMA on one host).
+
+One push on the wire (sender: ucx_conn.py, receiver: ucx_inbound.py):
+
+    DATA header ─▶ receiver validates dst blocks / layers / heads and the byte count
+    layer chunks ─▶ received into one reusable staging buffer; each chunk is scattered
+                    into the dst blocks as it lands, while later chunks are in flight
+    ACK(seq) ◀── receiver; the sender's handle becomes SUCCESS
+
+A DONE message is handled only after every earlier message on its connection, so the
+receiver's `poll_done()` / callback sees a request complete after its bytes landed.
+
+Everything network-facing runs on the process's UCX loop thread (ucx_runtime.py); the
+caller's `push`/`send_done`/`poll`/`poll_done` never wait on the network.
+
+Must never: pickle, write a block the header did not name, or wait without a timeout
+on anything but an idle connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+import time
+from collections.abc import Sequence
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import (DoneCallback, FingerprintMismatch, KVCacheSpec, KVDescriptor,
+                   KVTransferError, KVTransport, TransferHandle, TransferState,
+                   TransferStats)
+from .config import KVTransferConfig
+from .layout import make_plan, validate_caches
+from .ucx_conn import Connection, Job, header_nbytes
+from .ucx_inbound import Inbound, ReceiverSide
+from .ucx_runtime import UcxRuntime, abort_endpoint, recv_ctrl, send_ctrl
+from .wire import STATUS_ERROR, STATUS_OK, ControlMsg, MsgKind, WireError
+
+logger = logging.getLogger(__name__)
+
+
+class UcxTransport(KVTransport):
+    def __init__(self, config: KVTransferConfig | None = None) -> None:
+        self.config = config or KVTransferConfig()
+        self._rt = UcxRuntime.get(self.config)
+        self._lock = threading.Lock()  # stats, done messages, refusals
+        self._spec: KVCacheSpec | None = None
+        self._k: list[torch.Tensor] = []
+        self._v: list[torch.Tensor] = []
+        self._num_blocks = 0
+        self._listener: Any = None
+        self._port = 0
+        self._conns: dict[str, Connection] = {}
+        self._inbound: set[Any] = set()
+        self._watchdog: asyncio.Future | None = None
+        self._done_msgs: list[tuple[str, bytes]] = []
+        self._callback: DoneCallback | None = None
+        self._sent = TransferStats()
+        self._received = TransferStats()
+        self._refusals: list[FingerprintMismatch] = []
+        self._quarantine: list[torch.Tensor] = []  # staging buffers of failed receives
+        self._closed = False
+
+    # -- setup -----------------------------------------------------------------------
+    def register(self, k_caches: Sequence[torch.Tensor], v_caches: Sequence[torch.Tensor],
+                 spec: KVCacheSpec) -> KVDescriptor:
+        if any(cache.device.type != "cpu" for cache in [*k_caches, *v_caches]):
+            raise ValueError("UcxTransport moves host caches; got a non-CPU tensor")
+        self._num_blocks = validate_caches(k_caches, v_caches, spec)
+        self._k, self._v, self._spec = list(k_caches), list(v_caches), spec
+        self._port = self._rt.call(self._listen(), self.config.connect_timeout_s)
+        return self.descriptor()
+
+    def descriptor(self) -> KVDescriptor:
+        if self._spec is None:
+            raise KVTransferError("register() the caches first")
+        return KVDescriptor(transport="ucx", address=self.config.host, port=self._port,
+                            num_blocks=self._num_blocks, spec=self._spec)
+
+    async def _listen(self) -> int:
+        self._listener = self._rt.ucxx.create_listener(
+            self._serve, port=self.config.port,
+            connect_timeout=self.config.connect_timeout_s)
+        self._watchdog = asyncio.ensure_future(self._watch())
+        return int(self._listener.port)
+
+    def connect(self, remote: KVDescriptor) -> str:
+        cfg = self.config
+        budget = cfg.connect_timeout_s + cfg.handshake_timeout_s + cfg.close_timeout_s
+        return self._rt.call(self._connect(remote), budget)
+
+    async def _connect(self, remote: KVDescriptor) -> str:
+        local = self.descriptor()
+        peer_id = f"{remote.address}:{remote.port}"
+        try:
+            ep = await asyncio.wait_for(self._rt.ucxx.create_endpoint(
+                remote.address, remote.port, endpoint_error_handling=True,
+                connect_timeout=self.config.connect_timeout_s), self.config.connect_timeout_s)
+        except Exception as exc:
+            raise KVTransferError(f"cannot reach KV peer {peer_id}: {exc!r}") from exc
+        try:
+            theirs, data_ep = await self._handshake(ep, local, peer_id)
+        except BaseException:
+            abort_endpoint(ep, self.config.close_timeout_s)
+            raise
+        conn = Connection(peer_id, theirs, ep, data_ep, self.config, local.spec,
+                          (self._k, self._v), self._finish)
+        old = self._conns.get(peer_id)
+        if old is not None:
+            await old.close(f"replaced by a new connection to {peer_id}")
+        self._conns[peer_id] = conn
+        conn.start()
+        return peer_id
+
+    async def _handshake(self, ep: Any, local: KVDescriptor,
+                         peer_id: str) -> tuple[KVDescriptor, Any]:
+        hello = _hello(MsgKind.HELLO, local, "", self.config.fast_data_path)
+        await asyncio.wait_for(send_ctrl(ep, hello), self.config.handshake_timeout_s)
+        buf = np.empty(self.config.max_control_bytes, dtype=np.uint8)
+        reply = await asyncio.wait_for(recv_ctrl(ep, buf), self.config.handshake_timeout_s)
+        if reply.kind is not MsgKind.HELLO_REPLY:
+            raise KVTransferError(f"peer {peer_id} answered {reply.kind.name}, not HELLO_REPLY")
+        theirs, worker_address, _ = _parse_hello(reply)
+        local.spec.check_compatible(theirs.spec.fingerprint(), f"peer {peer_id}")
+        if reply.status != STATUS_OK:
+            raise KVTransferError(f"peer {peer_id} refused the connection")
+        if not worker_address:  # either side wants data on the control endpoint
+            return theirs, None
+        address = self._rt.ucxx.get_ucx_address_from_buffer(bytes.fromhex(worker_address))
+        data_ep = await asyncio.wait_for(
+            self._rt.ucxx.create_endpoint_from_worker_address(
+                address, endpoint_error_handling=False), self.config.connect_timeout_s)
+        return theirs, data_ep
+
+    def _worker_address(self) -> str:
+        return self._rt.ucxx.get_worker_address().tobytes().hex()
+
+    # -- sending (caller's thread: validate, hand over, return) ----------------------
+    def push(self, req_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
+             layers: Sequence[int] | None = None, head_range: tuple[int, int] | None = None,
+             *, peer: str | None = None) -> TransferHandle:
+        conn = self._pick(peer)
+        plan = make_plan(req_id, src_block_ids, dst_block_ids, layers, head_range,
+                         self.descriptor().spec, self._num_blocks, conn.remote.spec,
+                         conn.remote.num_blocks)
+        self._check_control_size(header_nbytes(req_id, plan.num_blocks, len(plan.layers)))
+        handle = TransferHandle(req_id, nbytes=plan.nbytes(self.descriptor().spec),
+                                num_blocks=plan.num_blocks)
+        self._rt.call_soon(conn.enqueue, Job(handle=handle, plan=plan))
+        return handle
+
+    def send_done(self, req_id: str, payload: bytes, *, peer: str | None = None
+                  ) -> TransferHandle:
+        conn = self._pick(peer)
+        self._check_control_size(header_nbytes(req_id, 0, 0, len(payload)))
+        handle = TransferHandle(req_id)
+        self._rt.call_soon(conn.enqueue, Job(handle=handle, payload=bytes(payload)))
+        return handle
+
+    def _pick(self, peer: str | None) -> Connection:
+        if self._closed:
+            raise KVTransferError("transport is closed")
+        if peer is not None:
+            if peer not in self._conns:
+                raise KVTransferError(f"not connected to {peer!r}")
+            return self._conns[peer]
+        if len(self._conns) != 1:
+            raise KVTransferError(f"name the peer: {len(self._conns)} are connected")
+        return next(iter(self._conns.values()))
+
+    def _check_control_size(self, nbytes: int) -> None:
+        if nbytes > self.config.max_control_bytes:
+            raise ValueError(f"control message of {nbytes} bytes exceeds "
+                             f"max_control_bytes={self.config.max_control_bytes}")
+
+    def _finish(self, job: Job, error: str | None) -> None:
+        """Loop thread: make a job terminal and count it (pushes only)."""
+        state = TransferState.FAILED if error else TransferState.SUCCESS
+        if not job.handle._finish(state, error) or job.plan is None:
+            return
+        with self._lock:
+            if error:
+                self._sent.record_failure()
+            else:
+                self._sent.record_success(job.handle.nbytes, job.handle.num_blocks,
+                                          job.handle.finished_at - job.handle.created_at)
+
+    async def _watch(self) -> None:
+        while True:
+            await asyncio.sleep(self.config.watchdog_interval_s)
+            now = time.monotonic()
+            for conn in list(self._conns.values()):
+                conn.check_deadlines(now)
+
+    # -- receiving (loop thread) -----------------------------------------------------
+    async def _serve(self, ep: Any) -> None:
+        """Listener callback: one inbound connection, from HELLO until it drops."""
+        self._inbound.add(ep)
+        buf = np.empty(self.config.max_control_bytes, dtype=np.uint8)
+        try:
+            hello = await asyncio.wait_for(recv_ctrl(ep, buf), self.config.handshake_timeout_s)
+            accepted, data_on_worker = await self._answer_hello(ep, hello)
+            if not accepted:
+                await self._drain_until_closed(ep, buf)
+                return
+            await Inbound(self._receiver_side(data_on_worker), ep).run(buf)
+        except Exception as exc:  # peer gone or protocol error: drop the connection
+            logger.info("inbound KV connection ended: %r", exc)
+        finally:
+            self._inbound.discard(ep)
+            abort_endpoint(ep, self.config.close_timeout_s)
+
+    async def _answer_hello(self, ep: Any, hello: ControlMsg) -> tuple[bool, bool]:
+        """Reply to HELLO; returns (accepted, data arrives on the worker by tag)."""
+        if hello.kind is not MsgKind.HELLO:
+            raise WireError(f"expected HELLO, got {hello.kind.name}")
+        theirs, _, their_fast = _parse_hello(hello)
+        local = self.descriptor()
+        # Both ends must want the fast path; the reply's worker address says it is on.
+        data_on_worker = their_fast and self.config.fast_data_path
+        reply = _hello(MsgKind.HELLO_REPLY, local,
+                       self._worker_address() if data_on_worker else "", data_on_worker)
+        try:
+            local.spec.check_compatible(theirs.spec.fingerprint(),
+                                        f"refused peer {theirs.address}:{theirs.port}")
+        except FingerprintMismatch as exc:
+            logger.error("%s", exc)
+            with self._lock:
+                self._refusals.append(exc)
+            reply.status = STATUS_ERROR
+        await asyncio.wait_for(send_ctrl(ep, reply), self.config.handshake_timeout_s)
+        return reply.status == STATUS_OK, data_on_worker
+
+    async def _drain_until_closed(self, ep: Any, buf: np.ndarray) -> None:
+        """After a refusal, let the connector read the reply and hang up first."""
+        try:
+            await asyncio.wait_for(ep.recv(buf), self.config.handshake_timeout_s)
+        except Exception:
+            return
+
+    def _receiver_side(self, data_on_worker: bool) -> ReceiverSide:
+        return ReceiverSide(
+            spec=self.descriptor().spec, k_caches=self._k, v_caches=self._v,
+            num_blocks=self._num_blocks, config=self.config,
+            worker_recv=self._rt.ucxx.recv if data_on_worker else None,
+            deliver_done=self._deliver_done, count=self._count_received,
+            quarantine=self._quarantine)
+
+    def _count_received(self, ok: bool, nbytes: int, num_blocks: int,
+                        latency_s: float) -> None:
+        with self._lock:
+            if ok:
+                self._received.record_success(nbytes, num_blocks, latency_s)
+            else:
+                self._received.record_failure()
+
+    def _deliver_done(self, req_id: str, payload: bytes) -> None:
+        with self._lock:
+            self._done_msgs.append((req_id, payload))
+            callback = self._callback
+        if callback is not None:
+            callback(req_id, payload)
+
+    def poll_done(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            out, self._done_msgs = self._done_msgs, []
+        return out
+
+    def set_done_callback(self, callback: DoneCallback | None) -> None:
+        with self._lock:
+            self._callback = callback
+
+    # -- observability / teardown ----------------------------------------------------
+    def stats(self) -> TransferStats:
+        with self._lock:
+            return self._sent.snapshot()
+
+    def recv_stats(self) -> TransferStats:
+        with self._lock:
+            return self._received.snapshot()
+
+    def handshake_refusals(self) -> list[FingerprintMismatch]:
+        with self._lock:
+            return list(self._refusals)
+
+    def peers(self) -> list[str]:
+        return list(self._conns)
+
+    def close(self) -> None:
+        if self._closed:
+            return
+        self._closed = True
+        try:
+            self._rt.call(self._close(), self.config.close_timeout_s * 2)
+        except TimeoutError:
+            logger.warning("UcxTransport.close() timed out")
+
+    async def _close(self) -> None:
+        if self._watchdog is not None:
+            self._watchdog.cancel()
+        for conn in list(self._conns.values()):
+            await conn.close("transport closed")
+        for ep in list(self._inbound):
+            abort_endpoint(ep, self.config.close_timeout_s)
+        if self._listener is not None:
+            self._listener.close()
+            self._listener = None
+
+
+def _hello(kind: MsgKind, desc: KVDescriptor, worker_address: str,
+           fast_data_path: bool) -> ControlMsg:
+    body = {"descriptor": json.loads(desc.to_bytes()), "worker_address": worker_address,
+            "fast_data_path": fast_data_path}
+    return ControlMsg(kind, extra=json.dumps(body).encode())
+
+
+def _parse_hello(msg: ControlMsg) -> tuple[KVDescriptor, str, bool]:
+    """(descriptor, worker address or "", wants the fast data path)."""
+    try:
+        body = json.loads(msg.extra)
+        desc = KVDescriptor.from_bytes(json.dumps(body["descriptor"]).encode())
+        return desc, str(body["worker_address"]), bool(body["fast_data_path"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise WireError(f"malformed {msg.kind.name}: {exc}") from exc

@@ -1,0 +1,163 @@
+"""Receiver side of one UCX connection: place pushes, deliver dones, ack each in order.
+
+A message's life on the receiving rank (UCX loop thread):
+
+    DATA header ─▶ validate dst blocks / layers / heads against our own cache, and the
+                   byte count against the header (a count that does not add up drops the
+                   connection: the bytes could not even be drained)
+                ─▶ post the receive of every layer chunk into one reusable staging buffer
+                ─▶ scatter each chunk into the dst blocks as it lands ─▶ ACK(seq)
+    DONE        ─▶ deliver (req_id, payload) ─▶ ACK(seq)
+
+Messages are handled strictly one after another, so a DONE is delivered after the bytes
+of every push sent before it. A failed validation still drains the bytes and answers
+with an error ACK; a receive that times out retires its staging buffer for good.
+
+Must never: write a block the header did not name, reuse a buffer a receive may still
+target, or pickle.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any
+
+import numpy as np
+import torch
+
+from .base import KVCacheSpec
+from .config import KVTransferConfig
+from .layout import check_block_ids, check_layers, layer_chunks, scatter, typed_view
+from .ucx_conn import TAG_MASK
+from .ucx_runtime import as_bytes_array, recv_ctrl, send_ctrl
+from .wire import STATUS_ERROR, STATUS_OK, ControlMsg, MsgKind, WireError
+
+
+@dataclass(frozen=True)
+class ReceiverSide:
+    """What an inbound connection may touch on its rank, handed over explicitly."""
+
+    spec: KVCacheSpec
+    k_caches: list[torch.Tensor]
+    v_caches: list[torch.Tensor]
+    num_blocks: int
+    config: KVTransferConfig
+    # ucxx.recv(buffer, tag=...) when data arrives on the worker by tag (fast path);
+    # None when it rides this connection's control endpoint.
+    worker_recv: Callable[..., Awaitable[Any]] | None
+    deliver_done: Callable[[str, bytes], None]
+    count: Callable[[bool, int, int, float], None]  # ok, nbytes, num_blocks, latency_s
+    quarantine: list[torch.Tensor]
+
+
+class Inbound:
+    """Receiver side of one connection: place pushes, deliver dones, ack each in order."""
+
+    def __init__(self, side: ReceiverSide, ep: Any) -> None:
+        self._side = side
+        self._ep = ep
+        self._spec = side.spec
+        self._staging = torch.empty(0, dtype=torch.uint8)
+        self._acks: set[asyncio.Future] = set()  # in-flight ack sends, kept referenced
+
+    async def run(self, buf: np.ndarray) -> None:
+        while True:
+            msg = await recv_ctrl(self._ep, buf)
+            if msg.kind is MsgKind.DATA:
+                error = await self._on_data(msg)
+            elif msg.kind is MsgKind.DONE:
+                self._side.deliver_done(msg.req_id, msg.extra)
+                error = None
+            else:
+                raise WireError(f"unexpected {msg.kind.name} on an open connection")
+            ack = ControlMsg(MsgKind.ACK, seq=msg.seq, req_id=msg.req_id,
+                             status=STATUS_ERROR if error else STATUS_OK,
+                             extra=(error or "").encode())
+            # Not awaited: the next header can be read while the ack goes out. A failed
+            # ack means a dead connection, which the next receive reports.
+            self._acks.add(asyncio.ensure_future(send_ctrl(self._ep, ack)))
+            self._acks = {a for a in self._acks if not a.done()}
+
+    async def _on_data(self, msg: ControlMsg) -> str | None:
+        start = time.monotonic()
+        error = self._check(msg)
+        expected = self._expected_nbytes(msg)
+        if (msg.data_nbytes != expected or expected == 0 or msg.chunk_layers == 0
+                or expected > self._cache_nbytes()):
+            # Cannot even drain the bytes safely: drop the connection.
+            raise WireError(f"DATA {msg.req_id!r} announces {msg.data_nbytes} bytes, "
+                            f"its header implies {expected}")
+        raw = self._staging_for(expected)
+        try:
+            await asyncio.wait_for(self._recv_and_place(msg, raw, error is None),
+                                   self._side.config.transfer_timeout_s)
+        except BaseException:
+            # A worker-level receive may still be posted into this buffer (aborting the
+            # endpoint does not cancel it): never reuse it, never free it.
+            self._side.quarantine.append(self._staging)
+            self._staging = torch.empty(0, dtype=torch.uint8)
+            self._side.count(False, 0, 0, 0.0)
+            raise
+        self._side.count(error is None, expected, len(msg.block_ids), time.monotonic() - start)
+        return error
+
+    async def _recv_and_place(self, msg: ControlMsg, raw: torch.Tensor, place: bool) -> None:
+        """Post every chunk's receive at once; scatter each as it lands, in order."""
+        per_layer = msg.data_nbytes // len(msg.layers)
+        chunks = layer_chunks(len(msg.layers), msg.chunk_layers)
+        recvs = [asyncio.ensure_future(self._recv_data(raw[lo * per_layer:hi * per_layer],
+                                                       (msg.data_tag + j) & TAG_MASK))
+                 for j, (lo, hi) in enumerate(chunks)]
+        staging = typed_view(raw, self._staging_shape(msg), self._spec.torch_dtype)
+        try:
+            for (lo, hi), recv in zip(chunks, recvs):
+                await recv
+                if place:
+                    scatter(staging[lo:hi], msg.block_ids, msg.layers[lo:hi],
+                            self._local_heads(msg), self._side.k_caches,
+                            self._side.v_caches)
+        finally:
+            for recv in recvs:
+                recv.cancel()
+
+    def _check(self, msg: ControlMsg) -> str | None:
+        try:
+            check_block_ids(msg.block_ids, self._side.num_blocks, "dst", unique=True)
+            check_layers(msg.layers, self._spec.num_layers)
+        except ValueError as exc:
+            return str(exc)
+        held = self._spec.local_heads
+        if not held[0] <= msg.head_range[0] < msg.head_range[1] <= held[1]:
+            return f"heads {msg.head_range} not held here ({held})"
+        return None
+
+    def _expected_nbytes(self, msg: ControlMsg) -> int:
+        heads = max(0, msg.head_range[1] - msg.head_range[0])
+        return 2 * len(msg.layers) * len(msg.block_ids) * self._spec.block_nbytes(heads)
+
+    async def _recv_data(self, raw: torch.Tensor, tag: int) -> None:
+        if self._side.worker_recv is None:
+            await self._ep.recv(as_bytes_array(raw))
+        else:
+            await self._side.worker_recv(as_bytes_array(raw), tag=tag)
+
+    def _staging_shape(self, msg: ControlMsg) -> tuple[int, ...]:
+        # [layers, K/V, blocks, heads, block_size, head_dim], as the sender gathered it
+        return (len(msg.layers), 2, len(msg.block_ids), msg.head_range[1] - msg.head_range[0],
+                self._spec.block_size, self._spec.head_dim)
+
+    def _local_heads(self, msg: ControlMsg) -> tuple[int, int]:
+        held = self._spec.local_heads[0]
+        return msg.head_range[0] - held, msg.head_range[1] - held
+
+    def _cache_nbytes(self) -> int:
+        heads = self._spec.local_heads[1] - self._spec.local_heads[0]
+        return 2 * self._spec.num_layers * self._side.num_blocks * self._spec.block_nbytes(heads)
+
+    def _staging_for(self, nbytes: int) -> torch.Tensor:
+        if self._staging.numel() < nbytes:
+            self._staging = torch.empty(nbytes, dtype=torch.uint8)
+        return self._staging

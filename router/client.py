@@ -1,0 +1,149 @@
+"""`pdserve generate`: one request to a router, its text streamed to stdout as it arrives.
+
+Owns the command line of the client and the printing of a response stream (`--json`:
+one object at the end instead). On a failed call it prints the gRPC status name and
+message to stderr and exits non-zero. It never talks to a node directly.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from dataclasses import dataclass, field
+from typing import TextIO
+
+import grpc
+import uvloop
+
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+
+DEFAULT_ADDRESS = "127.0.0.1:50051"
+_FINISH_NAMES = {
+    pdserve_pb2.FINISH_REASON_STOP: "stop",
+    pdserve_pb2.FINISH_REASON_LENGTH: "length",
+    pdserve_pb2.FINISH_REASON_ABORT: "abort",
+}
+
+
+@dataclass
+class Completion:
+    """One sample's responses, accumulated."""
+
+    request_id: str = ""
+    text: str = ""
+    token_ids: list[int] = field(default_factory=list)
+    logprobs: list[dict] = field(default_factory=list)
+    last: pdserve_pb2.GenerateResponse | None = None
+
+    def add(self, response: pdserve_pb2.GenerateResponse) -> None:
+        self.request_id = response.request_id
+        self.text += response.text
+        self.token_ids.extend(response.token_ids)
+        self.logprobs.extend(_logprobs_dict(lp) for lp in response.logprobs)
+        if response.finish_reason != pdserve_pb2.FINISH_REASON_UNSPECIFIED:
+            self.last = response
+
+    def as_dict(self) -> dict:
+        last = self.last or pdserve_pb2.GenerateResponse()
+        out = {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "finish_reason": _FINISH_NAMES.get(last.finish_reason),
+            "stop_string": last.stop_string or None,
+            "stop_token_id": last.stop_token_id if last.stop_token_id >= 0 else None,
+            "usage": _fields(last.usage),
+            "timings": _fields(last.timings),
+        }
+        if self.logprobs:
+            out["logprobs"] = self.logprobs
+        return out
+
+
+def build_request(args: argparse.Namespace) -> pdserve_pb2.GenerateRequest:
+    params = pdserve_pb2.SamplingParams(stop=args.stop, ignore_eos=args.ignore_eos)
+    for name in ("max_tokens", "temperature", "seed", "top_p", "top_k", "logprobs"):
+        value = getattr(args, name)
+        if value is not None:
+            setattr(params, name, value)
+    request = pdserve_pb2.GenerateRequest(sampling_params=params)
+    if args.token_ids is not None:
+        request.token_ids.ids.extend(args.token_ids)
+    else:
+        request.text = args.prompt
+    return request
+
+
+async def generate(
+    address: str, request: pdserve_pb2.GenerateRequest, out: TextIO | None, timeout_s: float | None = None
+) -> Completion:
+    """Stream one request's text to `out` (when given) and return what came back."""
+    completion = Completion()
+    async with grpc.aio.insecure_channel(address) as channel:
+        stub = pdserve_pb2_grpc.GenerationStub(channel)
+        async for response in stub.Generate(request, timeout=timeout_s):
+            completion.add(response)
+            if out is not None and response.text:
+                out.write(response.text)
+                out.flush()
+    return completion
+
+
+async def _run(args: argparse.Namespace) -> int:
+    request = build_request(args)
+    try:
+        completion = await generate(args.addr, request, None if args.json else sys.stdout, args.timeout_s)
+    except grpc.aio.AioRpcError as exc:
+        print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        return 1
+    if args.json:
+        print(json.dumps(completion.as_dict()))
+    else:
+        print()
+    return 0
+
+
+def _token_ids(text: str) -> list[int]:
+    try:
+        return [int(t) for t in text.split(",") if t.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"--token-ids must be comma-separated integers, got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve generate", description="generate text through a pdserve router")
+    parser.add_argument("prompt", nargs="?", help="prompt text (or use --token-ids)")
+    parser.add_argument("--addr", default=DEFAULT_ADDRESS, help="router HOST:PORT")
+    parser.add_argument("--token-ids", type=_token_ids, help="prompt as token ids, e.g. 1,2,3")
+    parser.add_argument("--max-tokens", type=int)
+    parser.add_argument("--temperature", type=float)
+    parser.add_argument("--top-p", type=float)
+    parser.add_argument("--top-k", type=int)
+    parser.add_argument("--seed", type=int)
+    parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
+    parser.add_argument("--ignore-eos", action="store_true")
+    parser.add_argument("--logprobs", type=int, help="top logprobs per token")
+    parser.add_argument("--timeout-s", type=float, help="deadline of the whole request")
+    parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    if (args.prompt is None) == (args.token_ids is None):
+        parser.error("give exactly one of PROMPT and --token-ids")
+    return uvloop.run(_run(args))
+
+
+def _logprobs_dict(lp: pdserve_pb2.TokenLogprobs) -> dict:
+    return {"token_id": lp.token_id, "logprob": lp.logprob, "top": [[t.token_id, t.logprob] for t in lp.top]}
+
+
+def _fields(message) -> dict:
+    return {f.name: getattr(message, f.name) for f in message.DESCRIPTOR.fields}
+
+
+if __name__ == "__main__":
+    sys.exit(main())

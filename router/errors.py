@@ -1,0 +1,69 @@
+"""The router's typed errors and their gRPC status codes: the one place the mapping lives.
+
+Every refusal or failure of a request is a `RouterError` subclass; the server turns it
+into a status with `status_of`, and a node's failed call becomes a `RouterError` with
+`from_node_error`. Nothing else in the router picks a status code. This module never
+talks to the network and never logs.
+"""
+
+from __future__ import annotations
+
+import grpc
+
+
+class RouterError(Exception):
+    """A request the router refuses or cannot finish; `code` is what the client sees."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
+class InvalidRequest(RouterError):
+    """Bad input; the message names the field at fault."""
+
+    code = grpc.StatusCode.INVALID_ARGUMENT
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
+class NoNodeAvailable(RouterError):
+    """No live node of a kind the request needs."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class Overloaded(RouterError):
+    """Every candidate node refused for lack of capacity."""
+
+    code = grpc.StatusCode.RESOURCE_EXHAUSTED
+
+
+class NodeFailed(RouterError):
+    """A node call failed or broke its protocol while the request was in flight."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
+class DeadlineExceeded(RouterError):
+    code = grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
+    """The status a client sees for an error (anything unexpected is INTERNAL)."""
+    if isinstance(error, RouterError):
+        return error.code, str(error)
+    return grpc.StatusCode.INTERNAL, f"internal router error: {type(error).__name__}: {error}"
+
+
+def from_node_error(role: str, address: str, error: grpc.aio.AioRpcError) -> RouterError:
+    """A node's failed call, as the router error the client should get."""
+    code = error.code()
+    detail = f"{role} node {address}: {code.name}: {error.details()}"
+    if code is grpc.StatusCode.INVALID_ARGUMENT:
+        return InvalidRequest("request", detail)  # the node refused what the router let through
+    if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+        return Overloaded(detail)
+    if code is grpc.StatusCode.DEADLINE_EXCEEDED:
+        return DeadlineExceeded(detail)
+    return NodeFailed(detail)

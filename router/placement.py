@@ -1,0 +1,154 @@
+"""Placement policies: which decode node holds a request, which prefill node computes it.
+
+Pure objects over `Candidate` snapshots (built by the registry from each node's last
+stats); they never call a node, never sleep and never read a clock they were not
+given, so every decision is unit-testable.
+
+- Decode: most free KV blocks after this router's own outstanding reservations (what it
+  asked of the node since the node's last stats), skipping a node that just refused
+  for lack of blocks until its next stats (or a cooldown).
+- Prefill: fewest queued prefill tokens (last stats + what this router sent since),
+  except that the node which last got the prompt's longest known prefix (chained
+  block hashes, `hash_block_tokens`, the nodes' block size) wins while its queue is
+  within a slack of the shortest — it will serve those blocks from its prefix cache.
+"""
+
+from __future__ import annotations
+
+import time
+from collections import OrderedDict
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from pdserve.engine.block_pool import BlockHash, hash_block_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One live node as placement sees it. `stats_seq` changes whenever new stats arrive."""
+
+    node_id: str
+    stats_seq: int
+    free_blocks: int  # num_blocks - used_blocks (reserved blocks are counted as used)
+    queued_prefill_tokens: int
+
+
+@dataclass(slots=True)
+class _Outstanding:
+    """What this router added to a node since the stats numbered `stats_seq`."""
+
+    stats_seq: int
+    amount: int = 0
+
+
+class _SinceStats:
+    """Per-node amounts this router added that the node's last stats cannot show yet."""
+
+    def __init__(self) -> None:
+        self._by_node: dict[str, _Outstanding] = {}
+
+    def get(self, c: Candidate) -> int:
+        entry = self._by_node.get(c.node_id)
+        if entry is None or entry.stats_seq != c.stats_seq:
+            return 0  # fresher stats already include it
+        return entry.amount
+
+    def add(self, c: Candidate, amount: int) -> None:
+        entry = self._by_node.get(c.node_id)
+        if entry is None or entry.stats_seq != c.stats_seq:
+            entry = self._by_node[c.node_id] = _Outstanding(c.stats_seq)
+        entry.amount = max(0, entry.amount + amount)
+
+    def forget(self, node_ids: set[str]) -> None:
+        for node_id in set(self._by_node) - node_ids:
+            del self._by_node[node_id]
+
+
+class DecodePlacement:
+    def __init__(self, exhausted_cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._cooldown_s = exhausted_cooldown_s
+        self._clock = clock
+        self._reserved = _SinceStats()
+        self._exhausted: dict[str, tuple[int, float]] = {}  # node_id -> (stats_seq, when)
+
+    def free_after_reservations(self, c: Candidate) -> int:
+        return c.free_blocks - self._reserved.get(c)
+
+    def rank(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """Nodes to ask, best first; nodes that just refused are left out."""
+        self._reserved.forget({c.node_id for c in candidates})
+        usable = [c for c in candidates if not self._recently_exhausted(c)]
+        return sorted(usable, key=lambda c: (-self.free_after_reservations(c), c.node_id))
+
+    def reserve(self, c: Candidate, num_blocks: int) -> None:
+        """This router asked `c` to hold `num_blocks` more (negative: it gave them back)."""
+        self._reserved.add(c, num_blocks)
+
+    def mark_exhausted(self, c: Candidate) -> None:
+        self._exhausted[c.node_id] = (c.stats_seq, self._clock())
+
+    def _recently_exhausted(self, c: Candidate) -> bool:
+        mark = self._exhausted.get(c.node_id)
+        if mark is None:
+            return False
+        seq, when = mark
+        if seq != c.stats_seq or self._clock() - when >= self._cooldown_s:
+            del self._exhausted[c.node_id]
+            return False
+        return True
+
+
+class PrefillPlacement:
+    def __init__(self, block_size: int, affinity_slack_tokens: int, max_affinity_entries: int) -> None:
+        self.block_size = block_size
+        self._slack = affinity_slack_tokens
+        self._max_entries = max_affinity_entries
+        self._sent = _SinceStats()
+        # Leading-block hash of some prompt -> the prefill node that last got it (LRU).
+        self._affinity: OrderedDict[BlockHash, str] = OrderedDict()
+
+    def prefix_hashes(self, prompt_token_ids: Sequence[int]) -> list[BlockHash]:
+        """Chained hashes of the prompt's full blocks, as every node's prefix cache keys them."""
+        hashes: list[BlockHash] = []
+        parent: BlockHash | None = None
+        for start in range(0, len(prompt_token_ids) - self.block_size + 1, self.block_size):
+            parent = hash_block_tokens(parent, prompt_token_ids[start : start + self.block_size])
+            hashes.append(parent)
+        return hashes
+
+    def load(self, c: Candidate) -> int:
+        return c.queued_prefill_tokens + self._sent.get(c)
+
+    def choose(self, candidates: Sequence[Candidate], prompt_token_ids: Sequence[int]) -> Candidate:
+        """Pick the node for this prompt and count the prompt against its queue."""
+        if not candidates:
+            raise ValueError("choose needs at least one candidate")
+        self._sent.forget({c.node_id for c in candidates})
+        hashes = self.prefix_hashes(prompt_token_ids)
+        least = min(candidates, key=lambda c: (self.load(c), c.node_id))
+        chosen = least
+        holder = self._affinity_holder(candidates, hashes)
+        if holder is not None and self.load(holder) <= self.load(least) + self._slack:
+            chosen = holder
+        self._remember(chosen, hashes)
+        self._sent.add(chosen, len(prompt_token_ids))
+        return chosen
+
+    def finished(self, c: Candidate, num_tokens: int) -> None:
+        """A prompt sent to `c` is done; it no longer counts against c's queue."""
+        self._sent.add(c, -num_tokens)
+
+    def _affinity_holder(self, candidates: Sequence[Candidate], hashes: list[BlockHash]) -> Candidate | None:
+        by_id = {c.node_id: c for c in candidates}
+        for block_hash in reversed(hashes):  # the longest known prefix first
+            node_id = self._affinity.get(block_hash)
+            if node_id in by_id:
+                return by_id[node_id]
+        return None
+
+    def _remember(self, c: Candidate, hashes: list[BlockHash]) -> None:
+        for block_hash in hashes:
+            self._affinity[block_hash] = c.node_id
+            self._affinity.move_to_end(block_hash)
+        while len(self._affinity) > self._max_entries:
+            self._affinity.popitem(last=False)

@@ -1,0 +1,159 @@
+"""The node registry: which prefill and decode nodes are alive, their last stats, their channels.
+
+Owns one `NodeEntry` per node (by id): kind, address, last `NodeStats`, when it was last
+heard from. Nodes register and heartbeat through the router's `Registry` service;
+static nodes (from flags) are polled with `GetStats` instead. A node not heard from
+for `heartbeat_timeout_s` is not live: a registered one is dropped (it registers again
+when its next heartbeat is answered known=false), a static one stays on the list and
+comes back when it answers again. One gRPC channel per address is cached.
+
+It never decides placement and never calls a node except for `GetStats` on static ones.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import enum
+import logging
+import math
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.proto import node_pb2, node_pb2_grpc
+from pdserve.router.placement import Candidate
+
+log = logging.getLogger(__name__)
+
+
+class NodeKind(enum.Enum):
+    PREFILL = "prefill"
+    DECODE = "decode"
+
+
+@dataclass(slots=True, eq=False)
+class NodeEntry:
+    node_id: str
+    kind: NodeKind
+    address: str
+    static: bool
+    stats: node_pb2.NodeStats | None = None
+    stats_seq: int = 0
+    last_seen: float = -math.inf
+
+    def candidate(self) -> Candidate:
+        stats = self.stats or node_pb2.NodeStats()
+        free = max(0, stats.num_blocks - stats.used_blocks)
+        return Candidate(self.node_id, self.stats_seq, free, stats.queued_prefill_tokens)
+
+
+class NodeRegistry:
+    def __init__(
+        self,
+        heartbeat_timeout_s: float,
+        channel_close_grace_s: float,
+        clock: Callable[[], float] = time.monotonic,
+        channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
+    ) -> None:
+        self._timeout_s = heartbeat_timeout_s
+        self._close_grace_s = channel_close_grace_s
+        self._clock = clock
+        self._channel_factory = channel_factory
+        self._nodes: dict[str, NodeEntry] = {}
+        self._channels: dict[str, grpc.aio.Channel] = {}
+        self._closing: set[asyncio.Task] = set()
+
+    def add_static(self, kind: NodeKind, address: str) -> NodeEntry:
+        entry = NodeEntry(f"static-{kind.value}-{address}", kind, address, static=True)
+        self._nodes[entry.node_id] = entry
+        return entry
+
+    def register(self, kind: NodeKind, address: str, node_id: str) -> NodeEntry:
+        """A node announced itself; it replaces any entry with its id or its address."""
+        node_id = node_id or f"{kind.value}-{address}"
+        replaced = [e for e in self._nodes.values() if e.node_id == node_id or e.address == address]
+        for other in replaced:
+            del self._nodes[other.node_id]
+        static = any(e.static and e.address == address for e in replaced)  # keep polling it if it goes quiet
+        entry = NodeEntry(node_id, kind, address, static, last_seen=self._clock())
+        # A fresh stats number, so placement forgets what it counted against the old entry.
+        entry.stats_seq = max((e.stats_seq + 1 for e in replaced), default=0)
+        self._nodes[node_id] = entry
+        for other in replaced:
+            self._release_channel(other.address)
+        log.info("registered %s node %s at %s", kind.value, node_id, address)
+        return entry
+
+    def heartbeat(self, node_id: str, stats: node_pb2.NodeStats) -> bool:
+        """Record a node's stats; False if the router does not know it (it must register again)."""
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            return False
+        self._update(entry, stats)
+        return True
+
+    def live(self, kind: NodeKind) -> list[NodeEntry]:
+        now = self._clock()
+        return [e for e in self._nodes.values() if e.kind is kind and now - e.last_seen <= self._timeout_s]
+
+    def get(self, node_id: str) -> NodeEntry | None:
+        return self._nodes.get(node_id)
+
+    def expire(self) -> list[NodeEntry]:
+        """Drop registered nodes silent for longer than the heartbeat timeout."""
+        now = self._clock()
+        silent = [e for e in self._nodes.values() if not e.static and now - e.last_seen > self._timeout_s]
+        for entry in silent:
+            log.warning("dropping %s node %s at %s: silent for %.1fs", entry.kind.value, entry.node_id,
+                        entry.address, now - entry.last_seen)
+            self._drop(entry)
+        return silent
+
+    def channel(self, entry: NodeEntry) -> grpc.aio.Channel:
+        channel = self._channels.get(entry.address)
+        if channel is None:
+            channel = self._channels[entry.address] = self._channel_factory(entry.address)
+        return channel
+
+    async def poll_static(self, timeout_s: float) -> None:
+        """Ask every static node for its stats; a node that answers is live again."""
+        entries = [e for e in self._nodes.values() if e.static]
+        await asyncio.gather(*(self._poll(e, timeout_s) for e in entries))
+
+    async def close(self) -> None:
+        channels = list(self._channels.values())
+        self._channels.clear()
+        self._nodes.clear()
+        await asyncio.gather(*(c.close() for c in channels), *self._closing, return_exceptions=True)
+
+    async def _poll(self, entry: NodeEntry, timeout_s: float) -> None:
+        stub_type = node_pb2_grpc.PrefillNodeStub if entry.kind is NodeKind.PREFILL else node_pb2_grpc.DecodeNodeStub
+        try:
+            stats = await stub_type(self.channel(entry)).GetStats(node_pb2.StatsRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            log.debug("static %s node %s: GetStats failed: %s", entry.kind.value, entry.address, exc.code().name)
+            return
+        if self._nodes.get(entry.node_id) is entry:
+            self._update(entry, stats)
+
+    def _update(self, entry: NodeEntry, stats: node_pb2.NodeStats) -> None:
+        entry.stats = stats
+        entry.stats_seq += 1
+        entry.last_seen = self._clock()
+
+    def _drop(self, entry: NodeEntry) -> None:
+        del self._nodes[entry.node_id]
+        self._release_channel(entry.address)
+
+    def _release_channel(self, address: str) -> None:
+        if any(e.address == address for e in self._nodes.values()):
+            return
+        channel = self._channels.pop(address, None)
+        if channel is None:
+            return
+        # Calls still in flight on it may finish (or fail on their own) within the grace.
+        task = asyncio.get_running_loop().create_task(channel.close(grace=self._close_grace_s))
+        self._closing.add(task)
+        task.add_done_callback(self._closing.discard)

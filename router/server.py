@@ -1,0 +1,212 @@
+"""The router process: the public `Generation` service and the nodes' `Registry`, on one port.
+
+Owns the grpc.aio server, the servicers (thin: validate, hand to the orchestrator or
+the registry, turn a `RouterError` into a status via `errors.status_of`), the registry
+maintenance loop, signal handling and `main(argv)` for `pdserve router`. It loads only
+the tokenizer and config of the model, never weights, and never runs model code.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+import sys
+
+import grpc
+import uvloop
+
+from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+from pdserve.router.config import DEFAULT_HOST, DEFAULT_PORT, RouterConfig
+from pdserve.router.errors import InvalidRequest, RouterError, status_of
+from pdserve.router.model import RouterModel, load_router_model
+from pdserve.router.orchestrator import Orchestrator
+from pdserve.router.placement import DecodePlacement, PrefillPlacement
+from pdserve.router.registry import NodeKind, NodeRegistry
+from pdserve.router.sample import RouterState
+from pdserve.router.validation import RequestValidator
+
+log = logging.getLogger(__name__)
+
+
+async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
+    code, message = status_of(error)
+    if not isinstance(error, RouterError):
+        log.exception("unexpected error", exc_info=error)
+    await context.abort(code, message)
+
+
+class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
+    def __init__(self, state: RouterState, validator: RequestValidator, orchestrator: Orchestrator) -> None:
+        self._state = state
+        self._validator = validator
+        self._orchestrator = orchestrator
+
+    async def Generate(self, request, context):
+        try:
+            validated = self._validator.validate(request)
+            async for response in self._orchestrator.generate(validated, context.time_remaining()):
+                yield response
+        except asyncio.CancelledError:
+            raise
+        except Exception as exc:  # noqa: BLE001 - every failure leaves as a status
+            await _abort(context, exc)
+
+    async def Tokenize(self, request, context):
+        ids = self._state.model.tokenizer.encode(request.text)
+        return pdserve_pb2.TokenizeResponse(token_ids=ids)
+
+    async def GetModelInfo(self, request, context):
+        model: RouterModel = self._state.model
+        return pdserve_pb2.ModelInfo(
+            model=model.name,
+            vocab_size=model.vocab_size,
+            max_model_len=model.max_model_len,
+            dtype=model.dtype,
+            block_size=self._state.config.block_size,
+            eos_token_ids=model.eos_token_ids,
+        )
+
+    async def Health(self, request, context):
+        registry = self._state.registry
+        prefill = len(registry.live(NodeKind.PREFILL))
+        decode = len(registry.live(NodeKind.DECODE))
+        serving = prefill > 0 and decode > 0
+        return pdserve_pb2.HealthResponse(serving=serving, prefill_nodes=prefill, decode_nodes=decode)
+
+
+class RegistryServicer(node_pb2_grpc.RegistryServicer):
+    def __init__(self, state: RouterState) -> None:
+        self._state = state
+
+    async def Register(self, request, context):
+        try:
+            kind = _node_kind(request.kind)
+            if not request.address:
+                raise InvalidRequest("address", "address must be HOST:PORT of the node's gRPC server")
+        except RouterError as exc:
+            await _abort(context, exc)
+        self._state.registry.register(kind, request.address, request.node_id)
+        return node_pb2.RegisterResponse(heartbeat_interval_ms=self._state.config.heartbeat_interval_ms)
+
+    async def Heartbeat(self, request, context):
+        return node_pb2.HeartbeatResponse(known=self._state.registry.heartbeat(request.node_id, request.stats))
+
+
+def _node_kind(name: str) -> NodeKind:
+    try:
+        return NodeKind(name)
+    except ValueError:
+        raise InvalidRequest("kind", f"kind must be 'prefill' or 'decode', got {name!r}") from None
+
+
+class RouterServer:
+    """The router's server and its background maintenance, started and stopped together."""
+
+    def __init__(self, config: RouterConfig, model: RouterModel | None = None) -> None:
+        self.config = config
+        model = model or load_router_model(config.model)
+        registry = NodeRegistry(config.heartbeat_timeout_s, config.channel_close_grace_s)
+        for address in config.prefill_addresses:
+            registry.add_static(NodeKind.PREFILL, address)
+        for address in config.decode_addresses:
+            registry.add_static(NodeKind.DECODE, address)
+        self.state = RouterState(
+            config,
+            model,
+            registry,
+            DecodePlacement(config.exhausted_cooldown_s),
+            PrefillPlacement(config.block_size, config.affinity_slack_tokens, config.max_affinity_entries),
+        )
+        self._server: grpc.aio.Server | None = None
+        self._maintenance: asyncio.Task | None = None
+        self.port: int | None = None
+
+    async def start(self) -> int:
+        """Bind and serve; returns the bound port (the OS's pick when the config says 0)."""
+        server = grpc.aio.server()
+        validator = RequestValidator(self.state.model, self.config.max_n)
+        pdserve_pb2_grpc.add_GenerationServicer_to_server(
+            GenerationServicer(self.state, validator, Orchestrator(self.state)), server
+        )
+        node_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.state), server)
+        self.port = server.add_insecure_port(self.config.address)
+        if self.port == 0:
+            raise OSError(f"could not bind the router to {self.config.address}")
+        await server.start()
+        self._server = server
+        self._maintenance = asyncio.create_task(self._maintain())
+        return self.port
+
+    async def stop(self, grace_s: float | None = None) -> None:
+        if self._maintenance is not None:
+            self._maintenance.cancel()
+            await asyncio.gather(self._maintenance, return_exceptions=True)
+        if self._server is not None:
+            await self._server.stop(self.config.shutdown_grace_s if grace_s is None else grace_s)
+        await self.state.registry.close()
+
+    async def _maintain(self) -> None:
+        registry = self.state.registry
+        while True:
+            registry.expire()
+            await registry.poll_static(self.config.stats_poll_timeout_s)
+            await asyncio.sleep(self.config.maintenance_interval_s)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="pdserve router", description="the public API and node registry")
+    parser.add_argument("--host", default=DEFAULT_HOST)
+    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: the OS picks (printed on start)")
+    parser.add_argument("--model", required=True, help="model directory (tokenizer + config only)")
+    parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a static prefill node")
+    parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a static decode node")
+    parser.add_argument("--heartbeat-timeout-s", type=float, default=RouterConfig.heartbeat_timeout_s)
+    parser.add_argument("--block-size", type=int, default=RouterConfig.block_size, help="the nodes' KV block size")
+    parser.add_argument("--log-level", default="INFO")
+    return parser
+
+
+def config_from_args(args: argparse.Namespace) -> RouterConfig:
+    return RouterConfig(
+        model=args.model,
+        host=args.host,
+        port=args.port,
+        prefill_addresses=tuple(args.prefill),
+        decode_addresses=tuple(args.decode),
+        heartbeat_timeout_s=args.heartbeat_timeout_s,
+        block_size=args.block_size,
+    )
+
+
+async def serve(config: RouterConfig) -> int:
+    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    server = RouterServer(config)
+    port = await server.start()
+    print(f"pdserve router listening on {config.host}:{port}", flush=True)
+    stopping = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGTERM, signal.SIGINT):
+        loop.add_signal_handler(sig, stopping.set)
+    try:
+        await stopping.wait()
+    finally:
+        log.info("router stopping")
+        await server.stop()
+    return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    try:
+        config = config_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return uvloop.run(serve(config))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

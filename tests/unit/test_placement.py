@@ -1,0 +1,157 @@
+"""Placement policies as pure objects: decode by free blocks after reservations, prefill by
+queued tokens with prefix affinity."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.engine.block_pool import hash_block_tokens
+from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.request import Request
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.router.placement import Candidate, DecodePlacement, PrefillPlacement
+
+BLOCK = 4
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 100.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def node(node_id: str, seq: int = 1, free: int = 0, queued: int = 0) -> Candidate:
+    return Candidate(node_id, seq, free, queued)
+
+
+def ids_of(ranked: list[Candidate]) -> list[str]:
+    return [c.node_id for c in ranked]
+
+
+# -- decode ---------------------------------------------------------------------------
+
+
+def test_decode_ranks_by_free_blocks_then_id():
+    placement = DecodePlacement(exhausted_cooldown_s=1.0)
+    ranked = placement.rank([node("a", free=10), node("b", free=30), node("c", free=30)])
+    assert ids_of(ranked) == ["b", "c", "a"]
+
+
+def test_decode_counts_its_own_reservations_until_fresh_stats():
+    placement = DecodePlacement(exhausted_cooldown_s=1.0)
+    a, b = node("a", free=30), node("b", free=20)
+    placement.reserve(a, 15)
+    assert placement.free_after_reservations(a) == 15
+    assert ids_of(placement.rank([a, b])) == ["b", "a"]
+    placement.reserve(a, -15)  # given back (refused or failed)
+    assert ids_of(placement.rank([a, b])) == ["a", "b"]
+    placement.reserve(a, 15)
+    fresh_a = node("a", seq=2, free=15)  # the node's stats now include the reservation
+    assert placement.free_after_reservations(fresh_a) == 15
+    assert ids_of(placement.rank([fresh_a, b])) == ["b", "a"]
+
+
+def test_decode_skips_a_refusing_node_until_new_stats_or_cooldown():
+    clock = Clock()
+    placement = DecodePlacement(exhausted_cooldown_s=1.0, clock=clock)
+    a, b = node("a", free=50), node("b", free=10)
+    placement.mark_exhausted(a)
+    assert ids_of(placement.rank([a, b])) == ["b"]
+    assert ids_of(placement.rank([node("a", seq=2, free=50), b])) == ["a", "b"]  # fresh stats
+    placement.mark_exhausted(a)
+    clock.now += 0.5
+    assert ids_of(placement.rank([a, b])) == ["b"]
+    clock.now += 0.5
+    assert ids_of(placement.rank([a, b])) == ["a", "b"]  # cooldown over
+
+
+def test_decode_with_every_node_refusing_ranks_none():
+    placement = DecodePlacement(exhausted_cooldown_s=1.0, clock=Clock())
+    a = node("a", free=50)
+    placement.mark_exhausted(a)
+    assert placement.rank([a]) == []
+
+
+# -- prefill --------------------------------------------------------------------------
+
+
+def prefill(slack: int = 10, max_entries: int = 1000) -> PrefillPlacement:
+    return PrefillPlacement(block_size=BLOCK, affinity_slack_tokens=slack, max_affinity_entries=max_entries)
+
+
+def test_prefix_hashes_match_the_engines_prefix_cache():
+    prompt = list(range(1, 12))  # 2 full blocks of 4 and a partial one
+    hashes = prefill().prefix_hashes(prompt)
+    first = hash_block_tokens(None, prompt[:4])
+    assert hashes == [first, hash_block_tokens(first, prompt[4:8])]
+    # A node that computed this prompt finds exactly these keys in its prefix cache.
+    kv = KVCacheManager(num_blocks=8, block_size=BLOCK, enable_caching=True)
+    request = Request("r", prompt, SamplingParams(), arrival_index=0, seed=0)
+    kv.allocate_slots(request, len(prompt))
+    request.num_computed_tokens = len(prompt)
+    kv.cache_computed_blocks(request)
+    assert [b.block_id for b in kv.pool.lookup(hashes)] == kv.block_ids("r")[:2]
+
+
+def test_prefill_picks_the_shortest_queue_and_counts_what_it_sent():
+    placement = prefill(slack=0)
+    a, b = node("a", queued=100), node("b", queued=40)
+    assert placement.choose([a, b], [1] * 50).node_id == "b"  # b: 40 + 50 = 90 now
+    assert placement.load(b) == 90
+    assert placement.choose([a, b], [2] * 20).node_id == "b"  # 90 < 100
+    assert placement.choose([a, b], [3] * 20).node_id == "a"  # 110 > 100
+    fresh_b = node("b", seq=2, queued=0)  # new stats: what was sent is now the node's own count
+    assert placement.load(fresh_b) == 0
+
+
+def test_prefill_finished_prompts_leave_the_queue():
+    placement = prefill(slack=0)
+    a = node("a")
+    placement.choose([a], [1] * 30)
+    placement.finished(a, 30)
+    assert placement.load(a) == 0
+
+
+def test_prefill_affinity_wins_within_the_slack():
+    placement = prefill(slack=10)
+    prompt = list(range(1, 17))  # 4 full blocks
+    a, b = node("a"), node("b")
+    assert placement.choose([a, b], prompt).node_id == "a"
+    placement.finished(a, len(prompt))
+    loaded_a = node("a", seq=2, queued=8)  # busier than b, but within the slack
+    assert placement.choose([loaded_a, b], prompt + [99]).node_id == "a"
+    busy_a = node("a", seq=3, queued=50)  # beyond the slack: the shortest queue wins
+    assert placement.choose([busy_a, b], prompt + [98]).node_id == "b"
+
+
+def test_prefill_affinity_prefers_the_longest_known_prefix():
+    placement = prefill(slack=1000)
+    a, b = node("a", queued=1), node("b")
+    short = list(range(1, 9))  # 2 blocks
+    long = list(range(1, 17))  # the same 2 blocks + 2 more
+    placement.choose([a], long)  # a has all 4 blocks
+    placement.choose([b], short)  # b got the first 2 blocks last
+    assert placement.choose([a, b], long + [5]).node_id == "a"
+
+
+def test_prefill_affinity_ignores_nodes_that_left():
+    placement = prefill(slack=1000)
+    a, b = node("a"), node("b")
+    prompt = list(range(1, 17))
+    placement.choose([a], prompt)
+    assert placement.choose([b], prompt).node_id == "b"  # a is gone: b is the only candidate
+    with pytest.raises(ValueError):
+        placement.choose([], prompt)
+
+
+@pytest.mark.parametrize("shared_blocks, expected", [(2, "b"), (4, "a")])
+def test_prefill_affinity_memory_is_bounded_lru(shared_blocks, expected):
+    placement = prefill(slack=1000, max_entries=3)
+    a, b = node("a", queued=5), node("b")  # a is busier: only affinity can pick it
+    prompt = list(range(1, 21))  # 5 full blocks: only the hashes of blocks 3-5 are kept
+    placement.choose([a], prompt)
+    placement.finished(a, len(prompt))
+    probe = prompt[: shared_blocks * BLOCK] + [0] * BLOCK
+    assert placement.choose([a, b], probe).node_id == expected

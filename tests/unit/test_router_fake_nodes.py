@@ -1,0 +1,260 @@
+"""The real router server, in-process, against fake prefill/decode nodes (tests/unit/router_fakes.py).
+
+Asserts what a client relies on: the streamed token ids, text and finish reasons; that
+token 1 comes from the prefill node; exact status codes for bad input, missing nodes
+and a refusing decode node; and that a stop string, a client cancellation or a
+deadline reaches the nodes as a cancellation. Everything runs on 127.0.0.1 in one
+process; every server and channel is closed even when a test fails.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import time
+
+import grpc
+import pytest
+
+from pdserve.proto import node_pb2, pdserve_pb2, pdserve_pb2_grpc
+from tests.unit.router_fakes import FAKE_DESCRIPTOR, Script, fake_nodes, generate, run, tiny_router_model
+from tests.unit.router_fakes import running_router as router
+
+LENGTH = pdserve_pb2.FINISH_REASON_LENGTH
+STOP = pdserve_pb2.FINISH_REASON_STOP
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_router_model(tmp_path_factory.mktemp("router-model"))
+
+
+@pytest.fixture(scope="module")
+def output_ids(model) -> list[int]:
+    ids = model[1].tokenizer.encode(" the quick brown fox jumps over")
+    assert 0 not in ids and len(ids) >= 6  # 0 is the tiny model's eos
+    return ids
+
+
+def text_request(text: str = "hello world", **params) -> pdserve_pb2.GenerateRequest:
+    return pdserve_pb2.GenerateRequest(text=text, sampling_params=pdserve_pb2.SamplingParams(**params))
+
+
+def scripted(ids: list[int], **kwargs) -> Script:
+    """Token 1 from the prefill node, the rest from the decode node in events of 1-2 tokens."""
+    rest = ids[1:]
+    events = [node_pb2.DecodeTokens(token_ids=rest[i : i + 2]) for i in range(0, len(rest) - 1, 2)]
+    if len(rest) % 2:
+        events.append(node_pb2.DecodeTokens(token_ids=rest[-1:]))
+    events[-1].finish_reason = LENGTH
+    events[-1].stop_token_id = -1
+    return Script(first_token=lambda index: ids[0], decode_events=lambda index: events, **kwargs)
+
+
+def test_streams_token_one_from_prefill_then_decode_tokens(model, output_ids):
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, scripted(output_ids)) as (calls, _):
+            request = text_request(max_tokens=len(output_ids), temperature=0.0)
+            request.request_id = "req-1"
+            return calls, await generate(address, request)
+
+    calls, responses = run(scenario())
+    tokenizer = model[1].tokenizer
+    assert responses[0].token_ids == [output_ids[0]]  # token 1: the prefill node's answer
+    assert [t for r in responses for t in r.token_ids] == output_ids
+    assert "".join(r.text for r in responses) == tokenizer.decode(output_ids)
+    assert [r.finish_reason for r in responses] == [0] * (len(responses) - 1) + [LENGTH]
+    assert {r.request_id for r in responses} == {"req-1"} and {r.index for r in responses} == {0}
+    last = responses[-1]
+    prompt = tokenizer.encode("hello world")
+    assert (last.usage.prompt_tokens, last.usage.completion_tokens) == (len(prompt), len(output_ids))
+    assert last.usage.cached_prompt_tokens == 16 and last.stop_token_id == -1
+    assert (last.timings.prefill_s, last.timings.kv_transfer_s, last.timings.kv_transfer_bytes) == (0.25, 0.125, 4096)
+    assert 0 < last.timings.ttft_s <= last.timings.e2e_s
+    [decode], [prefill] = calls.decode_requests, calls.prefill_requests
+    assert list(decode.prompt_token_ids) == prompt == list(prefill.prompt_token_ids)
+    assert decode.request_id == prefill.request_id and decode.request_id.startswith("req-1")
+    assert decode.seed == prefill.seed and decode.sampling_params.seed == decode.seed  # one resolved seed
+    assert decode.sampling_params.max_tokens == len(output_ids) and decode.sampling_params.n == 1
+    assert prefill.decode_kv_descriptor == FAKE_DESCRIPTOR and list(prefill.decode_block_ids) == [7, 3, 5]
+    assert not calls.cancelled
+
+
+def test_n_samples_share_the_seed_and_stream_by_index(model, output_ids):
+    per_index = {0: output_ids[:3], 1: output_ids[3:6]}
+    events = {i: [node_pb2.DecodeTokens(token_ids=ids[1:], finish_reason=LENGTH)] for i, ids in per_index.items()}
+    script = Script(first_token=lambda i: per_index[i][0], decode_events=lambda i: events[i])
+
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, script) as (calls, _):
+            return calls, await generate(address, text_request(n=2, max_tokens=3, seed=1234))
+
+    calls, responses = run(scenario())
+    for index, ids in per_index.items():
+        mine = [r for r in responses if r.index == index]
+        assert [t for r in mine for t in r.token_ids] == ids
+        assert mine[-1].finish_reason == LENGTH
+    assert sorted(r.sample_index for r in calls.decode_requests) == [0, 1]
+    assert sorted(r.sample_index for r in calls.prefill_requests) == [0, 1]
+    assert {r.seed for r in calls.decode_requests + calls.prefill_requests} == {1234}
+    assert len({r.request_id for r in calls.decode_requests}) == 2
+
+
+@pytest.mark.parametrize(
+    "request_kwargs, field",
+    [
+        ({}, "prompt must be set"),
+        ({"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p must be in (0, 1]"),
+        ({"token_ids": [5, 5000]}, "token_ids contains 5000, outside the vocabulary [0, 960)"),
+        ({"text": "hi", "sampling_params": {"max_tokens": 5000}}, "max_tokens must be <= "),
+    ],
+)
+def test_bad_requests_are_invalid_argument_naming_the_field(model, output_ids, request_kwargs, field):
+    kwargs = dict(request_kwargs)
+    if "token_ids" in kwargs:
+        kwargs["token_ids"] = pdserve_pb2.TokenIds(ids=kwargs["token_ids"])
+    if "sampling_params" in kwargs:
+        kwargs["sampling_params"] = pdserve_pb2.SamplingParams(**kwargs["sampling_params"])
+
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, scripted(output_ids)) as (calls, _):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(address, pdserve_pb2.GenerateRequest(**kwargs))
+            return calls, err.value
+
+    calls, error = run(scenario())
+    assert error.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert field in error.details()
+    assert not calls.decode_requests and not calls.prefill_requests
+
+
+def test_no_nodes_is_unavailable_at_once(model):
+    async def scenario():
+        async with router(model) as address:
+            start = time.monotonic()
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(address, text_request())
+            return err.value, time.monotonic() - start
+
+    error, elapsed = run(scenario())
+    assert error.code() is grpc.StatusCode.UNAVAILABLE
+    assert "no prefill and no decode node" in error.details()
+    assert elapsed < 2.0
+
+
+def test_decode_refusal_is_resource_exhausted_without_prefill(model, output_ids):
+    async def scenario():
+        script = scripted(output_ids, refuse_decode=True)
+        async with router(model) as address, fake_nodes(address, script) as (calls, _):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(address, text_request())
+            return calls, err.value
+
+    calls, error = run(scenario())
+    assert error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert len(calls.decode_requests) == 1 and not calls.prefill_requests
+
+
+def test_a_refusing_decode_node_is_skipped_for_the_next(model, output_ids):
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, scripted(output_ids), decode=2) as (_, nodes):
+            first, second = nodes[1].servicer, nodes[2].servicer
+            first.refuse = True  # equal free blocks: "d0" is asked first, by id
+            nodes[1].heartbeats = False  # no fresh stats: its refusal stands for the next request
+            await asyncio.sleep(0.2)
+            one = await generate(address, text_request(max_tokens=len(output_ids)))
+            two = await generate(address, text_request(max_tokens=len(output_ids)))
+            return one, two, len(first.requests), len(second.requests)
+
+    one, two, asked_first, asked_second = run(scenario())
+    for responses in (one, two):
+        assert [t for r in responses for t in r.token_ids] == output_ids
+    assert (asked_first, asked_second) == (1, 2)  # the second request skipped the full node
+
+
+def test_stop_string_ends_the_sample_and_cancels_the_decode_stream(model, output_ids):
+    events = [node_pb2.DecodeTokens(token_ids=[t]) for t in output_ids[1:]]  # never finishes by itself
+    script = Script(first_token=lambda i: output_ids[0], decode_events=lambda i: events, hang_after_events=True)
+
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, script) as (calls, _):
+            responses = await generate(address, text_request(max_tokens=50, stop=["brown"]))
+            await calls.wait_cancelled("decode", calls.decode_requests[0].request_id)
+            return responses
+
+    responses = run(scenario())
+    last = responses[-1]
+    assert (last.finish_reason, last.stop_string, last.stop_token_id) == (STOP, "brown", -1)
+    text = "".join(r.text for r in responses)
+    assert text == " the quick "
+
+
+def test_client_cancellation_reaches_both_nodes(model, output_ids):
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, scripted(output_ids, hang_prefill=True)) as (calls, _):
+            async with grpc.aio.insecure_channel(address) as channel:
+                call = pdserve_pb2_grpc.GenerationStub(channel).Generate(text_request())
+                while not calls.prefill_requests:
+                    await asyncio.sleep(0.01)
+                call.cancel()
+            req_id = calls.prefill_requests[0].request_id
+            await calls.wait_cancelled("prefill", req_id)
+            await calls.wait_cancelled("decode", req_id)
+
+    run(scenario())
+
+
+def test_deadline_cancels_both_node_calls(model, output_ids):
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, scripted(output_ids, hang_prefill=True)) as (calls, _):
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                await generate(address, text_request(), timeout_s=0.5)
+            req_id = calls.prefill_requests[0].request_id
+            await calls.wait_cancelled("prefill", req_id)
+            await calls.wait_cancelled("decode", req_id)
+            return err.value
+
+    assert run(scenario()).code() is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_token_one_can_end_the_sample(model, output_ids):
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, scripted(output_ids)) as (calls, _):
+            responses = await generate(address, text_request(max_tokens=1))
+            await calls.wait_cancelled("decode", calls.decode_requests[0].request_id)
+            return responses
+
+    [only] = run(scenario())
+    assert list(only.token_ids) == output_ids[:1] and only.finish_reason == LENGTH
+    assert only.usage.completion_tokens == 1
+
+
+def test_stop_token_from_the_decode_node(model, output_ids):
+    stop_token = output_ids[2]
+    events = [node_pb2.DecodeTokens(token_ids=output_ids[1:3], finish_reason=STOP, stop_token_id=stop_token)]
+    script = Script(first_token=lambda i: output_ids[0], decode_events=lambda i: events)
+
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, script):
+            return await generate(address, text_request(max_tokens=10, stop_token_ids=[stop_token]))
+
+    responses = run(scenario())
+    assert [t for r in responses for t in r.token_ids] == output_ids[:3]
+    assert (responses[-1].finish_reason, responses[-1].stop_token_id) == (STOP, stop_token)
+
+
+def test_decode_node_dying_mid_stream_is_unavailable(model, output_ids):
+    events = [node_pb2.DecodeTokens(token_ids=[output_ids[1]])]
+    script = Script(first_token=lambda i: output_ids[0], decode_events=lambda i: events, fail_decode_after_events=True)
+
+    async def scenario():
+        received = []
+        async with router(model) as address, fake_nodes(address, script):
+            async with grpc.aio.insecure_channel(address) as channel:
+                with pytest.raises(grpc.aio.AioRpcError) as err:
+                    async for response in pdserve_pb2_grpc.GenerationStub(channel).Generate(text_request()):
+                        received.append(response)
+        return received, err.value
+
+    received, error = run(scenario())
+    assert error.code() is grpc.StatusCode.UNAVAILABLE and "engine core died" in error.details()
+    assert [t for r in received for t in r.token_ids] == output_ids[:2]

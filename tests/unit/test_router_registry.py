@@ -1,0 +1,143 @@
+"""The node registry with a fake clock and fake channels: registration, heartbeats, expiry."""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.proto import node_pb2
+from pdserve.router.registry import NodeKind, NodeRegistry
+
+TIMEOUT_S = 2.0
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+class FakeChannel:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self.closed_with: float | None = None
+
+    async def close(self, grace: float | None = None) -> None:
+        self.closed_with = grace
+
+
+class Channels:
+    def __init__(self) -> None:
+        self.made: list[FakeChannel] = []
+
+    def __call__(self, address: str) -> FakeChannel:
+        self.made.append(FakeChannel(address))
+        return self.made[-1]
+
+
+@pytest.fixture
+def clock():
+    return Clock()
+
+
+@pytest.fixture
+def channels():
+    return Channels()
+
+
+@pytest.fixture
+def registry(clock, channels):
+    return NodeRegistry(TIMEOUT_S, channel_close_grace_s=3.0, clock=clock, channel_factory=channels)
+
+
+def stats(free: int, queued: int = 0) -> node_pb2.NodeStats:
+    return node_pb2.NodeStats(num_blocks=50, used_blocks=50 - free, queued_prefill_tokens=queued)
+
+
+def ids(entries) -> list[str]:
+    return sorted(e.node_id for e in entries)
+
+
+def test_registered_nodes_are_live_by_kind_and_carry_their_stats(registry):
+    registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
+    registry.register(NodeKind.PREFILL, "127.0.0.1:7002", "p0")
+    assert ids(registry.live(NodeKind.DECODE)) == ["d0"] and ids(registry.live(NodeKind.PREFILL)) == ["p0"]
+    before = registry.get("d0").candidate()
+    assert (before.free_blocks, before.stats_seq) == (0, 0)  # no stats yet
+    assert registry.heartbeat("d0", stats(free=20))
+    after = registry.get("d0").candidate()
+    assert (after.free_blocks, after.stats_seq) == (20, 1)
+
+
+def test_unknown_heartbeat_asks_the_node_to_register(registry):
+    assert registry.heartbeat("ghost", stats(free=1)) is False
+
+
+def test_a_silent_node_is_dropped_and_comes_back_by_registering(registry, clock):
+    registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
+    clock.now = TIMEOUT_S  # exactly the timeout: still live
+    assert ids(registry.live(NodeKind.DECODE)) == ["d0"] and registry.expire() == []
+    clock.now = TIMEOUT_S + 0.1
+    assert registry.live(NodeKind.DECODE) == []
+    assert ids(registry.expire()) == ["d0"]
+    assert registry.heartbeat("d0", stats(free=1)) is False
+    registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
+    assert ids(registry.live(NodeKind.DECODE)) == ["d0"]
+
+
+def test_heartbeats_keep_a_node_alive(registry, clock):
+    registry.register(NodeKind.PREFILL, "127.0.0.1:7002", "p0")
+    for _ in range(5):
+        clock.now += TIMEOUT_S * 0.9
+        assert registry.heartbeat("p0", stats(free=1))
+    assert registry.expire() == [] and ids(registry.live(NodeKind.PREFILL)) == ["p0"]
+
+
+def test_a_restarted_node_replaces_its_old_entry(registry):
+    registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
+    registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0-restarted")  # same address, new id
+    registry.register(NodeKind.DECODE, "127.0.0.1:7009", "d0-restarted")  # same id, new address
+    [entry] = registry.live(NodeKind.DECODE)
+    assert (entry.node_id, entry.address) == ("d0-restarted", "127.0.0.1:7009")
+
+
+def test_static_nodes_are_live_only_while_they_answer(registry, clock):
+    entry = registry.add_static(NodeKind.DECODE, "127.0.0.1:7005")
+    assert registry.live(NodeKind.DECODE) == []  # not polled yet
+    registry.heartbeat(entry.node_id, stats(free=9))  # what a successful GetStats records
+    assert ids(registry.live(NodeKind.DECODE)) == [entry.node_id]
+    clock.now += TIMEOUT_S + 1
+    assert registry.live(NodeKind.DECODE) == [] and registry.expire() == []  # silent, but kept
+    registry.heartbeat(entry.node_id, stats(free=9))
+    assert ids(registry.live(NodeKind.DECODE)) == [entry.node_id]
+
+
+def test_static_node_polling_over_grpc_marks_unreachable_nodes_not_live():
+    async def scenario():
+        registry = NodeRegistry(TIMEOUT_S, channel_close_grace_s=0.0)
+        registry.add_static(NodeKind.PREFILL, "127.0.0.1:1")  # nothing listens on port 1
+        try:
+            await registry.poll_static(timeout_s=0.5)
+            return registry.live(NodeKind.PREFILL)
+        finally:
+            await registry.close()
+
+    assert asyncio.run(scenario()) == []
+
+
+def test_channels_are_cached_per_address_and_closed_with_grace_when_the_node_goes(registry, clock, channels):
+    async def scenario():
+        entry = registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
+        assert registry.channel(entry) is registry.channel(entry)
+        clock.now += TIMEOUT_S + 1
+        registry.expire()
+        await asyncio.sleep(0)
+        await registry.close()
+
+    asyncio.run(scenario())
+    [channel] = channels.made
+    assert channel.closed_with == 3.0
+
