@@ -12,6 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel, load_model
@@ -61,12 +62,58 @@ class EngineCore:
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int = 0
     ) -> Request:
+        request = self.new_request(req_id, prompt_token_ids, params, sample_index)
+        self.scheduler.add(request)
+        return request
+
+    def new_request(
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int = 0
+    ) -> Request:
+        """Validate and register a request without scheduling it.
+
+        A decode node reserves blocks for it (`kv.allocate_slots`) and schedules it with
+        `add_prefilled` once its prompt KV has arrived, or gives it up with `detach`.
+        """
         self._validate(req_id, prompt_token_ids, params)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(req_id, list(prompt_token_ids), params, self._arrivals, seed, sample_index)
         self._arrivals += 1
         self._requests[req_id] = request
-        self.scheduler.add(request)
+        return request
+
+    def add_prefilled(self, request: Request, first_token_id: int) -> EngineCoreOutput:
+        """Schedule a `new_request` whose prompt KV is already in its blocks, with token 1.
+
+        Token 1 was sampled elsewhere (a prefill node); the token-level stop checks run on
+        it here, exactly as if this engine had sampled it. When it ends the request, the
+        output says so and the blocks are released; otherwise the request joins the
+        scheduler and decodes from token 2.
+        """
+        self._check_unscheduled(request.req_id)
+        request.num_computed_tokens = request.num_prompt_tokens
+        self.kv.cache_computed_blocks(request)
+        out = self._accept_token(request, first_token_id, None)
+        if out.finish_reason is None:
+            self.scheduler.add(request)
+        return out
+
+    def detach(self, req_id: str) -> list[KVBlock]:
+        """Forget a never-scheduled request; its blocks go to the caller, still held.
+
+        The caller frees them with `kv.pool.free` once nothing can write into them any
+        more (a decode node's reserved blocks may still be receiving a prefill's KV).
+        """
+        request = self._check_unscheduled(req_id)
+        del self._requests[req_id]
+        request.finish(FinishReason.ABORT)
+        return self.kv.take_blocks(request)
+
+    def _check_unscheduled(self, req_id: str) -> Request:
+        request = self._requests.get(req_id)
+        if request is None:
+            raise KeyError(f"unknown request {req_id!r}")
+        if request in self.scheduler.running or request in self.scheduler.waiting:
+            raise ValueError(f"request {req_id!r} is already scheduled")
         return request
 
     def abort(self, req_id: str) -> bool:
@@ -89,17 +136,19 @@ class EngineCore:
         return [self._process(s) for s in sampled]
 
     def _process(self, sampled: SampledToken) -> EngineCoreOutput:
-        request = sampled.scheduled.request
-        request.append_output_token(sampled.token_id)
-        reason = self._finish_reason(request, sampled.token_id)
+        return self._accept_token(sampled.scheduled.request, sampled.token_id, sampled.logprobs)
+
+    def _accept_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> EngineCoreOutput:
+        request.append_output_token(token_id)
+        reason = self._finish_reason(request, token_id)
         if reason is not None:
             request.finish(reason)
             self.scheduler.finish(request)
             del self._requests[request.req_id]
         return EngineCoreOutput(
             request.req_id,
-            sampled.token_id,
-            sampled.logprobs,
+            token_id,
+            logprobs,
             reason,
             request.num_prompt_tokens,
             request.num_cached_tokens,

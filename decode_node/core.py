@@ -1,0 +1,116 @@
+"""The decode node's part of the engine core: reserve, import, decode, stream.
+
+`make_policy` / `make_handler` are the hooks the core process calls (node/core.py).
+
+    DecodeSubmit ─▶ reserve blocks ─▶ Ready{descriptor, block ids} | RequestFailed
+    done message (transport.poll_done) ─▶ admit with token 1 (or end at once if token 1
+        already stops it: Tokens{[], finish_reason})
+    each step ─▶ Tokens{[token], [logprobs]} per request, the last with finish_reason
+    Abort ─▶ quarantine a reservation, or abort the running request (blocks freed)
+    a reservation's lease ─▶ RequestFailed(DEADLINE_EXCEEDED) (why: reservations.py)
+
+The colocated policy is the decode policy: requests only reach the scheduler with their
+prompt's KV present and token 1 known, so it just decodes.
+
+Must never: schedule a request before its done message, or stream token 1 (the
+prefill node returns it to the router).
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from pdserve.decode_node.reservations import Arrival, ReservationTable
+from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
+from pdserve.engine.policy import SchedulingPolicy
+from pdserve.engine.request import FinishReason, Request
+from pdserve.kv_transfer import KVDescriptor, KVTransport
+from pdserve.node.config import NodeConfig
+from pdserve.node.core_loop import Emit
+from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.kv_done import KVDone
+from pdserve.node.messages import Abort, DecodeSubmit, Logprobs, Message, Ready, RequestFailed, Tokens
+
+logger = logging.getLogger(__name__)
+
+
+class DecodeCore:
+    def __init__(self, engine: EngineCore, transport: KVTransport, table: ReservationTable, descriptor: str,
+                 emit: Emit) -> None:
+        self.engine = engine
+        self.transport = transport
+        self.table = table
+        self.descriptor = descriptor
+        self.emit = emit
+        self._admitted: dict[str, Request] = {}
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, DecodeSubmit):
+            try:
+                block_ids = self.table.reserve(msg.req_id, msg.prompt_token_ids, msg.params, msg.sample_index,
+                                               time.monotonic())
+            except NodeError as exc:
+                self.emit(RequestFailed(msg.req_id, exc.code, exc.message))
+                return
+            self.emit(Ready(msg.req_id, self.descriptor, block_ids))
+        elif isinstance(msg, Abort):
+            if not self.table.cancel(msg.req_id) and self._admitted.pop(msg.req_id, None) is not None:
+                self.engine.abort(msg.req_id)
+        else:
+            logger.warning("decode core ignores %s", type(msg).__name__)
+
+    def after_step(self, outputs: list[EngineCoreOutput]) -> None:
+        for out in outputs:
+            self._stream(out, [out.new_token_id])
+
+    def poll(self, now: float) -> None:
+        for req_id, payload in self.transport.poll_done():
+            self._arrive(req_id, payload)
+        for req_id in self.table.expire(now):
+            self.emit(RequestFailed(req_id, ErrorCode.DEADLINE_EXCEEDED,
+                                    f"the prompt's KV did not arrive within the {self.table.lease_s}s lease"))
+
+    def wants_fast_poll(self) -> bool:
+        # Done messages wake the loop (the transport's callback); leases are coarse.
+        return False
+
+    def reserved_blocks(self) -> int:
+        return self.table.num_blocks
+
+    def _arrive(self, req_id: str, payload: bytes) -> None:
+        try:
+            done = KVDone.from_bytes(payload)
+        except ValueError as exc:
+            logger.error("request %s: %s", req_id, exc)
+            if self.table.cancel(req_id):  # the sender is broken: fail, hold the blocks to the quarantine
+                self.emit(RequestFailed(req_id, ErrorCode.UNAVAILABLE, f"bad KV done message: {exc}"))
+            return
+        request = self.table.reserved_request(req_id)
+        arrival, out = self.table.arrive(req_id, done)
+        if arrival is Arrival.ABORTED:
+            self.emit(RequestFailed(req_id, ErrorCode.UNAVAILABLE, "the prefill node gave up on this request"))
+        elif arrival is Arrival.ADMITTED and out is not None and request is not None:
+            self._admitted[req_id] = request
+            self._stream(out, [])  # token 1 is the router's already; only its finish matters here
+
+    def _stream(self, out: EngineCoreOutput, token_ids: list[int]) -> None:
+        request = self._admitted.get(out.req_id)
+        reason = out.finish_reason
+        if reason is None and not token_ids:
+            return
+        if reason is not None:
+            self._admitted.pop(out.req_id, None)
+        stop_token_id = request.stop_token_id if request is not None and reason is FinishReason.STOP else None
+        self.emit(Tokens(out.req_id, token_ids, [Logprobs.of(out.logprobs)] if token_ids else [],
+                         reason.value if reason is not None else None, stop_token_id))
+
+
+def make_policy(config: NodeConfig) -> SchedulingPolicy:
+    return SchedulingPolicy()
+
+
+def make_handler(config: NodeConfig, engine: EngineCore, transport: KVTransport, descriptor: KVDescriptor,
+                 emit: Emit) -> DecodeCore:
+    table = ReservationTable(engine, config.lease_s, config.quarantine_s)
+    return DecodeCore(engine, transport, table, descriptor.to_bytes().decode(), emit)

@@ -1,0 +1,96 @@
+"""The decode node's gRPC front (`DecodeNode` service) and `pdserve decode`'s `main`.
+
+`Decode(req)` streams: first `ready{kv_descriptor, block_ids}` once the core reserved
+blocks for the prompt (or the call fails RESOURCE_EXHAUSTED at once), then `tokens`
+events for tokens 2..n, the last with finish_reason. Cancelling the call aborts the
+request in the core (a reservation whose KV has not arrived is quarantined there).
+
+Must never: run model code, or choose a status code outside node/errors.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.node.client import CoreClient
+from pdserve.node.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto, stats_to_proto
+from pdserve.node.core import CoreHooks
+from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
+from pdserve.node.messages import DecodeSubmit, Ready, RequestFailed, Tokens
+from pdserve.node.server import run_node
+from pdserve.proto import node_pb2, node_pb2_grpc
+
+
+class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
+    def __init__(self, client: CoreClient) -> None:
+        self.client = client
+
+    async def Decode(self, request: node_pb2.DecodeRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.DecodeEvent]:
+        try:
+            submit = _submit(request)
+            queue = self.client.open_stream(submit.req_id)
+        except NodeError as exc:
+            await abort_rpc(context, exc)
+        ended = False
+        try:
+            self.client.send(submit)
+            while True:
+                msg = await queue.get()
+                if isinstance(msg, RequestFailed):
+                    ended = True
+                    await abort_rpc(context, NodeError(msg.code, msg.message))
+                if isinstance(msg, Ready):
+                    yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_descriptor=msg.kv_descriptor.encode(),
+                                                                    block_ids=msg.block_ids))
+                elif isinstance(msg, Tokens):
+                    ended = msg.finish_reason is not None
+                    yield node_pb2.DecodeEvent(tokens=_tokens(msg))
+                    if ended:
+                        return
+                else:
+                    ended = True
+                    await abort_rpc(context, NodeError(ErrorCode.INTERNAL, f"unexpected {type(msg).__name__}"))
+        finally:
+            self.client.close_stream(submit.req_id)
+            if not ended:
+                self.client.abort(submit.req_id)
+
+    async def GetStats(self, request: node_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
+        try:
+            return stats_to_proto(await self.client.stats())
+        except NodeError as exc:
+            await abort_rpc(context, exc)
+
+
+def _submit(request: node_pb2.DecodeRequest) -> DecodeSubmit:
+    if not request.request_id:
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, "request_id must not be empty")
+    try:
+        params = params_from_proto(request.sampling_params, request.seed)
+    except ValueError as exc:
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"sampling_params: {exc}") from exc
+    return DecodeSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
+                        sample_index=request.sample_index)
+
+
+def _tokens(msg: Tokens) -> node_pb2.DecodeTokens:
+    logprobs = [logprobs_to_proto(t, lp) for t, lp in zip(msg.token_ids, msg.logprobs) if lp is not None]
+    stop_token_id = msg.stop_token_id if msg.stop_token_id is not None else -1
+    return node_pb2.DecodeTokens(token_ids=msg.token_ids, logprobs=logprobs,
+                                 finish_reason=finish_reason_to_proto(msg.finish_reason), stop_token_id=stop_token_id)
+
+
+def _add_servicer(server: grpc.aio.Server, client: CoreClient) -> None:
+    node_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeServicer(client), server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_node(argv, "decode", CoreHooks("pdserve.decode_node.core"), _add_servicer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

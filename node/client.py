@@ -1,0 +1,179 @@
+"""The front's side of the front ↔ core pair: spawn the core, talk to it over ZMQ IPC.
+
+Owns the core process (start, watch, stop), the two IPC sockets (a temp dir holds
+their paths), and the routing of core messages: each request's messages go to the
+asyncio queue its RPC opened with `open_stream`; stats replies resolve the future of
+their query. `send` never waits (the core drains its inbox every loop iteration), so an
+RPC's `finally` can send an `Abort` even while it is being cancelled.
+
+If the core dies, every open stream gets a `RequestFailed(INTERNAL)` and `dead` is set;
+the server then shuts the node down.
+
+Must never: run model code, or leave the core process or the socket folder behind.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+import shutil
+import tempfile
+import time
+from multiprocessing.process import BaseProcess
+
+import zmq
+import zmq.asyncio
+
+from pdserve.node.config import NodeConfig
+from pdserve.node.core import CoreAddresses, CoreHooks, start_core
+from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, FirstToken, Message, Ready, RequestFailed, Shutdown,
+                                   StatsData, StatsQuery, StatsReply, Tokens, decode, encode)
+
+logger = logging.getLogger(__name__)
+
+WATCH_INTERVAL_S = 0.5  # how often the front checks that its core process is alive
+
+
+class CoreClient:
+    def __init__(self, config: NodeConfig, hooks: CoreHooks) -> None:
+        self.config = config
+        self.hooks = hooks
+        self.kv_descriptor = ""  # the core's KVDescriptor JSON, once started
+        self.dead = asyncio.Event()
+        self._dir = tempfile.mkdtemp(prefix=f"pdserve-{config.kind}-")
+        self._addresses = CoreAddresses.in_dir(self._dir)
+        self._sync_ctx = zmq.Context()
+        self._async_ctx = zmq.asyncio.Context()
+        self._out = self._sync_ctx.socket(zmq.PUSH)
+        self._out.setsockopt(zmq.SNDHWM, 0)
+        self._in = self._async_ctx.socket(zmq.PULL)
+        self._process: BaseProcess | None = None
+        self._streams: dict[str, asyncio.Queue[Message]] = {}
+        self._stats: dict[int, asyncio.Future[StatsData]] = {}
+        self._query_ids = itertools.count()
+        self._tasks: list[asyncio.Task] = []
+
+    async def start(self) -> None:
+        """Spawn the core and wait for it to load the model and register its KV cache."""
+        self._out.bind(self._addresses.to_core)
+        self._in.bind(self._addresses.from_core)
+        self._process = start_core(self.config, self._addresses, self.hooks)
+        first = await self._first_message()
+        if isinstance(first, CoreFailed):
+            raise NodeError(ErrorCode.INTERNAL, f"engine core failed to start: {first.message}")
+        if not isinstance(first, CoreStarted):
+            raise NodeError(ErrorCode.INTERNAL, f"engine core said {type(first).__name__} before CoreStarted")
+        self.kv_descriptor = first.kv_descriptor
+        self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
+
+    async def _first_message(self) -> Message:
+        deadline = time.monotonic() + self.config.core_start_timeout_s
+        while time.monotonic() < deadline:
+            if await self._in.poll(timeout=200):
+                return decode(await self._in.recv())
+            if self._process is not None and not self._process.is_alive():
+                raise NodeError(ErrorCode.INTERNAL, f"engine core exited with {self._process.exitcode}")
+        raise NodeError(ErrorCode.INTERNAL, f"engine core did not start in {self.config.core_start_timeout_s}s")
+
+    # -- requests ----------------------------------------------------------------------
+    def open_stream(self, req_id: str) -> asyncio.Queue[Message]:
+        if self.dead.is_set():
+            raise NodeError(ErrorCode.UNAVAILABLE, "the engine core of this node is down")
+        if req_id in self._streams:
+            raise NodeError(ErrorCode.INVALID_ARGUMENT, f"request_id {req_id!r} is already in flight here")
+        queue: asyncio.Queue[Message] = asyncio.Queue()
+        self._streams[req_id] = queue
+        return queue
+
+    def close_stream(self, req_id: str) -> None:
+        self._streams.pop(req_id, None)
+
+    def send(self, msg: Message) -> None:
+        if self.dead.is_set():
+            raise NodeError(ErrorCode.UNAVAILABLE, "the engine core of this node is down")
+        self._out.send(encode(msg), zmq.NOBLOCK)
+
+    def abort(self, req_id: str) -> None:
+        """The RPC went away before its request ended: tell the core (never raises)."""
+        if not self.dead.is_set():
+            self._out.send(encode(Abort(req_id)), zmq.NOBLOCK)
+
+    async def stats(self) -> StatsData:
+        query_id = next(self._query_ids)
+        future: asyncio.Future[StatsData] = asyncio.get_running_loop().create_future()
+        self._stats[query_id] = future
+        try:
+            self.send(StatsQuery(query_id))
+            return await asyncio.wait_for(future, self.config.stats_timeout_s)
+        except TimeoutError as exc:
+            raise NodeError(ErrorCode.UNAVAILABLE, "the engine core did not answer a stats query") from exc
+        finally:
+            self._stats.pop(query_id, None)
+
+    # -- routing -----------------------------------------------------------------------
+    async def _read(self) -> None:
+        while True:
+            msg = decode(await self._in.recv())
+            if isinstance(msg, StatsReply):
+                future = self._stats.get(msg.query_id)
+                if future is not None and not future.done():
+                    future.set_result(msg.stats)
+            elif isinstance(msg, CoreFailed):
+                self._die(f"engine core failed: {msg.message}")
+                return
+            elif isinstance(msg, (Ready, FirstToken, Tokens, RequestFailed)):
+                queue = self._streams.get(msg.req_id)
+                if queue is not None:  # None: the RPC has already gone away
+                    queue.put_nowait(msg)
+            else:
+                logger.warning("unexpected %s from the engine core", type(msg).__name__)
+
+    async def _watch(self) -> None:
+        while self._process is not None and self._process.is_alive():
+            await asyncio.sleep(WATCH_INTERVAL_S)
+        self._die(f"engine core exited with {self._process.exitcode if self._process else None}")
+
+    def _die(self, reason: str) -> None:
+        if self.dead.is_set():
+            return
+        logger.error("%s", reason)
+        self.dead.set()
+        for req_id, queue in self._streams.items():
+            queue.put_nowait(RequestFailed(req_id, ErrorCode.INTERNAL, reason))
+        for future in self._stats.values():
+            if not future.done():
+                future.set_exception(NodeError(ErrorCode.UNAVAILABLE, reason))
+
+    # -- teardown ----------------------------------------------------------------------
+    async def close(self) -> None:
+        """Ask the core to stop, then make sure it has: terminate, then kill."""
+        for task in self._tasks:
+            task.cancel()
+        proc = self._process
+        if proc is not None and proc.is_alive():
+            try:
+                self._out.send(encode(Shutdown()), zmq.NOBLOCK)
+            except zmq.ZMQError:
+                pass
+            await _join(proc, self.config.core_stop_timeout_s)
+            if proc.is_alive():
+                proc.terminate()
+                await _join(proc, self.config.core_stop_timeout_s)
+            if proc.is_alive():
+                proc.kill()
+                await _join(proc, self.config.core_stop_timeout_s)
+        self._out.close(linger=0)
+        self._in.close(linger=0)
+        self._sync_ctx.term()
+        self._async_ctx.term()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+async def _join(proc: BaseProcess, timeout_s: float) -> None:
+    deadline = time.monotonic() + timeout_s
+    while proc.is_alive() and time.monotonic() < deadline:
+        await asyncio.sleep(0.05)
+    if not proc.is_alive():
+        proc.join(0)

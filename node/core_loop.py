@@ -1,0 +1,225 @@
+"""The engine-core process of a node: engine + KV transport + the step loop.
+
+Runs only in the child that node/core.py spawns. `core_main` imports the node kind's
+core module (`CoreHooks.module`: its scheduling policy and its `CoreHandler`), builds
+the `EngineCore`, registers the engine's KV caches with a `UcxTransport` (spec from the
+loaded model), says `CoreStarted` (or `CoreFailed`), then loops:
+
+    drain front messages (non-blocking; a short poll timeout only when there is no work)
+    step the engine when it has work       → handler.after_step(outputs)
+    handler.poll(now): transfers, done messages, leases
+    exit on Shutdown, or when the front process has gone
+
+Must never: block on the network (pushes and done messages are polled, a new peer is
+connected off the loop), pickle a message, or outlive its front.
+"""
+
+from __future__ import annotations
+
+import importlib
+import logging
+import os
+import signal
+import time
+from collections.abc import Callable
+from pathlib import Path
+from types import ModuleType
+from typing import Protocol
+
+import zmq
+
+from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
+from pdserve.kv_transfer import KVCacheSpec, KVTransport
+from pdserve.node.config import NodeConfig
+from pdserve.node.core import CoreAddresses, CoreHooks
+from pdserve.node.messages import (CoreFailed, CoreStarted, Message, MessageError, Shutdown, StatsQuery,
+                                   StatsReply, decode, encode)
+from pdserve.node.stats import build_stats
+
+logger = logging.getLogger(__name__)
+
+Emit = Callable[[Message], None]
+
+
+class CoreHandler(Protocol):
+    """What differs between a prefill core and a decode core."""
+
+    def handle(self, msg: Message) -> None:
+        """A request-level message from the front (submit / abort)."""
+
+    def after_step(self, outputs: list[EngineCoreOutput]) -> None:
+        """The engine just stepped (possibly sampling nothing)."""
+
+    def poll(self, now: float) -> None:
+        """Advance transfers, take done messages, enforce leases."""
+
+    def wants_fast_poll(self) -> bool:
+        """Is something outstanding that only polling advances, and soon (push acknowledgements)?"""
+
+    def reserved_blocks(self) -> int:
+        """Blocks held outside the scheduler (reservations, quarantine, blocks being sent)."""
+
+
+def kv_cache_spec(config: NodeConfig, engine: EngineCore) -> KVCacheSpec:
+    """The fingerprint names the model by its folder's name, so nodes on machines with
+    different paths to the same model still match; the shape fields catch the rest."""
+    loaded = engine.loaded
+    return KVCacheSpec(model=Path(config.model).resolve().name, dtype=config.dtype,
+                       num_layers=loaded.num_layers, num_kv_heads=loaded.num_kv_heads,
+                       head_dim=loaded.head_dim, block_size=config.block_size)
+
+
+class StopFlag:
+    """Set by SIGTERM; the loop checks it every iteration and exits cleanly."""
+
+    def __init__(self) -> None:
+        self.is_set = False
+
+    def set(self, *_: object) -> None:
+        self.is_set = True
+
+
+def core_main(config: NodeConfig, addresses: CoreAddresses, hooks: CoreHooks, front_pid: int) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {config.kind}-core %(levelname)s %(message)s")
+    # The front owns shutdown: Ctrl-C reaches the whole process group and the front answers
+    # it with Shutdown. SIGTERM (a group kill) ends the loop cleanly, transport closed.
+    stop = StopFlag()
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
+    signal.signal(signal.SIGTERM, stop.set)
+    zctx = zmq.Context()
+    inbox = zctx.socket(zmq.PULL)
+    inbox.connect(addresses.to_core)
+    outbox = zctx.socket(zmq.PUSH)
+    outbox.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow front
+    outbox.connect(addresses.from_core)
+
+    def emit(msg: Message) -> None:
+        outbox.send(encode(msg))
+
+    transport: KVTransport | None = None
+    exit_code = 0
+    try:
+        engine, transport, handler = _build(config, importlib.import_module(hooks.module), emit)
+        _CoreLoop(config, engine, transport, handler, inbox, emit, front_pid, stop).run()
+    except Exception as exc:  # startup or loop failure: tell the front, then exit
+        logger.exception("engine core failed")
+        emit(CoreFailed(f"{type(exc).__name__}: {exc}"))
+        exit_code = 1
+    finally:
+        start = time.monotonic()
+        if transport is not None:
+            transport.close()
+        inbox.close(linger=0)
+        outbox.close(linger=1000)
+        zctx.term()
+        logger.info("engine core stopped in %.2fs", time.monotonic() - start)
+    # Everything this process owns is closed; skip the interpreter's seconds-long teardown
+    # of torch and UCX so that a node stops as fast as it is asked to.
+    logging.shutdown()
+    os._exit(exit_code)
+
+
+def _build(config: NodeConfig, kind: ModuleType, emit: Emit) -> tuple[EngineCore, KVTransport, CoreHandler]:
+    from transformers.utils import logging as hf_logging
+
+    from pdserve.kv_transfer import UcxTransport  # starts UCX: only ever in the core process
+
+    # No progress bars in a server's log; their tqdm lock would also be a named semaphore
+    # in this spawned process that `os._exit` leaves for the resource tracker to reap.
+    hf_logging.disable_progress_bar()
+    engine = EngineCore(config.engine_config(), kind.make_policy(config))
+    transport = UcxTransport(config.transfer_config())
+    descriptor = transport.register(engine.runner.k_caches, engine.runner.v_caches, kv_cache_spec(config, engine))
+    handler = kind.make_handler(config, engine, transport, descriptor, emit)
+    emit(CoreStarted(kv_descriptor=descriptor.to_bytes().decode(), num_blocks=engine.num_blocks))
+    return engine, transport, handler
+
+
+class _CoreLoop:
+    def __init__(self, config: NodeConfig, engine: EngineCore, transport: KVTransport, handler: CoreHandler,
+                 inbox: zmq.Socket, emit: Emit, front_pid: int, stop: StopFlag) -> None:
+        self.config = config
+        self.engine = engine
+        self.transport = transport
+        self.handler = handler
+        self.inbox = inbox
+        self.emit = emit
+        self.front_pid = front_pid
+        self.stop = stop
+        # The transport's thread wakes an idle loop the moment a done message lands.
+        self._wake_r, self._wake_w = os.pipe()
+        os.set_blocking(self._wake_r, False)
+        os.set_blocking(self._wake_w, False)
+        transport.set_done_callback(lambda req_id, payload: self._wake())
+        self.poller = zmq.Poller()
+        self.poller.register(inbox, zmq.POLLIN)
+        self.poller.register(self._wake_r, zmq.POLLIN)
+        self._stalled = False
+
+    def run(self) -> None:
+        try:
+            while not self.stop.is_set and self._drain(self._timeout_ms()):
+                self._step()
+                self.handler.poll(time.monotonic())
+                if os.getppid() != self.front_pid:
+                    logger.warning("front process is gone; engine core exits")
+                    return
+        finally:
+            self.transport.set_done_callback(None)
+            os.close(self._wake_r)
+            os.close(self._wake_w)
+
+    def _timeout_ms(self) -> int:
+        if self.engine.has_unfinished() and not self._stalled:
+            return 0
+        if self._stalled or self.handler.wants_fast_poll():
+            return self.config.busy_poll_ms
+        return self.config.idle_poll_ms
+
+    def _drain(self, timeout_ms: int) -> bool:
+        """Handle every queued front message; False once told to shut down."""
+        events = dict(self.poller.poll(timeout_ms))
+        if self._wake_r in events:
+            _drain_pipe(self._wake_r)
+        if self.inbox not in events:
+            return True
+        while True:
+            try:
+                raw = self.inbox.recv(zmq.NOBLOCK)
+            except zmq.Again:
+                return True
+            try:
+                msg = decode(raw)
+            except MessageError as exc:  # a front bug: drop the message, keep serving
+                logger.error("%s", exc)
+                continue
+            if isinstance(msg, Shutdown):
+                return False
+            if isinstance(msg, StatsQuery):
+                stats = build_stats(self.config.kind, self.engine, self.transport, self.handler.reserved_blocks())
+                self.emit(StatsReply(msg.query_id, stats))
+                continue
+            self.handler.handle(msg)
+
+    def _step(self) -> None:
+        if not self.engine.has_unfinished():
+            self._stalled = False
+            return
+        outputs = self.engine.step()
+        self.handler.after_step(outputs)
+        # Waiting requests that no free block can admit: poll gently until blocks free up.
+        self._stalled = self.engine.has_unfinished() and not self.engine.scheduler.running
+
+    def _wake(self) -> None:
+        try:
+            os.write(self._wake_w, b"x")
+        except (BlockingIOError, OSError):
+            pass  # the pipe is full (a wake-up is pending anyway) or closed
+
+
+def _drain_pipe(fd: int) -> None:
+    try:
+        while os.read(fd, 4096):
+            pass
+    except BlockingIOError:
+        pass

@@ -1,0 +1,51 @@
+"""Typed node errors and their one mapping onto gRPC status codes.
+
+The engine core reports a failed request as an `ErrorCode` plus a message (it never
+imports grpc); the front turns that into a status with `grpc_status`, here and nowhere
+else.
+
+Must never: be bypassed by a front that picks a gRPC status code on its own.
+"""
+
+from __future__ import annotations
+
+import enum
+
+import grpc
+
+
+class ErrorCode(enum.Enum):
+    INVALID_ARGUMENT = "invalid_argument"  # the request can never be served here
+    RESOURCE_EXHAUSTED = "resource_exhausted"  # not now: too few free blocks
+    FAILED_PRECONDITION = "failed_precondition"  # KV caches of the two nodes do not match
+    UNAVAILABLE = "unavailable"  # a peer or the transfer failed; another node may succeed
+    DEADLINE_EXCEEDED = "deadline_exceeded"  # a lease ran out
+    INTERNAL = "internal"  # a bug or a dead engine core
+
+
+_GRPC_STATUS = {
+    ErrorCode.INVALID_ARGUMENT: grpc.StatusCode.INVALID_ARGUMENT,
+    ErrorCode.RESOURCE_EXHAUSTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
+    ErrorCode.FAILED_PRECONDITION: grpc.StatusCode.FAILED_PRECONDITION,
+    ErrorCode.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
+    ErrorCode.DEADLINE_EXCEEDED: grpc.StatusCode.DEADLINE_EXCEEDED,
+    ErrorCode.INTERNAL: grpc.StatusCode.INTERNAL,
+}
+
+
+class NodeError(Exception):
+    """A request failed on this node; `code` says how the caller should react."""
+
+    def __init__(self, code: ErrorCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+def grpc_status(code: ErrorCode) -> grpc.StatusCode:
+    return _GRPC_STATUS[code]
+
+
+async def abort_rpc(context: grpc.aio.ServicerContext, error: NodeError) -> None:
+    """End the RPC with the status of `error` (raises, as `context.abort` does)."""
+    await context.abort(grpc_status(error.code), error.message)

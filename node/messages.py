@@ -1,0 +1,235 @@
+"""Typed messages between a node's gRPC front and its engine-core process.
+
+One encode/decode pair (`encode`, `decode`): plain JSON tagged with the message's type
+name. Every message is a dataclass of JSON-native fields; the few nested values
+(sampling params, logprobs, error codes, stats) are rebuilt by their class's
+`from_json`. A request's life over these messages:
+
+    prefill: front ─PrefillSubmit─▶ core ─FirstToken | RequestFailed─▶ front
+    decode:  front ─DecodeSubmit─▶ core ─Ready─▶ front, then ─Tokens…(last: finish_reason)─▶
+             or ─RequestFailed─▶ at any point
+    either:  front ─Abort─▶ core (the caller went away; no answer)
+
+Must never: pickle, carry tensors, or import torch (the front imports this module).
+"""
+
+from __future__ import annotations
+
+import enum
+import json
+from dataclasses import dataclass, field, fields, is_dataclass
+from typing import Any
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node.errors import ErrorCode
+
+
+class MessageError(ValueError):
+    """Bytes that are not a message of this protocol."""
+
+
+@dataclass(slots=True)
+class Logprobs:
+    """The engine's `TokenLogprobs` of one token, as plain data."""
+
+    token_logprob: float  # of the sampled token
+    top_token_ids: list[int]  # most likely first
+    top_logprobs: list[float]
+
+    @classmethod
+    def of(cls, engine_logprobs: Any) -> Logprobs | None:
+        """From the engine's TokenLogprobs (or None); typed Any to keep torch out of the front."""
+        if engine_logprobs is None:
+            return None
+        return cls(float(engine_logprobs.token_logprob), list(engine_logprobs.top_token_ids),
+                   list(engine_logprobs.top_logprobs))
+
+
+class _Message:
+    """Default JSON rebuild: the fields are already JSON-native."""
+
+    __slots__ = ()
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> Any:
+        return cls(**body)
+
+
+# -- front -> core -------------------------------------------------------------------
+@dataclass(slots=True)
+class PrefillSubmit(_Message):
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sample_index: int
+    kv_descriptor: str  # the decode node's KVDescriptor JSON
+    dst_block_ids: list[int]  # the decode node's reserved blocks, in prompt order
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> PrefillSubmit:
+        return cls(**{**body, "params": _params(body["params"])})
+
+
+@dataclass(slots=True)
+class DecodeSubmit(_Message):
+    req_id: str
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    sample_index: int
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> DecodeSubmit:
+        return cls(**{**body, "params": _params(body["params"])})
+
+
+@dataclass(slots=True)
+class Abort(_Message):
+    req_id: str
+
+
+@dataclass(slots=True)
+class StatsQuery(_Message):
+    query_id: int
+
+
+@dataclass(slots=True)
+class Shutdown(_Message):
+    pass
+
+
+# -- core -> front -------------------------------------------------------------------
+@dataclass(slots=True)
+class CoreStarted(_Message):
+    kv_descriptor: str
+    num_blocks: int
+
+
+@dataclass(slots=True)
+class CoreFailed(_Message):
+    message: str
+
+
+@dataclass(slots=True)
+class Ready(_Message):
+    req_id: str
+    kv_descriptor: str
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class FirstToken(_Message):
+    req_id: str
+    token_id: int
+    logprobs: Logprobs | None
+    num_cached_tokens: int
+    prefill_s: float  # arrival at the core -> token 1 sampled
+    kv_transfer_s: float  # token 1 sampled -> the last push and the done message acknowledged
+    kv_transfer_bytes: int
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> FirstToken:
+        return cls(**{**body, "logprobs": _logprobs(body["logprobs"])})
+
+
+@dataclass(slots=True)
+class Tokens(_Message):
+    req_id: str
+    token_ids: list[int]
+    logprobs: list[Logprobs | None]  # one per token
+    finish_reason: str | None = None  # FinishReason.value once the request ended
+    stop_token_id: int | None = None
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> Tokens:
+        return cls(**{**body, "logprobs": [_logprobs(lp) for lp in body["logprobs"]]})
+
+
+@dataclass(slots=True)
+class RequestFailed(_Message):
+    req_id: str
+    code: ErrorCode
+    message: str
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> RequestFailed:
+        return cls(**{**body, "code": ErrorCode(body["code"])})
+
+
+@dataclass(slots=True)
+class TransferCounters:
+    bytes: int = 0
+    blocks: int = 0
+    transfers: int = 0
+    failures: int = 0
+    latency_s: float = 0.0
+
+
+@dataclass(slots=True)
+class StatsData:
+    kind: str
+    num_blocks: int
+    used_blocks: int
+    reserved_blocks: int
+    num_waiting: int
+    num_running: int
+    queued_prefill_tokens: int
+    kv_transfer: TransferCounters = field(default_factory=TransferCounters)
+    prefix_cache_queries: int = 0
+    prefix_cache_hits: int = 0
+
+
+@dataclass(slots=True)
+class StatsReply(_Message):
+    query_id: int
+    stats: StatsData
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> StatsReply:
+        stats = dict(body["stats"])
+        stats["kv_transfer"] = TransferCounters(**stats["kv_transfer"])
+        return cls(query_id=body["query_id"], stats=StatsData(**stats))
+
+
+Message = (PrefillSubmit | DecodeSubmit | Abort | StatsQuery | Shutdown | CoreStarted | CoreFailed
+           | Ready | FirstToken | Tokens | RequestFailed | StatsReply)
+
+_TYPES: dict[str, type[_Message]] = {
+    cls.__name__: cls
+    for cls in (PrefillSubmit, DecodeSubmit, Abort, StatsQuery, Shutdown, CoreStarted, CoreFailed,
+                Ready, FirstToken, Tokens, RequestFailed, StatsReply)
+}
+
+
+def encode(msg: Message) -> bytes:
+    name = type(msg).__name__
+    if name not in _TYPES:
+        raise MessageError(f"{name} is not a node message")
+    return json.dumps({"type": name, "body": _plain(msg)}, separators=(",", ":")).encode()
+
+
+def decode(raw: bytes) -> Message:
+    try:
+        data = json.loads(raw)
+        cls = _TYPES[data["type"]]
+        return cls.from_json(data["body"])
+    except (ValueError, KeyError, TypeError) as exc:
+        raise MessageError(f"not a node message: {exc!r}") from exc
+
+
+def _plain(value: Any) -> Any:
+    if is_dataclass(value) and not isinstance(value, type):
+        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
+    if isinstance(value, enum.Enum):
+        return value.value
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _params(body: dict[str, Any]) -> SamplingParams:
+    return SamplingParams(**body)
+
+
+def _logprobs(body: dict[str, Any] | None) -> Logprobs | None:
+    return None if body is None else Logprobs(**body)
+

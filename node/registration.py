@@ -1,0 +1,91 @@
+"""Registration with the router: Register once, then Heartbeat with NodeStats.
+
+The router's `Registry` learns the node's real `host:port`, kind and id, then gets a
+heartbeat every `heartbeat_interval_s` (or the interval the router asks for) carrying
+the node's `NodeStats`. A heartbeat answered `known=false` (the router restarted or
+timed the node out) makes the node register again. While the router is unreachable the
+task keeps retrying quietly (debug logs, one info line per outage).
+
+Must never: stop retrying while the node is up, or hold the node's startup hostage.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections.abc import Awaitable, Callable
+
+import grpc
+
+from pdserve.node.config import NodeConfig
+from pdserve.node.convert import stats_to_proto
+from pdserve.node.errors import NodeError
+from pdserve.node.messages import StatsData
+from pdserve.proto import node_pb2, node_pb2_grpc
+
+logger = logging.getLogger(__name__)
+
+# Reconnect to a router that comes up late within about a second, not gRPC's 2-minute backoff.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+class _Registration:
+    def __init__(self, config: NodeConfig, address: str, get_stats: Callable[[], Awaitable[StatsData]],
+                 stub: node_pb2_grpc.RegistryStub) -> None:
+        self.config = config
+        self.address = address
+        self.node_id = config.resolved_node_id(address)
+        self.get_stats = get_stats
+        self.stub = stub
+        self.interval_s = config.heartbeat_interval_s
+        self.registered = False
+        self.reachable = True
+
+    async def beat(self) -> None:
+        """Register if needed, then one heartbeat."""
+        timeout = self.config.registry_rpc_timeout_s
+        if not self.registered:
+            request = node_pb2.RegisterRequest(kind=self.config.kind, address=self.address, node_id=self.node_id)
+            reply = await self.stub.Register(request, timeout=timeout)
+            self.interval_s = reply.heartbeat_interval_ms / 1000 or self.config.heartbeat_interval_s
+            self.registered = True
+            logger.info("registered %s node %s (%s) with the router at %s", self.config.kind, self.node_id,
+                        self.address, self.config.router)
+        stats = stats_to_proto(await self.get_stats())
+        reply = await self.stub.Heartbeat(node_pb2.HeartbeatRequest(node_id=self.node_id, stats=stats),
+                                          timeout=timeout)
+        self.reachable = True
+        if not reply.known:
+            logger.info("the router forgot node %s; registering again", self.node_id)
+            self.registered = False
+
+    def failed(self, exc: Exception) -> None:
+        self.registered = False
+        if self.reachable:
+            logger.info("router %s unreachable; retrying quietly (%s)", self.config.router, _short(exc))
+        else:
+            logger.debug("router %s still unreachable: %s", self.config.router, _short(exc))
+        self.reachable = False
+
+
+async def run_registration(config: NodeConfig, address: str,
+                           get_stats: Callable[[], Awaitable[StatsData]]) -> None:
+    """Runs until cancelled."""
+    async with grpc.aio.insecure_channel(config.router, options=_CHANNEL_OPTIONS) as channel:
+        registration = _Registration(config, address, get_stats, node_pb2_grpc.RegistryStub(channel))
+        while True:
+            try:
+                await registration.beat()
+            except (grpc.aio.AioRpcError, NodeError) as exc:
+                registration.failed(exc)
+            await asyncio.sleep(registration.interval_s)
+
+
+def _short(exc: Exception) -> str:
+    if isinstance(exc, grpc.aio.AioRpcError):
+        return f"{exc.code().name}: {exc.details()}"
+    return str(exc)

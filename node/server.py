@@ -1,0 +1,87 @@
+"""Running one node: core process + gRPC front + registration, until a signal.
+
+`run_node(argv, kind, hooks, add_servicer)` is the body of `pdserve prefill|decode`:
+parse the flags, start the engine core (and wait for its model and KV cache), serve
+gRPC on `host:port` (port 0: the OS picks; the line `pdserve <kind> node listening on
+HOST:PORT` on stdout says which), register with the router and heartbeat, then on
+SIGINT/SIGTERM (or a dead core) stop the server, the core and the registration.
+
+Must never: bind anything but the configured host (127.0.0.1 by default), or exit
+leaving the core process running.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import signal
+import time
+from collections.abc import Callable
+
+import grpc
+import uvloop
+
+from pdserve.node.client import CoreClient
+from pdserve.node.config import NodeConfig, parse_node_args
+from pdserve.node.core import CoreHooks
+from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.registration import run_registration
+
+logger = logging.getLogger(__name__)
+
+AddServicer = Callable[[grpc.aio.Server, CoreClient], None]
+
+
+def run_node(argv: list[str] | None, kind: str, hooks: CoreHooks, add_servicer: AddServicer) -> int:
+    config = parse_node_args(argv, kind)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind}-node %(levelname)s %(message)s")
+    return uvloop.run(serve_node(config, hooks, add_servicer))
+
+
+async def serve_node(config: NodeConfig, hooks: CoreHooks, add_servicer: AddServicer) -> int:
+    client = CoreClient(config, hooks)
+    server: grpc.aio.Server | None = None
+    registration: asyncio.Task | None = None
+    try:
+        await client.start()
+        server = grpc.aio.server()
+        add_servicer(server, client)
+        port = _bind(server, config)
+        await server.start()
+        address = f"{config.host}:{port}"
+        print(f"pdserve {config.kind} node listening on {address}", flush=True)
+        registration = asyncio.create_task(run_registration(config, address, client.stats))
+        await _until_stopped(client)
+        return 1 if client.dead.is_set() else 0
+    except NodeError as exc:
+        logger.error("%s", exc.message)
+        return 1
+    finally:
+        start = time.monotonic()
+        if registration is not None:
+            registration.cancel()
+        if server is not None:
+            await server.stop(config.grace_s)
+        logger.info("gRPC server stopped in %.2fs", time.monotonic() - start)
+        await client.close()
+        logger.info("%s node stopped in %.2fs", config.kind, time.monotonic() - start)
+
+
+def _bind(server: grpc.aio.Server, config: NodeConfig) -> int:
+    try:
+        return server.add_insecure_port(f"{config.host}:{config.port}")
+    except RuntimeError as exc:
+        raise NodeError(ErrorCode.UNAVAILABLE, f"cannot listen on {config.host}:{config.port}: {exc}") from exc
+
+
+async def _until_stopped(client: CoreClient) -> None:
+    stop = asyncio.Event()
+    loop = asyncio.get_running_loop()
+    for sig in (signal.SIGINT, signal.SIGTERM):
+        loop.add_signal_handler(sig, stop.set)
+    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(client.dead.wait())]
+    try:
+        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+    finally:
+        for waiter in waiters:
+            waiter.cancel()

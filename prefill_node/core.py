@@ -1,0 +1,115 @@
+"""The prefill node's part of the engine core: admit prefills, export their KV.
+
+`make_policy` / `make_handler` are the hooks the core process calls (node/core.py).
+`PrefillCore.handle` checks a `PrefillSubmit` against the decode node's descriptor
+(its block ids must name exactly one reserved block per prompt block, inside its
+cache), adds the request to the engine (prefill-only policy) and hands it to the
+exporter; everything after that is the exporter's.
+
+Must never: answer a request itself once the exporter has it, or free blocks.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import time
+from concurrent.futures import ThreadPoolExecutor
+
+from pdserve.engine.engine_core import EngineCore, EngineCoreOutput, RequestRejected
+from pdserve.engine.policy import SchedulingPolicy
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import KVDescriptor, KVTransport
+from pdserve.node.config import NodeConfig
+from pdserve.node.core_loop import Emit
+from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.messages import Abort, Message, PrefillSubmit, RequestFailed
+from pdserve.prefill_node.exporter import KVExporter
+from pdserve.prefill_node.peers import PeerConnections
+from pdserve.prefill_node.policy import PrefillPolicy
+
+logger = logging.getLogger(__name__)
+
+
+class PrefillCore:
+    def __init__(self, engine: EngineCore, exporter: KVExporter, emit: Emit) -> None:
+        self.engine = engine
+        self.exporter = exporter
+        self.emit = emit
+
+    def handle(self, msg: Message) -> None:
+        if isinstance(msg, PrefillSubmit):
+            try:
+                self._submit(msg)
+            except NodeError as exc:
+                self.emit(RequestFailed(msg.req_id, exc.code, exc.message))
+        elif isinstance(msg, Abort):
+            self.exporter.abort(msg.req_id)
+        else:
+            logger.warning("prefill core ignores %s", type(msg).__name__)
+
+    def _submit(self, msg: PrefillSubmit) -> None:
+        if self.exporter.is_tracking(msg.req_id):
+            # Its blocks may still be read by pushes: the id is taken until they finish.
+            raise NodeError(ErrorCode.INVALID_ARGUMENT, f"request_id {msg.req_id!r} is still being exported here")
+        descriptor = _descriptor(msg.kv_descriptor)
+        _check_dst_blocks(msg, descriptor, self.engine.kv.blocks_needed(len(msg.prompt_token_ids)))
+        try:
+            request = self.engine.add_request(msg.req_id, msg.prompt_token_ids, prefill_params(msg.params),
+                                              msg.sample_index)
+        except RequestRejected as exc:
+            raise NodeError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+        self.exporter.track(request, descriptor, msg.dst_block_ids, time.monotonic())
+
+    def after_step(self, outputs: list[EngineCoreOutput]) -> None:
+        self.exporter.after_step(outputs, time.monotonic())
+
+    def poll(self, now: float) -> None:
+        self.exporter.poll(now)
+
+    def wants_fast_poll(self) -> bool:
+        return self.exporter.has_pending()  # push acks arrive without waking the loop
+
+    def reserved_blocks(self) -> int:
+        return self.exporter.held_blocks()
+
+
+def prefill_params(params: SamplingParams) -> SamplingParams:
+    """The params this node runs: the same draw for token 1, capacity checked for the prompt only.
+
+    A prefill node samples one token, so `max_tokens` would only make the engine refuse
+    prompts whose *decode* would not fit here. Token 1's min_tokens masking depends only
+    on whether min_tokens >= 1, which `min(min_tokens, 1)` keeps.
+    """
+    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+
+
+def _descriptor(raw: str) -> KVDescriptor:
+    try:
+        return KVDescriptor.from_bytes(raw.encode())
+    except (ValueError, KeyError, TypeError) as exc:
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"decode_kv_descriptor is not a KV descriptor: {exc}") from exc
+
+
+def _check_dst_blocks(msg: PrefillSubmit, descriptor: KVDescriptor, num_needed: int) -> None:
+    ids = msg.dst_block_ids
+    if len(ids) != num_needed:
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"decode_block_ids has {len(ids)} blocks; a prompt of "
+                                                    f"{len(msg.prompt_token_ids)} tokens needs {num_needed}")
+    if len(set(ids)) != len(ids) or not all(0 <= b < descriptor.num_blocks for b in ids):
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"decode_block_ids must be distinct ids in "
+                                                    f"[0, {descriptor.num_blocks})")
+
+
+def make_policy(config: NodeConfig) -> SchedulingPolicy:
+    return PrefillPolicy()
+
+
+def make_handler(config: NodeConfig, engine: EngineCore, transport: KVTransport, descriptor: KVDescriptor,
+                 emit: Emit) -> PrefillCore:
+    policy = engine.scheduler.policy
+    if not isinstance(policy, PrefillPolicy):
+        raise TypeError(f"a prefill core needs the PrefillPolicy, got {type(policy).__name__}")
+    # One worker: connecting to a new decode node never stalls the step loop.
+    peers = PeerConnections(transport, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-kv-connect"))
+    return PrefillCore(engine, KVExporter(engine, policy, transport, peers, config.lease_s, emit), emit)

@@ -1,0 +1,92 @@
+"""The prefill node's gRPC front (`PrefillNode` service) and `pdserve prefill`'s `main`.
+
+`Prefill(req)` hands the request to the engine core (which runs the prompt and pushes
+its KV into the decode node's reserved blocks) and answers token 1 once every push and
+the done message are acknowledged. Cancelling the call aborts the request in the core.
+
+Must never: run model code, or choose a status code outside node/errors.py.
+"""
+
+from __future__ import annotations
+
+import sys
+
+import grpc
+
+from pdserve.node.client import CoreClient
+from pdserve.node.convert import logprobs_to_proto, params_from_proto, stats_to_proto
+from pdserve.node.core import CoreHooks
+from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
+from pdserve.node.messages import FirstToken, PrefillSubmit, RequestFailed
+from pdserve.node.server import run_node
+from pdserve.proto import node_pb2, node_pb2_grpc
+
+
+class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
+    def __init__(self, client: CoreClient) -> None:
+        self.client = client
+
+    async def Prefill(self, request: node_pb2.PrefillRequest,
+                      context: grpc.aio.ServicerContext) -> node_pb2.PrefillResponse:
+        try:
+            submit = _submit(request)
+            queue = self.client.open_stream(submit.req_id)
+        except NodeError as exc:
+            await abort_rpc(context, exc)
+        answered = False
+        try:
+            self.client.send(submit)
+            reply = await queue.get()
+            answered = True
+            if isinstance(reply, RequestFailed):
+                await abort_rpc(context, NodeError(reply.code, reply.message))
+            if not isinstance(reply, FirstToken):
+                await abort_rpc(context, NodeError(ErrorCode.INTERNAL, f"unexpected {type(reply).__name__}"))
+            return _response(reply)
+        finally:
+            self.client.close_stream(submit.req_id)
+            if not answered:
+                self.client.abort(submit.req_id)
+
+    async def GetStats(self, request: node_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
+        try:
+            return stats_to_proto(await self.client.stats())
+        except NodeError as exc:
+            await abort_rpc(context, exc)
+
+
+def _submit(request: node_pb2.PrefillRequest) -> PrefillSubmit:
+    if not request.request_id:
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, "request_id must not be empty")
+    try:
+        params = params_from_proto(request.sampling_params, request.seed)
+    except ValueError as exc:
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"sampling_params: {exc}") from exc
+    try:
+        descriptor = request.decode_kv_descriptor.decode()
+    except UnicodeDecodeError as exc:
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, "decode_kv_descriptor is not UTF-8 JSON") from exc
+    return PrefillSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
+                         sample_index=request.sample_index, kv_descriptor=descriptor,
+                         dst_block_ids=list(request.decode_block_ids))
+
+
+def _response(reply: FirstToken) -> node_pb2.PrefillResponse:
+    response = node_pb2.PrefillResponse(first_token_id=reply.token_id, num_cached_tokens=reply.num_cached_tokens,
+                                        prefill_s=reply.prefill_s, kv_transfer_s=reply.kv_transfer_s,
+                                        kv_transfer_bytes=reply.kv_transfer_bytes)
+    if reply.logprobs is not None:
+        response.logprobs.CopyFrom(logprobs_to_proto(reply.token_id, reply.logprobs))
+    return response
+
+
+def _add_servicer(server: grpc.aio.Server, client: CoreClient) -> None:
+    node_pb2_grpc.add_PrefillNodeServicer_to_server(PrefillServicer(client), server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_node(argv, "prefill", CoreHooks("pdserve.prefill_node.core"), _add_servicer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,278 @@
+"""One real prefill node and one real decode node (processes on 127.0.0.1), no router.
+
+The test plays the router: Decode → READY{descriptor, block ids} → Prefill(descriptor,
+block ids) → token 1 from the Prefill response, tokens 2..n from the Decode stream.
+It checks what the router relies on: greedy tokens identical to transformers, both
+nodes ending with zero blocks in use, exact KV byte counts on both sides, and a
+cancelled Decode stream freeing its blocks within a second. The nodes are pointed at a
+router address where nothing listens: they must keep retrying quietly.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import importlib.util
+import os
+import random
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import pytest
+import torch
+
+from pdserve.engine.model_factory import make_model
+from pdserve.engine.model_loader import load_model
+from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
+from tests.integration.reference import assert_matches, greedy_references
+
+pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
+
+START_TIMEOUT_S = 240.0  # two nodes importing torch and loading a model on a shared 2-core box
+RPC_TIMEOUT_S = 60.0
+BLOCK_SIZE = 16
+PROMPT_LENGTHS = [1, 7, 16, 17, 40, 64, 100, 130]
+MAX_TOKENS = [8, 12, 16, 5, 20, 9, 14, 10]
+SEED = 1234
+
+
+class Node:
+    def __init__(self, kind: str, model_dir: Path, router: str, log_dir: Path) -> None:
+        self.kind = kind
+        self.log_path = log_dir / f"{kind}.log"
+        self.out_path = log_dir / f"{kind}.out"
+        self._log = open(self.log_path, "w")
+        self._out = open(self.out_path, "w")
+        args = [sys.executable, "-m", f"pdserve.{kind}_node.server", "--model", str(model_dir), "--port", "0",
+                "--router", router, "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--num-blocks", "128",
+                "--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--threads", "1", "--lease-s", "20"]
+        # Own session: teardown signals the whole group (front and its engine-core child).
+        self.proc = subprocess.Popen(args, stdout=self._out, stderr=self._log, start_new_session=True)
+        self.address = ""
+
+    def wait_listening(self, deadline: float) -> None:
+        while time.monotonic() < deadline:
+            for line in self.out_path.read_text().splitlines():
+                if "listening on" in line:
+                    self.address = line.rsplit(" ", 1)[-1].strip()
+                    return
+            if self.proc.poll() is not None:
+                break
+            time.sleep(0.2)
+        raise AssertionError(f"{self.kind} node did not start:\n{self.log_path.read_text()[-4000:]}")
+
+    def signal(self, sig: int) -> None:
+        try:
+            os.killpg(self.proc.pid, sig)
+        except ProcessLookupError:
+            pass
+
+    def gone(self) -> bool:
+        return self.proc.poll() is not None and not _group_alive(self.proc.pid)
+
+    def close_logs(self) -> None:
+        self._log.close()
+        self._out.close()
+
+
+def stop_all(nodes: list[Node]) -> None:
+    """SIGTERM every node's group, then SIGKILL whatever is left; never leaves a process behind."""
+    for sig, wait_s in ((signal.SIGTERM, 20.0), (signal.SIGKILL, 10.0)):
+        for node in nodes:
+            if not node.gone():
+                node.signal(sig)
+        deadline = time.monotonic() + wait_s
+        while time.monotonic() < deadline and not all(node.gone() for node in nodes):
+            time.sleep(0.1)
+    for node in nodes:
+        node.close_logs()
+
+
+def _group_alive(pgid: int) -> bool:
+    try:
+        os.killpg(pgid, 0)
+        return True
+    except (ProcessLookupError, PermissionError):
+        return False
+
+
+def _unused_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def model_dir(tmp_path_factory) -> Path:
+    return make_model(tmp_path_factory.mktemp("model"), "llama", "tiny", dtype=torch.float32)
+
+
+@pytest.fixture(scope="module")
+def nodes(model_dir, tmp_path_factory):
+    logs = tmp_path_factory.mktemp("logs")
+    router = f"127.0.0.1:{_unused_port()}"  # nothing listens here
+    started: list[Node] = []
+    try:
+        for kind in ("decode", "prefill"):
+            started.append(Node(kind, model_dir, router, logs))
+        deadline = time.monotonic() + START_TIMEOUT_S
+        for node in started:
+            node.wait_listening(deadline)
+        yield {node.kind: node for node in started}
+    finally:
+        stop_all(started)
+
+
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(5, 900) for _ in range(n)] for n in PROMPT_LENGTHS]
+
+
+def sampling(max_tokens: int) -> pdserve_pb2.SamplingParams:
+    return pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+async def play_router(channels, req_id: str, prompt: list[int], max_tokens: int) -> list[int]:
+    decode = node_pb2_grpc.DecodeNodeStub(channels["decode"])
+    prefill = node_pb2_grpc.PrefillNodeStub(channels["prefill"])
+    params = sampling(max_tokens)
+    call = decode.Decode(node_pb2.DecodeRequest(request_id=req_id, prompt_token_ids=prompt, sampling_params=params,
+                                                seed=SEED), timeout=RPC_TIMEOUT_S)
+    first = await call.read()
+    assert first.WhichOneof("event") == "ready"
+    assert len(first.ready.block_ids) == -(-len(prompt) // BLOCK_SIZE)
+    reply = await prefill.Prefill(node_pb2.PrefillRequest(
+        request_id=req_id, prompt_token_ids=prompt, sampling_params=params, seed=SEED,
+        decode_kv_descriptor=first.ready.kv_descriptor, decode_block_ids=first.ready.block_ids), timeout=RPC_TIMEOUT_S)
+    tokens = [reply.first_token_id]
+    while True:
+        event = await call.read()
+        assert event is not grpc.aio.EOF, f"{req_id}: the stream ended without a finish_reason"
+        tokens += event.tokens.token_ids
+        if event.tokens.finish_reason != pdserve_pb2.FINISH_REASON_UNSPECIFIED:
+            assert event.tokens.finish_reason == pdserve_pb2.FINISH_REASON_LENGTH
+            return tokens
+
+
+async def get_stats(channels) -> dict[str, node_pb2.NodeStats]:
+    return {kind: await node_pb2_grpc.DecodeNodeStub(ch).GetStats(node_pb2.StatsRequest(), timeout=10)
+            if kind == "decode" else await node_pb2_grpc.PrefillNodeStub(ch).GetStats(node_pb2.StatsRequest(),
+                                                                                     timeout=10)
+            for kind, ch in channels.items()}
+
+
+async def wait_idle(channels, within_s: float) -> tuple[dict[str, node_pb2.NodeStats], float]:
+    start = time.monotonic()
+    while True:
+        stats = await get_stats(channels)
+        if all(s.used_blocks == 0 and s.reserved_blocks == 0 for s in stats.values()):
+            return stats, time.monotonic() - start
+        if time.monotonic() - start > within_s:
+            return stats, time.monotonic() - start
+        await asyncio.sleep(0.02)
+
+
+def run_async(nodes, body):
+    async def main():
+        channels = {kind: grpc.aio.insecure_channel(node.address) for kind, node in nodes.items()}
+        try:
+            return await body(channels)
+        finally:
+            for channel in channels.values():
+                await channel.close()
+
+    return asyncio.run(main())
+
+
+def test_concurrent_requests_are_token_exact_and_free_every_block(nodes, model_dir):
+    loaded = load_model(model_dir, torch.float32)
+    block_bytes = 2 * loaded.num_layers * loaded.num_kv_heads * BLOCK_SIZE * loaded.head_dim * 4
+    all_prompts = prompts()
+
+    async def body(channels):
+        before = await get_stats(channels)
+        outputs = await asyncio.gather(*(play_router(channels, f"req-{i}", p, n)
+                                         for i, (p, n) in enumerate(zip(all_prompts, MAX_TOKENS))))
+        after, _ = await wait_idle(channels, within_s=5.0)
+        return before, outputs, after
+
+    before, outputs, after = run_async(nodes, body)
+    assert_matches(outputs, greedy_references(model_dir, all_prompts, MAX_TOKENS))
+    assert after["prefill"].used_blocks == 0 and after["decode"].used_blocks == 0
+    assert after["decode"].reserved_blocks == 0
+    expected = sum(-(-n // BLOCK_SIZE) for n in PROMPT_LENGTHS) * block_bytes
+    sent = after["prefill"].kv_transfer.bytes - before["prefill"].kv_transfer.bytes
+    received = after["decode"].kv_transfer.bytes - before["decode"].kv_transfer.bytes
+    assert sent == expected and received == expected
+    assert after["prefill"].kv_transfer.failures == 0
+
+
+def test_cancelling_a_decode_stream_frees_its_blocks_within_a_second(nodes):
+    prompt = prompts()[-1]
+
+    async def body(channels):
+        decode = node_pb2_grpc.DecodeNodeStub(channels["decode"])
+        prefill = node_pb2_grpc.PrefillNodeStub(channels["prefill"])
+        params = sampling(1000)
+        call = decode.Decode(node_pb2.DecodeRequest(request_id="cancel-me", prompt_token_ids=prompt,
+                                                    sampling_params=params, seed=SEED), timeout=RPC_TIMEOUT_S)
+        ready = (await call.read()).ready
+        await prefill.Prefill(node_pb2.PrefillRequest(
+            request_id="cancel-me", prompt_token_ids=prompt, sampling_params=params, seed=SEED,
+            decode_kv_descriptor=ready.kv_descriptor, decode_block_ids=ready.block_ids), timeout=RPC_TIMEOUT_S)
+        for _ in range(3):
+            event = await call.read()
+            assert event.tokens.finish_reason == pdserve_pb2.FINISH_REASON_UNSPECIFIED
+        busy = (await get_stats(channels))["decode"]
+        call.cancel()
+        stats, elapsed = await wait_idle(channels, within_s=1.0)
+        return busy, stats, elapsed
+
+    busy, stats, elapsed = run_async(nodes, body)
+    assert busy.used_blocks > 0 and busy.num_running == 1
+    assert stats["decode"].used_blocks == 0 and stats["decode"].num_running == 0, stats["decode"]
+    assert elapsed <= 1.0
+
+
+def test_a_reservation_cancelled_before_its_kv_is_freed_by_the_done_message(nodes):
+    prompt = prompts()[-2]
+
+    async def body(channels):
+        decode = node_pb2_grpc.DecodeNodeStub(channels["decode"])
+        prefill = node_pb2_grpc.PrefillNodeStub(channels["prefill"])
+        params = sampling(8)
+        call = decode.Decode(node_pb2.DecodeRequest(request_id="early-cancel", prompt_token_ids=prompt,
+                                                    sampling_params=params, seed=SEED), timeout=RPC_TIMEOUT_S)
+        ready = (await call.read()).ready
+        call.cancel()  # before any KV: the prefill may still write, so the blocks stay held
+        await asyncio.sleep(0.2)
+        quarantined = (await get_stats(channels))["decode"]
+        await prefill.Prefill(node_pb2.PrefillRequest(
+            request_id="early-cancel", prompt_token_ids=prompt, sampling_params=params, seed=SEED,
+            decode_kv_descriptor=ready.kv_descriptor, decode_block_ids=ready.block_ids), timeout=RPC_TIMEOUT_S)
+        stats, _ = await wait_idle(channels, within_s=2.0)
+        return len(ready.block_ids), quarantined, stats
+
+    num_blocks, quarantined, stats = run_async(nodes, body)
+    assert quarantined.reserved_blocks == num_blocks and quarantined.used_blocks == num_blocks
+    assert stats["decode"].used_blocks == 0 and stats["decode"].reserved_blocks == 0
+    assert stats["prefill"].used_blocks == 0
+
+
+def test_the_front_never_imports_torch():
+    code = ("import sys, pdserve.prefill_node.server, pdserve.decode_node.server; "
+            "print(sorted(m for m in ('torch', 'transformers', 'ucxx') if m in sys.modules))")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
+    assert out.stdout.strip() == "[]"
+
+
+def test_registration_retries_quietly_without_a_router(nodes):
+    for node in nodes.values():
+        log = node.log_path.read_text()
+        assert node.proc.poll() is None, log[-2000:]
+        assert log.count("unreachable") <= 1, log[-2000:]
+        assert "Traceback" not in log, log[-4000:]

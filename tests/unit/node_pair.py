@@ -1,0 +1,122 @@
+"""A prefill core and a decode core in one process, joined by the in-process transport.
+
+The same handler objects the node processes run (PrefillCore with its KVExporter,
+DecodeCore with its ReservationTable), driven step by step by the test instead of the
+core loop, on tiny real engines sharing one loaded model. Nothing here spawns or sleeps.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+from pdserve.decode_node.core import DecodeCore
+from pdserve.decode_node.reservations import ReservationTable
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.model_loader import LoadedModel
+from pdserve.engine.policy import SchedulingPolicy
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import InProcessFabric, InProcessTransport, KVCacheSpec
+from pdserve.node.messages import DecodeSubmit, FirstToken, Message, PrefillSubmit, Ready, RequestFailed, Tokens
+from pdserve.prefill_node.core import PrefillCore
+from pdserve.prefill_node.exporter import KVExporter
+from pdserve.prefill_node.peers import PeerConnections
+from pdserve.prefill_node.policy import PrefillPolicy
+
+BLOCK_SIZE = 4
+
+
+def engine_config(model_dir: str, num_blocks: int, budget: int = 8, max_seqs: int = 8) -> EngineConfig:
+    return EngineConfig(model=model_dir, dtype="float32", block_size=BLOCK_SIZE, num_blocks=num_blocks,
+                        max_num_batched_tokens=budget, max_num_seqs=max_seqs)
+
+
+def cache_spec(loaded: LoadedModel, model: str = "tiny") -> KVCacheSpec:
+    return KVCacheSpec(model=model, dtype="float32", num_layers=loaded.num_layers,
+                       num_kv_heads=loaded.num_kv_heads, head_dim=loaded.head_dim, block_size=BLOCK_SIZE)
+
+
+def block_bytes(loaded: LoadedModel) -> int:
+    return 2 * loaded.num_layers * loaded.num_kv_heads * BLOCK_SIZE * loaded.head_dim * 4
+
+
+@dataclass
+class Pair:
+    model_dir: str
+    loaded: LoadedModel
+    p_blocks: int = 64
+    d_blocks: int = 64
+    lease_s: float = 30.0
+    d_model_name: str = "tiny"  # another name: a fingerprint mismatch
+    p_out: list[Message] = field(default_factory=list)
+    d_out: list[Message] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.fabric = InProcessFabric()
+        self.p_engine = EngineCore(engine_config(self.model_dir, self.p_blocks), PrefillPolicy(), self.loaded)
+        self.d_engine = EngineCore(engine_config(self.model_dir, self.d_blocks), SchedulingPolicy(), self.loaded)
+        self.p_tx = InProcessTransport("p", self.fabric)
+        self.d_tx = InProcessTransport("d", self.fabric)
+        runner_p, runner_d = self.p_engine.runner, self.d_engine.runner
+        self.p_tx.register(runner_p.k_caches, runner_p.v_caches, cache_spec(self.loaded))
+        d_desc = self.d_tx.register(runner_d.k_caches, runner_d.v_caches, cache_spec(self.loaded, self.d_model_name))
+        policy = self.p_engine.scheduler.policy
+        assert isinstance(policy, PrefillPolicy)
+        self.exporter = KVExporter(self.p_engine, policy, self.p_tx, PeerConnections(self.p_tx), self.lease_s,
+                                   self.p_out.append)
+        self.prefill = PrefillCore(self.p_engine, self.exporter, self.p_out.append)
+        self.table = ReservationTable(self.d_engine, self.lease_s, 3 * self.lease_s)
+        self.decode = DecodeCore(self.d_engine, self.d_tx, self.table, d_desc.to_bytes().decode(), self.d_out.append)
+
+    # -- playing the router ---------------------------------------------------------
+    def reserve(self, req_id: str, prompt: list[int], params: SamplingParams) -> Ready | RequestFailed:
+        self.decode.handle(DecodeSubmit(req_id, prompt, params, 0))
+        reply = self.d_out.pop()
+        assert isinstance(reply, (Ready, RequestFailed)) and reply.req_id == req_id
+        return reply
+
+    def prefill_from(self, ready: Ready, prompt: list[int], params: SamplingParams) -> None:
+        self.prefill.handle(PrefillSubmit(ready.req_id, prompt, params, 0, ready.kv_descriptor, ready.block_ids))
+
+    def submit(self, req_id: str, prompt: list[int], params: SamplingParams) -> None:
+        ready = self.reserve(req_id, prompt, params)
+        assert isinstance(ready, Ready), ready
+        self.prefill_from(ready, prompt, params)
+
+    # -- driving both cores ---------------------------------------------------------
+    def tick(self, now: float | None = None) -> None:
+        """One loop iteration of each core (and one transport progress)."""
+        now = time.monotonic() if now is None else now
+        if self.p_engine.has_unfinished():
+            self.prefill.after_step(self.p_engine.step())
+        self.p_tx.progress()
+        self.prefill.poll(now)
+        if self.d_engine.has_unfinished():
+            self.decode.after_step(self.d_engine.step())
+        self.decode.poll(now)
+
+    def run(self, max_ticks: int = 500) -> None:
+        for _ in range(max_ticks):
+            if not self.busy():
+                return
+            self.tick()
+        raise AssertionError("the pair did not go idle")
+
+    def busy(self) -> bool:
+        return (self.p_engine.has_unfinished() or self.d_engine.has_unfinished() or self.exporter.has_pending()
+                or self.table.has_pending() or self.p_tx.pending() > 0)
+
+    # -- reading results ------------------------------------------------------------
+    def first_tokens(self) -> dict[str, FirstToken]:
+        return {m.req_id: m for m in self.p_out if isinstance(m, FirstToken)}
+
+    def failures(self, side: str) -> dict[str, RequestFailed]:
+        out = self.p_out if side == "p" else self.d_out
+        return {m.req_id: m for m in out if isinstance(m, RequestFailed)}
+
+    def decoded(self, req_id: str) -> list[Tokens]:
+        return [m for m in self.d_out if isinstance(m, Tokens) and m.req_id == req_id]
+
+    def used_blocks(self) -> tuple[int, int]:
+        return self.p_engine.kv.num_used_blocks, self.d_engine.kv.num_used_blocks

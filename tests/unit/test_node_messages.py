@@ -1,0 +1,112 @@
+"""Front <-> core messages, the KV done message, node config flags, errors and proto conversions."""
+
+from __future__ import annotations
+
+import argparse
+
+import grpc
+import pytest
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node.config import NodeConfig, add_node_args, config_from_args, parse_node_args
+from pdserve.node.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto, stats_to_proto
+from pdserve.node.errors import ErrorCode, grpc_status
+from pdserve.node.kv_done import DoneStatus, KVDone
+from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, DecodeSubmit, FirstToken, Logprobs, MessageError,
+                                   PrefillSubmit, Ready, RequestFailed, Shutdown, StatsData, StatsQuery, StatsReply,
+                                   Tokens, TransferCounters, decode, encode)
+from pdserve.proto import pdserve_pb2
+
+PARAMS = SamplingParams(temperature=0.7, top_k=5, seed=-3, max_tokens=9, stop=("x", "yz"),
+                        stop_token_ids=(3, 4), logprobs=2)
+LOGPROBS = Logprobs(-0.25, [7, 9], [-0.25, -1.5])
+
+MESSAGES = [
+    PrefillSubmit("r1", [1, 2, 3], PARAMS, 1, '{"transport": "ucx"}', [4, 5]),
+    DecodeSubmit("r2", [9], SamplingParams(), 0),
+    Abort("r3"),
+    StatsQuery(7),
+    Shutdown(),
+    CoreStarted('{"a": 1}', 128),
+    CoreFailed("boom"),
+    Ready("r4", "{}", [0, 1, 2]),
+    FirstToken("r5", 11, LOGPROBS, 16, 0.5, 0.01, 12288),
+    FirstToken("r6", 12, None, 0, 0.5, 0.0, 0),
+    Tokens("r7", [1, 2], [LOGPROBS, None], "length", None),
+    Tokens("r8", [], [], "stop", 3),
+    RequestFailed("r9", ErrorCode.RESOURCE_EXHAUSTED, "short of blocks"),
+    StatsReply(3, StatsData("decode", 10, 4, 2, 1, 3, 0, TransferCounters(100, 2, 1, 0, 0.25), 8, 4)),
+]
+
+
+@pytest.mark.parametrize("msg", MESSAGES, ids=lambda m: type(m).__name__)
+def test_every_message_round_trips(msg):
+    raw = encode(msg)
+    assert isinstance(raw, bytes) and raw.startswith(b"{")  # JSON, never pickle
+    assert decode(raw) == msg
+
+
+@pytest.mark.parametrize("raw", [b"", b"[]", b'{"type": "Nope", "body": {}}', b'{"type": "Abort", "body": {}}',
+                                 b'{"type": "RequestFailed", "body": {"req_id": "a", "code": "?", "message": ""}}'])
+def test_garbage_is_a_message_error(raw):
+    with pytest.raises(MessageError):
+        decode(raw)
+
+
+@pytest.mark.parametrize("done", [KVDone(DoneStatus.OK, 5, LOGPROBS), KVDone(DoneStatus.OK, 0),
+                                  KVDone(DoneStatus.ABORTED)])
+def test_kv_done_round_trips(done):
+    assert KVDone.from_bytes(done.to_bytes()) == done
+
+
+@pytest.mark.parametrize("raw", [b"", b"{}", b'{"status": "ok"}', b'{"status": "maybe"}'])
+def test_malformed_kv_done_is_a_value_error(raw):
+    with pytest.raises(ValueError):
+        KVDone.from_bytes(raw)
+
+
+def test_every_error_code_has_a_grpc_status():
+    assert {code: grpc_status(code) for code in ErrorCode}[ErrorCode.FAILED_PRECONDITION] \
+        is grpc.StatusCode.FAILED_PRECONDITION
+    assert grpc_status(ErrorCode.DEADLINE_EXCEEDED) is grpc.StatusCode.DEADLINE_EXCEEDED
+
+
+def test_flags_follow_the_cli_contract():
+    config = parse_node_args(["--model", "/m", "--port", "0", "--router", "127.0.0.1:6000", "--num-blocks", "64",
+                              "--dtype", "float32", "--lease-s", "2.5", "--threads", "1"], "decode")
+    assert config == NodeConfig(model="/m", kind="decode", router="127.0.0.1:6000", num_blocks=64,
+                                dtype="float32", lease_s=2.5, threads=1)
+    assert config.host == "127.0.0.1" and config.kv_host == "127.0.0.1"
+    assert config.engine_config().num_blocks == 64 and config.transfer_config().transfer_timeout_s == 2.5
+
+
+def test_flags_can_be_added_to_another_parser():
+    parser = argparse.ArgumentParser()
+    add_node_args(parser)
+    config = config_from_args(parser.parse_args(["--model", "/m", "--node-id", "p0"]), "prefill")
+    assert config.node_id == "p0" and config.resolved_node_id("127.0.0.1:1") == "p0"
+    assert NodeConfig(model="/m").resolved_node_id("127.0.0.1:1") == "prefill-127.0.0.1:1"
+
+
+@pytest.mark.parametrize("bad", [dict(kind="both"), dict(port=70000), dict(router="nowhere"), dict(lease_s=0),
+                                 dict(dtype="int8"), dict(quarantine_leases=0.5)])
+def test_bad_config_names_the_field(bad):
+    with pytest.raises(ValueError):
+        NodeConfig(model="/m", **bad)
+
+
+def test_params_from_proto_takes_the_routers_seed_and_unset_defaults():
+    proto = pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=5, stop_token_ids=[3], ignore_eos=True, seed=1)
+    params = params_from_proto(proto, seed=99)
+    assert params == SamplingParams(temperature=0.0, max_tokens=5, stop_token_ids=(3,), ignore_eos=True, seed=99)
+    with pytest.raises(ValueError):
+        params_from_proto(pdserve_pb2.SamplingParams(top_p=2.0), seed=0)
+
+
+def test_proto_conversions():
+    lp = logprobs_to_proto(7, LOGPROBS)
+    assert lp.token_id == 7 and [t.token_id for t in lp.top] == [7, 9]
+    assert finish_reason_to_proto(None) == pdserve_pb2.FINISH_REASON_UNSPECIFIED
+    assert finish_reason_to_proto("stop") == pdserve_pb2.FINISH_REASON_STOP
+    stats = stats_to_proto(MESSAGES[-1].stats)
+    assert (stats.kind, stats.used_blocks, stats.kv_transfer.bytes, stats.prefix_cache_hits) == ("decode", 4, 100, 4)

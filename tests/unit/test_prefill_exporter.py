@@ -1,0 +1,204 @@
+"""The prefill node's KV exporter: push planning, chunk-by-chunk pushes, every ending.
+
+A real tiny prefill engine and decode engine in one process, joined by the in-process
+transport (tests/unit/node_pair.py); the test plays the router and the core loops.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.model_factory import make_model
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node.errors import ErrorCode
+from pdserve.node.messages import Abort, Ready
+from pdserve.prefill_node.exporter import plan_push
+from tests.unit.node_pair import BLOCK_SIZE, Pair, block_bytes
+
+GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    model_dir = make_model(tmp_path_factory.mktemp("tiny"), "llama", "tiny", dtype=torch.float32)
+    return str(model_dir), load_model(model_dir, torch.float32)
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(7 * i + 3 + salt) % 900 + 5 for i in range(n)]
+
+
+def blocks(n: int) -> int:
+    return -(-n // BLOCK_SIZE)
+
+
+# -- planning ------------------------------------------------------------------------
+def test_plan_push_pairs_positions():
+    assert plan_push(0, 2, [10, 11, 12], [3, 4, 5]) == ([10, 11], [3, 4])
+    assert plan_push(2, 3, [10, 11, 12], [3, 4, 5]) == ([12], [5])
+    assert plan_push(3, 3, [10, 11, 12], [3, 4, 5]) == ([], [])
+
+
+@pytest.mark.parametrize("args", [(2, 1, [1, 2], [1, 2]), (0, 3, [1, 2], [1, 2, 3]), (-1, 1, [1], [1])])
+def test_plan_push_refuses_impossible_ranges(args):
+    with pytest.raises(ValueError):
+        plan_push(*args)
+
+
+# -- the happy path ------------------------------------------------------------------
+def test_blocks_are_pushed_as_chunks_finish(model):
+    pair = Pair(*model)
+    pair.submit("r", prompt(30), GREEDY)
+    pair.tick()  # step 1: 8 of 30 tokens computed -> blocks 0, 1 full and queued
+    pair.tick()  # the transport moves them; step 2 computes 8 more
+    assert not pair.first_tokens()
+    assert pair.d_tx.recv_stats().blocks >= 2
+    pair.run()
+    assert pair.p_tx.stats().transfers >= 4  # 30 tokens in chunks of 8: one push per chunk
+    assert pair.d_tx.recv_stats().blocks == blocks(30)
+
+
+def colocated_tokens(model_dir, loaded, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
+    engine = EngineCore(EngineConfig(model=model_dir, dtype="float32", block_size=BLOCK_SIZE, num_blocks=64,
+                                     max_num_batched_tokens=8, max_num_seqs=8), loaded=loaded)
+    for req_id, (tokens, params) in requests.items():
+        engine.add_request(req_id, tokens, params)
+    out: dict[str, list[int]] = {}
+    while engine.has_unfinished():
+        for step_out in engine.step():
+            out.setdefault(step_out.req_id, []).append(step_out.new_token_id)
+    return out
+
+
+SEEDED = SamplingParams(temperature=0.9, top_p=0.95, max_tokens=6, ignore_eos=True, seed=7)
+
+
+@pytest.mark.parametrize("params", [GREEDY, SEEDED], ids=["greedy", "seeded"])
+def test_disaggregated_tokens_match_colocated(model, params):
+    model_dir, loaded = model
+    lengths = [1, 3, 4, 5, 13, 30]
+    requests = {f"r{i}": (prompt(n, i), params) for i, n in enumerate(lengths)}
+    pair = Pair(model_dir, loaded)
+    for req_id, (tokens, p) in requests.items():
+        pair.submit(req_id, tokens, p)
+    pair.run()
+    expected = colocated_tokens(model_dir, loaded, requests)
+    firsts = pair.first_tokens()
+    for (req_id, (tokens, _)), n in zip(requests.items(), lengths):
+        events = pair.decoded(req_id)
+        got = [firsts[req_id].token_id] + [t for e in events for t in e.token_ids]
+        assert got == expected[req_id], req_id
+        assert events[-1].finish_reason == "length"
+        assert firsts[req_id].kv_transfer_bytes == blocks(n) * block_bytes(loaded)
+    assert pair.used_blocks() == (0, 0)
+    assert pair.d_tx.recv_stats().bytes == sum(blocks(n) for n in lengths) * block_bytes(loaded)
+    assert pair.p_tx.stats().bytes == pair.d_tx.recv_stats().bytes
+
+
+def test_token_one_ends_a_max_tokens_1_request_on_the_decode_node(model):
+    pair = Pair(*model)
+    params = SamplingParams(temperature=0.0, max_tokens=1, ignore_eos=True)
+    pair.submit("one", prompt(9), params)
+    pair.run()
+    (event,) = pair.decoded("one")
+    assert event.token_ids == [] and event.finish_reason == "length"
+    assert pair.used_blocks() == (0, 0)
+
+
+# -- failures ------------------------------------------------------------------------
+def test_fingerprint_mismatch_fails_with_failed_precondition_naming_the_field(model):
+    pair = Pair(*model, d_model_name="another-model")
+    pair.submit("r", prompt(10), GREEDY)
+    pair.tick()
+    failed = pair.failures("p")["r"]
+    assert failed.code is ErrorCode.FAILED_PRECONDITION
+    assert "model" in failed.message and "another-model" in failed.message
+    pair.tick()
+    assert pair.p_engine.kv.num_used_blocks == 0 and not pair.exporter.has_pending()
+    # Nothing was ever sent, but the decode node cannot know that: a cancelled
+    # reservation stays quarantined until its (long) bound.
+    pair.decode.handle(Abort("r"))
+    assert pair.table.num_blocks == blocks(10)
+    pair.decode.poll(1e12)
+    assert pair.d_engine.kv.num_used_blocks == 0
+
+
+def test_a_failed_transfer_fails_the_rpc_unavailable_and_frees_the_blocks(model):
+    pair = Pair(*model)
+    pair.submit("r", prompt(30), GREEDY)
+    pair.tick()  # first push queued
+    pair.fabric.kill("d")
+    for _ in range(20):
+        pair.tick()
+    assert pair.failures("p")["r"].code is ErrorCode.UNAVAILABLE
+    assert not pair.first_tokens()
+    assert pair.p_engine.kv.num_used_blocks == 0 and not pair.exporter.has_pending()
+
+
+def test_abort_mid_prefill_frees_after_pushes_and_tells_the_decode_node(model):
+    pair = Pair(*model)
+    pair.submit("r", prompt(30), GREEDY)
+    pair.tick()
+    pair.prefill.handle(Abort("r"))
+    assert not pair.p_out  # the caller went away: no answer
+    pair.run()
+    assert pair.p_engine.kv.num_used_blocks == 0
+    # The decode node's stream was still open: the aborted done message ends it at once.
+    assert pair.failures("d")["r"].code is ErrorCode.UNAVAILABLE
+    assert pair.d_engine.kv.num_used_blocks == 0 and not pair.table.has_pending()
+
+
+def test_cancelled_reservation_stays_quarantined_until_the_prefill_says_done(model):
+    pair = Pair(*model)
+    pair.submit("r", prompt(30), GREEDY)
+    pair.tick()
+    pair.decode.handle(Abort("r"))  # the router cancels the decode stream first
+    assert pair.table.num_blocks == blocks(30)  # still held: pushes may land
+    pair.run()  # P finishes, pushes, sends done: D frees on the done message
+    assert pair.used_blocks() == (0, 0)
+    assert pair.table.num_blocks == 0
+
+
+def test_lease_fails_an_unacknowledged_prefill(model):
+    pair = Pair(*model, lease_s=5.0)
+    pair.submit("r", prompt(30), GREEDY)
+    pair.tick()
+    pair.prefill.poll(1e12)  # far past the lease
+    failed = pair.failures("p")["r"]
+    assert failed.code is ErrorCode.UNAVAILABLE and "lease" in failed.message
+    pair.run()
+    assert pair.p_engine.kv.num_used_blocks == 0
+
+
+def test_bad_destination_blocks_are_invalid_argument(model):
+    pair = Pair(*model)
+    ready = pair.reserve("r", prompt(10), GREEDY)
+    assert isinstance(ready, Ready)
+    short = Ready("r", ready.kv_descriptor, ready.block_ids[:-1])
+    pair.prefill_from(short, prompt(10), GREEDY)
+    assert pair.failures("p")["r"].code is ErrorCode.INVALID_ARGUMENT
+    assert pair.p_engine.kv.num_used_blocks == 0
+
+
+def test_prefill_capacity_is_checked_for_the_prompt_only(model):
+    pair = Pair(*model, p_blocks=8, d_blocks=64)  # P holds 32 tokens; the decode needs far more
+    params = SamplingParams(temperature=0.0, max_tokens=100, ignore_eos=True)
+    pair.submit("long", prompt(10), params)
+    pair.run()
+    assert not pair.failures("p") and "long" in pair.first_tokens()
+    assert sum(len(e.token_ids) for e in pair.decoded("long")) == 99
+    assert pair.used_blocks() == (0, 0)
+
+
+def test_a_request_id_is_taken_until_its_export_ends(model):
+    pair = Pair(*model)
+    pair.submit("r", prompt(30), GREEDY)
+    pair.tick()
+    pair.prefill.handle(Abort("r"))  # aborted, but pushes may still read its blocks
+    ready = pair.reserve("r2", prompt(30), GREEDY)
+    pair.prefill_from(Ready("r", ready.kv_descriptor, ready.block_ids), prompt(30), GREEDY)
+    assert pair.failures("p")["r"].code is ErrorCode.INVALID_ARGUMENT
