@@ -31,12 +31,20 @@ DELEGATED_COMMANDS: dict[str, tuple[str, str]] = {
     "generate": ("pdserve.router.client", "stream a generation from a running cluster"),
 }
 
+# `pdserve bench NAME ...` -> (module whose main(argv) runs it, one-line help)
+BENCHMARKS: dict[str, tuple[str, str]] = {
+    "throughput": ("pdserve.bench.throughput", "offline throughput vs transformers generate / generate_batch"),
+    "disagg-latency": ("pdserve.bench.disagg_latency", "one request through 1P1D: TTFT vs KV transfer"),
+}
+
 
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else list(argv)
     # Before argparse: its REMAINDER cannot capture a rest that starts with an option.
     if argv and argv[0] in DELEGATED_COMMANDS:
-        return _delegate(argv[0], argv[1:])
+        return _delegate(DELEGATED_COMMANDS[argv[0]][0], argv[1:])
+    if len(argv) > 1 and argv[0] == "bench" and argv[1] in BENCHMARKS:
+        return _delegate(BENCHMARKS[argv[1]][0], argv[2:])
     parser = _parser()
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
@@ -65,22 +73,20 @@ def _parser() -> argparse.ArgumentParser:
     demo.add_argument("prompts", nargs="*", default=DEMO_PROMPTS)
     demo.set_defaults(run=_demo)
 
-    bench = sub.add_parser("bench", help="benchmarks")
+    bench = sub.add_parser("bench", help="benchmarks (scripts that print ratios)")
     bench_sub = bench.add_subparsers(title="benchmarks")
-    throughput = bench_sub.add_parser("throughput", help="offline throughput vs transformers")
-    throughput.add_argument("rest", nargs=argparse.REMAINDER)
-    throughput.set_defaults(run=_bench_throughput)
+    for name, (_, help_text) in BENCHMARKS.items():
+        bench_sub.add_parser(name, help=help_text, add_help=False)  # listed here, run by _delegate
     return parser
 
 
-def _delegate(command: str, rest: list[str]) -> int:
-    module_name = DELEGATED_COMMANDS[command][0]
+def _delegate(module_name: str, rest: list[str]) -> int:
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
         if err.name != module_name:  # a missing dependency inside it: show the real error
             raise
-        print(f"pdserve {command}: {module_name} is not part of this installation", file=sys.stderr)
+        print(f"pdserve: {module_name} is not part of this installation", file=sys.stderr)
         return 2
     return module.main(rest) or 0
 
@@ -109,10 +115,6 @@ def _demo(args) -> int:
     return 0
 
 
-def _bench_throughput(args) -> int:
-    from pdserve.bench.throughput import main as throughput_main
-
-    return throughput_main(args.rest)
 
 
 if __name__ == "__main__":

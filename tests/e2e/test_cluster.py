@@ -24,7 +24,7 @@ from pdserve.engine.model_loader import load_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 from ..integration.reference import assert_matches, greedy_references
-from .cluster_harness import running_cluster
+from pdserve.bench.local_cluster import NodeSettings, running_cluster
 
 BLOCK_SIZE = 8
 PROMPT_LENS = [1, 5, 8, 9, 17, 30, 47, 64, 65, 90, 120, 150, 33, 2, 77, 200]
@@ -65,7 +65,7 @@ async def run_concurrently(router: str, prompts, new_tokens):
 @pytest.mark.parametrize("num_prefill, num_decode", [(1, 1), (2, 2)])
 def test_disaggregated_greedy_is_token_exact(model_dir, workload, num_prefill, num_decode):
     prompts, refs = workload
-    with running_cluster(model_dir, num_prefill, num_decode, BLOCK_SIZE) as cluster:
+    with running_cluster(model_dir, num_prefill, num_decode, NodeSettings(block_size=BLOCK_SIZE)) as cluster:
         streams = asyncio.run(run_concurrently(cluster.router, prompts, NEW_TOKENS))
         outputs = [[t for r in stream for t in r.token_ids] for stream in streams]
         assert_matches(outputs, refs)
@@ -91,7 +91,7 @@ def test_disaggregated_greedy_is_token_exact(model_dir, workload, num_prefill, n
 
 @pytest.fixture(scope="module")
 def small_cluster(model_dir):
-    with running_cluster(model_dir, 1, 1, BLOCK_SIZE) as cluster:
+    with running_cluster(model_dir, 1, 1, NodeSettings(block_size=BLOCK_SIZE)) as cluster:
         yield cluster
 
 

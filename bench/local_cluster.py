@@ -1,4 +1,8 @@
-"""A real cluster for tests: router + prefill + decode processes on 127.0.0.1 with known ports."""
+"""A local cluster with known addresses: router + prefill + decode processes on 127.0.0.1.
+
+For tests and benchmarks that must talk to the nodes themselves (their `GetStats`),
+which `pdserve cluster` does not expose. Every process is stopped on exit.
+"""
 
 from __future__ import annotations
 
@@ -49,12 +53,23 @@ class Cluster:
             time.sleep(0.05)
 
 
-def _node_argv(kind: str, model_dir: str, port: int, router: str, index: int, block_size: int) -> tuple[str, ...]:
+@dataclass(frozen=True)
+class NodeSettings:
+    dtype: str = "float32"
+    block_size: int = 8
+    num_blocks: int = 256
+    max_num_batched_tokens: int = 64
+    max_num_seqs: int = 16
+    threads: int = 1
+
+
+def _node_argv(kind: str, model_dir: str, port: int, router: str, index: int, node: NodeSettings) -> tuple[str, ...]:
     return (
         sys.executable, "-m", "pdserve", kind, "--model", model_dir, "--host", HOST, "--port", str(port),
-        "--router", router, "--node-id", f"{kind}-{index}", "--kv-host", HOST, "--dtype", "float32",
-        "--block-size", str(block_size), "--num-blocks", "256", "--max-num-batched-tokens", "64",
-        "--max-num-seqs", "16", "--threads", "1",
+        "--router", router, "--node-id", f"{kind}-{index}", "--kv-host", HOST, "--dtype", node.dtype,
+        "--block-size", str(node.block_size), "--num-blocks", str(node.num_blocks),
+        "--max-num-batched-tokens", str(node.max_num_batched_tokens),
+        "--max-num-seqs", str(node.max_num_seqs), "--threads", str(node.threads),
     )
 
 
@@ -75,21 +90,21 @@ def _wait_serving(router: str, num_prefill: int, num_decode: int, supervisor: Cl
 
 
 @contextmanager
-def running_cluster(model_dir: str, num_prefill: int, num_decode: int, block_size: int = 8):
+def running_cluster(model_dir: str, num_prefill: int, num_decode: int, node: NodeSettings = NodeSettings()):
     router = f"{HOST}:{free_port()}"
     prefill = [f"{HOST}:{free_port()}" for _ in range(num_prefill)]
     decode = [f"{HOST}:{free_port()}" for _ in range(num_decode)]
     with ClusterSupervisor() as supervisor:
         supervisor.start(ChildSpec("router", (
             sys.executable, "-m", "pdserve", "router", "--model", model_dir, "--host", HOST,
-            "--port", router.rsplit(":", 1)[1], "--block-size", str(block_size),
-            # Generous: a test machine with 2 cores runs five busy processes here.
+            "--port", router.rsplit(":", 1)[1], "--block-size", str(node.block_size),
+            # Generous: a 2-core machine may run five busy processes here.
             "--heartbeat-timeout-s", "30",
         )))
         for kind, addrs in (("prefill", prefill), ("decode", decode)):
             for i, addr in enumerate(addrs):
                 port = int(addr.rsplit(":", 1)[1])
-                supervisor.start(ChildSpec(f"{kind}-{i}", _node_argv(kind, model_dir, port, router, i, block_size)))
+                supervisor.start(ChildSpec(f"{kind}-{i}", _node_argv(kind, model_dir, port, router, i, node)))
         try:
             _wait_serving(router, num_prefill, num_decode, supervisor)
             yield Cluster(router, prefill, decode)

@@ -1,0 +1,141 @@
+"""One request through a local 1P1D cluster: TTFT, prefill time and the KV transfer's cost.
+
+    python -m pdserve.bench.disagg_latency [--model-dir DIR] [--prompt-len 512] [--repeats 3]
+
+Builds (once) the smol135m-shaped model in bf16, starts router + 1 prefill + 1 decode
+node on 127.0.0.1, sends one request of `--prompt-len` random tokens at a time, and
+prints, per run and as the median: TTFT, the prefill node's time to token 1, the KV
+transfer time left after token 1, the bytes moved, the transport's push-to-ack time,
+and its throughput against a memory-copy bandwidth measured in this process.
+Ratios, not absolute claims: this machine is shared and noisy.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import random
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import grpc
+import torch
+
+from pdserve.bench.local_cluster import NodeSettings, running_cluster
+from pdserve.engine.model_factory import default_cache_dir, make_model
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+
+COPY_BYTES = 256 << 20
+
+
+def copy_bandwidth(nbytes: int = COPY_BYTES, rounds: int = 5) -> float:
+    """Bytes per second of one large tensor copy (read + write counted once), best of rounds."""
+    src = torch.empty(nbytes, dtype=torch.uint8).random_()
+    dst = torch.empty_like(src)
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return nbytes / best
+
+
+def ensure_model(model_dir: Path | None) -> Path:
+    path = model_dir or default_cache_dir() / "bench-llama-smol135m-bfloat16"
+    if not (path / "config.json").is_file():
+        make_model(path, "llama", "smol135m", dtype=torch.bfloat16)
+    return path
+
+
+def one_request(router: str, prompt: list[int], max_tokens: int) -> dict[str, float]:
+    request = pdserve_pb2.GenerateRequest(
+        token_ids=pdserve_pb2.TokenIds(ids=prompt),
+        sampling_params=pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+    with grpc.insecure_channel(router) as channel:
+        start = time.perf_counter()
+        first_at = None
+        last = None
+        for response in pdserve_pb2_grpc.GenerationStub(channel).Generate(request, timeout=600):
+            first_at = first_at or time.perf_counter()
+            last = response
+    return {
+        "client_ttft_s": first_at - start,
+        "router_ttft_s": last.timings.ttft_s,
+        "prefill_s": last.timings.prefill_s,
+        "kv_transfer_after_token1_s": last.timings.kv_transfer_s,
+        "kv_transfer_bytes": last.timings.kv_transfer_bytes,
+    }
+
+
+def run(args: argparse.Namespace) -> dict:
+    model_dir = ensure_model(args.model_dir)
+    rng = random.Random(args.seed)
+    node = NodeSettings(dtype="bfloat16", block_size=16, num_blocks=2048,
+                        max_num_batched_tokens=args.chunk, max_num_seqs=16, threads=args.threads)
+    runs = []
+    with running_cluster(str(model_dir), 1, 1, node) as cluster:
+        one_request(cluster.router, [rng.randrange(1, 1700) for _ in range(32)], 2)  # warm up
+        before = _prefill_counters(cluster)
+        for _ in range(args.repeats):
+            prompt = [rng.randrange(1, 1700) for _ in range(args.prompt_len)]
+            runs.append(one_request(cluster.router, prompt, args.max_tokens))
+        after = _prefill_counters(cluster)
+    pushes = after.transfers - before.transfers
+    push_s = after.latency_s - before.latency_s
+    moved = after.bytes - before.bytes
+    bandwidth = copy_bandwidth()
+    median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
+    return {
+        "model_dir": str(model_dir), "prompt_len": args.prompt_len, "chunk": args.chunk, "runs": runs,
+        "median": median,
+        "transport": {"pushes": pushes, "bytes": moved, "push_to_ack_s": push_s,
+                      "throughput_bytes_per_s": moved / push_s if push_s else 0.0},
+        "copy_bandwidth_bytes_per_s": bandwidth,
+        "ratios": {
+            "kv_transfer_after_token1_over_prefill": median["kv_transfer_after_token1_s"] / median["prefill_s"],
+            "push_to_ack_per_request_over_prefill": (push_s / args.repeats) / median["prefill_s"],
+            "transfer_throughput_over_copy_bandwidth": (moved / push_s) / bandwidth if push_s else 0.0,
+        },
+    }
+
+
+def _prefill_counters(cluster):
+    (stats,) = [s for s in cluster.stats() if s.kind == "prefill"]
+    return stats.kv_transfer
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="pdserve bench disagg-latency", description=__doc__.splitlines()[0])
+    parser.add_argument("--model-dir", type=Path)
+    parser.add_argument("--prompt-len", type=int, default=512)
+    parser.add_argument("--max-tokens", type=int, default=8)
+    parser.add_argument("--chunk", type=int, default=512, help="prefill node's max_num_batched_tokens")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
+    parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--out", type=Path, default=Path("results/disagg_latency.json"))
+    args = parser.parse_args(argv)
+    result = run(args)
+    args.out.parent.mkdir(parents=True, exist_ok=True)
+    args.out.write_text(json.dumps(result, indent=1))
+    m, r, t = result["median"], result["ratios"], result["transport"]
+    print(f"prompt {args.prompt_len} tokens, median of {args.repeats}:")
+    print(f"  TTFT (client)              {m['client_ttft_s'] * 1e3:8.1f} ms")
+    print(f"  prefill (P, to token 1)    {m['prefill_s'] * 1e3:8.1f} ms")
+    print(f"  KV transfer after token 1  {m['kv_transfer_after_token1_s'] * 1e3:8.1f} ms "
+          f"({r['kv_transfer_after_token1_over_prefill']:.3f} x prefill)")
+    print(f"  KV bytes per request       {m['kv_transfer_bytes'] / 1e6:8.2f} MB")
+    print(f"  push-to-ack per request    {t['push_to_ack_s'] / args.repeats * 1e3:8.1f} ms "
+          f"({r['push_to_ack_per_request_over_prefill']:.3f} x prefill, overlapped with compute)")
+    print(f"  transfer throughput        {t['throughput_bytes_per_s'] / 1e9:8.2f} GB/s "
+          f"= {r['transfer_throughput_over_copy_bandwidth']:.3f} x memory copy "
+          f"({result['copy_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s)")
+    print(f"results: {args.out}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
