@@ -22,6 +22,7 @@ from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.stop_rules import token_finish_reason
 
 
 @dataclass(slots=True)
@@ -155,18 +156,15 @@ class EngineCore:
         )
 
     def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        params = request.params
-        if request.num_output_tokens >= params.min_tokens:
-            if token_id in params.stop_token_ids:
-                request.stop_token_id = token_id
-                return FinishReason.STOP
-            if not params.ignore_eos and token_id in self.loaded.eos_token_ids:
-                return FinishReason.STOP
-        if request.num_output_tokens >= params.max_tokens or request.num_tokens >= self.max_model_len:
+        reason = token_finish_reason(
+            token_id, request.num_output_tokens, request.num_tokens, request.params,
+            self.loaded.eos_token_ids, self.max_model_len,
+        )
+        if reason is FinishReason.STOP and token_id in request.params.stop_token_ids:
+            request.stop_token_id = token_id
+        if reason is None and self.scheduler.policy.finishes_after_first_token():
             return FinishReason.LENGTH
-        if self.scheduler.policy.finishes_after_first_token():
-            return FinishReason.LENGTH
-        return None
+        return reason
 
     def _validate(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
         if req_id in self._requests:

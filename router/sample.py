@@ -24,6 +24,7 @@ import grpc
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.output_processor import SequenceStream
+from pdserve.engine.stop_rules import token_finish_reason
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import NodeFailed, NoNodeAvailable, Overloaded, RouterError, from_node_error
@@ -31,7 +32,7 @@ from pdserve.router.model import RouterModel
 from pdserve.router.placement import Candidate, DecodePlacement, PrefillPlacement
 from pdserve.router.registry import NodeEntry, NodeKind, NodeRegistry
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.wire import FINISH_FROM_PROTO, FINISH_TO_PROTO, first_token_finish, params_to_proto
+from pdserve.router.wire import FINISH_FROM_PROTO, FINISH_TO_PROTO, params_to_proto
 
 
 @dataclass(frozen=True)
@@ -182,9 +183,8 @@ class SampleRun:
         """Send token 1 to the client; True if it ended the sample."""
         request, model = self._spec.request, self._state.model
         token = prefill.first_token_id
-        reason = first_token_finish(
-            token, request.params, model.eos_token_ids, len(request.prompt_token_ids), model.max_model_len
-        )
+        num_prompt = len(request.prompt_token_ids)
+        reason = token_finish_reason(token, 1, num_prompt + 1, request.params, model.eos_token_ids, model.max_model_len)
         self._first_token_at = self._state.clock()
         logprobs = [prefill.logprobs] if prefill.HasField("logprobs") else []
         delta = self._stream.push_token(token, None, reason)

@@ -8,8 +8,6 @@ what `SamplingParams` itself checks.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2
@@ -63,15 +61,3 @@ def params_to_proto(params: SamplingParams) -> pdserve_pb2.SamplingParams:
     return msg
 
 
-def first_token_finish(
-    token_id: int, params: SamplingParams, eos_token_ids: Sequence[int], num_prompt_tokens: int, max_model_len: int
-) -> FinishReason | None:
-    """Does token 1 end the sample? The same rule as `EngineCore._finish_reason`, at one output token."""
-    if params.min_tokens <= 1:  # one output token so far
-        if token_id in params.stop_token_ids:
-            return FinishReason.STOP
-        if not params.ignore_eos and token_id in eos_token_ids:
-            return FinishReason.STOP
-    if params.max_tokens <= 1 or num_prompt_tokens + 1 >= max_model_len:
-        return FinishReason.LENGTH
-    return None
