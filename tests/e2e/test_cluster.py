@@ -134,3 +134,34 @@ def test_cancel_mid_stream_frees_every_block_within_a_second(small_cluster, work
     cancelled_at = time.monotonic()
     stats = small_cluster.wait_all_blocks_free(timeout_s=1.0)
     assert [s.used_blocks for s in stats] == [0, 0], f"blocks still held {time.monotonic() - cancelled_at:.2f}s after cancel"
+
+
+def test_seeded_sampling_with_n_and_logprobs_matches_the_offline_engine(small_cluster, model_dir, workload):
+    """Same seed, same tokens, whichever topology samples them (token 1 on P, the rest on D)."""
+    from pdserve import LLM, SamplingParams
+
+    prompts, _ = workload
+    params = SamplingParams(n=2, temperature=0.8, top_p=0.95, seed=5, max_tokens=12, logprobs=2, ignore_eos=True)
+    offline = LLM(model_dir, dtype="float32", block_size=BLOCK_SIZE).generate([prompts[6]], params, use_tqdm=False)[0]
+
+    async def generate():
+        async with grpc.aio.insecure_channel(small_cluster.router) as channel:
+            request = pdserve_pb2.GenerateRequest(
+                token_ids=pdserve_pb2.TokenIds(ids=prompts[6]),
+                sampling_params=pdserve_pb2.SamplingParams(
+                    n=2, temperature=0.8, top_p=0.95, seed=5, max_tokens=12, logprobs=2, ignore_eos=True
+                ),
+            )
+            return [r async for r in pdserve_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120)]
+
+    responses = asyncio.run(generate())
+    for sample in offline.outputs:
+        mine = [r for r in responses if r.index == sample.index]
+        assert [t for r in mine for t in r.token_ids] == sample.token_ids
+        logprobs = [lp for r in mine for lp in r.logprobs]
+        assert [lp.token_id for lp in logprobs] == sample.token_ids
+        for got, want in zip(logprobs, sample.logprobs):
+            assert got.logprob == pytest.approx(want.token_logprob, abs=1e-4)
+            assert [t.token_id for t in got.top] == want.top_token_ids
+    assert offline.outputs[0].token_ids != offline.outputs[1].token_ids
+    assert [s.used_blocks for s in small_cluster.wait_all_blocks_free(timeout_s=5)] == [0, 0]
