@@ -16,11 +16,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.node.client import CoreClient
-from pdserve.node.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto, stats_to_proto
+from pdserve.node.convert import finish_reason_to_proto, logprobs_to_proto
 from pdserve.node.core import CoreHooks
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import DecodeSubmit, Ready, RequestFailed, Tokens
-from pdserve.node.server import run_node
+from pdserve.node.server import answer_stats, request_params, run_node
 from pdserve.proto import node_pb2, node_pb2_grpc
 
 
@@ -60,19 +60,11 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
                 self.client.abort(submit.req_id)
 
     async def GetStats(self, request: node_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
-        try:
-            return stats_to_proto(await self.client.stats())
-        except NodeError as exc:
-            await abort_rpc(context, exc)
+        return await answer_stats(self.client, context)
 
 
 def _submit(request: node_pb2.DecodeRequest) -> DecodeSubmit:
-    if not request.request_id:
-        raise NodeError(ErrorCode.INVALID_ARGUMENT, "request_id must not be empty")
-    try:
-        params = params_from_proto(request.sampling_params, request.seed)
-    except ValueError as exc:
-        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"sampling_params: {exc}") from exc
+    params = request_params(request)
     return DecodeSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
                         sample_index=request.sample_index)
 

@@ -21,11 +21,14 @@ from collections.abc import Callable
 import grpc
 import uvloop
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.client import CoreClient
 from pdserve.node.config import NodeConfig, parse_node_args
+from pdserve.node.convert import params_from_proto, stats_to_proto
 from pdserve.node.core import CoreHooks
-from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.registration import run_registration
+from pdserve.proto import node_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -85,3 +88,21 @@ async def _until_stopped(client: CoreClient) -> None:
     finally:
         for waiter in waiters:
             waiter.cancel()
+
+
+def request_params(request: node_pb2.DecodeRequest | node_pb2.PrefillRequest) -> SamplingParams:
+    """The request's id checked and its sampling params converted; bad ones are INVALID_ARGUMENT."""
+    if not request.request_id:
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, "request_id must not be empty")
+    try:
+        return params_from_proto(request.sampling_params, request.seed)
+    except ValueError as exc:
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"sampling_params: {exc}") from exc
+
+
+async def answer_stats(client: CoreClient, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
+    """Both node kinds' GetStats: a snapshot from the engine core."""
+    try:
+        return stats_to_proto(await client.stats())
+    except NodeError as exc:
+        await abort_rpc(context, exc)

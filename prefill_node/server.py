@@ -14,11 +14,11 @@ import sys
 import grpc
 
 from pdserve.node.client import CoreClient
-from pdserve.node.convert import logprobs_to_proto, params_from_proto, stats_to_proto
+from pdserve.node.convert import logprobs_to_proto
 from pdserve.node.core import CoreHooks
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import FirstToken, PrefillSubmit, RequestFailed
-from pdserve.node.server import run_node
+from pdserve.node.server import answer_stats, request_params, run_node
 from pdserve.proto import node_pb2, node_pb2_grpc
 
 
@@ -49,19 +49,11 @@ class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
                 self.client.abort(submit.req_id)
 
     async def GetStats(self, request: node_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
-        try:
-            return stats_to_proto(await self.client.stats())
-        except NodeError as exc:
-            await abort_rpc(context, exc)
+        return await answer_stats(self.client, context)
 
 
 def _submit(request: node_pb2.PrefillRequest) -> PrefillSubmit:
-    if not request.request_id:
-        raise NodeError(ErrorCode.INVALID_ARGUMENT, "request_id must not be empty")
-    try:
-        params = params_from_proto(request.sampling_params, request.seed)
-    except ValueError as exc:
-        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"sampling_params: {exc}") from exc
+    params = request_params(request)
     try:
         descriptor = request.decode_kv_descriptor.decode()
     except UnicodeDecodeError as exc:
