@@ -1,0 +1,129 @@
+"""Helpers shared by the benchmark scripts: cached models, copy bandwidth, phase timing.
+
+Owns nothing persistent except the benchmark models it builds under the pdserve cache
+(one directory per arch × size × dtype, built aside and renamed so a concurrent or
+interrupted build never leaves a half-written directory). Never downloads anything.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import shutil
+import tempfile
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import torch
+
+from pdserve.engine.model_factory import default_cache_dir, make_model
+
+DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+
+
+def ensure_model(arch: str, size: str, dtype: str, cache_dir: str | os.PathLike | None = None) -> Path:
+    """Build `arch`/`size` in `dtype` once under the cache dir; reuse it afterwards."""
+    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
+    final = root / f"bench-{arch}-{size}-{dtype}"
+    if (final / "config.json").is_file() and (final / "tokenizer.json").is_file():
+        return final
+    root.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=".bench-build-", dir=root))
+    try:
+        make_model(staging, arch, size, dtype=DTYPE_NAMES[dtype])
+        staging.rename(final)
+    except OSError:
+        if not (final / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
+
+
+def copy_bandwidth(num_bytes: int, rounds: int = 5) -> float:
+    """Best memory bandwidth of a large tensor copy, in bytes/s, counting bytes read + written.
+
+    Read + written is the STREAM "copy" convention; it is the larger of the two usual
+    figures, so a floor derived from it is the stricter one.
+    """
+    src = torch.ones(num_bytes, dtype=torch.uint8)
+    dst = torch.empty_like(src)
+    dst.copy_(src)  # fault the pages in before timing
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        dst.copy_(src)
+        best = min(best, time.perf_counter() - start)
+    return 2 * num_bytes / best
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters; tied weights count once."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())
+
+
+class Stopwatch:
+    """Wall and process-CPU seconds of a block, with the 1-minute load average around it.
+
+    On a shared machine the load average says how contended a phase was; CPU seconds
+    (all threads of this process) show how much of the wall time we actually ran.
+    """
+
+    def __init__(self) -> None:
+        self.wall_s = 0.0
+        self.cpu_s = 0.0
+        self.load_before = self.load_after = 0.0
+        self._wall0 = self._cpu0 = 0.0
+
+    def __enter__(self) -> Stopwatch:
+        self.load_before = os.getloadavg()[0]
+        self._wall0, self._cpu0 = time.perf_counter(), time.process_time()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.wall_s = time.perf_counter() - self._wall0
+        self.cpu_s = time.process_time() - self._cpu0
+        self.load_after = os.getloadavg()[0]
+
+    def to_dict(self) -> dict:
+        """The load averages; wall_s and cpu_s are the caller's to place."""
+        return {
+            "loadavg_1min_before": self.load_before,
+            "loadavg_1min_after": self.load_after,
+        }
+
+
+@contextlib.contextmanager
+def capture_logger(name: str, level: int = logging.WARNING) -> Iterator[list[str]]:
+    """Collect the named logger's records into a list instead of letting them print."""
+    lines: list[str] = []
+
+    class _Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(f"{record.levelname}: {record.getMessage()}")
+
+    logger = logging.getLogger(name)
+    saved = logger.handlers[:], logger.propagate
+    logger.handlers, logger.propagate = [_Collect(level)], False
+    try:
+        yield lines
+    finally:
+        logger.handlers, logger.propagate = saved
+
+
+def chunks(items: list, size: int) -> Iterator[list]:
+    for i in range(0, len(items), size):
+        yield items[i : i + size]
+
+
+def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Input ids and attention mask of a left-padded batch, as transformers' `generate` expects."""
+    width = max(len(p) for p in batch)
+    input_ids = torch.full((len(batch), width), pad_id, dtype=torch.long)  # [batch, width]
+    mask = torch.zeros((len(batch), width), dtype=torch.long)
+    for row, prompt in enumerate(batch):
+        input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
+        mask[row, width - len(prompt) :] = 1
+    return input_ids, mask
