@@ -1,9 +1,11 @@
-"""Benchmark: the fast paged attention against the reference, as time ratios.
+"""Benchmark: the C++ CPU kernels, the torch fast path and the reference, as time ratios.
 
-Run `python -m pdserve.bench.kernels` (or `python bench/kernels.py`). Each case builds one
-packed batch over a cache with shuffled block ids, times both implementations
-interleaved (best of several rounds) and prints reference time / fast time. Absolute
-times depend on the machine and its load; only the ratios are printed.
+Run `python -m pdserve.bench.kernels` (or `python bench/kernels.py`). Each attention case
+builds one packed batch over a cache with shuffled block ids, times the implementations
+interleaved in one process (best of several rounds) and prints torch time / C++ time and
+reference time / C++ time; the cache-write case prints torch time / C++ time. Absolute
+times depend on the machine and its load; only the ratios are printed. Without the C++
+kernels (no compiler, or PDSERVE_CPU_EXT=0) it prints reference time / torch time only.
 """
 
 from __future__ import annotations
@@ -15,7 +17,15 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.kernels import AttentionMetadata, paged_attention, paged_attention_reference
+from pdserve.kernels import (
+    AttentionMetadata,
+    cpu_ext,
+    paged_attention_cpp,
+    paged_attention_reference,
+    paged_attention_torch,
+    write_kv_cache,
+    write_kv_cache_torch,
+)
 
 
 @dataclass(frozen=True)
@@ -31,13 +41,19 @@ class Case:
 
 
 CASES = (
+    Case("decode 16 seqs, ctx 300-400, bf16", (16, 300, 400), ()),
     Case("decode 64 seqs, ctx 300-400, bf16", (64, 300, 400), ()),
     Case("decode 64 seqs, ctx 300-400, fp32", (64, 300, 400), (), dtype=torch.float32),
     Case("decode 256 seqs, ctx 64-1000, bf16", (256, 64, 1000), ()),
     Case("mixed 128 decodes ctx 64-1000 + chunks 512/512, 1200/256, 96/16, bf16", (128, 64, 1000),
          ((512, 512), (1200, 256), (96, 16))),
     Case("mixed, same, fp32", (128, 64, 1000), ((512, 512), (1200, 256), (96, 16)), dtype=torch.float32),
+    Case("mixed 48 decodes ctx 300-400 + prompt 300 + chunks 40/8, 700/64, bf16", (48, 300, 400),
+         ((300, 300), (40, 8), (700, 64))),
 )
+# The cache write: tokens of one step, into a bf16 cache shaped like the decode cases'.
+WRITE_TOKENS = 64
+WRITE_CACHE_BLOCKS = 4096
 
 
 def build_inputs(
@@ -86,27 +102,54 @@ def best_times(fns: list[Callable[[], object]], rounds: int) -> list[float]:
     return best
 
 
+def bench_attention(case: Case, gen: torch.Generator, rounds: int, with_cpp: bool) -> str:
+    query, k_cache, v_cache, metadata = build_inputs(case, gen)
+    scale = case.head_dim**-0.5
+    impls = [paged_attention_reference, paged_attention_torch] + ([paged_attention_cpp] if with_cpp else [])
+    outs = [impl(query, k_cache, v_cache, metadata, scale).float() for impl in impls]
+    max_err = max((out - outs[0]).abs().max().item() for out in outs[1:])
+    times = best_times([lambda impl=impl: impl(query, k_cache, v_cache, metadata, scale) for impl in impls], rounds)
+    if not with_cpp:
+        return f"reference/torch = {times[0] / times[1]:6.2f}x   (max |diff| {max_err:.1e})"
+    ref_s, torch_s, cpp_s = times
+    return (
+        f"torch/C++ = {torch_s / cpp_s:6.2f}x   reference/C++ = {ref_s / cpp_s:7.2f}x   "
+        f"(max |diff| vs reference {max_err:.1e})"
+    )
+
+
+def bench_cache_write(gen: torch.Generator, rounds: int) -> str:
+    num_kv_heads, block_size, head_dim = 3, 16, 64
+    shape = (WRITE_CACHE_BLOCKS, num_kv_heads, block_size, head_dim)
+    k_cache, v_cache = torch.zeros(shape, dtype=torch.bfloat16), torch.zeros(shape, dtype=torch.bfloat16)
+    slots = torch.randperm(WRITE_CACHE_BLOCKS * block_size, generator=gen)[:WRITE_TOKENS]
+    # Token-major views of head-major tensors, as the transformers glue hands them over.
+    key = torch.randn(num_kv_heads, WRITE_TOKENS, head_dim, generator=gen).to(torch.bfloat16).transpose(0, 1)
+    value = torch.randn(num_kv_heads, WRITE_TOKENS, head_dim, generator=gen).to(torch.bfloat16).transpose(0, 1)
+    torch_s, cpp_s = best_times(
+        [
+            lambda: write_kv_cache_torch(key, value, k_cache, v_cache, slots),
+            lambda: write_kv_cache(key, value, k_cache, v_cache, slots),
+        ],
+        rounds,
+    )
+    return f"torch/C++ = {torch_s / cpp_s:6.2f}x"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
+    with_cpp = cpu_ext.available()
+    print(f"C++ CPU kernels: {'active' if with_cpp else 'unavailable, torch path only'}; threads {args.threads}")
     gen = torch.Generator().manual_seed(0)
     for case in CASES:
-        query, k_cache, v_cache, metadata = build_inputs(case, gen)
-        scale = case.head_dim**-0.5
-        reference = paged_attention_reference(query, k_cache, v_cache, metadata, scale)
-        fast = paged_attention(query, k_cache, v_cache, metadata, scale)
-        max_err = (fast.float() - reference.float()).abs().max().item()
-        ref_s, fast_s = best_times(
-            [
-                lambda: paged_attention_reference(query, k_cache, v_cache, metadata, scale),
-                lambda: paged_attention(query, k_cache, v_cache, metadata, scale),
-            ],
-            args.rounds,
-        )
-        print(f"{case.name:<75} reference/fast = {ref_s / fast_s:6.2f}x   (max |diff| {max_err:.1e})")
+        print(f"{case.name:<75} {bench_attention(case, gen, args.rounds, with_cpp)}", flush=True)
+    if with_cpp:
+        name = f"cache write, {WRITE_TOKENS} tokens, 3 kv heads, head_dim 64, bf16"
+        print(f"{name:<75} {bench_cache_write(gen, args.rounds * 5)}")
 
 
 if __name__ == "__main__":

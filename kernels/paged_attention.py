@@ -1,16 +1,20 @@
-"""Attention over the paged KV cache: an obviously correct reference and a fast CPU path.
+"""Attention over the paged KV cache: an obviously correct reference and fast CPU paths.
 
 Owns the attention math for one packed batch (decodes first, then prefill chunks; see
 AttentionMetadata) over caches shaped [num_blocks, num_kv_heads, block_size, head_dim].
 It only reads the cache; storing new keys and values is cache_write's job, and it never
 syncs on device values: every length it needs on the host comes from the metadata.
 
-Semantics shared by both paths: a sequence with query_len q and context seq_len L owns
+`paged_attention` is the engine's fast path: the C++ kernel (kernels/csrc, see cpu_ext) when
+it is built and the inputs are float32/bfloat16 on the CPU, else the torch formulation.
+Both compute the same thing; `paged_attention_torch` and `paged_attention_cpp` pick one.
+
+Semantics shared by all paths: a sequence with query_len q and context seq_len L owns
 the last q positions of its context, and its query token j sees context positions
 <= L - q + j (causal, bottom-right aligned). Query head h reads kv head h // group,
 group = num_heads // num_kv_heads. Scores and softmax are float32 whatever the input dtype.
 
-The fast path copies whole blocks, so it also reads slots past a sequence's end (the
+The torch path copies whole blocks, so it also reads slots past a sequence's end (the
 tail of its last block, table padding) and masks them out of the softmax. Those slots
 must hold finite values (0 * NaN is NaN); they do in caches allocated with torch.zeros
 and written only by write_kv_cache.
@@ -21,11 +25,19 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 
+from pdserve.kernels import cpu_ext
 from pdserve.kernels.metadata import AttentionMetadata
 
 # Decodes are attended in chunks of at most this many (padded) cache blocks, so that a
 # chunk's gathered keys/values stay in the CPU cache between the gather and the matmuls.
 DEFAULT_DECODE_CHUNK_BLOCKS = 256
+# The C++ path hands a prefill chunk of at least this many query tokens that also reads earlier
+# context to SDPA (one call per chunk): there SDPA's matmuls beat the kernel by ~20%. Decodes,
+# shorter chunks and whole prompts (causal, where the kernel skips masked tiles) stay in C++.
+DEFAULT_SDPA_MIN_QUERY_LEN = 64
+# The C++ kernel splits a chunk's query rows into tiles of this many rows (parallel work items).
+CPP_ROW_TILE = 16
+CPP_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def paged_attention_reference(
@@ -79,10 +91,66 @@ def paged_attention(
     v_cache: torch.Tensor,
     metadata: AttentionMetadata,
     scale: float,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """The fastest available path: C++ when built and applicable, else torch."""
+    if _cpp_applies(query, k_cache, v_cache) and cpu_ext.available():
+        return paged_attention_cpp(query, k_cache, v_cache, metadata, scale)
+    return paged_attention_torch(query, k_cache, v_cache, metadata, scale)
+
+
+def _cpp_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor) -> bool:
+    return (
+        query.device.type == "cpu"
+        and query.dtype in CPP_DTYPES
+        and k_cache.dtype == query.dtype
+        and v_cache.dtype == query.dtype
+    )
+
+
+def paged_attention_cpp(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
+    *,
+    sdpa_min_query_len: int = DEFAULT_SDPA_MIN_QUERY_LEN,
+) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
+    """C++ kernel reading K/V in place through the block tables, for decodes and most chunks;
+    one SDPA call per chunk of at least sdpa_min_query_len tokens that reads earlier context
+    (the rule `left_to_caller` in kernels/csrc/paged_attention.cpp applies too)."""
+    ops = cpu_ext.ops()
+    if ops is None:
+        raise RuntimeError("the C++ CPU kernels are not available (see pdserve.kernels.cpu_ext)")
+    _check_shapes(query, k_cache, v_cache, metadata)
+    assert _cpp_applies(query, k_cache, v_cache), (query.device, query.dtype, k_cache.dtype, v_cache.dtype)
+    if query.stride(-1) != 1:
+        query = query.contiguous()
+    out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
+    ops.paged_attention(
+        query, k_cache, v_cache, metadata.block_tables.contiguous(), metadata.seq_lens.contiguous(),
+        metadata.query_start_loc.contiguous(), out, scale, sdpa_min_query_len, CPP_ROW_TILE,
+    )  # fmt: skip
+    start = 0
+    for seq_idx, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
+        end = start + query_len
+        if query_len >= sdpa_min_query_len and seq_len > query_len:
+            block_table = metadata.block_tables[seq_idx]
+            out[start:end] = _prefill_attention(query[start:end], k_cache, v_cache, block_table, seq_len, scale)
+        start = end
+    return out
+
+
+def paged_attention_torch(
+    query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
+    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+    v_cache: torch.Tensor,
+    metadata: AttentionMetadata,
+    scale: float,
     *,
     decode_chunk_blocks: int = DEFAULT_DECODE_CHUNK_BLOCKS,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """Fast path: decodes batched in chunks of similar length, one SDPA call per prefill chunk."""
+    """Torch ops only: decodes batched in chunks of similar length, one SDPA call per prefill chunk."""
     _check_shapes(query, k_cache, v_cache, metadata)
     out = torch.empty_like(query)
     num_decodes = metadata.num_decodes

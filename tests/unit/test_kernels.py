@@ -1,4 +1,9 @@
-"""Paged attention kernels against dense causal attention on contiguous K/V, and the cache write."""
+"""Paged attention kernels against dense causal attention on contiguous K/V, and the cache write.
+
+Every implementation runs every case: the torch path, the C++ CPU kernel (skipped cleanly
+when it cannot be built; the first run compiles it, later runs load it from disk) and the
+reference.
+"""
 
 from __future__ import annotations
 
@@ -8,11 +13,43 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from pdserve.kernels import AttentionMetadata, paged_attention, paged_attention_reference, write_kv_cache
+from pdserve.kernels import (
+    AttentionMetadata,
+    cpu_ext,
+    paged_attention,
+    paged_attention_cpp,
+    paged_attention_reference,
+    paged_attention_torch,
+    write_kv_cache,
+    write_kv_cache_torch,
+)
 
 HEAD_DIM = 16
-IMPLS = {"fast": paged_attention, "reference": paged_attention_reference}
+IMPLS = {"torch": paged_attention_torch, "cpp": paged_attention_cpp, "reference": paged_attention_reference}
+CALLABLES = {**IMPLS, "fast": paged_attention}  # fast: whichever paged_attention picks
+FAST_IMPLS = ["torch", "cpp"]
 TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
+
+
+@pytest.fixture(scope="module")
+def cpp_ops() -> cpu_ext.CpuOps | None:
+    return cpu_ext.ops()  # builds once per machine (~1 min), then loads from the cache dir
+
+
+def skip_without_cpp(request: pytest.FixtureRequest, impl: str) -> str:
+    if impl == "cpp" and request.getfixturevalue("cpp_ops") is None:
+        pytest.skip("C++ CPU kernels unavailable (no compiler, or PDSERVE_CPU_EXT=0)")
+    return impl
+
+
+@pytest.fixture(params=list(IMPLS))
+def impl(request: pytest.FixtureRequest) -> str:
+    return skip_without_cpp(request, request.param)
+
+
+@pytest.fixture(params=FAST_IMPLS)
+def fast_impl(request: pytest.FixtureRequest) -> str:
+    return skip_without_cpp(request, request.param)
 
 
 @dataclass
@@ -69,6 +106,8 @@ def make_batch(
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
     num_decodes: int | None = None,
+    head_dim: int = HEAD_DIM,
+    query_scale: float = 2.0,
 ) -> Batch:
     gen = torch.Generator().manual_seed(seed)
     blocks_needed = [-(-seq_len // block_size) for seq_len, _ in seqs]
@@ -79,17 +118,17 @@ def make_batch(
     for n in blocks_needed:
         block_ids.append(pool[:n])
         pool = pool[n:]
-    shape = (num_blocks, num_kv_heads, block_size, HEAD_DIM)
+    shape = (num_blocks, num_kv_heads, block_size, head_dim)
     k_cache = torch.randn(shape, generator=gen).to(dtype)
     v_cache = torch.randn(shape, generator=gen).to(dtype)
-    scale = HEAD_DIM**-0.5
+    scale = head_dim**-0.5
     queries, expected = [], []
     for (seq_len, query_len), ids in zip(seqs, block_ids):
         positions = torch.arange(seq_len)
         blocks, offsets = torch.tensor(ids)[positions // block_size], positions % block_size
         k = k_cache[blocks, :, offsets]  # [seq_len, num_kv_heads, head_dim], contiguous copy
         v = v_cache[blocks, :, offsets]
-        q = (2 * torch.randn(query_len, num_heads, HEAD_DIM, generator=gen)).to(dtype)
+        q = (query_scale * torch.randn(query_len, num_heads, head_dim, generator=gen)).to(dtype)
         queries.append(q)
         expected.append(dense_causal(q, k, v, scale))
     metadata = make_metadata(seqs, block_ids, block_size, num_decodes)
@@ -97,8 +136,8 @@ def make_batch(
 
 
 def run(impl: str, batch: Batch, **kwargs) -> torch.Tensor:
-    scale = HEAD_DIM**-0.5
-    out = IMPLS[impl](batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale, **kwargs)
+    scale = batch.query.shape[-1] ** -0.5
+    out = CALLABLES[impl](batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale, **kwargs)
     assert out.shape == batch.query.shape and out.dtype == batch.query.dtype
     return out
 
@@ -113,7 +152,6 @@ def assert_matches(out: torch.Tensor, batch: Batch) -> None:
 MIXED = [(37, 1), (1, 1), (64, 1), (50, 1), (40, 40), (70, 23), (33, 5)]
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 2, 8, 16, 32])
 @pytest.mark.parametrize("num_heads,num_kv_heads", [(4, 2), (9, 3), (4, 4)])
@@ -122,7 +160,6 @@ def test_mixed_batch_matches_dense(impl, dtype, block_size, num_heads, num_kv_he
     assert_matches(run(impl, batch), batch)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 @pytest.mark.parametrize(
     "seqs",
     [
@@ -142,17 +179,15 @@ def test_decode_chunking_does_not_change_result(chunk_blocks):
     # Some sequences span more blocks than a chunk; each then gets a chunk of its own.
     seqs = [(length, 1) for length in (5, 70, 16, 33, 1, 128, 9, 64)] + [(40, 12)]
     batch = make_batch(seqs, 4, 2, 8, seed=2)
-    assert_matches(run("fast", batch, decode_chunk_blocks=chunk_blocks), batch)
+    assert_matches(run("torch", batch, decode_chunk_blocks=chunk_blocks), batch)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_single_token_prefill_chunk_after_decodes(impl):
     # A one-token chunk that the runner did not count as a decode still attends causally.
     batch = make_batch([(20, 1), (45, 1), (30, 1)], 4, 2, 8, seed=3, num_decodes=1)
     assert_matches(run(impl, batch), batch)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_token_major_view_of_head_major_query(impl):
     # The transformers glue hands query[0].transpose(0, 1): a non-contiguous view.
     batch = make_batch(MIXED, 9, 3, 16, seed=4)
@@ -162,16 +197,16 @@ def test_token_major_view_of_head_major_query(impl):
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fast_matches_reference_with_large_logits(dtype):
-    batch = make_batch([(300, 1)] * 6 + [(300, 40)], 8, 2, 16, dtype, seed=5)
-    batch.query = batch.query * 40  # logits in the hundreds: exp overflows without the max
-    fast, reference = run("fast", batch), run("reference", batch)
-    tol = TOLERANCE[dtype]
-    torch.testing.assert_close(fast.float(), reference.float(), atol=tol, rtol=tol)
-    assert torch.isfinite(fast.float()).all()
+def test_large_logits_stay_finite_and_accurate(fast_impl, dtype):
+    # Logits in the hundreds: exp overflows without the running max. float32 rounds such a
+    # logit by ~300 * 6e-8, so every float32 path (the reference too) is ~4e-5 off float64.
+    batch = make_batch([(300, 1)] * 6 + [(300, 40), (300, 70)], 8, 2, 16, dtype, seed=5, query_scale=80.0)
+    out = run(fast_impl, batch)
+    assert torch.isfinite(out.float()).all()
+    tol = {torch.float32: 1e-4, torch.bfloat16: 2e-2}[dtype]
+    torch.testing.assert_close(out.double(), batch.expected, atol=tol, rtol=tol)
 
 
-@pytest.mark.parametrize("impl", IMPLS)
 def test_slots_outside_every_context_are_ignored(impl):
     # Large values in block tails, padding block 0 and unused blocks must not leak in.
     batch = make_batch([(37, 1), (64, 1), (5, 1), (70, 23)], 4, 2, 16, seed=8)
@@ -185,18 +220,28 @@ def test_slots_outside_every_context_are_ignored(impl):
     assert_matches(run(impl, batch), batch)
 
 
+WRITE_IMPLS = {"torch": write_kv_cache_torch, "cpp": write_kv_cache}
+
+
+@pytest.fixture(params=list(WRITE_IMPLS))
+def write_impl(request: pytest.FixtureRequest) -> str:
+    return skip_without_cpp(request, request.param)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("block_size", [1, 4, 16])
-def test_write_kv_cache_writes_exact_slots_only(block_size):
+def test_write_kv_cache_writes_exact_slots_only(write_impl, block_size, dtype):
     num_blocks, num_kv_heads = 6, 3
     gen = torch.Generator().manual_seed(6)
-    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, HEAD_DIM, generator=gen)
-    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, HEAD_DIM, generator=gen)
+    k_cache = torch.randn(num_blocks, num_kv_heads, block_size, HEAD_DIM, generator=gen).to(dtype)
+    v_cache = torch.randn(num_blocks, num_kv_heads, block_size, HEAD_DIM, generator=gen).to(dtype)
     k_before, v_before = k_cache.clone(), v_cache.clone()
     slots = torch.randperm(num_blocks * block_size, generator=gen)[: max(1, num_blocks * block_size // 3)]
-    key = torch.randn(len(slots), num_kv_heads, HEAD_DIM, generator=gen)
-    value = torch.randn(len(slots), num_kv_heads, HEAD_DIM, generator=gen)
+    # Token-major views of head-major tensors, as the transformers glue hands them.
+    key = torch.randn(num_kv_heads, len(slots), HEAD_DIM, generator=gen).to(dtype).transpose(0, 1)
+    value = torch.randn(num_kv_heads, len(slots), HEAD_DIM, generator=gen).to(dtype).transpose(0, 1)
 
-    write_kv_cache(key, value, k_cache, v_cache, slots)
+    WRITE_IMPLS[write_impl](key, value, k_cache, v_cache, slots)
 
     written = torch.zeros(num_blocks, block_size, dtype=torch.bool)
     for t, slot in enumerate(slots.tolist()):
@@ -209,11 +254,83 @@ def test_write_kv_cache_writes_exact_slots_only(block_size):
     assert torch.equal(v_cache[untouched], v_before[untouched])
 
 
-def test_write_then_attend_round_trip():
-    # The cache write and the fast kernel agree on where a token lives.
+def test_write_then_attend_round_trip(write_impl, fast_impl):
+    # The cache write and the fast kernels agree on where a token lives.
     batch = make_batch(MIXED, 4, 2, 8, seed=7)
     k_new = torch.randn(batch.metadata.num_tokens, 2, HEAD_DIM)
     v_new = torch.randn(batch.metadata.num_tokens, 2, HEAD_DIM)
-    write_kv_cache(k_new, v_new, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)
-    fast, reference = run("fast", batch), run("reference", batch)
+    WRITE_IMPLS[write_impl](k_new, v_new, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)
+    fast, reference = run(fast_impl, batch), run("reference", batch)
     torch.testing.assert_close(fast, reference, atol=1e-5, rtol=1e-5)
+
+
+# The C++ kernel on its own: every block size (partial last blocks, runs of positions crossing
+# blocks), head_dims of its vector and portable paths, row tiles, and the SDPA split.
+
+
+@pytest.mark.parametrize("block_size", range(1, 33))
+def test_cpp_every_block_size(request, block_size):
+    skip_without_cpp(request, "cpp")
+    batch = make_batch(MIXED + [(131, 1)], 9, 3, block_size, seed=block_size)
+    assert_matches(run("cpp", batch), batch)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("head_dim", [8, 16, 24, 32, 64, 80, 128])
+@pytest.mark.parametrize("num_heads,num_kv_heads", [(9, 3), (4, 2), (4, 4), (8, 1)])
+def test_cpp_head_dims_and_groups(request, dtype, head_dim, num_heads, num_kv_heads):
+    skip_without_cpp(request, "cpp")
+    batch = make_batch(MIXED, num_heads, num_kv_heads, 16, dtype, seed=head_dim, head_dim=head_dim)
+    assert_matches(run("cpp", batch), batch)
+
+
+@pytest.mark.parametrize("sdpa_min_query_len", [2, 17, 64, 10_000])
+def test_cpp_sdpa_split_does_not_change_result(request, sdpa_min_query_len):
+    # Chunks longer than a row tile (16), split across tiles, or handed to SDPA.
+    skip_without_cpp(request, "cpp")
+    seqs = [(40, 1), (300, 1), (200, 63), (48, 48), (70, 17), (90, 2), (130, 100)]
+    batch = make_batch(seqs, 9, 3, 16, seed=9)
+    assert_matches(run("cpp", batch, sdpa_min_query_len=sdpa_min_query_len), batch)
+
+
+def test_paged_attention_uses_cpp_unless_disabled(request, monkeypatch):
+    skip_without_cpp(request, "cpp")
+    batch = make_batch(MIXED, 9, 3, 16, torch.bfloat16, seed=10)
+    scale = HEAD_DIM**-0.5
+    args = (batch.query, batch.k_cache, batch.v_cache, batch.metadata, scale)
+    assert torch.equal(paged_attention(*args), paged_attention_cpp(*args))
+    monkeypatch.setenv(cpu_ext.DISABLE_ENV, "0")
+    assert not cpu_ext.available()
+    assert torch.equal(paged_attention(*args), paged_attention_torch(*args))
+
+
+def test_build_failure_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
+    from torch.utils import cpp_extension
+
+    def fail(*args, **kwargs):
+        raise RuntimeError("no compiler here")
+
+    monkeypatch.delenv(cpu_ext.DISABLE_ENV, raising=False)
+    monkeypatch.setattr(cpu_ext, "_state", {})
+    monkeypatch.setattr(cpp_extension, "load", fail)
+    batch = make_batch(MIXED, 4, 2, 8, seed=11)
+    with caplog.at_level("WARNING", logger=cpu_ext.__name__):
+        out = run("fast", batch)
+        new_kv = batch.query[:, :2]
+        write_kv_cache(new_kv, new_kv, batch.k_cache, batch.v_cache, batch.metadata.slot_mapping)
+        assert not cpu_ext.available()
+    assert len([r for r in caplog.records if r.levelname == "WARNING"]) == 1
+    assert_matches(out, batch)
+
+
+def test_cpp_rejects_metadata_outside_the_cache(request):
+    # The kernel reads the cache through raw pointers: bad lengths or ids must raise, not read.
+    skip_without_cpp(request, "cpp")
+    batch = make_batch([(37, 1), (20, 1)], 4, 2, 8, seed=12)
+    batch.metadata.block_tables[1, 0] = batch.k_cache.shape[0]
+    with pytest.raises(RuntimeError, match="block id"):
+        run("cpp", batch)
+    batch = make_batch([(37, 1), (20, 1)], 4, 2, 8, seed=12)
+    batch.metadata.seq_lens[0] = 8 * batch.metadata.block_tables.shape[1] + 1
+    with pytest.raises(RuntimeError, match="exceeds its block table"):
+        run("cpp", batch)

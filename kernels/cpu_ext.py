@@ -1,0 +1,108 @@
+"""The C++ CPU kernels (kernels/csrc): built once per machine at first use, then loaded.
+
+Owns compiling and loading the extension and the answer to "is it active?". The build
+goes under the pdserve cache dir (`$PDSERVE_CACHE`, else ~/.cache/pdserve), in a folder
+keyed by the CPU's instruction set and the torch/Python versions, because it is compiled
+with -march=native: a cache dir shared with another kind of machine gets its own build.
+If the build fails (no compiler, no ninja, ...) we log one warning and report the
+extension unavailable; callers then use their torch paths, which compute the same thing.
+`PDSERVE_CPU_EXT=0` forces the torch paths (for comparisons and debugging).
+
+It never decides which kernel runs for which shapes; the kernel modules do.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import os
+import platform
+import sys
+import threading
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+log = logging.getLogger(__name__)
+
+DISABLE_ENV = "PDSERVE_CPU_EXT"
+SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
+CFLAGS = ("-O3", "-march=native", "-fopenmp")
+LDFLAGS = ("-fopenmp",)
+
+_lock = threading.Lock()
+_state: dict[str, CpuOps | None] = {}  # "ops" -> the loaded ops, or None after a failure
+
+
+@dataclass(frozen=True, slots=True)
+class CpuOps:
+    """The extension's ops (see kernels/csrc/*.cpp for their contracts)."""
+
+    paged_attention: Callable[..., None]
+    write_kv_cache: Callable[..., None]
+
+
+def available() -> bool:
+    """Whether the C++ kernels are active (building them on first call)."""
+    return ops() is not None
+
+
+def ops() -> CpuOps | None:
+    """The extension's ops, or None if it is disabled or failed to build (warned once)."""
+    if os.environ.get(DISABLE_ENV, "1") == "0":
+        return None
+    if "ops" not in _state:  # called per layer and step: take the lock only until built
+        with _lock:
+            if "ops" not in _state:
+                _state["ops"] = _build()
+    return _state["ops"]
+
+
+def _build() -> CpuOps | None:
+    # Imported here: importing the kernels package must stay cheap and compiler-free.
+    from torch.utils import cpp_extension
+
+    build_dir = _build_dir()
+    try:
+        build_dir.mkdir(parents=True, exist_ok=True)
+        # Registers the ops with the dispatcher (TORCH_LIBRARY): no Python module, no pybind.
+        cpp_extension.load(
+            name="pdserve_cpu_kernels",
+            sources=[str(path) for path in SOURCES],
+            extra_cflags=list(CFLAGS),
+            extra_ldflags=list(LDFLAGS),
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+        # The overloads themselves: calling them skips the packet's overload resolution.
+        namespace = torch.ops.pdserve_cpu
+        return CpuOps(namespace.paged_attention.default, namespace.write_kv_cache.default)
+    except Exception as exc:  # any build or load failure means: use the torch paths
+        log.warning("pdserve C++ CPU kernels unavailable, using the torch paths: %s", _summary(exc))
+        log.debug("C++ CPU kernels build failure", exc_info=True)
+        return None
+
+
+def _build_dir() -> Path:
+    from pdserve.engine.model_factory import default_cache_dir  # the one cache-dir default
+
+    key = "|".join([platform.machine(), _cpu_flags(), torch.__version__, sys.version, " ".join(CFLAGS)])
+    return default_cache_dir() / "torch_extensions" / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def _cpu_flags() -> str:
+    try:
+        with open("/proc/cpuinfo") as cpuinfo:
+            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+    except OSError:
+        return platform.processor()
+
+
+def _summary(exc: Exception) -> str:
+    """The exception's first line and, for a failed build, the compiler's first error line."""
+    lines = [line.strip() for line in str(exc).splitlines() if line.strip()]
+    errors = [line for line in lines[1:] if "error" in line.lower() or "not found" in line.lower()]
+    return " | ".join([f"{type(exc).__name__}: {lines[0][:200] if lines else ''}", *errors[:1]])
