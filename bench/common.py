@@ -10,36 +10,20 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
-import shutil
-import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import torch
 
-from pdserve.engine.model_factory import default_cache_dir, make_model
+from pdserve.engine.model_factory import ensure_cached_model
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 
 
 def ensure_model(arch: str, size: str, dtype: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Build `arch`/`size` in `dtype` once under the cache dir; reuse it afterwards."""
-    root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / f"bench-{arch}-{size}-{dtype}"
-    if (final / "config.json").is_file() and (final / "tokenizer.json").is_file():
-        return final
-    root.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=".bench-build-", dir=root))
-    try:
-        make_model(staging, arch, size, dtype=DTYPE_NAMES[dtype])
-        staging.rename(final)
-    except OSError:
-        if not (final / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
+    return ensure_cached_model(f"bench-{arch}-{size}-{dtype}", arch, size, DTYPE_NAMES[dtype], cache_dir)
 
 
 def copy_bandwidth(num_bytes: int, rounds: int = 5) -> float:

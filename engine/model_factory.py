@@ -309,10 +309,30 @@ def default_cache_dir() -> Path:
 
 def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
     """Build the llama-small demo model once under the cache dir; reuse it afterwards."""
+    return ensure_cached_model("demo-llama-small", "llama", "small", torch.float32, cache_dir)
+
+
+def ensure_cached_model(
+    name: str, arch: str, size: str, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None
+) -> Path:
+    """Build `arch`/`size` in `dtype` once as `name` under the cache dir; reuse it afterwards."""
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
-    final = root / "demo-llama-small"
+    final = root / name
     if (final / "config.json").is_file() and (final / "tokenizer.json").is_file():
         return final
+    root.mkdir(parents=True, exist_ok=True)
+    # Build aside and rename, so a concurrent or interrupted build never leaves a
+    # half-written directory at the final path.
+    staging = Path(tempfile.mkdtemp(prefix=f".{name}-build-", dir=root))
+    try:
+        make_model(staging, arch, size, dtype=dtype)
+        staging.rename(final)
+    except OSError:
+        if not (final / "config.json").is_file():
+            raise
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)
+    return final
     root.mkdir(parents=True, exist_ok=True)
     # Build aside and rename, so a concurrent or interrupted build never leaves a
     # half-written directory at the final path.
