@@ -17,7 +17,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from pdserve.kernels import paged_attention, paged_attention_reference
+from pdserve.kernels import cpu_ext, paged_attention, paged_attention_reference
 from pdserve.kernels.metadata import AttentionMetadata
 
 BACKENDS = {"fast": paged_attention, "reference": paged_attention_reference}
@@ -54,6 +54,10 @@ class ModelRunner:
         self.k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(loaded.num_layers)]
         self.v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(loaded.num_layers)]
         self.backend = BACKENDS[backend]
+        if backend == "fast":
+            # Build the C++ kernels now (once per machine, up to a minute) rather than
+            # inside the first step, where a node's core would stop answering meanwhile.
+            cpu_ext.ops()
         self.sampler = Sampler(loaded.eos_token_ids)
 
     @torch.inference_mode()
