@@ -21,10 +21,6 @@ class SchedulingPolicy:
 
     name = "colocated"
 
-    def may_start(self, request: Request) -> bool:
-        """May this waiting request be scheduled now? (decode-only: once its KV is imported)"""
-        return True
-
     def finishes_after_first_token(self) -> bool:
         """Does a request end once its first token is sampled? (prefill-only: yes)"""
         return False

@@ -107,8 +107,6 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            if not self.policy.may_start(req):
-                break
             hit = self.kv.find_prefix_hit(req) if req.num_computed_tokens == 0 else None
             num_done = req.num_computed_tokens + (hit.num_tokens if hit else 0)
             num_new = min(req.num_tokens - num_done, budget)

@@ -98,23 +98,3 @@ def test_prefix_hit_skips_cached_tokens():
     out = sched.schedule()
     (b,) = [s for s in out.scheduled if s.request.req_id == "b"]
     assert b.num_scheduled_tokens == 4 and b.request.num_cached_tokens == 8
-
-
-class WaitForImport(SchedulingPolicy):
-    """A policy that only starts requests marked ready (what a decode node does)."""
-
-    def __init__(self):
-        self.ready: set[str] = set()
-
-    def may_start(self, request):
-        return request.req_id in self.ready
-
-
-def test_policy_gates_admission_without_touching_the_loop():
-    kv = KVCacheManager(8, 4)
-    policy = WaitForImport()
-    sched = Scheduler(kv, policy, 8, 4)
-    sched.add(make_request("a", 3, 0))
-    assert sched.schedule().is_empty
-    policy.ready.add("a")
-    assert [s.request.req_id for s in sched.schedule().scheduled] == ["a"]
