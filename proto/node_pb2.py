@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import pdserve_pb2 as pdserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nnode.proto\x12\x0fpdserve.node.v1\x1a\rpdserve.proto\"\x96\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x14\n\x0csample_index\x18\x05 \x01(\r\"1\n\x05Ready\x12\x15\n\rkv_descriptor\x18\x01 \x01(\x0c\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\"\x96\x01\n\x0c\x44\x65\x63odeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rstop_token_id\x18\x04 \x01(\x05\"p\n\x0b\x44\x65\x63odeEvent\x12\'\n\x05ready\x18\x01 \x01(\x0b\x32\x16.pdserve.node.v1.ReadyH\x00\x12/\n\x06tokens\x18\x02 \x01(\x0b\x32\x1d.pdserve.node.v1.DecodeTokensH\x00\x42\x07\n\x05\x65vent\"\xcf\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x1c\n\x14\x64\x65\x63ode_kv_descriptor\x18\x06 \x01(\x0c\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x07 \x03(\x05\"\xb6\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12+\n\x08logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x05 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\"\x0e\n\x0cStatsRequest\"i\n\x10TransferCounters\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x11\n\ttransfers\x18\x03 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x04 \x01(\x04\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\"\x95\x02\n\tNodeStats\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x17\n\x0freserved_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x36\n\x0bkv_transfer\x18\x08 \x01(\x0b\x32!.pdserve.node.v1.TransferCounters\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\"A\n\x0fRegisterRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"1\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"N\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12)\n\x05stats\x18\x02 \x01(\x0b\x32\x1a.pdserve.node.v1.NodeStats\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\x9d\x01\n\nDecodeNode\x12H\n\x06\x44\x65\x63ode\x12\x1e.pdserve.node.v1.DecodeRequest\x1a\x1c.pdserve.node.v1.DecodeEvent0\x01\x12\x45\n\x08GetStats\x12\x1d.pdserve.node.v1.StatsRequest\x1a\x1a.pdserve.node.v1.NodeStats2\xa2\x01\n\x0bPrefillNode\x12L\n\x07Prefill\x12\x1f.pdserve.node.v1.PrefillRequest\x1a .pdserve.node.v1.PrefillResponse\x12\x45\n\x08GetStats\x12\x1d.pdserve.node.v1.StatsRequest\x1a\x1a.pdserve.node.v1.NodeStats2\xaf\x01\n\x08Registry\x12O\n\x08Register\x12 .pdserve.node.v1.RegisterRequest\x1a!.pdserve.node.v1.RegisterResponse\x12R\n\tHeartbeat\x12!.pdserve.node.v1.HeartbeatRequest\x1a\".pdserve.node.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nnode.proto\x12\x0fpdserve.node.v1\x1a\rpdserve.proto\"\xb1\x01\n\rDecodeRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x19\n\x11resumed_token_ids\x18\x06 \x03(\x05\"1\n\x05Ready\x12\x15\n\rkv_descriptor\x18\x01 \x01(\x0c\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\"\x96\x01\n\x0c\x44\x65\x63odeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rstop_token_id\x18\x04 \x01(\x05\"p\n\x0b\x44\x65\x63odeEvent\x12\'\n\x05ready\x18\x01 \x01(\x0b\x32\x16.pdserve.node.v1.ReadyH\x00\x12/\n\x06tokens\x18\x02 \x01(\x0b\x32\x1d.pdserve.node.v1.DecodeTokensH\x00\x42\x07\n\x05\x65vent\"\xea\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x1c\n\x14\x64\x65\x63ode_kv_descriptor\x18\x06 \x01(\x0c\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x07 \x03(\x05\x12\x19\n\x11resumed_token_ids\x18\x08 \x03(\x05\"\xb6\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12+\n\x08logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x05 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\"\x0e\n\x0cStatsRequest\"i\n\x10TransferCounters\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x11\n\ttransfers\x18\x03 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x04 \x01(\x04\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\"\x95\x02\n\tNodeStats\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x17\n\x0freserved_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x36\n\x0bkv_transfer\x18\x08 \x01(\x0b\x32!.pdserve.node.v1.TransferCounters\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\"A\n\x0fRegisterRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\"1\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"N\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12)\n\x05stats\x18\x02 \x01(\x0b\x32\x1a.pdserve.node.v1.NodeStats\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\x9d\x01\n\nDecodeNode\x12H\n\x06\x44\x65\x63ode\x12\x1e.pdserve.node.v1.DecodeRequest\x1a\x1c.pdserve.node.v1.DecodeEvent0\x01\x12\x45\n\x08GetStats\x12\x1d.pdserve.node.v1.StatsRequest\x1a\x1a.pdserve.node.v1.NodeStats2\xa2\x01\n\x0bPrefillNode\x12L\n\x07Prefill\x12\x1f.pdserve.node.v1.PrefillRequest\x1a .pdserve.node.v1.PrefillResponse\x12\x45\n\x08GetStats\x12\x1d.pdserve.node.v1.StatsRequest\x1a\x1a.pdserve.node.v1.NodeStats2\xa2\x01\n\rColocatedNode\x12J\n\x08Generate\x12\x1e.pdserve.node.v1.DecodeRequest\x1a\x1c.pdserve.node.v1.DecodeEvent0\x01\x12\x45\n\x08GetStats\x12\x1d.pdserve.node.v1.StatsRequest\x1a\x1a.pdserve.node.v1.NodeStats2\xaf\x01\n\x08Registry\x12O\n\x08Register\x12 .pdserve.node.v1.RegisterRequest\x1a!.pdserve.node.v1.RegisterResponse\x12R\n\tHeartbeat\x12!.pdserve.node.v1.HeartbeatRequest\x1a\".pdserve.node.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,35 +33,37 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_DECODEREQUEST']._serialized_start=47
-  _globals['_DECODEREQUEST']._serialized_end=197
-  _globals['_READY']._serialized_start=199
-  _globals['_READY']._serialized_end=248
-  _globals['_DECODETOKENS']._serialized_start=251
-  _globals['_DECODETOKENS']._serialized_end=401
-  _globals['_DECODEEVENT']._serialized_start=403
-  _globals['_DECODEEVENT']._serialized_end=515
-  _globals['_PREFILLREQUEST']._serialized_start=518
-  _globals['_PREFILLREQUEST']._serialized_end=725
-  _globals['_PREFILLRESPONSE']._serialized_start=728
-  _globals['_PREFILLRESPONSE']._serialized_end=910
-  _globals['_STATSREQUEST']._serialized_start=912
-  _globals['_STATSREQUEST']._serialized_end=926
-  _globals['_TRANSFERCOUNTERS']._serialized_start=928
-  _globals['_TRANSFERCOUNTERS']._serialized_end=1033
-  _globals['_NODESTATS']._serialized_start=1036
-  _globals['_NODESTATS']._serialized_end=1313
-  _globals['_REGISTERREQUEST']._serialized_start=1315
-  _globals['_REGISTERREQUEST']._serialized_end=1380
-  _globals['_REGISTERRESPONSE']._serialized_start=1382
-  _globals['_REGISTERRESPONSE']._serialized_end=1431
-  _globals['_HEARTBEATREQUEST']._serialized_start=1433
-  _globals['_HEARTBEATREQUEST']._serialized_end=1511
-  _globals['_HEARTBEATRESPONSE']._serialized_start=1513
-  _globals['_HEARTBEATRESPONSE']._serialized_end=1547
-  _globals['_DECODENODE']._serialized_start=1550
-  _globals['_DECODENODE']._serialized_end=1707
-  _globals['_PREFILLNODE']._serialized_start=1710
-  _globals['_PREFILLNODE']._serialized_end=1872
-  _globals['_REGISTRY']._serialized_start=1875
-  _globals['_REGISTRY']._serialized_end=2050
+  _globals['_DECODEREQUEST']._serialized_end=224
+  _globals['_READY']._serialized_start=226
+  _globals['_READY']._serialized_end=275
+  _globals['_DECODETOKENS']._serialized_start=278
+  _globals['_DECODETOKENS']._serialized_end=428
+  _globals['_DECODEEVENT']._serialized_start=430
+  _globals['_DECODEEVENT']._serialized_end=542
+  _globals['_PREFILLREQUEST']._serialized_start=545
+  _globals['_PREFILLREQUEST']._serialized_end=779
+  _globals['_PREFILLRESPONSE']._serialized_start=782
+  _globals['_PREFILLRESPONSE']._serialized_end=964
+  _globals['_STATSREQUEST']._serialized_start=966
+  _globals['_STATSREQUEST']._serialized_end=980
+  _globals['_TRANSFERCOUNTERS']._serialized_start=982
+  _globals['_TRANSFERCOUNTERS']._serialized_end=1087
+  _globals['_NODESTATS']._serialized_start=1090
+  _globals['_NODESTATS']._serialized_end=1367
+  _globals['_REGISTERREQUEST']._serialized_start=1369
+  _globals['_REGISTERREQUEST']._serialized_end=1434
+  _globals['_REGISTERRESPONSE']._serialized_start=1436
+  _globals['_REGISTERRESPONSE']._serialized_end=1485
+  _globals['_HEARTBEATREQUEST']._serialized_start=1487
+  _globals['_HEARTBEATREQUEST']._serialized_end=1565
+  _globals['_HEARTBEATRESPONSE']._serialized_start=1567
+  _globals['_HEARTBEATRESPONSE']._serialized_end=1601
+  _globals['_DECODENODE']._serialized_start=1604
+  _globals['_DECODENODE']._serialized_end=1761
+  _globals['_PREFILLNODE']._serialized_start=1764
+  _globals['_PREFILLNODE']._serialized_end=1926
+  _globals['_COLOCATEDNODE']._serialized_start=1929
+  _globals['_COLOCATEDNODE']._serialized_end=2091
+  _globals['_REGISTRY']._serialized_start=2094
+  _globals['_REGISTRY']._serialized_end=2269
 # @@protoc_insertion_point(module_scope)

@@ -260,6 +260,130 @@ class PrefillNode:
             _registered_method=True)
 
 
+class ColocatedNodeStub:
+    """A node that runs both phases (the engine's stall-free chunked-prefill policy): the
+    colocated baseline, served through the same router and API as the disaggregated pools.
+    """
+
+    def __init__(self, channel):
+        """Constructor.
+
+        Args:
+            channel: A grpc.Channel.
+        """
+        self.Generate = channel.unary_stream(
+                '/pdserve.node.v1.ColocatedNode/Generate',
+                request_serializer=node__pb2.DecodeRequest.SerializeToString,
+                response_deserializer=node__pb2.DecodeEvent.FromString,
+                _registered_method=True)
+        self.GetStats = channel.unary_unary(
+                '/pdserve.node.v1.ColocatedNode/GetStats',
+                request_serializer=node__pb2.StatsRequest.SerializeToString,
+                response_deserializer=node__pb2.NodeStats.FromString,
+                _registered_method=True)
+
+
+class ColocatedNodeServicer:
+    """A node that runs both phases (the engine's stall-free chunked-prefill policy): the
+    colocated baseline, served through the same router and API as the disaggregated pools.
+    """
+
+    def Generate(self, request, context):
+        """`tokens` events for tokens 1..n as they are generated; the last has finish_reason set.
+        RESOURCE_EXHAUSTED at once when the node cannot hold the request. Cancelling the call
+        aborts the request and frees its blocks.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def GetStats(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+
+def add_ColocatedNodeServicer_to_server(servicer, server):
+    rpc_method_handlers = {
+            'Generate': grpc.unary_stream_rpc_method_handler(
+                    servicer.Generate,
+                    request_deserializer=node__pb2.DecodeRequest.FromString,
+                    response_serializer=node__pb2.DecodeEvent.SerializeToString,
+            ),
+            'GetStats': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStats,
+                    request_deserializer=node__pb2.StatsRequest.FromString,
+                    response_serializer=node__pb2.NodeStats.SerializeToString,
+            ),
+    }
+    generic_handler = grpc.method_handlers_generic_handler(
+            'pdserve.node.v1.ColocatedNode', rpc_method_handlers)
+    server.add_generic_rpc_handlers((generic_handler,))
+    server.add_registered_method_handlers('pdserve.node.v1.ColocatedNode', rpc_method_handlers)
+
+
+ # This class is part of an EXPERIMENTAL API.
+class ColocatedNode:
+    """A node that runs both phases (the engine's stall-free chunked-prefill policy): the
+    colocated baseline, served through the same router and API as the disaggregated pools.
+    """
+
+    @staticmethod
+    def Generate(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/pdserve.node.v1.ColocatedNode/Generate',
+            node__pb2.DecodeRequest.SerializeToString,
+            node__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStats(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.node.v1.ColocatedNode/GetStats',
+            node__pb2.StatsRequest.SerializeToString,
+            node__pb2.NodeStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+
 class RegistryStub:
     """Missing associated documentation comment in .proto file."""
 
