@@ -5,9 +5,9 @@
     relay D's tokens 2..n ──▶ client                     (until D's finish, or a stop string)
     finally: cancel the D stream unless it ended          (D frees its blocks)
 
-Owns the sample's detokenizer and stop-string check (`SequenceStream`), its responses
-(each carrying `index`; the last one finish reason, usage and timings) and the mapping
-of node call failures to router errors. It never multiplexes samples, never touches
+Owns the order of node calls and the mapping of node call failures to router errors;
+what the client sees (text, stop strings, responses, usage, timings) is the sample's
+`TokenRelay` (router/relay.py). It never multiplexes samples, never touches
 the registry's lists beyond reading live nodes, and never retries a broken decode
 stream (`_decode_lost` is the seam where resume will plug in).
 """
@@ -22,17 +22,15 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.output_processor import SequenceStream
-from pdserve.engine.stop_rules import token_finish_reason
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import NodeFailed, NoNodeAvailable, Overloaded, RouterError, from_node_error
 from pdserve.router.model import RouterModel
 from pdserve.router.placement import Candidate, DecodePlacement, PrefillPlacement
 from pdserve.router.registry import NodeEntry, NodeKind, NodeRegistry
+from pdserve.router.relay import TokenRelay
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.wire import FINISH_FROM_PROTO, FINISH_TO_PROTO, params_to_proto
+from pdserve.router.wire import params_to_proto
 
 
 @dataclass(frozen=True)
@@ -60,22 +58,18 @@ class SampleRun:
     def __init__(self, state: RouterState, spec: SampleSpec, emit: Callable[[pdserve_pb2.GenerateResponse], None]):
         self._state = state
         self._spec = spec
-        self._emit = emit
-        request = spec.request
-        detokenizer = IncrementalDetokenizer(state.model.tokenizer, request.prompt_token_ids)
-        self._stream = SequenceStream(spec.node_req_id, request.params, detokenizer)
-        self._num_tokens = 0
-        self._first_token_at: float | None = None
-        self._prefill: node_pb2.PrefillResponse | None = None
+        self._relay = TokenRelay(spec.request, spec.index, state.model, spec.received_at, state.clock, emit)
 
     async def run(self) -> None:
         decode_call = None
         try:
             decode_call, ready, decode_address = await self._reserve_decode()
-            self._prefill = await self._run_prefill(ready)
-            if self._emit_first_token(self._prefill):
+            prefill = await self._run_prefill(ready)
+            self._relay.prefill.add(prefill)
+            logprobs = prefill.logprobs if prefill.HasField("logprobs") else None
+            if self._relay.push_sampled_token(prefill.first_token_id, logprobs):
                 return  # token 1 ended it: the finally cancels D's reservation
-            await self._relay(decode_call, decode_address)
+            await self._relay_decode(decode_call, decode_address)
         finally:
             if decode_call is not None:
                 decode_call.cancel()  # no-op once the stream has ended
@@ -179,21 +173,9 @@ class SampleRun:
             decode_block_ids=ready.block_ids,
         )
 
-    def _emit_first_token(self, prefill: node_pb2.PrefillResponse) -> bool:
-        """Send token 1 to the client; True if it ended the sample."""
-        request, model = self._spec.request, self._state.model
-        token = prefill.first_token_id
-        num_prompt = len(request.prompt_token_ids)
-        reason = token_finish_reason(token, 1, num_prompt + 1, request.params, model.eos_token_ids, model.max_model_len)
-        self._first_token_at = self._state.clock()
-        logprobs = [prefill.logprobs] if prefill.HasField("logprobs") else []
-        delta = self._stream.push_token(token, None, reason)
-        self._respond([token], delta.text, logprobs)
-        return self._stream.finish_reason is not None
-
     # -- decode stream ------------------------------------------------------------------
 
-    async def _relay(self, call: grpc.aio.UnaryStreamCall, address: str) -> None:
+    async def _relay_decode(self, call: grpc.aio.UnaryStreamCall, address: str) -> None:
         while True:
             try:
                 event = await call.read()
@@ -203,28 +185,11 @@ class SampleRun:
                 raise self._decode_lost(address, NodeFailed(f"decode node {address} ended the stream unfinished"))
             if event.WhichOneof("event") != "tokens":
                 raise NodeFailed(f"decode node {address} sent a second READY")
-            node_finished = self._push_tokens(event.tokens)
-            if node_finished:
+            if self._relay.push_decoded(event.tokens):
                 await self._await_end(call)
                 return
-            if self._stream.finish_reason is not None:
+            if self._relay.finished:
                 return  # a stop string: the finally cancels D
-
-    def _push_tokens(self, tokens: node_pb2.DecodeTokens) -> bool:
-        """Relay one decode event; True if the decode node itself ended the sample."""
-        node_reason = FINISH_FROM_PROTO.get(tokens.finish_reason)
-        ids: list[int] = []
-        text = ""
-        for i, token in enumerate(tokens.token_ids):
-            last = i == len(tokens.token_ids) - 1
-            text += self._stream.push_token(token, None, node_reason if last else None).text
-            ids.append(token)
-            if self._stream.finish_reason is not None:
-                break
-        if not tokens.token_ids and node_reason is not None:
-            text += self._stream.finish(node_reason).text
-        self._respond(ids, text, list(tokens.logprobs[: len(ids)]))
-        return node_reason is not None and not self._stream.hit_stop_string
 
     async def _await_end(self, call: grpc.aio.UnaryStreamCall) -> None:
         # The node's last event is in; let its stream close by itself rather than cancel it.
@@ -237,48 +202,6 @@ class SampleRun:
         """The decode stream broke after READY. Resuming elsewhere (a new Decode with the prompt
         plus the tokens already streamed) plugs in here; for now the client gets the error."""
         return error
-
-    # -- responses ----------------------------------------------------------------------
-
-    def _respond(self, token_ids: list[int], text: str, logprobs: list[pdserve_pb2.TokenLogprobs]) -> None:
-        self._num_tokens += len(token_ids)
-        finished = self._stream.finish_reason is not None
-        if not token_ids and not text and not finished:
-            return
-        response = pdserve_pb2.GenerateResponse(
-            request_id=self._spec.request.request_id,
-            index=self._spec.index,
-            token_ids=token_ids,
-            text=text,
-            logprobs=logprobs if self._spec.request.params.logprobs is not None else [],
-            finish_reason=FINISH_TO_PROTO[self._stream.finish_reason],
-            stop_token_id=-1,
-        )
-        if finished:
-            self._finish(response)
-        self._emit(response)
-
-    def _finish(self, response: pdserve_pb2.GenerateResponse) -> None:
-        stop = self._stream.stop_reason
-        if isinstance(stop, str):
-            response.stop_string = stop
-        elif isinstance(stop, int):
-            response.stop_token_id = stop
-        prefill = self._prefill or node_pb2.PrefillResponse()
-        response.usage.CopyFrom(pdserve_pb2.Usage(
-            prompt_tokens=len(self._spec.request.prompt_token_ids),
-            completion_tokens=self._num_tokens,
-            cached_prompt_tokens=prefill.num_cached_tokens,
-        ))
-        now = self._state.clock()
-        first = self._first_token_at if self._first_token_at is not None else now
-        response.timings.CopyFrom(pdserve_pb2.Timings(
-            ttft_s=first - self._spec.received_at,
-            e2e_s=now - self._spec.received_at,
-            prefill_s=prefill.prefill_s,
-            kv_transfer_s=prefill.kv_transfer_s,
-            kv_transfer_bytes=prefill.kv_transfer_bytes,
-        ))
 
     # -- helpers ------------------------------------------------------------------------
 

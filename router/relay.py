@@ -1,0 +1,136 @@
+"""One sample's output as the client sees it, whichever nodes produce its tokens.
+
+Owns the sample's detokenizer and stop-string check (`SequenceStream`), the list of
+tokens already sent to the client (what a resume after a node failure re-prefills), the
+token-level stop rule for a token the router learns without a finish reason (token 1
+from a prefill node), and the responses themselves: each carries the sample's `index`;
+the last one the finish reason, usage and timings.
+
+Must never: talk to a node, pick a node, or pick a status code. The drivers
+(router/sample.py for disaggregated pools, router/colocated.py for colocated nodes)
+feed it tokens; it tells them when the sample has ended.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.output_processor import SequenceStream
+from pdserve.engine.stop_rules import token_finish_reason
+from pdserve.proto import node_pb2, pdserve_pb2
+from pdserve.router.model import RouterModel
+from pdserve.router.validation import ValidatedRequest
+from pdserve.router.wire import FINISH_FROM_PROTO, FINISH_TO_PROTO
+
+Emit = Callable[[pdserve_pb2.GenerateResponse], None]
+
+
+@dataclass
+class PrefillTotals:
+    """What the prefill runs of one sample cost; a resume adds a second run."""
+
+    num_cached_tokens: int = 0
+    prefill_s: float = 0.0
+    kv_transfer_s: float = 0.0
+    kv_transfer_bytes: int = 0
+
+    def add(self, prefill: node_pb2.PrefillResponse) -> None:
+        if not self.prefill_s:  # the client's prompt was cached (or not) on the first run only
+            self.num_cached_tokens = prefill.num_cached_tokens
+        self.prefill_s += prefill.prefill_s
+        self.kv_transfer_s += prefill.kv_transfer_s
+        self.kv_transfer_bytes += prefill.kv_transfer_bytes
+
+
+class TokenRelay:
+    def __init__(self, request: ValidatedRequest, index: int, model: RouterModel, received_at: float,
+                 clock: Callable[[], float], emit: Emit) -> None:
+        self._request = request
+        self._index = index
+        self._model = model
+        self._received_at = received_at
+        self._clock = clock
+        self._emit = emit
+        detokenizer = IncrementalDetokenizer(model.tokenizer, request.prompt_token_ids)
+        self._stream = SequenceStream(f"{request.request_id}-{index}", request.params, detokenizer)
+        self.streamed_token_ids: list[int] = []
+        self.prefill = PrefillTotals()
+        self._first_token_at: float | None = None
+
+    @property
+    def finished(self) -> bool:
+        return self._stream.finish_reason is not None
+
+    def push_sampled_token(self, token: int, logprobs: pdserve_pb2.TokenLogprobs | None) -> bool:
+        """A token sampled by a node that did not judge the stop rules (a prefill node's
+        token 1, or the next token after a resume); True if it ended the sample."""
+        request = self._request
+        num_generated = len(self.streamed_token_ids) + 1
+        total_len = len(request.prompt_token_ids) + num_generated
+        reason = token_finish_reason(token, num_generated, total_len, request.params,
+                                     self._model.eos_token_ids, self._model.max_model_len)
+        delta = self._stream.push_token(token, None, reason)
+        self._respond([token], delta.text, [logprobs] if logprobs is not None else [])
+        return self.finished
+
+    def push_decoded(self, tokens: node_pb2.DecodeTokens) -> bool:
+        """Relay one event of a node that judged the stop rules itself; True if the node
+        ended the sample (False when a stop string ended it here, or it goes on)."""
+        node_reason = FINISH_FROM_PROTO.get(tokens.finish_reason)
+        ids: list[int] = []
+        text = ""
+        for i, token in enumerate(tokens.token_ids):
+            last = i == len(tokens.token_ids) - 1
+            text += self._stream.push_token(token, None, node_reason if last else None).text
+            ids.append(token)
+            if self.finished:
+                break
+        if not tokens.token_ids and node_reason is not None:
+            text += self._stream.finish(node_reason).text
+        self._respond(ids, text, list(tokens.logprobs[: len(ids)]))
+        return node_reason is not None and not self._stream.hit_stop_string
+
+    # -- responses ----------------------------------------------------------------------
+
+    def _respond(self, token_ids: list[int], text: str, logprobs: list[pdserve_pb2.TokenLogprobs]) -> None:
+        if token_ids and self._first_token_at is None:
+            self._first_token_at = self._clock()
+        self.streamed_token_ids.extend(token_ids)
+        if not token_ids and not text and not self.finished:
+            return
+        response = pdserve_pb2.GenerateResponse(
+            request_id=self._request.request_id,
+            index=self._index,
+            token_ids=token_ids,
+            text=text,
+            logprobs=logprobs if self._request.params.logprobs is not None else [],
+            finish_reason=FINISH_TO_PROTO[self._stream.finish_reason],
+            stop_token_id=-1,
+        )
+        if self.finished:
+            self._finish(response)
+        self._emit(response)
+
+    def _finish(self, response: pdserve_pb2.GenerateResponse) -> None:
+        stop = self._stream.stop_reason
+        if isinstance(stop, str):
+            response.stop_string = stop
+        elif isinstance(stop, int):
+            response.stop_token_id = stop
+        prefill = self.prefill
+        response.usage.CopyFrom(pdserve_pb2.Usage(
+            prompt_tokens=len(self._request.prompt_token_ids),
+            completion_tokens=len(self.streamed_token_ids),
+            cached_prompt_tokens=prefill.num_cached_tokens,
+        ))
+        now = self._clock()
+        first = self._first_token_at if self._first_token_at is not None else now
+        response.timings.CopyFrom(pdserve_pb2.Timings(
+            ttft_s=first - self._received_at,
+            e2e_s=now - self._received_at,
+            prefill_s=prefill.prefill_s,
+            kv_transfer_s=prefill.kv_transfer_s,
+            kv_transfer_bytes=prefill.kv_transfer_bytes,
+        ))
