@@ -1,0 +1,7 @@
+"""`python -m pdserve.bench.serve`: the same as `pdserve bench serve`."""
+
+import sys
+
+from pdserve.bench.serve.cli import main
+
+sys.exit(main())

@@ -1,0 +1,205 @@
+"""`pdserve bench serve`: open-loop load against a running router, with an SLO report.
+
+    pdserve bench serve --addr HOST:PORT --rate 4 --num-requests 200 \\
+        --workload chat --ttft-slo 2 --tpot-slo 0.2 --output-json out.json --plot-dir plots/
+
+One run at `--rate`, one run per rate of `--rates`, or `--sweep`: bisection for the
+highest rate whose SLO attainment reaches `--attainment` (goodput). Prints a summary
+per run; `--output-json` and `--plot-dir` keep everything. Owns the flags and their
+checks (a bad combination is a usage error, before any request is sent) and the
+wiring of the other modules; measures nothing itself.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import os
+import sys
+from pathlib import Path
+
+import grpc
+import uvloop
+
+from pdserve.auth import add_auth_args, check_token, token_from_cli
+from pdserve.bench.serve import report
+from pdserve.bench.serve.client import ClientOptions, fetch_model_info, model_limits
+from pdserve.bench.serve.metrics import Slo
+from pdserve.bench.serve.runner import Run, RunLength, ServeBench
+from pdserve.bench.serve.sweep import SweepConfig, find_max_rate
+from pdserve.bench.serve.workloads import (
+    CHAT_INPUT_MEAN, CHAT_OUTPUT_MEAN, CHAT_SIGMA, ChatLengths, FixedLengths, LogNormal, ModelLimits,
+    SyntheticWorkload, UniformLengths, Workload, read_jsonl,
+)
+from pdserve.router.client import DEFAULT_ADDRESS
+
+DEFAULT_NUM_REQUESTS = 100
+
+
+def _length_range(text: str) -> tuple[int, int]:
+    try:
+        low, high = (int(part) for part in text.split(":"))
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected A:B (two integers), got {text!r}") from None
+    return low, high
+
+
+def _rates(text: str) -> list[float]:
+    try:
+        return [float(r) for r in text.split(",") if r.strip()]
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected comma-separated rates, got {text!r}") from None
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.splitlines()[0])
+    p.add_argument("--addr", default=DEFAULT_ADDRESS, help="router HOST:PORT")
+    mode = p.add_mutually_exclusive_group(required=True)
+    mode.add_argument("--rate", type=float, help="one run at this many requests/s (inf: all at once)")
+    mode.add_argument("--rates", type=_rates, help="one run per rate, e.g. 1,2,4")
+    mode.add_argument("--sweep", action="store_true", help="bisect for the highest rate meeting --attainment")
+
+    arrivals = p.add_argument_group("arrivals")
+    arrivals.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
+    arrivals.add_argument("--cv", type=float, help="gamma: coefficient of variation of the intervals (1 = Poisson)")
+    length = arrivals.add_mutually_exclusive_group()
+    length.add_argument("--num-requests", type=int, help=f"requests per run (default {DEFAULT_NUM_REQUESTS})")
+    length.add_argument("--duration-s", type=float, help="send every request due within this many seconds")
+    arrivals.add_argument("--seed", type=int, default=0, help="seeds the arrivals and the synthetic prompts")
+
+    work = p.add_argument_group("workload")
+    work.add_argument("--workload", choices=["fixed", "uniform", "chat", "jsonl"], default="fixed")
+    work.add_argument("--input-len", type=int, default=128, help="fixed: prompt tokens")
+    work.add_argument("--output-len", type=int, default=128, help="fixed: output tokens")
+    work.add_argument("--input-len-range", type=_length_range, help="uniform: A:B prompt tokens, inclusive")
+    work.add_argument("--output-len-range", type=_length_range, help="uniform: A:B output tokens, inclusive")
+    work.add_argument("--chat-input-mean", type=float, default=CHAT_INPUT_MEAN, help="chat: mean prompt tokens")
+    work.add_argument("--chat-output-mean", type=float, default=CHAT_OUTPUT_MEAN, help="chat: mean output tokens")
+    work.add_argument("--chat-sigma", type=float, default=CHAT_SIGMA, help="chat: sigma of log(length)")
+    work.add_argument("--dataset", type=Path, help='jsonl: lines of {"prompt": TEXT, "output_len": N}')
+
+    slo = p.add_argument_group("SLOs and the sweep")
+    slo.add_argument("--ttft-slo", type=float, help="seconds (unset: any TTFT meets it)")
+    slo.add_argument("--tpot-slo", type=float, help="seconds (unset: any TPOT meets it)")
+    slo.add_argument("--attainment", type=float, default=0.9, help="sweep target: share of requests meeting both")
+    slo.add_argument("--rate-min", type=float, help="sweep bracket low end (or floor of the automatic bracket)")
+    slo.add_argument("--rate-max", type=float, help="sweep bracket high end (or cap of the automatic bracket)")
+    slo.add_argument("--start-rate", type=float, default=1.0, help="automatic bracket: first rate, doubled/halved")
+    slo.add_argument("--tolerance", type=float, default=0.05, help="sweep stops when the bracket is this fraction")
+    slo.add_argument("--max-probes", type=int, default=12, help="sweep: at most this many runs")
+    slo.add_argument("--devices", type=int, default=1, help="goodput is also reported divided by this")
+
+    out = p.add_argument_group("client and output")
+    out.add_argument("--timeout-s", type=float, help="deadline of each request")
+    out.add_argument("--auth-token", help="sent as `authorization: Bearer <token>` (visible in `ps`: prefer the file)")
+    add_auth_args(out)
+    out.add_argument("--output-json", type=Path)
+    out.add_argument("--plot-dir", type=Path, help="write attainment_vs_rate.png and latency_cdf.png here")
+    out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
+    return p
+
+
+def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.arrival == "poisson" and args.cv not in (None, 1.0):
+        p.error("--cv is for --arrival gamma (Poisson arrivals have cv 1)")
+    if args.arrival == "gamma" and args.cv is None:
+        p.error("--arrival gamma needs --cv")
+    if args.workload == "uniform" and (args.input_len_range is None or args.output_len_range is None):
+        p.error("--workload uniform needs --input-len-range and --output-len-range")
+    if args.workload == "jsonl" and args.dataset is None:
+        p.error("--workload jsonl needs --dataset")
+    if args.sweep and args.ttft_slo is None and args.tpot_slo is None:
+        p.error("--sweep needs --ttft-slo and/or --tpot-slo")
+    if args.devices < 1:
+        p.error("--devices must be >= 1")
+    if args.rates is not None and not args.rates:
+        p.error("--rates lists no rate")
+    if any(not rate > 0 for rate in _fixed_rates(args)):
+        p.error("rates must be > 0 requests/s")
+    if args.duration_s is not None and math.inf in _fixed_rates(args):
+        p.error("an infinite rate sends everything at once: give --num-requests, not --duration-s")
+
+
+def build_workload(args: argparse.Namespace, limits: ModelLimits) -> Workload:
+    if args.workload == "jsonl":
+        return read_jsonl(args.dataset)
+    if args.workload == "fixed":
+        lengths = FixedLengths(args.input_len, args.output_len)
+    elif args.workload == "uniform":
+        lengths = UniformLengths(args.input_len_range, args.output_len_range)
+    else:
+        lengths = ChatLengths(limits.max_model_len, LogNormal(args.chat_input_mean, args.chat_sigma),
+                              LogNormal(args.chat_output_mean, args.chat_sigma))
+    return SyntheticWorkload(lengths, limits, args.seed)
+
+
+def _sweep_config(args: argparse.Namespace) -> SweepConfig:
+    return SweepConfig(target_attainment=args.attainment, rate_min=args.rate_min, rate_max=args.rate_max,
+                       start_rate=args.start_rate, tolerance=args.tolerance, max_probes=args.max_probes)
+
+
+def _fixed_rates(args: argparse.Namespace) -> list[float]:
+    """The rates of --rate or --rates; none for --sweep."""
+    return [args.rate] if args.rate is not None else args.rates or []
+
+
+def _run_all(args: argparse.Namespace, bench: ServeBench) -> tuple[list[Run], dict | None]:
+    def run_at(rate: float) -> Run:
+        run = bench.run_at(rate)
+        print(report.format_run(run), flush=True)
+        return run
+
+    if not args.sweep:
+        return [run_at(rate) for rate in _fixed_rates(args)], None
+    sweep = find_max_rate(run_at, _sweep_config(args))
+    record = report.sweep_record(sweep, args.attainment, args.devices)
+    print(report.format_sweep(record))
+    return [p.result for p in sweep.probes], record
+
+
+def _auth_token(args: argparse.Namespace) -> str | None:
+    """--auth-token, else --auth-token-file, else $PDSERVE_AUTH_TOKEN, else none (as `pdserve generate`)."""
+    if args.auth_token is not None:
+        return check_token(args.auth_token, "--auth-token")
+    return token_from_cli(args.auth_token_file, os.environ)
+
+
+def _config_record(args: argparse.Namespace) -> dict:
+    config = {k: (str(v) if isinstance(v, Path) else v) for k, v in vars(args).items()}
+    config["auth_token"] = "<set>" if args.auth_token else None  # never write the secret itself
+    return config
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = _parser()
+    args = parser.parse_args(argv)
+    _check_args(parser, args)
+    if args.num_requests is None and args.duration_s is None:
+        args.num_requests = DEFAULT_NUM_REQUESTS
+    slo = Slo(args.ttft_slo, args.tpot_slo)
+    try:
+        options = ClientOptions(timeout_s=args.timeout_s, auth_token=_auth_token(args), progress=not args.no_progress)
+        if args.sweep:
+            _sweep_config(args)  # a bad bracket is a usage error before any request is sent
+        model = uvloop.run(fetch_model_info(args.addr, options))
+        workload = build_workload(args, model_limits(model))
+        bench = ServeBench(args.addr, workload, RunLength(args.num_requests, args.duration_s),
+                           1.0 if args.cv is None else args.cv, args.seed, slo, options)
+        runs, sweep = _run_all(args, bench)
+    except grpc.aio.AioRpcError as err:
+        print(f"error: GetModelInfo at {args.addr}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except (ValueError, OSError) as err:  # a WorkloadError is a ValueError
+        print(f"error: {err}", file=sys.stderr)
+        return 2
+    if args.output_json is not None:
+        report.write_json(args.output_json, _config_record(args), report.model_record(model), runs, sweep)
+        print(f"results: {args.output_json}")
+    if args.plot_dir is not None:
+        for path in report.write_plots(args.plot_dir, runs, args.attainment, slo):
+            print(f"plot: {path}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,59 @@
+"""One benchmark run at one rate: schedule, requests, the open-loop client, the summary.
+
+Owns `ServeBench`, the configured benchmark that `cli` runs once per rate (a single
+rate, a list of rates, or the sweep's probes). Every run of one bench uses the same
+seed, so two rates send the same requests on the same arrival pattern, scaled.
+Never parses flags and never writes files.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import uvloop
+
+from pdserve.bench.serve.arrivals import ArrivalProcess, arrival_times
+from pdserve.bench.serve.client import ClientOptions, run_open_loop
+from pdserve.bench.serve.metrics import RequestMetrics, Slo, Summary, request_metrics, run_duration, summarize
+from pdserve.bench.serve.workloads import Workload
+
+
+@dataclass(frozen=True)
+class RunLength:
+    """A run sends `num_requests`, or every request due within `duration_s` (exactly one is set)."""
+
+    num_requests: int | None = None
+    duration_s: float | None = None
+
+
+@dataclass(frozen=True)
+class Run:
+    rate: float
+    requests: list[RequestMetrics]
+    summary: Summary
+
+    @property
+    def attainment(self) -> float:
+        return self.summary.attainment
+
+
+class ServeBench:
+    def __init__(self, address: str, workload: Workload, length: RunLength, cv: float, seed: int, slo: Slo,
+                 options: ClientOptions) -> None:
+        self._address = address
+        self._workload = workload
+        self._length = length
+        self._cv = cv
+        self._seed = seed
+        self._slo = slo
+        self._options = options
+
+    def run_at(self, rate: float) -> Run:
+        due = arrival_times(ArrivalProcess(rate, self._cv), self._seed, self._length.num_requests,
+                            self._length.duration_s)
+        if not due:
+            raise ValueError(f"no request is due within {self._length.duration_s} s at {rate:g} requests/s")
+        requests = [self._workload.request(i) for i in range(len(due))]
+        traces = uvloop.run(run_open_loop(self._address, requests, due, self._options, f"{rate:g} req/s"))
+        metrics = [request_metrics(t) for t in traces]
+        return Run(rate, metrics, summarize(metrics, self._slo, run_duration(traces)))
