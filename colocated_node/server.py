@@ -1,0 +1,85 @@
+"""The colocated node's gRPC front (`ColocatedNode` service) and `pdserve colocated`'s `main`.
+
+`Generate(req)` streams `tokens` events for tokens 1..n as the engine core produces them,
+the last with finish_reason; it fails RESOURCE_EXHAUSTED at once when the core cannot
+take the request. `resumed_token_ids` (a resume after another node failed) are passed
+to the core as output already generated. Cancelling the call aborts the request in the
+core, which frees its blocks.
+
+Must never: run model code, or choose a status code outside node/errors.py.
+"""
+
+from __future__ import annotations
+
+import sys
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.node.client import CoreClient
+from pdserve.node.convert import finish_reason_to_proto, logprobs_to_proto
+from pdserve.node.core import CoreHooks
+from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
+from pdserve.node.messages import DecodeSubmit, RequestFailed, Tokens
+from pdserve.node.server import answer_stats, request_params, run_node
+from pdserve.proto import node_pb2, node_pb2_grpc
+
+HOOKS = CoreHooks("pdserve.colocated_node.core", uses_kv_transport=False)
+
+
+class ColocatedServicer(node_pb2_grpc.ColocatedNodeServicer):
+    def __init__(self, client: CoreClient) -> None:
+        self.client = client
+
+    async def Generate(self, request: node_pb2.DecodeRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.DecodeEvent]:
+        try:
+            submit = _submit(request)
+            queue = self.client.open_stream(submit.req_id)
+        except NodeError as exc:
+            await abort_rpc(context, exc)
+        ended = False
+        try:
+            self.client.send(submit)
+            while not ended:
+                msg = await queue.get()
+                if isinstance(msg, RequestFailed):
+                    ended = True
+                    await abort_rpc(context, NodeError(msg.code, msg.message))
+                if not isinstance(msg, Tokens):
+                    ended = True
+                    await abort_rpc(context, NodeError(ErrorCode.INTERNAL, f"unexpected {type(msg).__name__}"))
+                ended = msg.finish_reason is not None
+                yield node_pb2.DecodeEvent(tokens=_tokens(msg))
+        finally:
+            self.client.close_stream(submit.req_id)
+            if not ended:
+                self.client.abort(submit.req_id)
+
+    async def GetStats(self, request: node_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
+        return await answer_stats(self.client, context)
+
+
+def _submit(request: node_pb2.DecodeRequest) -> DecodeSubmit:
+    params = request_params(request)
+    return DecodeSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
+                        sample_index=request.sample_index, resumed_token_ids=list(request.resumed_token_ids))
+
+
+def _tokens(msg: Tokens) -> node_pb2.DecodeTokens:
+    logprobs = [logprobs_to_proto(t, lp) for t, lp in zip(msg.token_ids, msg.logprobs) if lp is not None]
+    stop_token_id = msg.stop_token_id if msg.stop_token_id is not None else -1
+    return node_pb2.DecodeTokens(token_ids=msg.token_ids, logprobs=logprobs,
+                                 finish_reason=finish_reason_to_proto(msg.finish_reason), stop_token_id=stop_token_id)
+
+
+def _add_servicer(server: grpc.aio.Server, client: CoreClient) -> None:
+    node_pb2_grpc.add_ColocatedNodeServicer_to_server(ColocatedServicer(client), server)
+
+
+def main(argv: list[str] | None = None) -> int:
+    return run_node(argv, "colocated", HOOKS, _add_servicer)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

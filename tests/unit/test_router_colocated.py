@@ -1,0 +1,263 @@
+"""The real router server, in-process, against fake colocated nodes (each runs both phases).
+
+Asserts what a client relies on: a colocated node registers and Health counts it; its
+tokens 1..n reach the client exactly; a refusing node is skipped and every node
+refusing is RESOURCE_EXHAUSTED; no node of any usable kind is UNAVAILABLE naming what
+is missing; a node lost mid-stream is resumed on another node with the tokens already
+streamed, so the client sees no gap and no duplicate; a client cancel reaches the node.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from contextlib import asynccontextmanager
+from dataclasses import dataclass, field
+
+import grpc
+import pytest
+
+from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+from tests.unit.router_fakes import HEARTBEAT_S, generate, run, tiny_router_model
+from tests.unit.router_fakes import running_router as router
+
+LENGTH = pdserve_pb2.FINISH_REASON_LENGTH
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_router_model(tmp_path_factory.mktemp("router-model"))
+
+
+@pytest.fixture(scope="module")
+def output_ids(model) -> list[int]:
+    ids = model[1].tokenizer.encode(" the quick brown fox jumps over")
+    assert 0 not in ids and len(ids) >= 6  # 0 is the tiny model's eos
+    return ids
+
+
+def events_for(ids: list[int]) -> list[node_pb2.DecodeTokens]:
+    """Tokens 1..n in events of two, the last with its finish reason."""
+    events = [node_pb2.DecodeTokens(token_ids=ids[i : i + 2], stop_token_id=-1) for i in range(0, len(ids), 2)]
+    events[-1].finish_reason = LENGTH
+    return events
+
+
+@dataclass
+class FakeColocated(node_pb2_grpc.ColocatedNodeServicer):
+    """Streams the tokens after the request's resumed ones; may refuse, die after some tokens, or hang."""
+
+    output_ids: list[int]
+    queued_tokens: int = 0  # what its stats say: placement asks the least queued node first
+    refuse: bool = False
+    die_after: int | None = None  # tokens streamed before the node "dies" (UNAVAILABLE)
+    hang: bool = False  # keep the stream open after the last event
+    requests: list[node_pb2.DecodeRequest] = field(default_factory=list)
+    cancelled: list[str] = field(default_factory=list)
+
+    @property
+    def stats(self) -> node_pb2.NodeStats:
+        return node_pb2.NodeStats(kind="colocated", num_blocks=100, queued_prefill_tokens=self.queued_tokens)
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        try:
+            if self.refuse:
+                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake colocated: queue full")
+            remaining = self.output_ids[len(request.resumed_token_ids):]
+            sent = 0
+            for event in events_for(remaining):
+                if self.die_after is not None and sent >= self.die_after:
+                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake colocated: node went away")
+                await asyncio.sleep(0.01)
+                yield node_pb2.DecodeEvent(tokens=event)
+                sent += len(event.token_ids)
+            if self.hang:
+                await asyncio.Event().wait()
+        except (asyncio.CancelledError, GeneratorExit):
+            self.cancelled.append(request.request_id)
+            raise
+
+    async def GetStats(self, request, context):
+        return self.stats
+
+
+class Node:
+    """A fake colocated node's server, registered with the router and heartbeating its stats."""
+
+    def __init__(self, servicer: FakeColocated, router_address: str, node_id: str) -> None:
+        self.servicer, self.router_address, self.node_id = servicer, router_address, node_id
+        self._server = grpc.aio.server()
+        self._channel: grpc.aio.Channel | None = None
+        self._task: asyncio.Task | None = None
+
+    async def start(self) -> None:
+        node_pb2_grpc.add_ColocatedNodeServicer_to_server(self.servicer, self._server)
+        address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
+        await self._server.start()
+        self._channel = grpc.aio.insecure_channel(self.router_address)
+        registry = node_pb2_grpc.RegistryStub(self._channel)
+        await registry.Register(node_pb2.RegisterRequest(kind="colocated", address=address, node_id=self.node_id))
+        await registry.Heartbeat(node_pb2.HeartbeatRequest(node_id=self.node_id, stats=self.servicer.stats))
+        self._task = asyncio.create_task(self._heartbeat(registry))
+
+    async def _heartbeat(self, registry: node_pb2_grpc.RegistryStub) -> None:
+        while True:
+            await asyncio.sleep(HEARTBEAT_S)
+            await registry.Heartbeat(node_pb2.HeartbeatRequest(node_id=self.node_id, stats=self.servicer.stats))
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+        await self._server.stop(0)
+        if self._channel is not None:
+            await self._channel.close()
+
+
+@asynccontextmanager
+async def colocated_nodes(address: str, *servicers: FakeColocated) -> AsyncIterator[list[Node]]:
+    nodes = [Node(servicer, address, f"c{i}") for i, servicer in enumerate(servicers)]
+    try:
+        for node in nodes:
+            await node.start()
+        yield nodes
+    finally:
+        for node in nodes:
+            await node.stop()
+
+
+async def health(address: str) -> pdserve_pb2.HealthResponse:
+    async with grpc.aio.insecure_channel(address) as channel:
+        return await pdserve_pb2_grpc.GenerationStub(channel).Health(pdserve_pb2.HealthRequest())
+
+
+def request(max_tokens: int, n: int = 1) -> pdserve_pb2.GenerateRequest:
+    params = pdserve_pb2.SamplingParams(max_tokens=max_tokens, temperature=0.0, n=n)
+    return pdserve_pb2.GenerateRequest(text="hello world", request_id="req-c", sampling_params=params)
+
+
+async def status_of(call: Callable[[], object]) -> grpc.aio.AioRpcError:
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        await call()
+    return err.value
+
+
+def test_colocated_nodes_register_and_health_counts_them(model):
+    async def scenario():
+        async with router(model) as address:
+            before = await health(address)
+            async with colocated_nodes(address, FakeColocated([]), FakeColocated([])):
+                return before, await health(address)
+
+    before, serving = run(scenario())
+    assert (before.serving, before.colocated_nodes) == (False, 0)
+    assert (serving.serving, serving.colocated_nodes, serving.prefill_nodes, serving.decode_nodes) == (True, 2, 0, 0)
+
+
+def test_every_token_comes_from_the_colocated_node(model, output_ids):
+    node = FakeColocated(output_ids)
+
+    async def scenario():
+        async with router(model) as address, colocated_nodes(address, node):
+            return await generate(address, request(len(output_ids), n=2))
+
+    responses = run(scenario())
+    tokenizer = model[1].tokenizer
+    for index in (0, 1):
+        mine = [r for r in responses if r.index == index]
+        assert [t for r in mine for t in r.token_ids] == output_ids
+        assert "".join(r.text for r in mine) == tokenizer.decode(output_ids)
+        assert [r.finish_reason for r in mine][-1] == LENGTH
+        assert mine[-1].usage.completion_tokens == len(output_ids) and mine[-1].timings.kv_transfer_bytes == 0
+    assert sorted(r.sample_index for r in node.requests) == [0, 1]
+    first = node.requests[0]
+    assert list(first.prompt_token_ids) == tokenizer.encode("hello world") and not first.resumed_token_ids
+    assert first.sampling_params.n == 1 and first.sampling_params.max_tokens == len(output_ids)
+    assert first.request_id.startswith("req-c-") and not node.cancelled
+
+
+def test_a_refusing_node_is_skipped_and_all_refusing_is_resource_exhausted(model, output_ids):
+    full = FakeColocated(output_ids, queued_tokens=0, refuse=True)  # ranked first: least queued
+    free = FakeColocated(output_ids, queued_tokens=500)
+
+    async def scenario():
+        async with router(model) as address, colocated_nodes(address, full, free):
+            served = await generate(address, request(len(output_ids)))
+            free.refuse = True
+            refused = await status_of(lambda: generate(address, request(len(output_ids))))
+            return served, refused
+
+    served, refused = run(scenario())
+    assert [t for r in served for t in r.token_ids] == output_ids
+    # Asked first (least queued), refused, then the next node served the same request.
+    assert full.requests[0].request_id == free.requests[0].request_id
+    assert len(free.requests) == 2  # the second request: skipped or refused again by `full`, refused here
+    assert refused.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "no colocated node can take the request" in refused.details()
+
+
+def test_no_node_at_all_is_unavailable_naming_what_is_missing(model):
+    async def scenario():
+        async with router(model) as address:
+            return await status_of(lambda: generate(address, request(4)))
+
+    error = run(scenario())
+    assert error.code() is grpc.StatusCode.UNAVAILABLE
+    assert error.details() == ("no prefill and no decode node is available, and no colocated node; "
+                               "the cluster cannot serve")
+
+
+def test_a_node_lost_mid_stream_is_resumed_on_another_without_gap_or_duplicate(model, output_ids):
+    dying = FakeColocated(output_ids, queued_tokens=0, die_after=2)  # ranked first
+    healthy = FakeColocated(output_ids, queued_tokens=500)
+
+    async def scenario():
+        async with router(model) as address, colocated_nodes(address, dying, healthy):
+            return await generate(address, request(len(output_ids)))
+
+    responses = run(scenario())
+    assert [t for r in responses for t in r.token_ids] == output_ids
+    assert "".join(r.text for r in responses) == model[1].tokenizer.decode(output_ids)
+    assert responses[-1].usage.completion_tokens == len(output_ids)
+    [lost], [resumed] = dying.requests, healthy.requests
+    assert list(resumed.resumed_token_ids) == output_ids[:2]
+    assert list(resumed.prompt_token_ids) == list(lost.prompt_token_ids)
+    assert resumed.request_id == f"{lost.request_id}~1"
+
+
+def test_a_resume_needs_a_node_left(model, output_ids):
+    dying = FakeColocated(output_ids, die_after=2)
+
+    async def scenario():
+        async with (router(model) as address, colocated_nodes(address, dying),
+                    grpc.aio.insecure_channel(address) as channel):
+            call = pdserve_pb2_grpc.GenerationStub(channel).Generate(request(len(output_ids)))
+            received = []
+            with pytest.raises(grpc.aio.AioRpcError) as err:
+                async for response in call:
+                    received.extend(response.token_ids)
+            return received, err.value
+
+    received, error = run(scenario())
+    assert received == output_ids[:2]
+    assert error.code() is grpc.StatusCode.UNAVAILABLE
+    assert error.details().startswith("no colocated node is available: colocated node 127.0.0.1:")
+    assert "UNAVAILABLE: fake colocated: node went away" in error.details()
+
+
+def test_a_client_cancel_cancels_the_node_call(model, output_ids):
+    node = FakeColocated(output_ids, hang=True)
+
+    async def scenario():
+        async with router(model) as address, colocated_nodes(address, node):
+            async with grpc.aio.insecure_channel(address) as channel:
+                call = pdserve_pb2_grpc.GenerationStub(channel).Generate(request(len(output_ids) + 10))
+                await call.read()
+                call.cancel()
+            async with asyncio.timeout(5):
+                while not node.cancelled:
+                    await asyncio.sleep(0.01)
+
+    run(scenario())
+    assert node.cancelled == [node.requests[0].request_id]
