@@ -7,7 +7,7 @@ frozen value validated at construction.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 PROGRESS_MODES = ("thread", "thread-polling", "blocking", "polling")
 
@@ -56,6 +56,10 @@ class KVTransferConfig:
     progress_mode: str = "thread"
     # UCX_TLS override, e.g. "tcp,sm,self"; None keeps UCX's own choice.
     ucx_tls: str | None = None
+    # Shared secret a connecting peer must present in its HELLO (and this side presents
+    # when it connects); a listener refuses any other HELLO before looking at its
+    # fingerprint. None: no check. It crosses the network in the clear, like the bytes.
+    auth_token: str | None = field(default=None, repr=False)
 
     def __post_init__(self) -> None:
         if not self.host:

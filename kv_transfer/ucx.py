@@ -1,10 +1,12 @@
 """UCX KV transport (ucxx): host caches moved between processes and machines.
 
 Wiring. `register` starts a listener (the descriptor carries config.host and its port).
-`connect` dials it, sends HELLO (descriptor + UCX worker address), and both sides check
-the fingerprint: the listener answers HELLO_REPLY and records any refusal, the connector
-raises FingerprintMismatch. With `fast_data_path` the connector also opens a data
-endpoint from the listener's worker address (shared memory / CMA on one host).
+`connect` dials it, sends HELLO (descriptor + UCX worker address + the auth token when
+one is configured). A listener with a token first refuses a HELLO without the same one
+(HELLO_REPLY carrying only the refusal: no descriptor, no worker address); then both
+sides check the fingerprint: the listener answers HELLO_REPLY and records any refusal,
+the connector raises FingerprintMismatch. With `fast_data_path` the connector also opens
+a data endpoint from the listener's worker address (shared memory / CMA on one host).
 
 One push on the wire (sender: ucx_conn.py, receiver: ucx_inbound.py):
 
@@ -26,6 +28,7 @@ on anything but an idle connection.
 from __future__ import annotations
 
 import asyncio
+import hmac
 import json
 import logging
 import threading
@@ -124,12 +127,15 @@ class UcxTransport(KVTransport):
 
     async def _handshake(self, ep: Any, local: KVDescriptor,
                          peer_id: str) -> tuple[KVDescriptor, Any]:
-        hello = _hello(MsgKind.HELLO, local, "", self.config.fast_data_path)
+        hello = _hello(MsgKind.HELLO, local, "", self.config.fast_data_path, self.config.auth_token)
         await asyncio.wait_for(send_ctrl(ep, hello), self.config.handshake_timeout_s)
         buf = np.empty(self.config.max_control_bytes, dtype=np.uint8)
         reply = await asyncio.wait_for(recv_ctrl(ep, buf), self.config.handshake_timeout_s)
         if reply.kind is not MsgKind.HELLO_REPLY:
             raise KVTransferError(f"peer {peer_id} answered {reply.kind.name}, not HELLO_REPLY")
+        refusal = _hello_body(reply).get("refused")
+        if refusal is not None:
+            raise KVTransferError(f"peer {peer_id} refused the connection: {refusal}")
         theirs, worker_address, _ = _parse_hello(reply)
         local.spec.check_compatible(theirs.spec.fingerprint(), f"peer {peer_id}")
         if reply.status != STATUS_OK:
@@ -224,6 +230,9 @@ class UcxTransport(KVTransport):
         """Reply to HELLO; returns (accepted, data arrives on the worker by tag)."""
         if hello.kind is not MsgKind.HELLO:
             raise WireError(f"expected HELLO, got {hello.kind.name}")
+        if not self._authorized(hello):
+            await self._refuse_unauthenticated(ep)
+            return False, False
         theirs, _, their_fast = _parse_hello(hello)
         local = self.descriptor()
         # Both ends must want the fast path; the reply's worker address says it is on.
@@ -240,6 +249,22 @@ class UcxTransport(KVTransport):
             reply.status = STATUS_ERROR
         await asyncio.wait_for(send_ctrl(ep, reply), self.config.handshake_timeout_s)
         return reply.status == STATUS_OK, data_on_worker
+
+    def _authorized(self, hello: ControlMsg) -> bool:
+        expected = self.config.auth_token
+        if expected is None:
+            return True
+        presented = _hello_body(hello).get("auth_token")
+        if not isinstance(presented, str):
+            return False
+        return hmac.compare_digest(presented.encode("utf-8", "replace"), expected.encode())
+
+    async def _refuse_unauthenticated(self, ep: Any) -> None:
+        # Nothing about this side (descriptor, worker address) goes to an unauthenticated peer.
+        logger.warning("refused a KV peer: missing or wrong auth token")
+        body = {"refused": "authentication failed: missing or wrong auth token"}
+        reply = ControlMsg(MsgKind.HELLO_REPLY, status=STATUS_ERROR, extra=json.dumps(body).encode())
+        await asyncio.wait_for(send_ctrl(ep, reply), self.config.handshake_timeout_s)
 
     async def _drain_until_closed(self, ep: Any, buf: np.ndarray) -> None:
         """After a refusal, let the connector read the reply and hang up first."""
@@ -318,10 +343,22 @@ class UcxTransport(KVTransport):
 
 
 def _hello(kind: MsgKind, desc: KVDescriptor, worker_address: str,
-           fast_data_path: bool) -> ControlMsg:
+           fast_data_path: bool, auth_token: str | None = None) -> ControlMsg:
     body = {"descriptor": json.loads(desc.to_bytes()), "worker_address": worker_address,
             "fast_data_path": fast_data_path}
+    if auth_token is not None:
+        body["auth_token"] = auth_token
     return ControlMsg(kind, extra=json.dumps(body).encode())
+
+
+def _hello_body(msg: ControlMsg) -> dict[str, Any]:
+    try:
+        body = json.loads(msg.extra)
+    except ValueError as exc:
+        raise WireError(f"malformed {msg.kind.name}: {exc}") from exc
+    if not isinstance(body, dict):
+        raise WireError(f"malformed {msg.kind.name}: not a JSON object")
+    return body
 
 
 def _parse_hello(msg: ControlMsg) -> tuple[KVDescriptor, str, bool]:

@@ -1,8 +1,9 @@
 """One-shot health probes of a pdserve router or node, for container healthchecks and the launcher.
 
-Owns: asking a router `Generation.Health` or a node `GetStats` with a deadline, and the
-verdict (healthy or not, with a one-line reason). `python -m pdserve.healthcheck ADDR`
-exits 0 when healthy and 1 otherwise, printing that line.
+Owns: asking a router `Generation.Health` or a node `GetStats` with a deadline (carrying
+the auth token when one is configured), and the verdict (healthy or not, with a one-line
+reason). `python -m pdserve.healthcheck ADDR` exits 0 when healthy and 1 otherwise,
+printing that line.
 
 Must never: retry, wait longer than its timeout, or change anything on the probed server.
 """
@@ -11,18 +12,26 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import os
 import sys
 from collections.abc import Coroutine
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 import grpc
 import uvloop
 
+from pdserve.auth import add_auth_args, insecure_channel, token_from_cli
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
 T = TypeVar("T")
-SERVICES = ("router", "prefill", "decode")
+SERVICES = ("router", "prefill", "decode", "colocated")
+# Each node kind's service stub; every one of them answers GetStats.
+_NODE_STUBS = {
+    "prefill": node_pb2_grpc.PrefillNodeStub,
+    "decode": node_pb2_grpc.DecodeNodeStub,
+    "colocated": node_pb2_grpc.ColocatedNodeStub,
+}
 # Codes meaning nothing answered (not listening yet, gone, or hung) rather than a refusal.
 _NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
 
@@ -35,6 +44,8 @@ class HealthcheckConfig:
     # A router is healthy once it serves with at least this many nodes of each kind.
     min_prefill: int = 1
     min_decode: int = 1
+    min_colocated: int = 0  # a colocated cluster (`pdserve cluster --colocated N`) asks for N and 0, 0 above
+    auth_token: str | None = field(default=None, repr=False)  # None: the servers require none
 
 
 @dataclass(frozen=True)
@@ -44,16 +55,15 @@ class Verdict:
     reachable: bool = True  # False: no answer at all (not listening yet, or gone)
 
 
-async def _router_health(addr: str, timeout_s: float) -> pdserve_pb2.HealthResponse:
-    async with grpc.aio.insecure_channel(addr) as channel:
+async def _router_health(addr: str, timeout_s: float, token: str | None) -> pdserve_pb2.HealthResponse:
+    async with insecure_channel(addr, token) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         return await stub.Health(pdserve_pb2.HealthRequest(), timeout=timeout_s)
 
 
-async def _node_stats(addr: str, kind: str, timeout_s: float) -> node_pb2.NodeStats:
-    async with grpc.aio.insecure_channel(addr) as channel:
-        stub_type = node_pb2_grpc.PrefillNodeStub if kind == "prefill" else node_pb2_grpc.DecodeNodeStub
-        return await stub_type(channel).GetStats(node_pb2.StatsRequest(), timeout=timeout_s)
+async def _node_stats(addr: str, kind: str, timeout_s: float, token: str | None) -> node_pb2.NodeStats:
+    async with insecure_channel(addr, token) as channel:
+        return await _NODE_STUBS[kind](channel).GetStats(node_pb2.StatsRequest(), timeout=timeout_s)
 
 
 def _run(coro: Coroutine[Any, Any, T]) -> T:
@@ -62,24 +72,26 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
         return runner.run(coro)
 
 
-def router_health(addr: str, timeout_s: float = HealthcheckConfig.timeout_s) -> pdserve_pb2.HealthResponse:
+def router_health(addr: str, timeout_s: float = HealthcheckConfig.timeout_s,
+                  token: str | None = None) -> pdserve_pb2.HealthResponse:
     """The router's Health answer; raises grpc.RpcError when it does not answer in time."""
-    return _run(_router_health(addr, timeout_s))
+    return _run(_router_health(addr, timeout_s, token))
 
 
-def node_stats(addr: str, kind: str, timeout_s: float = HealthcheckConfig.timeout_s) -> node_pb2.NodeStats:
+def node_stats(addr: str, kind: str, timeout_s: float = HealthcheckConfig.timeout_s,
+               token: str | None = None) -> node_pb2.NodeStats:
     """A node's NodeStats; raises grpc.RpcError when it does not answer in time."""
-    if kind not in ("prefill", "decode"):
-        raise ValueError(f"node kind must be 'prefill' or 'decode', got {kind!r}")
-    return _run(_node_stats(addr, kind, timeout_s))
+    if kind not in _NODE_STUBS:
+        raise ValueError(f"node kind must be one of {', '.join(_NODE_STUBS)}, got {kind!r}")
+    return _run(_node_stats(addr, kind, timeout_s, token))
 
 
 def check(addr: str, service: str, config: HealthcheckConfig = HealthcheckConfig()) -> Verdict:
     """Probe `addr` as `service` once; never raises for an unreachable or unhealthy server."""
     try:
         if service == "router":
-            return _judge_router(router_health(addr, config.timeout_s), config)
-        stats = node_stats(addr, service, config.timeout_s)
+            return _judge_router(router_health(addr, config.timeout_s, config.auth_token), config)
+        stats = node_stats(addr, service, config.timeout_s, config.auth_token)
     except grpc.RpcError as err:
         detail = f"{service} at {addr}: {err.code().name} {err.details() or ''}".rstrip()
         return Verdict(False, detail, reachable=err.code() not in _NO_ANSWER)
@@ -90,12 +102,14 @@ def check(addr: str, service: str, config: HealthcheckConfig = HealthcheckConfig
 
 
 def _judge_router(health: pdserve_pb2.HealthResponse, config: HealthcheckConfig) -> Verdict:
-    counts = f"{health.prefill_nodes} prefill, {health.decode_nodes} decode"
+    counts = f"{health.prefill_nodes} prefill, {health.decode_nodes} decode, {health.colocated_nodes} colocated"
     if not health.serving:
         return Verdict(False, f"router not serving ({counts})")
-    if health.prefill_nodes < config.min_prefill or health.decode_nodes < config.min_decode:
+    if (health.prefill_nodes < config.min_prefill or health.decode_nodes < config.min_decode
+            or health.colocated_nodes < config.min_colocated):
         return Verdict(False, f"router serving with too few nodes ({counts}; want at least "
-                              f"{config.min_prefill} prefill, {config.min_decode} decode)")
+                              f"{config.min_prefill} prefill, {config.min_decode} decode, "
+                              f"{config.min_colocated} colocated)")
     return Verdict(True, f"router serving ({counts})")
 
 
@@ -107,12 +121,21 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout-s", type=float, default=defaults.timeout_s)
     parser.add_argument("--min-prefill", type=int, default=defaults.min_prefill)
     parser.add_argument("--min-decode", type=int, default=defaults.min_decode)
+    parser.add_argument("--min-colocated", type=int, default=defaults.min_colocated,
+                        help="a colocated cluster: e.g. --min-colocated 1 --min-prefill 0 --min-decode 0")
+    add_auth_args(parser)
     return parser
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
-    config = HealthcheckConfig(timeout_s=args.timeout_s, min_prefill=args.min_prefill, min_decode=args.min_decode)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        token = token_from_cli(args.auth_token_file, os.environ)
+    except ValueError as exc:
+        parser.error(str(exc))
+    config = HealthcheckConfig(timeout_s=args.timeout_s, min_prefill=args.min_prefill, min_decode=args.min_decode,
+                               min_colocated=args.min_colocated, auth_token=token)
     verdict = check(args.addr, args.service, config)
     print(("healthy: " if verdict.healthy else "unhealthy: ") + verdict.reason)
     return 0 if verdict.healthy else 1

@@ -1,7 +1,8 @@
 """`pdserve generate`: one request to a router, its text streamed to stdout as it arrives.
 
 Owns the command line of the client and the printing of a response stream (`--json`:
-one object at the end instead). On a failed call it prints the gRPC status name and
+one object at the end instead). With `--auth-token-file` (or `$PDSERVE_AUTH_TOKEN`) every
+call carries `authorization: Bearer <token>`. On a failed call it prints the gRPC status name and
 message to stderr and exits non-zero. It never talks to a node directly.
 """
 
@@ -9,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from dataclasses import dataclass, field
 from typing import TextIO
@@ -16,6 +18,7 @@ from typing import TextIO
 import grpc
 import uvloop
 
+from pdserve.auth import add_auth_args, insecure_channel, token_from_cli
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -76,11 +79,12 @@ def build_request(args: argparse.Namespace) -> pdserve_pb2.GenerateRequest:
 
 
 async def generate(
-    address: str, request: pdserve_pb2.GenerateRequest, out: TextIO | None, timeout_s: float | None = None
+    address: str, request: pdserve_pb2.GenerateRequest, out: TextIO | None, timeout_s: float | None = None,
+    token: str | None = None,
 ) -> Completion:
     """Stream one request's text to `out` (when given) and return what came back."""
     completion = Completion()
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with insecure_channel(address, token) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         async for response in stub.Generate(request, timeout=timeout_s):
             completion.add(response)
@@ -90,10 +94,10 @@ async def generate(
     return completion
 
 
-async def _run(args: argparse.Namespace) -> int:
+async def _run(args: argparse.Namespace, token: str | None) -> int:
     request = build_request(args)
     try:
-        completion = await generate(args.addr, request, None if args.json else sys.stdout, args.timeout_s)
+        completion = await generate(args.addr, request, None if args.json else sys.stdout, args.timeout_s, token)
     except grpc.aio.AioRpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return 1
@@ -126,6 +130,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--logprobs", type=int, help="top logprobs per token")
     parser.add_argument("--timeout-s", type=float, help="deadline of the whole request")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
+    add_auth_args(parser)
     return parser
 
 
@@ -134,7 +139,11 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.token_ids is None):
         parser.error("give exactly one of PROMPT and --token-ids")
-    return uvloop.run(_run(args))
+    try:
+        token = token_from_cli(args.auth_token_file, os.environ)
+    except ValueError as exc:
+        parser.error(str(exc))
+    return uvloop.run(_run(args, token))
 
 
 def _logprobs_dict(lp: pdserve_pb2.TokenLogprobs) -> dict:

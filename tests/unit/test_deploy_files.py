@@ -3,8 +3,9 @@
 Static checks (no Docker needed): the services exist, only the router publishes a port
 (on the host's 127.0.0.1), the node pools scale (no fixed names, no host ports, each
 replica registers its own address), nodes reach the router by service name, every
-long-running service has a healthcheck, and the image installs torch==2.13.0 first,
-then the project.
+long-running service has a healthcheck, the auth token comes from the host's
+environment only (empty by default: no authentication), and the image installs
+torch==2.13.0 first, then the project.
 """
 
 from __future__ import annotations
@@ -26,7 +27,9 @@ MODEL_DIR = "/models/demo-llama-small"
 # The node CLI contract (pdserve prefill|decode ...).
 NODE_FLAGS = {"--model", "--host", "--port", "--router", "--node-id", "--kv-host", "--kv-port", "--dtype",
               "--block-size", "--num-blocks", "--kv-cache-bytes", "--max-num-batched-tokens",
-              "--max-num-seqs", "--threads", "--lease-s"}
+              "--max-num-seqs", "--threads", "--lease-s", "--max-message-bytes", "--auth-token-file"}
+# The one value compose fills in from the host's environment (a lone `$`).
+HOST_TOKEN = "${PDSERVE_AUTH_TOKEN:-}"
 
 
 def _strings(obj: object):
@@ -141,8 +144,26 @@ def test_model_volume_is_built_once_and_shared(compose, services):
 def test_compose_dollars_are_escaped(raw_compose):
     # A lone `$` would be filled in by compose from the HOST's environment (e.g. the
     # host's $HOSTNAME); `$$` reaches the container's shell as `$`.
-    lone = [text for text in _strings(raw_compose) if "$" in text.replace("$$", "")]
+    lone = [text for text in _strings(raw_compose) if "$" in text.replace("$$", "").replace(HOST_TOKEN, "")]
     assert not lone
+
+
+def test_the_auth_token_comes_from_the_host_and_defaults_to_none(services):
+    for name, service in services.items():
+        assert service["environment"]["PDSERVE_AUTH_TOKEN"] == HOST_TOKEN, name
+        # Only the environment: a --auth-token-file in a command would need that file in every container.
+        assert not any("--auth-token-file" in text for text in _strings(service["command"])), name
+    dockerfile = (ROOT / "Dockerfile").read_text()
+    assert "PDSERVE_AUTH_TOKEN" not in dockerfile  # no secret in an image layer
+
+
+def test_nothing_but_the_router_listens_on_all_interfaces(services):
+    # Inside its container the router must take the published port's traffic; the nodes
+    # bind their own container address.
+    assert _flags(_argv(services["router"]))["--host"] == "0.0.0.0"
+    for name in NODES:
+        flags = _flags(_argv(services[name]))
+        assert "0.0.0.0" not in (flags["--host"], flags["--kv-host"]), name
 
 
 def _dockerfile_instructions() -> list[tuple[str, str]]:
