@@ -6,6 +6,10 @@ asyncio queue its RPC opened with `open_stream`; stats replies resolve the futur
 their query. `send` never waits (the core drains its inbox every loop iteration), so an
 RPC's `finally` can send an `Abort` even while it is being cancelled.
 
+Every snapshot the core sends (pushed unasked, or a reply) becomes `latest_stats()`:
+the heartbeat sends it without asking the core, and `stats()` answers it when a core
+busy in a long step does not reply in time.
+
 If the core dies, every open stream gets a `RequestFailed(INTERNAL)` and `dead` is set;
 the server then shuts the node down.
 
@@ -29,7 +33,7 @@ from pdserve.node.config import NodeConfig
 from pdserve.node.core import CoreAddresses, CoreHooks, start_core
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, FirstToken, Message, Ready, RequestFailed, Shutdown,
-                                   StatsData, StatsQuery, StatsReply, Tokens, decode, encode)
+                                   StatsData, StatsPush, StatsQuery, StatsReply, Tokens, decode, encode)
 
 logger = logging.getLogger(__name__)
 
@@ -52,6 +56,7 @@ class CoreClient:
         self._process: BaseProcess | None = None
         self._streams: dict[str, asyncio.Queue[Message]] = {}
         self._stats: dict[int, asyncio.Future[StatsData]] = {}
+        self._latest_stats: StatsData | None = None
         self._query_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
 
@@ -100,7 +105,12 @@ class CoreClient:
         if not self.dead.is_set():
             self._out.send(encode(Abort(req_id)), zmq.NOBLOCK)
 
+    def latest_stats(self) -> StatsData | None:
+        """The core's most recent snapshot, without asking it (None before the first one)."""
+        return self._latest_stats
+
     async def stats(self) -> StatsData:
+        """A fresh snapshot, or the latest one when the core does not answer within stats_timeout_s."""
         query_id = next(self._query_ids)
         future: asyncio.Future[StatsData] = asyncio.get_running_loop().create_future()
         self._stats[query_id] = future
@@ -108,6 +118,8 @@ class CoreClient:
             self.send(StatsQuery(query_id))
             return await asyncio.wait_for(future, self.config.stats_timeout_s)
         except TimeoutError as exc:
+            if self._latest_stats is not None:
+                return self._latest_stats  # the core is mid-step; it pushed this one moments before
             raise NodeError(ErrorCode.UNAVAILABLE, "the engine core did not answer a stats query") from exc
         finally:
             self._stats.pop(query_id, None)
@@ -116,7 +128,10 @@ class CoreClient:
     async def _read(self) -> None:
         while True:
             msg = decode(await self._in.recv())
-            if isinstance(msg, StatsReply):
+            if isinstance(msg, StatsPush):
+                self._latest_stats = msg.stats
+            elif isinstance(msg, StatsReply):
+                self._latest_stats = msg.stats
                 future = self._stats.get(msg.query_id)
                 if future is not None and not future.done():
                     future.set_result(msg.stats)

@@ -1,13 +1,17 @@
-"""The engine-core process of a node: engine + KV transport + the step loop.
+"""The engine-core process of a node: engine + KV transport (if its kind moves KV) + the step loop.
 
 Runs only in the child that node/core.py spawns. `core_main` imports the node kind's
 core module (`CoreHooks.module`: its scheduling policy and its `CoreHandler`), builds
 the `EngineCore`, registers the engine's KV caches with a `UcxTransport` (spec from the
-loaded model), says `CoreStarted` (or `CoreFailed`), then loops:
+loaded model; not for a kind whose `CoreHooks.uses_kv_transport` is False), logs the
+cpus and torch threads it runs on, says `CoreStarted` (or `CoreFailed`), then loops:
 
     drain front messages (non-blocking; a short poll timeout only when there is no work)
     step the engine when it has work       → handler.after_step(outputs)
     handler.poll(now): transfers, done messages, leases
+    push a stats snapshot to the front when stats_push_interval_s has passed (after a
+        step, or on an idle poll timeout): the front heartbeats the router with it, so a
+        core busy in a long step never makes its node look dead
     exit on Shutdown, or when the front process has gone
 
 Must never: block on the network (pushes and done messages are polled, a new peer is
@@ -29,11 +33,12 @@ from typing import Protocol
 import zmq
 
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
-from pdserve.kv_transfer import KVCacheSpec, KVTransport
+from pdserve.kv_transfer import KVCacheSpec, KVDescriptor, KVTransport
+from pdserve.node.affinity import format_cpu_list
 from pdserve.node.config import NodeConfig
 from pdserve.node.core import CoreAddresses, CoreHooks
-from pdserve.node.messages import (CoreFailed, CoreStarted, Message, MessageError, Shutdown, StatsQuery,
-                                   StatsReply, decode, encode)
+from pdserve.node.messages import (CoreFailed, CoreStarted, Message, MessageError, Shutdown, StatsData, StatsPush,
+                                   StatsQuery, StatsReply, decode, encode)
 from pdserve.node.stats import build_stats
 
 logger = logging.getLogger(__name__)
@@ -99,7 +104,8 @@ def core_main(config: NodeConfig, addresses: CoreAddresses, hooks: CoreHooks, fr
     transport: KVTransport | None = None
     exit_code = 0
     try:
-        engine, transport, handler = _build(config, importlib.import_module(hooks.module), emit)
+        engine, transport, handler = _build(config, importlib.import_module(hooks.module), hooks.uses_kv_transport,
+                                            emit)
         _CoreLoop(config, engine, transport, handler, inbox, emit, front_pid, stop).run()
     except Exception as exc:  # startup or loop failure: tell the front, then exit
         logger.exception("engine core failed")
@@ -119,24 +125,35 @@ def core_main(config: NodeConfig, addresses: CoreAddresses, hooks: CoreHooks, fr
     os._exit(exit_code)
 
 
-def _build(config: NodeConfig, kind: ModuleType, emit: Emit) -> tuple[EngineCore, KVTransport, CoreHandler]:
+def _build(config: NodeConfig, kind: ModuleType, uses_kv_transport: bool,
+           emit: Emit) -> tuple[EngineCore, KVTransport | None, CoreHandler]:
+    import torch
     from transformers.utils import logging as hf_logging
-
-    from pdserve.kv_transfer import UcxTransport  # starts UCX: only ever in the core process
 
     # No progress bars in a server's log; their tqdm lock would also be a named semaphore
     # in this spawned process that `os._exit` leaves for the resource tracker to reap.
     hf_logging.disable_progress_bar()
     engine = EngineCore(config.engine_config(), kind.make_policy(config))
-    transport = UcxTransport(config.transfer_config())
-    descriptor = transport.register(engine.runner.k_caches, engine.runner.v_caches, kv_cache_spec(config, engine))
+    # What the node really runs on (tests and operators read this line; cores as devices).
+    logger.info("engine core on cpus %s with %d torch threads", format_cpu_list(os.sched_getaffinity(0)),
+                torch.get_num_threads())
+    transport, descriptor = _start_transport(config, engine) if uses_kv_transport else (None, None)
     handler = kind.make_handler(config, engine, transport, descriptor, emit)
-    emit(CoreStarted(kv_descriptor=descriptor.to_bytes().decode(), num_blocks=engine.num_blocks))
+    kv_descriptor = descriptor.to_bytes().decode() if descriptor is not None else ""
+    emit(CoreStarted(kv_descriptor=kv_descriptor, num_blocks=engine.num_blocks))
     return engine, transport, handler
 
 
+def _start_transport(config: NodeConfig, engine: EngineCore) -> tuple[KVTransport, KVDescriptor]:
+    from pdserve.kv_transfer import UcxTransport  # starts UCX: only ever in the core process
+
+    transport = UcxTransport(config.transfer_config())
+    descriptor = transport.register(engine.runner.k_caches, engine.runner.v_caches, kv_cache_spec(config, engine))
+    return transport, descriptor
+
+
 class _CoreLoop:
-    def __init__(self, config: NodeConfig, engine: EngineCore, transport: KVTransport, handler: CoreHandler,
+    def __init__(self, config: NodeConfig, engine: EngineCore, transport: KVTransport | None, handler: CoreHandler,
                  inbox: zmq.Socket, emit: Emit, front_pid: int, stop: StopFlag) -> None:
         self.config = config
         self.engine = engine
@@ -150,22 +167,27 @@ class _CoreLoop:
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
         os.set_blocking(self._wake_w, False)
-        transport.set_done_callback(lambda req_id, payload: self._wake())
+        if transport is not None:
+            transport.set_done_callback(lambda req_id, payload: self._wake())
         self.poller = zmq.Poller()
         self.poller.register(inbox, zmq.POLLIN)
         self.poller.register(self._wake_r, zmq.POLLIN)
         self._stalled = False
+        self._stats_pushed_at = float("-inf")
 
     def run(self) -> None:
         try:
             while not self.stop.is_set and self._drain(self._timeout_ms()):
                 self._step()
-                self.handler.poll(time.monotonic())
+                now = time.monotonic()
+                self.handler.poll(now)
+                self._push_stats(now)
                 if os.getppid() != self.front_pid:
                     logger.warning("front process is gone; engine core exits")
                     return
         finally:
-            self.transport.set_done_callback(None)
+            if self.transport is not None:
+                self.transport.set_done_callback(None)
             os.close(self._wake_r)
             os.close(self._wake_w)
 
@@ -196,8 +218,7 @@ class _CoreLoop:
             if isinstance(msg, Shutdown):
                 return False
             if isinstance(msg, StatsQuery):
-                stats = build_stats(self.config.kind, self.engine, self.transport, self.handler.reserved_blocks())
-                self.emit(StatsReply(msg.query_id, stats))
+                self.emit(StatsReply(msg.query_id, self._snapshot()))
                 continue
             self.handler.handle(msg)
 
@@ -207,8 +228,19 @@ class _CoreLoop:
             return
         outputs = self.engine.step()
         self.handler.after_step(outputs)
+        if self.config.debug_step_delay_s:
+            time.sleep(self.config.debug_step_delay_s)  # a slow node on purpose (fault drills, tests)
         # Waiting requests that no free block can admit: poll gently until blocks free up.
         self._stalled = self.engine.has_unfinished() and not self.engine.scheduler.running
+
+    def _snapshot(self) -> StatsData:
+        return build_stats(self.config.kind, self.engine, self.transport, self.handler.reserved_blocks())
+
+    def _push_stats(self, now: float) -> None:
+        if now - self._stats_pushed_at < self.config.stats_push_interval_s:
+            return
+        self._stats_pushed_at = now
+        self.emit(StatsPush(self._snapshot()))
 
     def _wake(self) -> None:
         try:

@@ -2,28 +2,34 @@
 
 The router's `Registry` learns the node's real `host:port`, kind and id, then gets a
 heartbeat every `heartbeat_interval_s` (or the interval the router asks for) carrying
-the node's `NodeStats`. A heartbeat answered `known=false` (the router restarted or
+the node's `NodeStats`: the latest snapshot the engine core pushed, never a fresh query,
+so a core busy in a multi-second step cannot make a live node miss its heartbeats (a
+dead core is the front's to notice: it shuts the node down). The node registers once
+the core has sent its first snapshot. A heartbeat answered `known=false` (the router restarted or
 timed the node out) makes the node register again. While the router is unreachable the
 task keeps retrying quietly (debug logs, one info line per outage).
 
-Must never: stop retrying while the node is up, or hold the node's startup hostage.
+Must never: stop retrying while the node is up, hold the node's startup hostage, or
+wait on the engine core.
 """
 
 from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import Awaitable, Callable
+from collections.abc import Callable
 
 import grpc
 
+from pdserve.auth import insecure_channel
 from pdserve.node.config import NodeConfig
 from pdserve.node.convert import stats_to_proto
-from pdserve.node.errors import NodeError
 from pdserve.node.messages import StatsData
 from pdserve.proto import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
+
+LatestStats = Callable[[], StatsData | None]
 
 # Reconnect to a router that comes up late within about a second, not gRPC's 2-minute backoff.
 _CHANNEL_OPTIONS = [
@@ -34,19 +40,22 @@ _CHANNEL_OPTIONS = [
 
 
 class _Registration:
-    def __init__(self, config: NodeConfig, address: str, get_stats: Callable[[], Awaitable[StatsData]],
+    def __init__(self, config: NodeConfig, address: str, latest_stats: LatestStats,
                  stub: node_pb2_grpc.RegistryStub) -> None:
         self.config = config
         self.address = address
         self.node_id = config.resolved_node_id(address)
-        self.get_stats = get_stats
+        self.latest_stats = latest_stats
         self.stub = stub
         self.interval_s = config.heartbeat_interval_s
         self.registered = False
         self.reachable = True
 
     async def beat(self) -> None:
-        """Register if needed, then one heartbeat."""
+        """Register if needed, then one heartbeat (neither before the core's first snapshot)."""
+        latest = self.latest_stats()
+        if latest is None:
+            return
         timeout = self.config.registry_rpc_timeout_s
         if not self.registered:
             request = node_pb2.RegisterRequest(kind=self.config.kind, address=self.address, node_id=self.node_id)
@@ -55,7 +64,7 @@ class _Registration:
             self.registered = True
             logger.info("registered %s node %s (%s) with the router at %s", self.config.kind, self.node_id,
                         self.address, self.config.router)
-        stats = stats_to_proto(await self.get_stats())
+        stats = stats_to_proto(latest)
         reply = await self.stub.Heartbeat(node_pb2.HeartbeatRequest(node_id=self.node_id, stats=stats),
                                           timeout=timeout)
         self.reachable = True
@@ -72,15 +81,14 @@ class _Registration:
         self.reachable = False
 
 
-async def run_registration(config: NodeConfig, address: str,
-                           get_stats: Callable[[], Awaitable[StatsData]]) -> None:
-    """Runs until cancelled."""
-    async with grpc.aio.insecure_channel(config.router, options=_CHANNEL_OPTIONS) as channel:
-        registration = _Registration(config, address, get_stats, node_pb2_grpc.RegistryStub(channel))
+async def run_registration(config: NodeConfig, address: str, latest_stats: LatestStats) -> None:
+    """Runs until cancelled; `latest_stats` is the front's cached snapshot (`CoreClient.latest_stats`)."""
+    async with insecure_channel(config.router, config.auth_token, options=_CHANNEL_OPTIONS) as channel:
+        registration = _Registration(config, address, latest_stats, node_pb2_grpc.RegistryStub(channel))
         while True:
             try:
                 await registration.beat()
-            except (grpc.aio.AioRpcError, NodeError) as exc:
+            except grpc.aio.AioRpcError as exc:
                 registration.failed(exc)
             await asyncio.sleep(registration.interval_s)
 

@@ -1,21 +1,43 @@
-"""The NodeStats builder: one snapshot of an engine core and its KV transport.
+"""A node's load, as the core sees it: the NodeStats snapshot and the queue bounds.
+
+`build_stats` takes one snapshot of an engine core and its KV transport (the core
+answers queries with it and pushes it to the front unasked, node/core_loop.py).
+`QueueBounds` is what a core admits new requests against: a request that would make
+the waiting queue longer than `max_waiting_requests`, or the prompt tokens still to
+compute more than `max_queued_tokens`, is refused RESOURCE_EXHAUSTED at once — the
+router then tries another node or tells the client — rather than queued behind work
+that would push it past any deadline.
 
 Runs in the core process (it reads the engine's live objects); the front only relays
-the `StatsData` it gets back. Must never: change engine state.
+the `StatsData` it gets. Must never: change engine state.
 """
 
 from __future__ import annotations
 
+import sys
+from dataclasses import dataclass
+
 from pdserve.engine.engine_core import EngineCore
 from pdserve.kv_transfer import KVTransport, TransferStats
+from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.messages import StatsData, TransferCounters
 
 
-def build_stats(kind: str, engine: EngineCore, transport: KVTransport, reserved_blocks: int) -> StatsData:
-    """A prefill node counts what it sent, a decode node what it received."""
+def queued_tokens(engine: EngineCore) -> int:
+    """Tokens the scheduler has yet to compute (waiting and running requests)."""
     scheduler = engine.scheduler
-    queued = sum(r.num_tokens - r.num_computed_tokens for r in (*scheduler.waiting, *scheduler.running))
-    transfer = transport.stats() if kind == "prefill" else transport.recv_stats()
+    return sum(r.num_tokens - r.num_computed_tokens for r in (*scheduler.waiting, *scheduler.running))
+
+
+def build_stats(kind: str, engine: EngineCore, transport: KVTransport | None, reserved_blocks: int) -> StatsData:
+    """A prefill node counts what it sent, a decode node what it received, a node without a
+    transport (colocated) nothing. Queued tokens are the work a new prompt waits behind:
+    prefill and colocated nodes compute prompts, a decode node never does."""
+    scheduler = engine.scheduler
+    if transport is None:
+        transfer = TransferStats()
+    else:
+        transfer = transport.stats() if kind == "prefill" else transport.recv_stats()
     pool = engine.kv.pool
     return StatsData(
         kind=kind,
@@ -24,7 +46,7 @@ def build_stats(kind: str, engine: EngineCore, transport: KVTransport, reserved_
         reserved_blocks=reserved_blocks,
         num_waiting=len(scheduler.waiting),
         num_running=len(scheduler.running),
-        queued_prefill_tokens=queued if kind == "prefill" else 0,
+        queued_prefill_tokens=queued_tokens(engine) if kind != "decode" else 0,
         kv_transfer=_counters(transfer),
         prefix_cache_queries=pool.stats.queries,
         prefix_cache_hits=pool.stats.hits,
@@ -34,3 +56,26 @@ def build_stats(kind: str, engine: EngineCore, transport: KVTransport, reserved_
 def _counters(stats: TransferStats) -> TransferCounters:
     return TransferCounters(bytes=stats.bytes, blocks=stats.blocks, transfers=stats.transfers,
                             failures=stats.failures, latency_s=stats.latency_s)
+
+
+@dataclass(frozen=True)
+class QueueBounds:
+    max_waiting_requests: int
+    max_queued_tokens: int
+
+    def check(self, num_waiting: int, num_queued_tokens: int, new_tokens: int) -> None:
+        """Raise RESOURCE_EXHAUSTED if one more request of `new_tokens` would pass a bound.
+
+        A prompt longer than the whole token bound is admitted when nothing is queued,
+        so it waits for an idle node instead of being refused forever.
+        """
+        if num_waiting >= self.max_waiting_requests:
+            raise NodeError(ErrorCode.RESOURCE_EXHAUSTED, f"queue full: {num_waiting} requests waiting "
+                                                          f"(limit {self.max_waiting_requests})")
+        if num_queued_tokens > 0 and num_queued_tokens + new_tokens > self.max_queued_tokens:
+            raise NodeError(ErrorCode.RESOURCE_EXHAUSTED, f"queue full: {num_queued_tokens} tokens to compute, "
+                                                          f"this request adds {new_tokens} "
+                                                          f"(limit {self.max_queued_tokens})")
+
+
+UNBOUNDED = QueueBounds(sys.maxsize, sys.maxsize)  # admits everything the engine itself accepts

@@ -65,6 +65,7 @@ class Export:
     first_at: float = 0.0
     flushed: bool = False  # the rest pushed and the done message queued
     abort_sent: bool = False
+    transfer_failed: bool = False  # a push failed: the connection is broken and was forgotten
     reply: bool = True  # False once the RPC is answered or its caller went away
 
     @property
@@ -202,7 +203,10 @@ class KVExporter:
 
     def _check(self, export: Export, now: float) -> None:
         failed = next((h for h in export.handles if h.poll() is TransferState.FAILED), None)
-        if failed is not None and export.phase is not ExportPhase.ABORTING:
+        if failed is not None and not export.transfer_failed:
+            # Even when the lease already aborted the export: a broken connection is forgotten,
+            # or every later request to that decode node would fail on it.
+            export.transfer_failed = True
             self.peers.forget(export.peer_key)
             self._fail(export, NodeError(ErrorCode.UNAVAILABLE, f"KV transfer to {export.peer_key} failed: "
                                                                 f"{failed.error}"))

@@ -1,0 +1,86 @@
+"""Heartbeats never wait on the engine core: the stats push message and the registration loop.
+
+The registration loop runs against an in-process fake `Registry`; its only source of
+stats is a plain accessor (what `CoreClient.latest_stats` is), so a core stuck in a long
+step cannot delay a heartbeat. Before the core's first snapshot the node does not
+register at all; a heartbeat answered `known=false` makes it register again.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import grpc
+
+from pdserve.node.config import NodeConfig
+from pdserve.node.messages import StatsData, StatsPush, TransferCounters, decode, encode
+from pdserve.node.registration import run_registration
+from pdserve.proto import node_pb2, node_pb2_grpc
+from tests.unit.router_fakes import run
+
+
+def snapshot(used: int) -> StatsData:
+    return StatsData("prefill", 64, used, 1, 2, 3, 40, TransferCounters(10, 1, 1, 0, 0.5), 6, 2)
+
+
+def test_stats_push_round_trips():
+    msg = StatsPush(snapshot(5))
+    assert decode(encode(msg)) == msg
+
+
+class FakeRegistry(node_pb2_grpc.RegistryServicer):
+    def __init__(self) -> None:
+        self.registrations: list[node_pb2.RegisterRequest] = []
+        self.heartbeats: list[node_pb2.HeartbeatRequest] = []
+        self.forget_next = False
+
+    async def Register(self, request, context):
+        self.registrations.append(request)
+        return node_pb2.RegisterResponse(heartbeat_interval_ms=20)
+
+    async def Heartbeat(self, request, context):
+        self.heartbeats.append(request)
+        known, self.forget_next = not self.forget_next, False
+        return node_pb2.HeartbeatResponse(known=known)
+
+
+async def until(predicate, timeout_s: float = 5.0) -> None:
+    async with asyncio.timeout(timeout_s):
+        while not predicate():
+            await asyncio.sleep(0.01)
+
+
+def test_heartbeats_carry_the_latest_snapshot_and_wait_for_the_first_one():
+    registry = FakeRegistry()
+    latest: list[StatsData | None] = [None]
+
+    async def scenario():
+        server = grpc.aio.server()
+        node_pb2_grpc.add_RegistryServicer_to_server(registry, server)
+        port = server.add_insecure_port("127.0.0.1:0")
+        await server.start()
+        config = NodeConfig(model="/m", router=f"127.0.0.1:{port}", node_id="p0", heartbeat_interval_s=0.02)
+        task = asyncio.create_task(run_registration(config, "127.0.0.1:7000", lambda: latest[0]))
+        try:
+            await asyncio.sleep(0.2)
+            before_first = (len(registry.registrations), len(registry.heartbeats))
+            latest[0] = snapshot(3)
+            await until(lambda: len(registry.heartbeats) >= 2)
+            latest[0] = snapshot(9)  # what the core pushed next
+            await until(lambda: registry.heartbeats[-1].stats.used_blocks == 9)
+            registry.forget_next = True
+            await until(lambda: len(registry.registrations) == 2)
+            return before_first
+        finally:
+            task.cancel()
+            await asyncio.gather(task, return_exceptions=True)
+            await server.stop(0)
+
+    before_first = run(scenario())
+    assert before_first == (0, 0)
+    first = registry.registrations[0]
+    assert (first.kind, first.address, first.node_id) == ("prefill", "127.0.0.1:7000", "p0")
+    beat = registry.heartbeats[0]
+    assert beat.node_id == "p0"
+    assert (beat.stats.used_blocks, beat.stats.reserved_blocks, beat.stats.queued_prefill_tokens) == (3, 1, 40)
+    assert beat.stats.kv_transfer.bytes == 10
