@@ -3,6 +3,8 @@
 `make_policy` / `make_handler` are the hooks the core process calls (node/core.py).
 
     DecodeSubmit ─▶ reserve blocks ─▶ Ready{descriptor, block ids} | RequestFailed
+        (RESOURCE_EXHAUSTED at once: too few free blocks, or the queue bounds — reservations
+        waiting for their KV plus preempted requests — are full)
     done message (transport.poll_done) ─▶ admit with token 1 (or end at once if token 1
         already stops it: Tokens{[], finish_reason})
     each step ─▶ Tokens{[token], [logprobs]} per request, the last with finish_reason
@@ -31,25 +33,29 @@ from pdserve.node.core_loop import Emit
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.kv_done import KVDone
 from pdserve.node.messages import Abort, DecodeSubmit, Logprobs, Message, Ready, RequestFailed, Tokens
+from pdserve.node.stats import UNBOUNDED, QueueBounds
 
 logger = logging.getLogger(__name__)
 
 
 class DecodeCore:
     def __init__(self, engine: EngineCore, transport: KVTransport, table: ReservationTable, descriptor: str,
-                 emit: Emit) -> None:
+                 emit: Emit, bounds: QueueBounds = UNBOUNDED) -> None:
         self.engine = engine
         self.transport = transport
         self.table = table
         self.descriptor = descriptor
         self.emit = emit
+        self.bounds = bounds
         self._admitted: dict[str, Request] = {}
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, DecodeSubmit):
             try:
+                # Only the waiting count: a decode node's tokens to compute are one per running request.
+                self.bounds.check(self.table.num_reserved + len(self.engine.scheduler.waiting), 0, 0)
                 block_ids = self.table.reserve(msg.req_id, msg.prompt_token_ids, msg.params, msg.sample_index,
-                                               time.monotonic())
+                                               time.monotonic(), msg.resumed_token_ids)
             except NodeError as exc:
                 self.emit(RequestFailed(msg.req_id, exc.code, exc.message))
                 return
@@ -113,4 +119,5 @@ def make_policy(config: NodeConfig) -> SchedulingPolicy:
 def make_handler(config: NodeConfig, engine: EngineCore, transport: KVTransport, descriptor: KVDescriptor,
                  emit: Emit) -> DecodeCore:
     table = ReservationTable(engine, config.lease_s, config.quarantine_s)
-    return DecodeCore(engine, transport, table, descriptor.to_bytes().decode(), emit)
+    bounds = QueueBounds(config.max_waiting_requests, config.max_queued_tokens)
+    return DecodeCore(engine, transport, table, descriptor.to_bytes().decode(), emit, bounds)

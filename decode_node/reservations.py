@@ -3,7 +3,7 @@
 A request's life through it:
 
     reserve ─▶ RESERVED: the engine request exists (not scheduled) and holds
-       │        ceil(prompt_len / block_size) blocks that a prefill node writes into
+       │        ceil((prompt + resumed tokens) / block_size) blocks that a prefill node writes into
        ├─ done{ok, token 1} ─▶ admitted: prompt computed, token 1 appended, blocks
        │                       published, scheduled (EngineCore.add_prefilled) ─▶ gone
        ├─ done{aborted} ─▶ the prefill node gave up; nothing more lands: freed ─▶ gone
@@ -32,6 +32,7 @@ a reserved block in the prefix cache before its bytes arrived.
 from __future__ import annotations
 
 import enum
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 from pdserve.engine.block_pool import KVBlock
@@ -77,6 +78,11 @@ class ReservationTable:
         return (sum(len(r.block_ids) for r in self._reserved.values())
                 + sum(len(q.blocks) for q in self._quarantined.values()))
 
+    @property
+    def num_reserved(self) -> int:
+        """Reservations still waiting for their KV (quarantined ones wait for nothing)."""
+        return len(self._reserved)
+
     def has_pending(self) -> bool:
         return bool(self._reserved or self._quarantined)
 
@@ -85,20 +91,22 @@ class ReservationTable:
         return reservation.request if reservation is not None else None
 
     def reserve(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int,
-                now: float) -> list[int]:
-        """The reserved block ids, in prompt order. Raises NodeError (INVALID_ARGUMENT, RESOURCE_EXHAUSTED)."""
+                now: float, resumed_token_ids: Sequence[int] = ()) -> list[int]:
+        """The reserved block ids, in prompt (+ resumed tokens) order. Raises NodeError
+        (INVALID_ARGUMENT, RESOURCE_EXHAUSTED)."""
         if req_id in self._quarantined:
             raise NodeError(ErrorCode.INVALID_ARGUMENT, f"request_id {req_id!r} was cancelled here and is "
                                                         "still quarantined")
         try:
-            request = self.engine.new_request(req_id, prompt_token_ids, params, sample_index)
+            request = self.engine.new_request(req_id, prompt_token_ids, params, sample_index, resumed_token_ids)
         except RequestRejected as exc:
             raise NodeError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
-        # No prefix lookup: every block receives the prefill node's bytes.
-        block_ids = self.engine.kv.allocate_slots(request, request.num_prompt_tokens)
+        # No prefix lookup: every block receives the prefill node's bytes (prompt and
+        # resumed tokens alike: a resume's prefill computes both).
+        block_ids = self.engine.kv.allocate_slots(request, request.num_tokens)
         if block_ids is None:
             self.engine.detach(req_id)
-            needed = self.engine.kv.blocks_needed(request.num_prompt_tokens)
+            needed = self.engine.kv.blocks_needed(request.num_tokens)
             raise NodeError(ErrorCode.RESOURCE_EXHAUSTED, f"the prompt needs {needed} KV blocks; "
                                                           f"{self.engine.kv.num_free_blocks} are free")
         self._reserved[req_id] = Reservation(request, block_ids, now, now + self.lease_s)

@@ -66,7 +66,7 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
 def _submit(request: node_pb2.DecodeRequest) -> DecodeSubmit:
     params = request_params(request)
     return DecodeSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
-                        sample_index=request.sample_index)
+                        sample_index=request.sample_index, resumed_token_ids=list(request.resumed_token_ids))
 
 
 def _tokens(msg: Tokens) -> node_pb2.DecodeTokens:

@@ -8,6 +8,7 @@ stopping (stop strings) belongs to whoever detokenizes, which then calls `abort`
 from __future__ import annotations
 
 import random
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import torch
@@ -61,23 +62,32 @@ class EngineCore:
         return self.kv.pool.num_blocks
 
     def add_request(
-        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int = 0
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int = 0,
+        resumed_token_ids: Sequence[int] = (),
     ) -> Request:
-        request = self.new_request(req_id, prompt_token_ids, params, sample_index)
+        request = self.new_request(req_id, prompt_token_ids, params, sample_index, resumed_token_ids)
         self.scheduler.add(request)
         return request
 
     def new_request(
-        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int = 0
+        self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int = 0,
+        resumed_token_ids: Sequence[int] = (),
     ) -> Request:
         """Validate and register a request without scheduling it.
 
         A decode node reserves blocks for it (`kv.allocate_slots`) and schedules it with
         `add_prefilled` once its prompt KV has arrived, or gives it up with `detach`.
+
+        `resumed_token_ids`: tokens this sample already generated on a node that failed.
+        They are output (max_tokens, min_tokens, penalties, stop rules and the seeded
+        draw's position all count them) whose KV is computed like the prompt's, so the
+        request goes on exactly where the failed node left off.
         """
-        self._validate(req_id, prompt_token_ids, params)
+        self._validate(req_id, prompt_token_ids, params, resumed_token_ids)
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
-        request = Request(req_id, list(prompt_token_ids), params, self._arrivals, seed, sample_index)
+        request = Request(req_id, list(prompt_token_ids), params, self._arrivals, seed, sample_index,
+                          token_ids=[*prompt_token_ids, *resumed_token_ids],
+                          output_token_ids=list(resumed_token_ids))
         self._arrivals += 1
         self._requests[req_id] = request
         return request
@@ -88,10 +98,11 @@ class EngineCore:
         Token 1 was sampled elsewhere (a prefill node); the token-level stop checks run on
         it here, exactly as if this engine had sampled it. When it ends the request, the
         output says so and the blocks are released; otherwise the request joins the
-        scheduler and decodes from token 2.
+        scheduler and decodes from token 2. (A resumed request: "prompt" is prompt +
+        resumed tokens, and "token 1" the first token after them.)
         """
         self._check_unscheduled(request.req_id)
-        request.num_computed_tokens = request.num_prompt_tokens
+        request.num_computed_tokens = request.num_tokens
         self.kv.cache_computed_blocks(request)
         out = self._accept_token(request, first_token_id, None)
         if out.finish_reason is None:
@@ -166,20 +177,30 @@ class EngineCore:
             return FinishReason.LENGTH
         return reason
 
-    def _validate(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams) -> None:
+    def _validate(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
+                  resumed_token_ids: Sequence[int]) -> None:
         if req_id in self._requests:
             raise RequestRejected(f"req_id {req_id!r} is already in use")
         if not prompt_token_ids:
             raise RequestRejected("prompt_token_ids must not be empty")
         vocab = self.loaded.vocab_size
-        bad = next((t for t in prompt_token_ids if not 0 <= t < vocab), None)
-        if bad is not None:
-            raise RequestRejected(f"prompt_token_ids contains {bad}, outside the vocabulary [0, {vocab})")
+        for name, ids in (("prompt_token_ids", prompt_token_ids), ("resumed_token_ids", resumed_token_ids)):
+            bad = next((t for t in ids if not 0 <= t < vocab), None)
+            if bad is not None:
+                raise RequestRejected(f"{name} contains {bad}, outside the vocabulary [0, {vocab})")
         total = len(prompt_token_ids) + params.max_tokens
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestRejected(
                 f"prompt_token_ids has {len(prompt_token_ids)} tokens; the model holds {self.max_model_len}"
             )
+        # A resumed sample had not ended: it has room for at least one more token.
+        if len(resumed_token_ids) >= params.max_tokens:
+            raise RequestRejected(f"resumed_token_ids has {len(resumed_token_ids)} tokens; max_tokens is "
+                                  f"{params.max_tokens}, so the sample has already ended")
+        if len(prompt_token_ids) + len(resumed_token_ids) >= self.max_model_len:
+            raise RequestRejected(f"prompt_token_ids + resumed_token_ids have "
+                                  f"{len(prompt_token_ids) + len(resumed_token_ids)} tokens; the model holds "
+                                  f"{self.max_model_len}")
         max_tokens = min(total, self.max_model_len)
         if self.kv.blocks_needed(max_tokens) > self.num_blocks:
             raise RequestRejected(

@@ -34,6 +34,7 @@ class Request:
     sample_index: int = 0  # which of the n samples of the caller's request
     # prompt + output; the scheduler computes KV for all of these.
     token_ids: list[int] = field(default_factory=list)
+    # A resumed request (its first node failed) starts with the tokens already generated.
     output_token_ids: list[int] = field(default_factory=list)
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache

@@ -3,8 +3,9 @@
 `make_policy` / `make_handler` are the hooks the core process calls (node/core.py).
 `PrefillCore.handle` checks a `PrefillSubmit` against the decode node's descriptor
 (its block ids must name exactly one reserved block per prompt block, inside its
-cache), adds the request to the engine (prefill-only policy) and hands it to the
-exporter; everything after that is the exporter's.
+cache) and against the queue bounds (RESOURCE_EXHAUSTED at once when full), adds the
+request to the engine (prefill-only policy) and hands it to the exporter; everything
+after that is the exporter's.
 
 Must never: answer a request itself once the exporter has it, or free blocks.
 """
@@ -24,6 +25,7 @@ from pdserve.node.config import NodeConfig
 from pdserve.node.core_loop import Emit
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.messages import Abort, Message, PrefillSubmit, RequestFailed
+from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
 from pdserve.prefill_node.exporter import KVExporter
 from pdserve.prefill_node.peers import PeerConnections
 from pdserve.prefill_node.policy import PrefillPolicy
@@ -32,10 +34,11 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillCore:
-    def __init__(self, engine: EngineCore, exporter: KVExporter, emit: Emit) -> None:
+    def __init__(self, engine: EngineCore, exporter: KVExporter, emit: Emit, bounds: QueueBounds = UNBOUNDED) -> None:
         self.engine = engine
         self.exporter = exporter
         self.emit = emit
+        self.bounds = bounds
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, PrefillSubmit):
@@ -53,10 +56,13 @@ class PrefillCore:
             # Its blocks may still be read by pushes: the id is taken until they finish.
             raise NodeError(ErrorCode.INVALID_ARGUMENT, f"request_id {msg.req_id!r} is still being exported here")
         descriptor = _descriptor(msg.kv_descriptor)
-        _check_dst_blocks(msg, descriptor, self.engine.kv.blocks_needed(len(msg.prompt_token_ids)))
+        num_tokens = len(msg.prompt_token_ids) + len(msg.resumed_token_ids)  # what this node computes
+        _check_dst_blocks(msg, descriptor, self.engine.kv.blocks_needed(num_tokens))
+        self.bounds.check(len(self.engine.scheduler.waiting), queued_tokens(self.engine), num_tokens)
         try:
-            request = self.engine.add_request(msg.req_id, msg.prompt_token_ids, prefill_params(msg.params),
-                                              msg.sample_index)
+            request = self.engine.add_request(msg.req_id, msg.prompt_token_ids,
+                                              prefill_params(msg.params, len(msg.resumed_token_ids)),
+                                              msg.sample_index, msg.resumed_token_ids)
         except RequestRejected as exc:
             raise NodeError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
         self.exporter.track(request, descriptor, msg.dst_block_ids, time.monotonic())
@@ -74,14 +80,16 @@ class PrefillCore:
         return self.exporter.held_blocks()
 
 
-def prefill_params(params: SamplingParams) -> SamplingParams:
+def prefill_params(params: SamplingParams, num_resumed: int = 0) -> SamplingParams:
     """The params this node runs: the same draw for token 1, capacity checked for the prompt only.
 
     A prefill node samples one token, so `max_tokens` would only make the engine refuse
     prompts whose *decode* would not fit here. Token 1's min_tokens masking depends only
-    on whether min_tokens >= 1, which `min(min_tokens, 1)` keeps.
+    on whether min_tokens >= 1, which `min(min_tokens, 1)` keeps. A resume samples the
+    token after `num_resumed` output tokens: the same rules, one position further.
     """
-    return dataclasses.replace(params, max_tokens=1, min_tokens=min(params.min_tokens, 1))
+    num_sampled = num_resumed + 1
+    return dataclasses.replace(params, max_tokens=num_sampled, min_tokens=min(params.min_tokens, num_sampled))
 
 
 def _descriptor(raw: str) -> KVDescriptor:
@@ -94,8 +102,9 @@ def _descriptor(raw: str) -> KVDescriptor:
 def _check_dst_blocks(msg: PrefillSubmit, descriptor: KVDescriptor, num_needed: int) -> None:
     ids = msg.dst_block_ids
     if len(ids) != num_needed:
-        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"decode_block_ids has {len(ids)} blocks; a prompt of "
-                                                    f"{len(msg.prompt_token_ids)} tokens needs {num_needed}")
+        num_tokens = len(msg.prompt_token_ids) + len(msg.resumed_token_ids)
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"decode_block_ids has {len(ids)} blocks; a prompt (with "
+                                                    f"resumed tokens) of {num_tokens} tokens needs {num_needed}")
     if len(set(ids)) != len(ids) or not all(0 <= b < descriptor.num_blocks for b in ids):
         raise NodeError(ErrorCode.INVALID_ARGUMENT, f"decode_block_ids must be distinct ids in "
                                                     f"[0, {descriptor.num_blocks})")
@@ -112,4 +121,5 @@ def make_handler(config: NodeConfig, engine: EngineCore, transport: KVTransport,
         raise TypeError(f"a prefill core needs the PrefillPolicy, got {type(policy).__name__}")
     # One worker: connecting to a new decode node never stalls the step loop.
     peers = PeerConnections(transport, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-kv-connect"))
-    return PrefillCore(engine, KVExporter(engine, policy, transport, peers, config.lease_s, emit), emit)
+    exporter = KVExporter(engine, policy, transport, peers, config.lease_s, emit)
+    return PrefillCore(engine, exporter, emit, QueueBounds(config.max_waiting_requests, config.max_queued_tokens))

@@ -60,7 +60,8 @@ def _submit(request: node_pb2.PrefillRequest) -> PrefillSubmit:
         raise NodeError(ErrorCode.INVALID_ARGUMENT, "decode_kv_descriptor is not UTF-8 JSON") from exc
     return PrefillSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
                          sample_index=request.sample_index, kv_descriptor=descriptor,
-                         dst_block_ids=list(request.decode_block_ids))
+                         dst_block_ids=list(request.decode_block_ids),
+                         resumed_token_ids=list(request.resumed_token_ids))
 
 
 def _response(reply: FirstToken) -> node_pb2.PrefillResponse:

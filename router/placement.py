@@ -11,6 +11,9 @@ given, so every decision is unit-testable.
   except that the node which last got the prompt's longest known prefix (chained
   block hashes, `hash_block_tokens`, the nodes' block size) wins while its queue is
   within a slack of the shortest — it will serve those blocks from its prefix cache.
+- Colocated: fewest queued tokens (last stats + prompts this router sent since that
+  have not reached token 1), then most free blocks after this router's reservations;
+  a node that just refused is skipped as for decode.
 """
 
 from __future__ import annotations
@@ -152,3 +155,41 @@ class PrefillPlacement:
             self._affinity.move_to_end(block_hash)
         while len(self._affinity) > self._max_entries:
             self._affinity.popitem(last=False)
+
+
+class ColocatedPlacement:
+    """A colocated node computes prompts and holds KV, so both of decode's and prefill's loads count.
+
+    The queue of prompt tokens decides first (it is what a new prompt waits behind);
+    free blocks break ties. Refusals are remembered exactly as for decode nodes.
+    """
+
+    def __init__(self, exhausted_cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
+        self._blocks = DecodePlacement(exhausted_cooldown_s, clock)
+        self._sent = _SinceStats()
+
+    def load(self, c: Candidate) -> int:
+        return c.queued_prefill_tokens + self._sent.get(c)
+
+    def rank(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """Nodes to ask, best first; nodes that just refused are left out."""
+        self._sent.forget({c.node_id for c in candidates})
+        usable = self._blocks.rank(candidates)
+        return sorted(usable, key=lambda c: (self.load(c), -self._blocks.free_after_reservations(c), c.node_id))
+
+    def assign(self, c: Candidate, num_tokens: int, num_blocks: int) -> None:
+        """This router sent `c` a request: `num_tokens` to prefill, `num_blocks` to hold."""
+        self._sent.add(c, num_tokens)
+        self._blocks.reserve(c, num_blocks)
+
+    def prefilled(self, c: Candidate, num_tokens: int) -> None:
+        """The request's first token arrived: its prompt no longer counts against c's queue."""
+        self._sent.add(c, -num_tokens)
+
+    def withdraw(self, c: Candidate, num_tokens: int, num_blocks: int) -> None:
+        """The request never started on `c` (refused, failed): take back what `assign` counted."""
+        self._sent.add(c, -num_tokens)
+        self._blocks.reserve(c, -num_blocks)
+
+    def mark_exhausted(self, c: Candidate) -> None:
+        self._blocks.mark_exhausted(c)

@@ -1,13 +1,18 @@
-"""The node registry: which prefill and decode nodes are alive, their last stats, their channels.
+"""The node registry: which prefill, decode and colocated nodes are alive, their last stats, their channels.
 
 Owns one `NodeEntry` per node (by id): kind, address, last `NodeStats`, when it was last
 heard from. Nodes register and heartbeat through the router's `Registry` service;
 static nodes (from flags) are polled with `GetStats` instead. A node not heard from
 for `heartbeat_timeout_s` is not live: a registered one is dropped (it registers again
 when its next heartbeat is answered known=false), a static one stays on the list and
-comes back when it answers again. One gRPC channel per address is cached.
+comes back when it answers again. A node that failed a request's call and then did not
+answer a `GetStats` probe is *suspect*: not live until its next stats arrive, so other
+requests stop trying it long before its heartbeat timeout. One gRPC channel per address
+is cached (reconnecting within a second, so a node restarted on its old address takes
+traffic as soon as it registers).
 
-It never decides placement and never calls a node except for `GetStats` on static ones.
+It never decides placement and never calls a node except for `GetStats` (static nodes,
+probes).
 """
 
 from __future__ import annotations
@@ -22,15 +27,42 @@ from dataclasses import dataclass
 
 import grpc
 
+from pdserve.auth import insecure_channel
 from pdserve.proto import node_pb2, node_pb2_grpc
 from pdserve.router.placement import Candidate
 
 log = logging.getLogger(__name__)
 
+# gRPC's default reconnect backoff grows to two minutes: a restarted node on the same
+# address would stay unreachable through the cached channel long after it is back.
+_CHANNEL_OPTIONS = [
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 1000),
+]
+
+
+def _insecure_channel(address: str) -> grpc.aio.Channel:
+    return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
+
+
+def node_channel_factory(token: str | None) -> Callable[[str], grpc.aio.Channel]:
+    """Channels to nodes whose every call carries the auth token (pdserve/auth.py)."""
+    return lambda address: insecure_channel(address, token, options=_CHANNEL_OPTIONS)
+
 
 class NodeKind(enum.Enum):
     PREFILL = "prefill"
     DECODE = "decode"
+    COLOCATED = "colocated"  # runs both phases: the baseline the disaggregated pools are compared with
+
+
+# Each kind's service stub; every one of them answers GetStats.
+_STUBS = {
+    NodeKind.PREFILL: node_pb2_grpc.PrefillNodeStub,
+    NodeKind.DECODE: node_pb2_grpc.DecodeNodeStub,
+    NodeKind.COLOCATED: node_pb2_grpc.ColocatedNodeStub,
+}
 
 
 @dataclass(slots=True, eq=False)
@@ -42,6 +74,7 @@ class NodeEntry:
     stats: node_pb2.NodeStats | None = None
     stats_seq: int = 0
     last_seen: float = -math.inf
+    suspect: bool = False  # failed a call and a probe; cleared by its next stats
 
     def candidate(self) -> Candidate:
         stats = self.stats or node_pb2.NodeStats()
@@ -55,7 +88,7 @@ class NodeRegistry:
         heartbeat_timeout_s: float,
         channel_close_grace_s: float,
         clock: Callable[[], float] = time.monotonic,
-        channel_factory: Callable[[str], grpc.aio.Channel] = grpc.aio.insecure_channel,
+        channel_factory: Callable[[str], grpc.aio.Channel] = _insecure_channel,
     ) -> None:
         self._timeout_s = heartbeat_timeout_s
         self._close_grace_s = channel_close_grace_s
@@ -96,7 +129,25 @@ class NodeRegistry:
 
     def live(self, kind: NodeKind) -> list[NodeEntry]:
         now = self._clock()
-        return [e for e in self._nodes.values() if e.kind is kind and now - e.last_seen <= self._timeout_s]
+        return [e for e in self._nodes.values()
+                if e.kind is kind and not e.suspect and now - e.last_seen <= self._timeout_s]
+
+    def mark_suspect(self, entry: NodeEntry, reason: str) -> None:
+        """Skip `entry` until its next stats: a call to it failed the way a dead node's does."""
+        if self._nodes.get(entry.node_id) is not entry or entry.suspect:
+            return
+        entry.suspect = True
+        log.warning("%s node %s at %s is suspect until it heartbeats again: %s", entry.kind.value, entry.node_id,
+                    entry.address, reason)
+
+    async def probe(self, entry: NodeEntry, timeout_s: float) -> bool:
+        """Does a node whose call just failed still answer? If not, it is marked suspect."""
+        try:
+            await _STUBS[entry.kind](self.channel(entry)).GetStats(node_pb2.StatsRequest(), timeout=timeout_s)
+        except grpc.aio.AioRpcError as exc:
+            self.mark_suspect(entry, f"GetStats failed: {exc.code().name}: {exc.details()}")
+            return False
+        return True
 
     def get(self, node_id: str) -> NodeEntry | None:
         return self._nodes.get(node_id)
@@ -129,9 +180,8 @@ class NodeRegistry:
         await asyncio.gather(*(c.close() for c in channels), *self._closing, return_exceptions=True)
 
     async def _poll(self, entry: NodeEntry, timeout_s: float) -> None:
-        stub_type = node_pb2_grpc.PrefillNodeStub if entry.kind is NodeKind.PREFILL else node_pb2_grpc.DecodeNodeStub
         try:
-            stats = await stub_type(self.channel(entry)).GetStats(node_pb2.StatsRequest(), timeout=timeout_s)
+            stats = await _STUBS[entry.kind](self.channel(entry)).GetStats(node_pb2.StatsRequest(), timeout=timeout_s)
         except grpc.aio.AioRpcError as exc:
             log.debug("static %s node %s: GetStats failed: %s", entry.kind.value, entry.address, exc.code().name)
             return
@@ -142,6 +192,7 @@ class NodeRegistry:
         entry.stats = stats
         entry.stats_seq += 1
         entry.last_seen = self._clock()
+        entry.suspect = False
 
     def _drop(self, entry: NodeEntry) -> None:
         del self._nodes[entry.node_id]

@@ -44,6 +44,11 @@ class Script:
     hang_after_events: bool = False  # the decode stream stays open after its events
     fail_decode_after_events: bool = False  # the decode node dies mid-stream
     prefill_logprobs: pdserve_pb2.TokenLogprobs | None = None
+    # A resume (resumed_token_ids set): the prefill's token and the decode events, given
+    # the resumed tokens; None: the same as a first attempt.
+    resumed_first_token: Callable[[list[int]], int] | None = None
+    resumed_events: Callable[[list[int]], list[node_pb2.DecodeTokens]] | None = None
+    fail_prefill: bool = False  # the prefill node fails UNAVAILABLE (as a dying one does)
 
 
 @dataclass
@@ -75,6 +80,7 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
     def __init__(self, script: Script, calls: Calls, stats: node_pb2.NodeStats) -> None:
         self.script, self.calls, self.stats = script, calls, stats
         self.refuse = script.refuse_decode  # per node, so a test can make one node full
+        self.fail_after_events = script.fail_decode_after_events  # per node, so one node can die
         self.requests: list[node_pb2.DecodeRequest] = []
 
     async def Decode(self, request, context):
@@ -85,13 +91,19 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake decode: no free KV blocks")
             yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_descriptor=FAKE_DESCRIPTOR, block_ids=[7, 3, 5]))
             await self.calls.kv_done[request.request_id].wait()
-            for tokens in self.script.decode_events(request.sample_index):
+            for tokens in self._events(request):
                 await asyncio.sleep(0.01)
                 yield node_pb2.DecodeEvent(tokens=tokens)
-            if self.script.fail_decode_after_events:
+            if self.fail_after_events:
                 await context.abort(grpc.StatusCode.INTERNAL, "fake decode: engine core died")
             if self.script.hang_after_events:
                 await asyncio.Event().wait()
+
+    def _events(self, request: node_pb2.DecodeRequest) -> list[node_pb2.DecodeTokens]:
+        resumed = list(request.resumed_token_ids)
+        if resumed and self.script.resumed_events is not None:
+            return self.script.resumed_events(resumed)
+        return self.script.decode_events(request.sample_index)
 
     async def GetStats(self, request, context):
         return self.stats
@@ -100,15 +112,25 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
 class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
     def __init__(self, script: Script, calls: Calls, stats: node_pb2.NodeStats) -> None:
         self.script, self.calls, self.stats = script, calls, stats
+        self.fail = script.fail_prefill  # per node, so one node can die
+        self.refuse = False  # per node: RESOURCE_EXHAUSTED, a full queue
 
     async def Prefill(self, request, context):
         self.calls.prefill_requests.append(request)
         with self.calls.watch("prefill", request.request_id):
             if self.script.hang_prefill:
                 await asyncio.Event().wait()
+        if self.refuse:
+            await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake prefill: queue full")
+        if self.fail:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fake prefill: connection reset")
         self.calls.kv_done[request.request_id].set()
+        resumed = list(request.resumed_token_ids)
+        first = self.script.first_token(request.sample_index)
+        if resumed and self.script.resumed_first_token is not None:
+            first = self.script.resumed_first_token(resumed)
         response = node_pb2.PrefillResponse(
-            first_token_id=self.script.first_token(request.sample_index),
+            first_token_id=first,
             num_cached_tokens=16,
             prefill_s=0.25,
             kv_transfer_s=0.125,

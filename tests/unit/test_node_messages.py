@@ -24,6 +24,8 @@ LOGPROBS = Logprobs(-0.25, [7, 9], [-0.25, -1.5])
 MESSAGES = [
     PrefillSubmit("r1", [1, 2, 3], PARAMS, 1, '{"transport": "ucx"}', [4, 5]),
     DecodeSubmit("r2", [9], SamplingParams(), 0),
+    PrefillSubmit("r1b", [1, 2], PARAMS, 0, "{}", [4], [17, 18]),  # a resume
+    DecodeSubmit("r2b", [9], SamplingParams(), 2, [5, 6, 7]),
     Abort("r3"),
     StatsQuery(7),
     Shutdown(),

@@ -242,19 +242,126 @@ def test_stop_token_from_the_decode_node(model, output_ids):
     assert (responses[-1].finish_reason, responses[-1].stop_token_id) == (STOP, stop_token)
 
 
-def test_decode_node_dying_mid_stream_is_unavailable(model, output_ids):
-    events = [node_pb2.DecodeTokens(token_ids=[output_ids[1]])]
-    script = Script(first_token=lambda i: output_ids[0], decode_events=lambda i: events, fail_decode_after_events=True)
+def resumable(ids: list[int], **kwargs) -> Script:
+    """Like `scripted`, and a resumed attempt goes on from the resumed tokens."""
+
+    def rest_after(resumed: list[int]) -> list[node_pb2.DecodeTokens]:
+        rest = ids[len(resumed) + 1 :]
+        if not rest:
+            return [node_pb2.DecodeTokens(finish_reason=LENGTH, stop_token_id=-1)]
+        return [node_pb2.DecodeTokens(token_ids=rest, finish_reason=LENGTH, stop_token_id=-1)]
+
+    script = scripted(ids, **kwargs)
+    script.resumed_first_token = lambda resumed: ids[len(resumed)]
+    script.resumed_events = rest_after
+    return script
+
+
+async def collect(address: str, request: pdserve_pb2.GenerateRequest):
+    """(responses, error or None): what a client received before the stream ended."""
+    received = []
+    async with grpc.aio.insecure_channel(address) as channel:
+        try:
+            async for response in pdserve_pb2_grpc.GenerationStub(channel).Generate(request):
+                received.append(response)
+        except grpc.aio.AioRpcError as exc:
+            return received, exc
+    return received, None
+
+
+def test_a_decode_node_dying_mid_stream_resumes_on_another(model, output_ids):
+    script = resumable(output_ids)
+    script.decode_events = lambda index: [node_pb2.DecodeTokens(token_ids=[output_ids[1]])]
 
     async def scenario():
-        received = []
+        async with router(model) as address, fake_nodes(address, script, decode=2) as (calls, nodes):
+            # d0 (nodes[1]) is ranked first (a tie in free blocks goes by id) and dies mid-stream;
+            # the resume goes to d1, which this router has reserved nothing on.
+            nodes[1].servicer.fail_after_events = True
+            received, error = await collect(address, text_request(max_tokens=len(output_ids)))
+            return received, error, calls
+
+    received, error, calls = run(scenario())
+    assert error is None
+    assert [t for r in received for t in r.token_ids] == output_ids  # no gap, no duplicate
+    resumed = [r for r in calls.decode_requests if r.resumed_token_ids]
+    assert [list(r.resumed_token_ids) for r in resumed] == [output_ids[:2]]
+    assert resumed[0].request_id.endswith("~1")
+    assert [list(r.resumed_token_ids) for r in calls.prefill_requests] == [[], output_ids[:2]]
+    assert received[-1].usage.completion_tokens == len(output_ids)
+
+
+def test_a_decode_node_that_keeps_dying_is_unavailable_after_the_resumes(model, output_ids):
+    script = resumable(output_ids, fail_decode_after_events=True)
+    script.decode_events = lambda index: [node_pb2.DecodeTokens(token_ids=[output_ids[1]])]
+    script.resumed_events = lambda resumed: [node_pb2.DecodeTokens(token_ids=[output_ids[len(resumed) + 1]])]
+
+    async def scenario():
         async with router(model) as address, fake_nodes(address, script):
-            async with grpc.aio.insecure_channel(address) as channel:
-                with pytest.raises(grpc.aio.AioRpcError) as err:
-                    async for response in pdserve_pb2_grpc.GenerationStub(channel).Generate(text_request()):
-                        received.append(response)
-        return received, err.value
+            return await collect(address, text_request(max_tokens=len(output_ids)))
 
     received, error = run(scenario())
     assert error.code() is grpc.StatusCode.UNAVAILABLE and "engine core died" in error.details()
+    assert "no resume left" in error.details()
+    # Two resumes (max_resumes), each adding the prefill's token and one decoded token.
+    assert [t for r in received for t in r.token_ids] == output_ids[:6]
+
+
+def test_a_full_prefill_queue_sends_the_same_reservation_to_the_next(model, output_ids):
+    script = resumable(output_ids)
+
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
+            nodes[0].servicer.refuse = True
+            nodes[1].servicer.refuse = False
+            first, _ = await collect(address, text_request(max_tokens=len(output_ids)))
+            nodes[0].servicer.refuse, nodes[1].servicer.refuse = False, True
+            second, _ = await collect(address, text_request(max_tokens=len(output_ids)))
+            return first, second, calls
+
+    first, second, calls = run(scenario())
+    for received in (first, second):
+        assert [t for r in received for t in r.token_ids] == output_ids
+    assert len(calls.decode_requests) == 2  # one reservation per request, reused by the second prefill
+    assert len(calls.prefill_requests) in (2, 3, 4)
+    assert {r.request_id for r in calls.prefill_requests} == {r.request_id for r in calls.decode_requests}
+
+
+def test_a_dying_prefill_node_is_retried_on_another_with_a_fresh_reservation(model, output_ids):
+    script = resumable(output_ids)
+
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
+            nodes[0].servicer.fail = True
+            await nodes[0].stop()  # it does not answer the probe either: suspect
+            received, error = await collect(address, text_request(max_tokens=len(output_ids)))
+            again, _ = await collect(address, text_request(max_tokens=len(output_ids)))
+            return received, error, again, calls
+
+    received, error, again, calls = run(scenario())
+    assert error is None
+    for got in (received, again):
+        assert [t for r in got for t in r.token_ids] == output_ids
+    # The first request may have tried the dead node (a fresh attempt id), the second never does.
+    assert len(calls.decode_requests) in (2, 3)
+
+
+def test_no_decode_node_left_is_unavailable_naming_it(model, output_ids):
+    script = resumable(output_ids, hang_after_events=True)
+    script.decode_events = lambda index: [node_pb2.DecodeTokens(token_ids=[output_ids[1]])]
+
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, script) as (calls, nodes):
+            client = asyncio.create_task(collect(address, text_request(max_tokens=len(output_ids))))
+            while not calls.prefill_requests:
+                await asyncio.sleep(0.01)
+            await asyncio.sleep(0.1)  # the decoded token is streamed, then the node dies
+            await nodes[1].stop()
+            started = time.monotonic()
+            received, error = await client
+            return received, error, time.monotonic() - started
+
+    received, error, _ = run(scenario())
     assert [t for r in received for t in r.token_ids] == output_ids[:2]
+    assert error.code() is grpc.StatusCode.UNAVAILABLE
+    assert error.details().startswith("no decode node is available: ") and "was lost" in error.details()

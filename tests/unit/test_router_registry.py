@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 
+import grpc
 import pytest
 
 from pdserve.proto import node_pb2
@@ -141,3 +142,39 @@ def test_channels_are_cached_per_address_and_closed_with_grace_when_the_node_goe
     [channel] = channels.made
     assert channel.closed_with == 3.0
 
+
+
+class AnsweringStub:
+    """GetStats that answers, or fails the way a dead node's address does."""
+
+    def __init__(self, alive: bool) -> None:
+        self.alive = alive
+
+    async def GetStats(self, request, timeout=None):
+        if not self.alive:
+            raise FakeRpcError()
+        return stats(free=1)
+
+
+class FakeRpcError(grpc.aio.AioRpcError):
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.UNAVAILABLE, grpc.aio.Metadata(), grpc.aio.Metadata(), "connection refused")
+
+
+def test_a_suspect_node_is_not_live_until_its_next_stats(registry):
+    entry = registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
+    registry.register(NodeKind.DECODE, "127.0.0.1:7002", "d1")
+    registry.mark_suspect(entry, "its stream broke")
+    assert ids(registry.live(NodeKind.DECODE)) == ["d1"]
+    assert registry.heartbeat("d0", stats(free=5))
+    assert ids(registry.live(NodeKind.DECODE)) == ["d0", "d1"]
+
+
+@pytest.mark.parametrize("alive", [True, False])
+def test_a_probe_marks_only_a_node_that_does_not_answer(registry, monkeypatch, alive):
+    import pdserve.router.registry as registry_module
+
+    entry = registry.register(NodeKind.PREFILL, "127.0.0.1:7003", "p0")
+    monkeypatch.setitem(registry_module._STUBS, NodeKind.PREFILL, lambda channel: AnsweringStub(alive))
+    assert asyncio.run(registry.probe(entry, timeout_s=1.0)) is alive
+    assert ids(registry.live(NodeKind.PREFILL)) == (["p0"] if alive else [])
