@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
+from pdserve.node.affinity import pin_to_cpus
 from pdserve.node.config import NodeConfig
 
 
@@ -25,10 +26,13 @@ class CoreHooks:
 
     It must define `make_policy(config) -> SchedulingPolicy` and
     `make_handler(config, engine, transport, descriptor, emit) -> CoreHandler`; the core
-    process imports it, so the front never does.
+    process imports it, so the front never does. A kind that moves no KV between nodes
+    (colocated) says `uses_kv_transport=False`: its core starts no transport listener and
+    its handler gets `None` for the transport and the descriptor.
     """
 
     module: str
+    uses_kv_transport: bool = True
 
 
 @dataclass(frozen=True)
@@ -51,6 +55,7 @@ def start_core(config: NodeConfig, addresses: CoreAddresses, hooks: CoreHooks) -
 
 
 def _core_entry(config: NodeConfig, addresses: CoreAddresses, hooks: CoreHooks, front_pid: int) -> None:
+    pin_to_cpus(config.cpus)  # before torch starts its thread pool
     from pdserve.node.core_loop import core_main  # torch, transformers, UCX: the child only
 
     core_main(config, addresses, hooks, front_pid)

@@ -9,6 +9,8 @@ name. Every message is a dataclass of JSON-native fields; the few nested values
     decode:  front ─DecodeSubmit─▶ core ─Ready─▶ front, then ─Tokens…(last: finish_reason)─▶
              or ─RequestFailed─▶ at any point
     either:  front ─Abort─▶ core (the caller went away; no answer)
+    stats:   core ─StatsPush─▶ front, unasked, at most every stats_push_interval_s (the
+             front caches it for heartbeats); front ─StatsQuery─▶ core ─StatsReply─▶ front
 
 Must never: pickle, carry tensors, or import torch (the front imports this module).
 """
@@ -63,7 +65,9 @@ class PrefillSubmit(_Message):
     params: SamplingParams
     sample_index: int
     kv_descriptor: str  # the decode node's KVDescriptor JSON
-    dst_block_ids: list[int]  # the decode node's reserved blocks, in prompt order
+    dst_block_ids: list[int]  # the decode node's reserved blocks, in prompt (+ resumed) order
+    # Tokens the sample already generated elsewhere (a resume): prefilled, counted as output.
+    resumed_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> PrefillSubmit:
@@ -76,6 +80,9 @@ class DecodeSubmit(_Message):
     prompt_token_ids: list[int]
     params: SamplingParams
     sample_index: int
+    # Tokens the sample already generated elsewhere (a resume): their KV arrives with the
+    # prompt's, and they count as output.
+    resumed_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> DecodeSubmit:
@@ -185,18 +192,27 @@ class StatsReply(_Message):
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> StatsReply:
-        stats = dict(body["stats"])
-        stats["kv_transfer"] = TransferCounters(**stats["kv_transfer"])
-        return cls(query_id=body["query_id"], stats=StatsData(**stats))
+        return cls(query_id=body["query_id"], stats=_stats(body["stats"]))
+
+
+@dataclass(slots=True)
+class StatsPush(_Message):
+    """A snapshot the core sends unasked, so the front always has a recent one."""
+
+    stats: StatsData
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> StatsPush:
+        return cls(stats=_stats(body["stats"]))
 
 
 Message = (PrefillSubmit | DecodeSubmit | Abort | StatsQuery | Shutdown | CoreStarted | CoreFailed
-           | Ready | FirstToken | Tokens | RequestFailed | StatsReply)
+           | Ready | FirstToken | Tokens | RequestFailed | StatsReply | StatsPush)
 
 _TYPES: dict[str, type[_Message]] = {
     cls.__name__: cls
     for cls in (PrefillSubmit, DecodeSubmit, Abort, StatsQuery, Shutdown, CoreStarted, CoreFailed,
-                Ready, FirstToken, Tokens, RequestFailed, StatsReply)
+                Ready, FirstToken, Tokens, RequestFailed, StatsReply, StatsPush)
 }
 
 
@@ -228,6 +244,10 @@ def _plain(value: Any) -> Any:
 
 def _params(body: dict[str, Any]) -> SamplingParams:
     return SamplingParams(**body)
+
+
+def _stats(body: dict[str, Any]) -> StatsData:
+    return StatsData(**{**body, "kv_transfer": TransferCounters(**body["kv_transfer"])})
 
 
 def _logprobs(body: dict[str, Any] | None) -> Logprobs | None:

@@ -1,9 +1,10 @@
 """Running one node: core process + gRPC front + registration, until a signal.
 
-`run_node(argv, kind, hooks, add_servicer)` is the body of `pdserve prefill|decode`:
-parse the flags, start the engine core (and wait for its model and KV cache), serve
+`run_node(argv, kind, hooks, add_servicer)` is the body of `pdserve prefill|decode|colocated`:
+parse the flags, pin the process to `--cpus` (node/affinity.py), start the engine core (and wait for its model and KV cache), serve
 gRPC on `host:port` (port 0: the OS picks; the line `pdserve <kind> node listening on
-HOST:PORT` on stdout says which), register with the router and heartbeat, then on
+HOST:PORT` on stdout says which), serve Prometheus `/metrics` when `--metrics-port` is
+set (node/metrics.py), register with the router and heartbeat, then on
 SIGINT/SIGTERM (or a dead core) stop the server, the core and the registration.
 
 Must never: bind anything but the configured host (127.0.0.1 by default), or exit
@@ -14,19 +15,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import signal
+import sys
 import time
 from collections.abc import Callable
 
 import grpc
 import uvloop
 
+from pdserve.auth import server_interceptors, server_options
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.metrics_endpoint import MetricsEndpoint
+from pdserve.node.affinity import pin_to_cpus
 from pdserve.node.client import CoreClient
 from pdserve.node.config import NodeConfig, parse_node_args
 from pdserve.node.convert import params_from_proto, stats_to_proto
 from pdserve.node.core import CoreHooks
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
+from pdserve.node.metrics import serve_node_metrics
 from pdserve.node.registration import run_registration
 from pdserve.proto import node_pb2
 
@@ -36,7 +43,12 @@ AddServicer = Callable[[grpc.aio.Server, CoreClient], None]
 
 
 def run_node(argv: list[str] | None, kind: str, hooks: CoreHooks, add_servicer: AddServicer) -> int:
-    config = parse_node_args(argv, kind)
+    config = parse_node_args(argv, kind, os.environ)
+    try:
+        pin_to_cpus(config.cpus)  # first: every thread and child of this process inherits it
+    except ValueError as exc:
+        print(f"pdserve {kind}: {exc}", file=sys.stderr)
+        return 2
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind}-node %(levelname)s %(message)s")
     return uvloop.run(serve_node(config, hooks, add_servicer))
 
@@ -45,15 +57,18 @@ async def serve_node(config: NodeConfig, hooks: CoreHooks, add_servicer: AddServ
     client = CoreClient(config, hooks)
     server: grpc.aio.Server | None = None
     registration: asyncio.Task | None = None
+    metrics: MetricsEndpoint | None = None
     try:
         await client.start()
-        server = grpc.aio.server()
+        server = grpc.aio.server(interceptors=server_interceptors(config.auth_token),
+                                 options=server_options(config.max_message_bytes))
         add_servicer(server, client)
         port = _bind(server, config)
         await server.start()
+        metrics = _start_metrics(config, client)
         address = f"{config.host}:{port}"
         print(f"pdserve {config.kind} node listening on {address}", flush=True)
-        registration = asyncio.create_task(run_registration(config, address, client.stats))
+        registration = asyncio.create_task(run_registration(config, address, client.latest_stats))
         await _until_stopped(client)
         return 1 if client.dead.is_set() else 0
     except NodeError as exc:
@@ -63,11 +78,21 @@ async def serve_node(config: NodeConfig, hooks: CoreHooks, add_servicer: AddServ
         start = time.monotonic()
         if registration is not None:
             registration.cancel()
+        if metrics is not None:
+            metrics.stop()
         if server is not None:
             await server.stop(config.grace_s)
         logger.info("gRPC server stopped in %.2fs", time.monotonic() - start)
         await client.close()
         logger.info("%s node stopped in %.2fs", config.kind, time.monotonic() - start)
+
+
+def _start_metrics(config: NodeConfig, client: CoreClient) -> MetricsEndpoint | None:
+    if config.metrics_port is None:
+        return None
+    metrics = serve_node_metrics(config.host, config.metrics_port, client.latest_stats)
+    print(f"pdserve {config.kind} node metrics on {metrics.url}", flush=True)
+    return metrics
 
 
 def _bind(server: grpc.aio.Server, config: NodeConfig) -> int:

@@ -1,6 +1,6 @@
 """The `pdserve` command line: one subcommand per job, each a thin call into the package.
 
-The serving commands (router, prefill, decode, cluster, generate) belong to their own
+The serving commands (router, prefill, decode, colocated, cluster, generate) belong to their own
 modules: their whole argument list is handed to that module's `main(argv)`, imported
 only when the command runs, so `pdserve demo` never loads gRPC and a server's flags
 are documented by `pdserve <command> --help`.
@@ -27,7 +27,8 @@ DELEGATED_COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("pdserve.router.server", "run the router (public gRPC API, placement, registry)"),
     "prefill": ("pdserve.prefill_node.server", "run a prefill node"),
     "decode": ("pdserve.decode_node.server", "run a decode node"),
-    "cluster": ("pdserve.cluster", "run a local cluster: router + N prefill + M decode nodes"),
+    "colocated": ("pdserve.colocated_node.server", "run a colocated node (both phases; the baseline)"),
+    "cluster": ("pdserve.cluster", "run a local cluster: router + N prefill + M decode (or N colocated) nodes"),
     "generate": ("pdserve.router.client", "stream a generation from a running cluster"),
 }
 
@@ -35,6 +36,8 @@ DELEGATED_COMMANDS: dict[str, tuple[str, str]] = {
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("pdserve.bench.throughput", "offline throughput vs transformers generate / generate_batch"),
     "disagg-latency": ("pdserve.bench.disagg_latency", "one request through 1P1D: TTFT vs KV transfer"),
+    "overload": ("pdserve.bench.overload", "10x the cluster's capacity: rejections and admitted latency"),
+    "serve": ("pdserve.bench.serve.cli", "open-loop load on a running cluster: SLO attainment, goodput sweep"),
 }
 
 

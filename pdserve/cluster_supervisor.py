@@ -5,6 +5,9 @@ signal reaches whatever it spawns, e.g. a node's engine-core process, and a Ctrl
 the terminal reaches only the launcher, which then stops the children in order); one
 reader thread per child that prefixes its output lines with the child's name (console)
 or writes them to `<log_dir>/<name>.log`, and keeps the last lines for error reports.
+A child with `cpus` is pinned to them as it starts (cores as devices): right after its
+exec, before its interpreter has imported anything, so every thread and process it
+starts later inherits the mask.
 
 Stop: SIGTERM to every child (the group leader only, so a node can shut its own engine
 core down in order), wait up to the grace period for them, then SIGKILL every group — a
@@ -37,6 +40,7 @@ class ChildSpec:
     name: str
     argv: tuple[str, ...]
     env: Mapping[str, str] = field(default_factory=dict)  # added to the launcher's environment
+    cpus: tuple[int, ...] | None = None  # pin the child to these cores; None: leave it
 
 
 class ChildExited(RuntimeError):
@@ -83,8 +87,12 @@ class ClusterSupervisor:
         tail: deque[str] = deque(maxlen=self._tail_lines)
         reader = threading.Thread(target=self._pump, args=(spec.name, proc.stdout, tail),
                                   name=f"log-{spec.name}", daemon=True)
-        self._children.append(_Child(spec, proc, tail, reader))
+        self._children.append(_Child(spec, proc, tail, reader))  # from here on, stop_all stops it
         reader.start()
+        if spec.cpus is not None:
+            # Not a preexec_fn (unsafe beside the reader threads): the child has only just
+            # exec'd and runs a single thread, which is all that needs the mask now.
+            _pin(proc.pid, spec.cpus)
         return proc.pid
 
     def first_exit(self) -> ChildExited | None:
@@ -153,6 +161,13 @@ class ClusterSupervisor:
         with self._write_lock:
             console.write(f"[{name}] {line}\n")
             console.flush()
+
+
+def _pin(pid: int, cpus: tuple[int, ...]) -> None:
+    try:
+        os.sched_setaffinity(pid, set(cpus))
+    except ProcessLookupError:
+        pass  # it exited already; first_exit() reports it
 
 
 def _signal_group(pgid: int, signum: signal.Signals) -> None:

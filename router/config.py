@@ -6,10 +6,36 @@ a socket and never reads the model directory.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
+# gRPC's own default: a request message larger than this is refused by gRPC with
+# RESOURCE_EXHAUSTED before the router reads it.
+DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class RequestLimits:
+    """What one GenerateRequest may hold beyond what the model and the KV pools allow."""
+
+    # None: the model's max_model_len - 1 (the longest prompt that can still generate).
+    max_prompt_tokens: int | None = None
+    # Checked before tokenizing, so a huge text costs no tokenizer time (tokenizing
+    # 256 Ki characters takes ~0.3 s of the router's loop on a slow core).
+    max_prompt_chars: int = 1 << 18
+    max_stop_strings: int = 16
+    max_stop_string_chars: int = 256
+    max_stop_token_ids: int = 256
+    max_request_id_chars: int = 256
+
+    def __post_init__(self) -> None:
+        for name in ("max_prompt_chars", "max_stop_strings", "max_stop_string_chars", "max_stop_token_ids",
+                     "max_request_id_chars"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
+        if self.max_prompt_tokens is not None and self.max_prompt_tokens < 1:
+            raise ValueError(f"max_prompt_tokens must be >= 1, got {self.max_prompt_tokens}")
 
 
 @dataclass(frozen=True)
@@ -17,6 +43,8 @@ class RouterConfig:
     model: str
     host: str = DEFAULT_HOST
     port: int = DEFAULT_PORT  # 0: the OS picks; the server reports the bound port
+    # Prometheus /metrics on `host` (None: off; 0: the OS picks, printed on start).
+    metrics_port: int | None = None
     # Static node addresses (polled with GetStats); nodes may also register themselves.
     prefill_addresses: tuple[str, ...] = ()
     decode_addresses: tuple[str, ...] = ()
@@ -43,7 +71,25 @@ class RouterConfig:
     prefill_timeout_s: float = 600.0
     # After a decode stream's last event, how long to wait for its end before cancelling.
     stream_end_grace_s: float = 1.0
+    # Node failures (router/sample.py): a sample whose decode node is lost while it streams
+    # resumes on another one at most this many times; one whose node is lost before its
+    # next token (a prefill node, or the decode node it was prefilling into) is retried at
+    # most this many times. A node that failed a call gets a GetStats probe bounded by
+    # failure_probe_timeout_s; if it does not answer it is suspect (skipped) until it does.
+    max_resumes: int = 2
+    max_prefill_retries: int = 2
+    failure_probe_timeout_s: float = 1.0
     max_n: int = 64
+    limits: RequestLimits = field(default_factory=RequestLimits)
+    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    # Shared secret callers must present (pdserve/auth.py); None: no authentication.
+    auth_token: str | None = field(default=None, repr=False)
+    # Admission (router/admission.py): beyond these the router refuses at once with
+    # RESOURCE_EXHAUSTED instead of queueing. Sequences: a request with n samples counts n.
+    # Queued tokens: prompt tokens admitted but not yet at token 1 — the prefill work a new
+    # request waits behind, so what bounds its time to first token.
+    max_inflight_requests: int = 256
+    max_queued_tokens: int = 65536
     shutdown_grace_s: float = 5.0
     # How long in-flight calls on a dropped node's channel may finish before it closes.
     channel_close_grace_s: float = 5.0
@@ -53,15 +99,24 @@ class RouterConfig:
             parse_address(address)
         checks = [
             (0 <= self.port <= 65535, "port", "must be in [0, 65535]", self.port),
+            (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port",
+             "must be in [0, 65535]", self.metrics_port),
             (self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", "must be > 0", self.heartbeat_timeout_s),
             (self.heartbeat_interval_ms > 0, "heartbeat_interval_ms", "must be > 0", self.heartbeat_interval_ms),
             (self.block_size >= 1, "block_size", "must be >= 1", self.block_size),
             (self.affinity_slack_tokens >= 0, "affinity_slack_tokens", "must be >= 0", self.affinity_slack_tokens),
             (self.max_n >= 1, "max_n", "must be >= 1", self.max_n),
+            (self.max_resumes >= 0, "max_resumes", "must be >= 0", self.max_resumes),
+            (self.max_prefill_retries >= 0, "max_prefill_retries", "must be >= 0", self.max_prefill_retries),
+            (self.failure_probe_timeout_s > 0, "failure_probe_timeout_s", "must be > 0",
+             self.failure_probe_timeout_s),
+            (self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1024", self.max_message_bytes),
+            (self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1", self.max_inflight_requests),
+            (self.max_queued_tokens >= 1, "max_queued_tokens", "must be >= 1", self.max_queued_tokens),
         ]
-        for ok, field, rule, value in checks:
+        for ok, name, rule, value in checks:
             if not ok:
-                raise ValueError(f"{field} {rule}, got {value}")
+                raise ValueError(f"{name} {rule}, got {value}")
 
     @property
     def address(self) -> str:

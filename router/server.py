@@ -1,9 +1,14 @@
 """The router process: the public `Generation` service and the nodes' `Registry`, on one port.
 
 Owns the grpc.aio server, the servicers (thin: validate, hand to the orchestrator or
-the registry, turn a `RouterError` into a status via `errors.status_of`), the registry
+the registry, turn a `RouterError` into a status via `errors.status_of`; `Generate`'s
+stream is observed by `RouterMetrics`), the optional `/metrics` endpoint, the registry
 maintenance loop, signal handling and `main(argv)` for `pdserve router`. It loads only
 the tokenizer and config of the model, never weights, and never runs model code.
+
+Every service on the port sits behind the optional shared-secret token (pdserve/auth.py),
+the Registry included: nodes and clients dial one address, and no node joins without the
+token. gRPC itself refuses a request message over `max_message_bytes` with RESOURCE_EXHAUSTED.
 """
 
 from __future__ import annotations
@@ -11,21 +16,28 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import signal
 import sys
+from collections.abc import Mapping
 
 import grpc
 import uvloop
+from prometheus_client import CollectorRegistry
 
+from pdserve.auth import add_auth_args, server_interceptors, server_options, token_from_cli
+from pdserve.metrics_endpoint import MetricsEndpoint
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
-from pdserve.router.config import DEFAULT_HOST, DEFAULT_PORT, RouterConfig
+from pdserve.router.admission import Admission, AdmissionLimits
+from pdserve.router.config import DEFAULT_HOST, DEFAULT_PORT, RequestLimits, RouterConfig
 from pdserve.router.errors import InvalidRequest, RouterError, status_of
+from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model import RouterModel, load_router_model
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.placement import DecodePlacement, PrefillPlacement
-from pdserve.router.registry import NodeKind, NodeRegistry
+from pdserve.router.registry import NodeKind, NodeRegistry, node_channel_factory
 from pdserve.router.sample import RouterState
-from pdserve.router.validation import RequestValidator
+from pdserve.router.validation import RequestValidator, live_capacity
 
 log = logging.getLogger(__name__)
 
@@ -38,23 +50,37 @@ async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> Non
 
 
 class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
-    def __init__(self, state: RouterState, validator: RequestValidator, orchestrator: Orchestrator) -> None:
+    def __init__(self, state: RouterState, validator: RequestValidator, orchestrator: Orchestrator,
+                 admission: Admission, metrics: RouterMetrics) -> None:
         self._state = state
         self._validator = validator
         self._orchestrator = orchestrator
+        self._admission = admission
+        self._metrics = metrics
 
     async def Generate(self, request, context):
+        async for response in self._metrics.observe(self._generate(request, context), context):
+            yield response
+
+    async def _generate(self, request, context):
         try:
+            self._admission.check_room()  # when full, refuse before paying for validation
             validated = self._validator.validate(request)
-            async for response in self._orchestrator.generate(validated, context.time_remaining()):
-                yield response
+            # Refused at once when full (no queue); released on every exit, cancel included.
+            with self._admission.admit(len(validated.prompt_token_ids), validated.params.n) as ticket:
+                async for response in self._orchestrator.generate(validated, context.time_remaining()):
+                    ticket.responded(response.index)
+                    yield response
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure leaves as a status
             await _abort(context, exc)
 
     async def Tokenize(self, request, context):
-        ids = self._state.model.tokenizer.encode(request.text)
+        try:
+            ids = self._validator.tokenize(request.text)
+        except InvalidRequest as exc:
+            await _abort(context, exc)
         return pdserve_pb2.TokenizeResponse(token_ids=ids)
 
     async def GetModelInfo(self, request, context):
@@ -72,8 +98,11 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
         registry = self._state.registry
         prefill = len(registry.live(NodeKind.PREFILL))
         decode = len(registry.live(NodeKind.DECODE))
-        serving = prefill > 0 and decode > 0
-        return pdserve_pb2.HealthResponse(serving=serving, prefill_nodes=prefill, decode_nodes=decode)
+        colocated = len(registry.live(NodeKind.COLOCATED))
+        # Either architecture serves: a colocated node alone, or a prefill and a decode node.
+        serving = colocated > 0 or (prefill > 0 and decode > 0)
+        return pdserve_pb2.HealthResponse(serving=serving, prefill_nodes=prefill, decode_nodes=decode,
+                                          colocated_nodes=colocated)
 
 
 class RegistryServicer(node_pb2_grpc.RegistryServicer):
@@ -98,7 +127,8 @@ def _node_kind(name: str) -> NodeKind:
     try:
         return NodeKind(name)
     except ValueError:
-        raise InvalidRequest("kind", f"kind must be 'prefill' or 'decode', got {name!r}") from None
+        kinds = ", ".join(repr(kind.value) for kind in NodeKind)
+        raise InvalidRequest("kind", f"kind must be one of {kinds}, got {name!r}") from None
 
 
 class RouterServer:
@@ -107,7 +137,8 @@ class RouterServer:
     def __init__(self, config: RouterConfig, model: RouterModel | None = None) -> None:
         self.config = config
         model = model or load_router_model(config.model)
-        registry = NodeRegistry(config.heartbeat_timeout_s, config.channel_close_grace_s)
+        registry = NodeRegistry(config.heartbeat_timeout_s, config.channel_close_grace_s,
+                                channel_factory=node_channel_factory(config.auth_token))
         for address in config.prefill_addresses:
             registry.add_static(NodeKind.PREFILL, address)
         for address in config.decode_addresses:
@@ -119,16 +150,24 @@ class RouterServer:
             DecodePlacement(config.exhausted_cooldown_s),
             PrefillPlacement(config.block_size, config.affinity_slack_tokens, config.max_affinity_entries),
         )
+        self.admission = Admission(AdmissionLimits(config.max_inflight_requests, config.max_queued_tokens))
+        self.metrics = RouterMetrics(CollectorRegistry(), registry)
         self._server: grpc.aio.Server | None = None
         self._maintenance: asyncio.Task | None = None
+        self._metrics_endpoint: MetricsEndpoint | None = None
         self.port: int | None = None
 
     async def start(self) -> int:
         """Bind and serve; returns the bound port (the OS's pick when the config says 0)."""
-        server = grpc.aio.server()
-        validator = RequestValidator(self.state.model, self.config.max_n)
+        if self.config.metrics_port is not None:
+            self._metrics_endpoint = MetricsEndpoint.start(self.config.host, self.config.metrics_port,
+                                                           self.metrics.registry)
+        server = grpc.aio.server(interceptors=server_interceptors(self.config.auth_token),
+                                 options=server_options(self.config.max_message_bytes))
+        validator = RequestValidator(self.state.model, self.config.max_n, limits=self.config.limits,
+                                     capacity=live_capacity(self.state.registry, self.config.block_size))
         pdserve_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.state, validator, Orchestrator(self.state)), server
+            GenerationServicer(self.state, validator, Orchestrator(self.state), self.admission, self.metrics), server
         )
         node_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.state), server)
         self.port = server.add_insecure_port(self.config.address)
@@ -146,6 +185,12 @@ class RouterServer:
         if self._server is not None:
             await self._server.stop(self.config.shutdown_grace_s if grace_s is None else grace_s)
         await self.state.registry.close()
+        if self._metrics_endpoint is not None:
+            self._metrics_endpoint.stop()
+
+    @property
+    def metrics_url(self) -> str | None:
+        return self._metrics_endpoint.url if self._metrics_endpoint is not None else None
 
     async def _maintain(self) -> None:
         registry = self.state.registry
@@ -159,24 +204,45 @@ def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="pdserve router", description="the public API and node registry")
     parser.add_argument("--host", default=DEFAULT_HOST)
     parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: the OS picks (printed on start)")
+    parser.add_argument("--metrics-port", type=int, default=None,
+                        help="serve Prometheus /metrics on --host at this port (0: the OS picks); off by default")
     parser.add_argument("--model", required=True, help="model directory (tokenizer + config only)")
     parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a static prefill node")
     parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a static decode node")
     parser.add_argument("--heartbeat-timeout-s", type=float, default=RouterConfig.heartbeat_timeout_s)
     parser.add_argument("--block-size", type=int, default=RouterConfig.block_size, help="the nodes' KV block size")
+    parser.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests,
+                        help="sequences in flight (a request with n samples counts n); beyond: RESOURCE_EXHAUSTED")
+    parser.add_argument("--max-queued-tokens", type=int, default=RouterConfig.max_queued_tokens,
+                        help="prompt tokens admitted but not yet at token 1; beyond: RESOURCE_EXHAUSTED")
+    limits = RequestLimits()
+    parser.add_argument("--max-prompt-tokens", type=int, default=limits.max_prompt_tokens,
+                        help="longest prompt accepted, in tokens (default: the model's length - 1)")
+    parser.add_argument("--max-prompt-chars", type=int, default=limits.max_prompt_chars,
+                        help="longest text prompt accepted, in characters, checked before tokenizing")
+    parser.add_argument("--max-message-bytes", type=int, default=RouterConfig.max_message_bytes,
+                        help="largest request message; gRPC refuses a larger one with RESOURCE_EXHAUSTED")
+    add_auth_args(parser)
     parser.add_argument("--log-level", default="INFO")
     return parser
 
 
-def config_from_args(args: argparse.Namespace) -> RouterConfig:
+def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterConfig:
+    """`environ` is where `$PDSERVE_AUTH_TOKEN` is looked up (main passes os.environ)."""
     return RouterConfig(
         model=args.model,
         host=args.host,
         port=args.port,
+        metrics_port=args.metrics_port,
         prefill_addresses=tuple(args.prefill),
         decode_addresses=tuple(args.decode),
         heartbeat_timeout_s=args.heartbeat_timeout_s,
         block_size=args.block_size,
+        max_inflight_requests=args.max_inflight_requests,
+        max_queued_tokens=args.max_queued_tokens,
+        limits=RequestLimits(max_prompt_tokens=args.max_prompt_tokens, max_prompt_chars=args.max_prompt_chars),
+        max_message_bytes=args.max_message_bytes,
+        auth_token=token_from_cli(args.auth_token_file, environ or {}),
     )
 
 
@@ -185,6 +251,8 @@ async def serve(config: RouterConfig) -> int:
     server = RouterServer(config)
     port = await server.start()
     print(f"pdserve router listening on {config.host}:{port}", flush=True)
+    if server.metrics_url is not None:
+        print(f"pdserve router metrics on {server.metrics_url}", flush=True)
     stopping = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -202,7 +270,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=args.log_level.upper(), format="%(asctime)s %(name)s %(levelname)s %(message)s")
     try:
-        config = config_from_args(args)
+        config = config_from_args(args, os.environ)
     except ValueError as exc:
         parser.error(str(exc))
     return uvloop.run(serve(config))

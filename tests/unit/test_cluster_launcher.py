@@ -8,6 +8,8 @@ it starts through the supervisor, in a finally, and checks that nothing is left 
 from __future__ import annotations
 
 import io
+import os
+import re
 import socket
 import sys
 import threading
@@ -160,6 +162,88 @@ def test_threads_split_the_cores_unless_the_pool_sets_them(monkeypatch):
 def test_config_rejects_what_would_break_the_cluster(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ClusterConfig(**kwargs)
+
+
+def _flags(argv: tuple[str, ...]) -> dict[str, str]:
+    return dict(zip(argv[4::2], argv[5::2]))
+
+
+def test_colocated_plan_starts_only_colocated_nodes_without_kv_listeners():
+    config = config_from_args(["--colocated", "2", "--block-size", "8", "--threads-per-node", "1",
+                               "--colocated-args", "--max-num-seqs 32"])
+    assert (config.num_prefill, config.num_decode, config.num_colocated) == (0, 0, 2)
+    assert config.node_counts == "2 colocated"
+    plan = build_plan(config, "/m", 50999, python="py")
+    assert [n.name for n in plan.nodes] == ["colocated-0", "colocated-1"]
+    argv = plan.nodes[1].argv
+    assert argv[:4] == ("py", "-m", "pdserve", "colocated")
+    assert _flags(argv) == {"--model": "/m", "--host": "127.0.0.1", "--port": "0", "--router": "127.0.0.1:50999",
+                            "--node-id": "colocated-1", "--dtype": "float32", "--block-size": "8",
+                            "--threads": "1", "--max-num-seqs": "32"}
+    assert plan.router.cpus is None and all(n.cpus is None for n in plan.nodes)
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--colocated", "2", "--prefill", "1"], "do not combine it with prefill or decode nodes"),
+    (["--colocated", "-1"], "--colocated must be >= 0"),
+    (["--colocated", "1", "--colocated-args", "--cpus 3"], "--colocated-args must not set --cpus"),
+    (["--prefill", "2", "--prefill-cores", "0"], "--prefill-cores: 1 cores (0) for 2 nodes"),
+    (["--colocated", "1", "--decode-cores", "0"], "--decode-cores given, but the cluster has no decode nodes"),
+])
+def test_colocated_and_core_flags_are_checked(argv, message):
+    with pytest.raises(ValueError, match=re.escape(message)):
+        config_from_args(argv)
+
+
+def test_each_pools_cores_are_split_across_its_nodes_and_set_their_threads():
+    config = config_from_args(["--prefill", "2", "--decode", "1", "--prefill-cores", "0-4", "--decode-cores", "6,7",
+                               "--router-cores", "5"])
+    plan = build_plan(config, "/m", 1, python="py", usable_cpus=range(8))
+    assert plan.router.cpus == (5,)
+    assert [(n.name, n.cpus) for n in plan.nodes] == [("prefill-0", (0, 1, 2)), ("prefill-1", (3, 4)),
+                                                      ("decode-0", (6, 7))]
+    for node in plan.nodes:  # a pinned node runs one torch thread per core: no --threads
+        assert _flags(node.argv)["--cpus"] == {"prefill-0": "0-2", "prefill-1": "3-4", "decode-0": "6-7"}[node.name]
+        assert "--threads" not in node.argv
+    pinned_threads = build_plan(ClusterConfig(prefill_cores=(0, 1), threads_per_node=1), "/m", 1, usable_cpus={0, 1})
+    assert _flags(pinned_threads.nodes[0].argv)["--threads"] == "1"  # asked for explicitly
+    assert "--cpus" not in pinned_threads.nodes[1].argv  # the decode pool is not pinned
+
+
+def test_cores_not_on_this_machine_are_refused_naming_the_flag():
+    config = ClusterConfig(num_prefill=0, num_decode=0, num_colocated=2, colocated_cores=(0, 1, 2, 3))
+    with pytest.raises(ValueError, match=r"^--colocated-cores: core 2-3 is not on this machine"):
+        build_plan(config, "/m", 1, usable_cpus={0, 1})
+    with pytest.raises(ValueError, match=r"^--router-cores: core 9"):
+        build_plan(ClusterConfig(router_cores=(9,)), "/m", 1, usable_cpus={0, 1})
+
+
+def test_the_ready_banner_names_the_colocated_nodes_and_the_pinning(supervisor):
+    stop = threading.Event()
+
+    def probe() -> Verdict:
+        threading.Timer(0.2, stop.set).start()
+        return Verdict(True, "serving")
+
+    config = ClusterConfig(num_prefill=0, num_decode=0, num_colocated=2, colocated_cores=(0, 1), router_cores=(0,),
+                           ready_timeout_s=20.0, stop_grace_s=2.0, poll_interval_s=0.05)
+    plan = build_plan(config, "/m", 1, usable_cpus={0, 1})
+    plan = ClusterPlan(ChildSpec("router", SLEEPER, cpus=(0,)),
+                       tuple(ChildSpec(n.name, SLEEPER, cpus=n.cpus) for n in plan.nodes), "127.0.0.1:1")
+    out = io.StringIO()
+    assert run_cluster(config, plan, supervisor, probe, stop, out) == 0
+    assert "pdserve cluster ready at 127.0.0.1:1 (2 colocated)\n" in out.getvalue()
+    assert "pinned: router on cpus 0, colocated-0 on cpus 0, colocated-1 on cpus 1\n" in out.getvalue()
+
+
+@pytest.mark.skipif(len(os.sched_getaffinity(0)) < 2, reason="needs two cores")
+def test_the_supervisor_pins_a_child_with_cpus(supervisor):
+    core = min(os.sched_getaffinity(0))
+    pid = supervisor.start(ChildSpec("pinned", (PY, "-c", "import os, time; print('cpus', sorted("
+                                                          "os.sched_getaffinity(0)), flush=True); time.sleep(60)"),
+                                     cpus=(core,)))
+    assert _wait_for_line(supervisor, "pinned", "cpus") == f"cpus [{core}]"
+    assert os.sched_getaffinity(pid) == {core}
 
 
 def test_resolve_port_picks_a_free_port_and_refuses_a_busy_one():
