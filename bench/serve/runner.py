@@ -2,12 +2,15 @@
 
 Owns `ServeBench`, the configured benchmark that `cli` runs once per rate (a single
 rate, a list of rates, or the sweep's probes). Every run of one bench uses the same
-seed, so two rates send the same requests on the same arrival pattern, scaled.
+seed, so two rates send requests of the same lengths on the same arrival pattern,
+scaled; synthetic prompts get fresh tokens each run, so no run hits the prefix cache
+with an earlier run's prompts.
 Never parses flags and never writes files.
 """
 
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 
 import uvloop
@@ -47,13 +50,15 @@ class ServeBench:
         self._seed = seed
         self._slo = slo
         self._options = options
+        self._runs = itertools.count()
 
     def run_at(self, rate: float) -> Run:
         due = arrival_times(ArrivalProcess(rate, self._cv), self._seed, self._length.num_requests,
                             self._length.duration_s)
         if not due:
             raise ValueError(f"no request is due within {self._length.duration_s} s at {rate:g} requests/s")
-        requests = [self._workload.request(i) for i in range(len(due))]
+        run = next(self._runs)
+        requests = [self._workload.request(i, run) for i in range(len(due))]
         traces = uvloop.run(run_open_loop(self._address, requests, due, self._options, f"{rate:g} req/s"))
         metrics = [request_metrics(t) for t in traces]
         return Run(rate, metrics, summarize(metrics, self._slo, run_duration(traces)))

@@ -2,8 +2,10 @@
 
 Owns the prompt/output length distributions (fixed, uniform, chat-like log-normal),
 the synthetic prompts built from them (seeded random token ids) and the JSONL reader
-for a user's own traffic. Pure: request i is a function of the seed and i alone, so
-runs at different rates or lengths send the same requests in the same order. Never
+for a user's own traffic. Pure: request i of run r is a function of the seed, i and
+r; its lengths of the seed and i alone, so runs at different rates send the same
+lengths in the same order, with fresh prompt tokens per run (no prefix-cache hits
+across a sweep's probes). Never
 talks to the server; the model's vocabulary and length limit come in as a `ModelLimits`.
 
 Every request generates exactly its output length: the client sends `max_tokens =
@@ -57,7 +59,9 @@ class RequestSpec:
 
 
 class Workload(Protocol):
-    def request(self, index: int) -> RequestSpec: ...
+    def request(self, index: int, run: int = 0) -> RequestSpec:
+        """Request `index` of run `run` (a sweep's probe); runs send the same lengths."""
+        ...
 
 
 class LengthDistribution(Protocol):
@@ -165,10 +169,12 @@ class SyntheticWorkload:
         if len(self._allowed_ids) == 0:
             raise WorkloadError("the vocabulary has no token ids to build prompts from")
 
-    def request(self, index: int) -> RequestSpec:
-        rng = np.random.default_rng((self._seed, index))
-        input_len, output_len = self._lengths.sample(rng)
-        ids = self._allowed_ids[rng.integers(0, len(self._allowed_ids), input_len)]
+    def request(self, index: int, run: int = 0) -> RequestSpec:
+        input_len, output_len = self._lengths.sample(np.random.default_rng((self._seed, index)))
+        # Fresh tokens every run: a probe must not find the previous probe's prompts in the
+        # server's prefix cache, or a sweep would measure cache hits instead of prefills.
+        tokens = np.random.default_rng((self._seed, index, run))
+        ids = self._allowed_ids[tokens.integers(0, len(self._allowed_ids), input_len)]
         return RequestSpec(output_len=output_len, token_ids=tuple(int(t) for t in ids))
 
 
@@ -180,7 +186,8 @@ class JsonlWorkload:
             raise WorkloadError("the dataset has no requests")
         self._requests = requests
 
-    def request(self, index: int) -> RequestSpec:
+    def request(self, index: int, run: int = 0) -> RequestSpec:
+        # The user's own text, the same every run (a server may serve repeats from its prefix cache).
         return self._requests[index % len(self._requests)]
 
 

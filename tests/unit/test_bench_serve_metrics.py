@@ -241,3 +241,11 @@ def test_requests_ask_for_exactly_output_len_greedy_tokens():
 def test_the_auth_token_travels_as_a_bearer_authorization_header():
     assert ClientOptions(auth_token="s3cret").metadata() == (("authorization", "Bearer s3cret"),)
     assert ClientOptions().metadata() == ()
+
+
+def test_every_run_sends_the_same_lengths_with_fresh_prompt_tokens():
+    workload = SyntheticWorkload(UniformLengths((4, 40), (1, 9)), LIMITS, seed=0)
+    first = [workload.request(i, run=0) for i in range(20)]
+    second = [workload.request(i, run=1) for i in range(20)]
+    assert [(a.input_len, a.output_len) for a in first] == [(b.input_len, b.output_len) for b in second]
+    assert all(a.token_ids != b.token_ids for a, b in zip(first, second) if a.input_len > 2)

@@ -169,7 +169,7 @@ class Scripted:
     def __init__(self, specs: list[RequestSpec]) -> None:
         self._specs = specs
 
-    def request(self, index: int) -> RequestSpec:
+    def request(self, index: int, run: int = 0) -> RequestSpec:
         return self._specs[index]
 
 

@@ -1,0 +1,178 @@
+"""Disaggregated 1P1D (one core each) vs colocated on the same two cores: goodput per SLO.
+
+    pdserve bench serve-compare [--model-dir DIR] [--num-requests 24] [--out-dir results/serve_compare]
+
+One run, one workload, one client: for each architecture, start it on cores 0 and 1
+(the router shares core 1), warm it up, measure the unloaded TTFT/TPOT, then bisect for
+the goodput (the highest rate at which `--attainment` of the requests meet both SLOs)
+under a TPOT-tight and a TTFT-tight SLO, with `pdserve bench serve`'s own machinery.
+On the disaggregated cluster it also measures the KV transfer's share of TTFT (the
+transfer time left after token 1, one request at a time). Prints a table of goodputs
+and their ratio (disaggregated over colocated), writes JSON and the plots of every sweep.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import statistics
+import sys
+from collections.abc import Iterator
+from contextlib import contextmanager
+from dataclasses import dataclass
+from pathlib import Path
+
+import uvloop
+
+from pdserve.bench.common import ensure_model
+from pdserve.bench.disagg_latency import one_request
+from pdserve.bench.local_cluster import Cluster, NodeSettings, PoolCores, running_cluster
+from pdserve.bench.serve import report
+from pdserve.bench.serve.client import ClientOptions, fetch_model_info, model_limits
+from pdserve.bench.serve.metrics import Slo
+from pdserve.bench.serve.runner import RunLength, ServeBench
+from pdserve.bench.serve.sweep import SweepConfig, find_max_rate
+from pdserve.bench.serve.workloads import SyntheticWorkload, UniformLengths
+
+NUM_DEVICES = 2  # cores 0 and 1: the same two "devices" for both architectures
+UNLOADED_RATE = 0.1  # requests/s: one at a time, nearly always
+
+
+@dataclass(frozen=True)
+class Architecture:
+    name: str
+    num_prefill: int
+    num_decode: int
+    num_colocated: int
+    cores: PoolCores
+
+
+ARCHITECTURES = (
+    Architecture("disaggregated 1P1D", 1, 1, 0, PoolCores(prefill=(0,), decode=(1,), router=(1,))),
+    Architecture("colocated 2x1", 0, 0, 2, PoolCores(colocated=(0, 1), router=(1,))),
+)
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench serve-compare", description=__doc__.splitlines()[0])
+    p.add_argument("--model-dir", type=Path, help="default: the smol135m-shaped model in bf16 (built once)")
+    p.add_argument("--input-len-range", default="128:512")
+    p.add_argument("--output-len-range", default="32:128")
+    p.add_argument("--num-requests", type=int, default=24, help="requests per sweep probe")
+    p.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens of every node")
+    p.add_argument("--tpot-tight", default="8.0,0.12", metavar="TTFT,TPOT",
+                   help="SLO seconds: loose TTFT, tight TPOT")
+    p.add_argument("--ttft-tight", default="2.0,0.5", metavar="TTFT,TPOT",
+                   help="SLO seconds: tight TTFT, loose TPOT")
+    p.add_argument("--attainment", type=float, default=0.9)
+    p.add_argument("--start-rate", type=float, default=0.5)
+    p.add_argument("--rate-min", type=float, default=0.125, help="below this, goodput is reported as none")
+    p.add_argument("--rate-max", type=float, help="never probe above this")
+    p.add_argument("--tolerance", type=float, default=0.15)
+    p.add_argument("--max-probes", type=int, default=6)
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--out-dir", type=Path, default=Path("results/serve_compare"))
+    return p
+
+
+def _slo(text: str) -> Slo:
+    ttft, tpot = (float(x) for x in text.split(","))
+    return Slo(ttft_s=ttft, tpot_s=tpot)
+
+
+@contextmanager
+def _cluster(arch: Architecture, model_dir: str, chunk: int) -> Iterator[Cluster]:
+    node = NodeSettings(dtype="bfloat16", block_size=16, num_blocks=4096, max_num_batched_tokens=chunk,
+                        max_num_seqs=64)
+    with running_cluster(model_dir, arch.num_prefill, arch.num_decode, node, num_colocated=arch.num_colocated,
+                         cores=arch.cores) as cluster:
+        yield cluster
+
+
+def _kv_share(router: str, rng: random.Random, prompt_len: int, repeats: int = 3) -> dict:
+    runs = [one_request(router, [rng.randrange(1, 1700) for _ in range(prompt_len)], 4) for _ in range(repeats)]
+    ttft = statistics.median(r["client_ttft_s"] for r in runs)
+    transfer = statistics.median(r["kv_transfer_after_token1_s"] for r in runs)
+    return {"prompt_len": prompt_len, "ttft_s": ttft, "kv_transfer_after_token1_s": transfer,
+            "share_of_ttft": transfer / ttft, "kv_transfer_bytes": runs[0]["kv_transfer_bytes"]}
+
+
+def _measure(arch: Architecture, args: argparse.Namespace, model_dir: str, slos: dict[str, Slo]) -> dict:
+    low, high = (int(x) for x in args.input_len_range.split(":"))
+    out_low, out_high = (int(x) for x in args.output_len_range.split(":"))
+    result: dict = {"architecture": arch.name}
+    with _cluster(arch, model_dir, args.chunk) as cluster:
+        limits = model_limits(uvloop.run(fetch_model_info(cluster.router, ClientOptions(progress=False))))
+        lengths = UniformLengths((low, high), (out_low, out_high))
+
+        def workload(phase: int) -> SyntheticWorkload:
+            # One seed per phase: no phase finds another's prompts in the prefix cache, and
+            # both architectures see the same requests in each phase.
+            return SyntheticWorkload(lengths, limits, args.seed + phase)
+
+        options = ClientOptions(progress=True, timeout_s=300.0)
+        # Warm up every node on full-size prompts (first shapes build kernels), unrecorded.
+        ServeBench(cluster.router, workload(1), RunLength(num_requests=4), 1.0, args.seed, Slo(),
+                   options).run_at(math.inf)
+        unloaded = ServeBench(cluster.router, workload(2), RunLength(num_requests=4), 1.0, args.seed,
+                              Slo(), options).run_at(UNLOADED_RATE)
+        result["unloaded"] = {"ttft_p50_s": unloaded.summary.ttft_s.p50, "tpot_p50_s": unloaded.summary.tpot_s.p50}
+        print(f"{arch.name}: unloaded TTFT p50 {unloaded.summary.ttft_s.p50 * 1e3:.0f} ms, "
+              f"TPOT p50 {unloaded.summary.tpot_s.p50 * 1e3:.0f} ms", flush=True)
+        if arch.num_prefill:
+            result["kv_share"] = _kv_share(cluster.router, random.Random(args.seed), high)
+        result["sweeps"] = {}
+        for phase, (slo_name, slo) in enumerate(slos.items(), start=3):
+            bench = ServeBench(cluster.router, workload(phase), RunLength(num_requests=args.num_requests), 1.0,
+                               args.seed, slo, options)
+            config = SweepConfig(target_attainment=args.attainment, start_rate=args.start_rate,
+                                 rate_min=args.rate_min, rate_max=args.rate_max, tolerance=args.tolerance,
+                                 max_probes=args.max_probes)
+
+            def run_at(rate: float, bench: ServeBench = bench):
+                run = bench.run_at(rate)
+                print(report.format_run(run), flush=True)
+                return run
+
+            sweep = find_max_rate(run_at, config)
+            record = report.sweep_record(sweep, args.attainment, NUM_DEVICES)
+            print(f"{arch.name} / {slo_name}: {report.format_sweep(record)}", flush=True)
+            runs = [p.result for p in sweep.probes]
+            plot_dir = args.out_dir / f"{_slug(arch.name)}-{slo_name}"
+            report.write_plots(plot_dir, runs, args.attainment, slo)
+            record["runs"] = [report.run_record(r) for r in runs]
+            result["sweeps"][slo_name] = record
+    return result
+
+
+def _slug(name: str) -> str:
+    return name.lower().replace(" ", "-")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    model_dir = str(args.model_dir or ensure_model("llama", "smol135m", "bfloat16"))
+    slos = {"tpot-tight": _slo(args.tpot_tight), "ttft-tight": _slo(args.ttft_tight)}
+    results = [_measure(arch, args, model_dir, slos) for arch in ARCHITECTURES]
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    config = {k: str(v) for k, v in vars(args).items()}
+    (args.out_dir / "results.json").write_text(json.dumps({"config": config, "results": results}, indent=1))
+    disagg, colocated = results
+    print(f"\ngoodput per device (req/s/core, attainment >= {args.attainment:g}):")
+    for slo_name, slo in slos.items():
+        d = disagg["sweeps"][slo_name]["goodput_per_device"]
+        c = colocated["sweeps"][slo_name]["goodput_per_device"]
+        ratio = f"{d / c:.2f}x" if d and c else "n/a"
+        print(f"  {slo_name:10s} (TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s:g} s): "
+              f"disaggregated {d}, colocated {c}, disaggregated/colocated {ratio}")
+    share = disagg["kv_share"]
+    print(f"KV transfer left after token 1: {share['kv_transfer_after_token1_s'] * 1e3:.1f} ms = "
+          f"{share['share_of_ttft']:.3f} of TTFT ({share['prompt_len']}-token prompt)")
+    print(f"results: {args.out_dir / 'results.json'}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
