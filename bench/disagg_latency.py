@@ -1,6 +1,7 @@
 """One request through a local 1P1D cluster: TTFT, prefill time and the KV transfer's cost.
 
     python -m pdserve.bench.disagg_latency [--model-dir DIR] [--prompt-len 512] [--repeats 3]
+                                           [--auth-token-file PATH]
 
 Builds (once) the smol135m-shaped model in bf16, starts router + 1 prefill + 1 decode
 node on 127.0.0.1, sends one request of `--prompt-len` random tokens at a time, and
@@ -8,13 +9,15 @@ prints, per run and as the median: TTFT, the prefill node's time to token 1, the
 transfer time left after token 1, the bytes moved, the transport's push-to-ack time,
 and its throughput against a memory-copy bandwidth measured in this process.
 Ratios, not absolute claims: this machine is shared and noisy. The copy rate counts
-each byte once, as the transfer does.
+each byte once, as the transfer does. With a token (`--auth-token-file`, else
+`$PDSERVE_AUTH_TOKEN`) the cluster requires it and the benchmark sends it.
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import random
 import statistics
 import sys
@@ -23,6 +26,7 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.auth import add_auth_args, call_metadata, token_or_usage_error
 from pdserve.bench.common import copy_bandwidth, ensure_model
 from pdserve.bench.local_cluster import NodeSettings, running_cluster
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
@@ -35,7 +39,7 @@ def copy_rate(nbytes: int = COPY_BYTES) -> float:
     return copy_bandwidth(nbytes) / 2  # copy_bandwidth counts bytes read + written
 
 
-def one_request(router: str, prompt: list[int], max_tokens: int) -> dict[str, float]:
+def one_request(router: str, prompt: list[int], max_tokens: int, auth_token: str | None) -> dict[str, float]:
     request = pdserve_pb2.GenerateRequest(
         token_ids=pdserve_pb2.TokenIds(ids=prompt),
         sampling_params=pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
@@ -44,7 +48,8 @@ def one_request(router: str, prompt: list[int], max_tokens: int) -> dict[str, fl
         start = time.perf_counter()
         first_at = None
         last = None
-        for response in pdserve_pb2_grpc.GenerationStub(channel).Generate(request, timeout=600):
+        stub = pdserve_pb2_grpc.GenerationStub(channel)
+        for response in stub.Generate(request, timeout=600, metadata=call_metadata(auth_token)):
             first_at = first_at or time.perf_counter()
             last = response
     return {
@@ -56,18 +61,18 @@ def one_request(router: str, prompt: list[int], max_tokens: int) -> dict[str, fl
     }
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, auth_token: str | None = None) -> dict:
     model_dir = args.model_dir or ensure_model("llama", "smol135m", "bfloat16")
     rng = random.Random(args.seed)
     node = NodeSettings(dtype="bfloat16", block_size=16, num_blocks=2048,
                         max_num_batched_tokens=args.chunk, max_num_seqs=16, threads=args.threads)
     runs = []
-    with running_cluster(str(model_dir), 1, 1, node) as cluster:
-        one_request(cluster.router, [rng.randrange(1, 1700) for _ in range(32)], 2)  # warm up
+    with running_cluster(str(model_dir), 1, 1, node, auth_token=auth_token) as cluster:
+        one_request(cluster.router, [rng.randrange(1, 1700) for _ in range(32)], 2, auth_token)  # warm up
         before = _prefill_counters(cluster)
         for _ in range(args.repeats):
             prompt = [rng.randrange(1, 1700) for _ in range(args.prompt_len)]
-            runs.append(one_request(cluster.router, prompt, args.max_tokens))
+            runs.append(one_request(cluster.router, prompt, args.max_tokens, auth_token))
         after = _prefill_counters(cluster)
     pushes = after.transfers - before.transfers
     push_s = after.latency_s - before.latency_s
@@ -103,8 +108,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/disagg_latency.json"))
+    add_auth_args(parser)
     args = parser.parse_args(argv)
-    result = run(args)
+    result = run(args, token_or_usage_error(parser, args.auth_token_file, os.environ))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     m, r, t = result["median"], result["ratios"], result["transport"]

@@ -4,7 +4,10 @@ For tests and benchmarks that must talk to the nodes themselves (their `GetStats
 which `pdserve cluster` does not expose. `num_colocated` starts the colocated baseline
 (pass 0 prefill and 0 decode nodes); `cores` pins each pool to its cores (split evenly
 across its nodes, one torch thread per core), so that both architectures can be
-compared on the same cores. Every process is stopped on exit.
+compared on the same cores. `auth_token` starts every child with that shared secret
+(through `$PDSERVE_AUTH_TOKEN` in its environment) and sends it on the harness's own
+calls (health wait, `GetStats`); without it the children run with authentication off,
+whatever the caller's environment holds. Every process is stopped on exit.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.auth import TOKEN_ENV, call_metadata
 from pdserve.cluster_supervisor import ChildSpec, ClusterSupervisor
 from pdserve.node.affinity import format_cpu_list, split_cpus
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
@@ -42,6 +46,7 @@ class Cluster:
     # Process name -> pid, which is also its process group (fault drills signal the group).
     pids: dict[str, int] = field(default_factory=dict)
     colocated: list[str] = field(default_factory=list)
+    auth_token: str | None = field(default=None, repr=False)  # sent on every call to the cluster
 
     def stats(self) -> list[node_pb2.NodeStats]:
         """Every node's stats: prefill, then decode, then colocated nodes."""
@@ -51,7 +56,8 @@ class Cluster:
                                  (node_pb2_grpc.ColocatedNodeStub, self.colocated)):
             for addr in addrs:
                 with grpc.insecure_channel(addr) as ch:
-                    out.append(stub_type(ch).GetStats(node_pb2.StatsRequest(), timeout=10))
+                    out.append(stub_type(ch).GetStats(node_pb2.StatsRequest(), timeout=10,
+                                                      metadata=call_metadata(self.auth_token)))
         return out
 
     def wait_all_blocks_free(self, timeout_s: float) -> list[node_pb2.NodeStats]:
@@ -106,14 +112,14 @@ def _metrics_argv(metrics_ports: dict[str, int], name: str) -> tuple[str, ...]:
 
 
 def _wait_serving(router: str, num_prefill: int, num_decode: int, num_colocated: int,
-                  supervisor: ClusterSupervisor) -> None:
+                  supervisor: ClusterSupervisor, auth_token: str | None) -> None:
     deadline = time.monotonic() + START_TIMEOUT_S
     with grpc.insecure_channel(router) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         while time.monotonic() < deadline:
             supervisor.raise_if_exited()
             try:
-                health = stub.Health(pdserve_pb2.HealthRequest(), timeout=2)
+                health = stub.Health(pdserve_pb2.HealthRequest(), timeout=2, metadata=call_metadata(auth_token))
                 if (health.prefill_nodes >= num_prefill and health.decode_nodes >= num_decode
                         and health.colocated_nodes >= num_colocated):
                     return
@@ -127,11 +133,12 @@ def _wait_serving(router: str, num_prefill: int, num_decode: int, num_colocated:
 def running_cluster(model_dir: str, num_prefill: int, num_decode: int, node: NodeSettings = NodeSettings(),
                     metrics: bool = False, router_args: tuple[str, ...] = (), prefill_args: tuple[str, ...] = (),
                     decode_args: tuple[str, ...] = (), num_colocated: int = 0, colocated_args: tuple[str, ...] = (),
-                    cores: PoolCores = PoolCores()):
+                    cores: PoolCores = PoolCores(), auth_token: str | None = None):
     """`*_args`: extra flags for the router / each node of a pool (they win over the defaults).
 
     `num_colocated`: colocated nodes (the baseline; with 0 prefill and 0 decode nodes the
     router serves through them alone). `cores`: pin pools to cores (cores as devices).
+    `auth_token`: the cluster's shared secret (None: no authentication).
     """
     router = f"{HOST}:{free_port()}"
     prefill = [f"{HOST}:{free_port()}" for _ in range(num_prefill)]
@@ -141,23 +148,24 @@ def running_cluster(model_dir: str, num_prefill: int, num_decode: int, node: Nod
              ("colocated", colocated, colocated_args))
     names = ["router", *(f"{kind}-{i}" for kind, addrs, _ in pools for i in range(len(addrs)))]
     metrics_ports = {name: free_port() for name in names} if metrics else {}
+    env = {TOKEN_ENV: auth_token or ""}  # an empty variable turns authentication off
     with ClusterSupervisor() as supervisor:
         supervisor.start(ChildSpec("router", (
             sys.executable, "-m", "pdserve", "router", "--model", model_dir, "--host", HOST,
             "--port", router.rsplit(":", 1)[1], "--block-size", str(node.block_size),
             # Generous: a 2-core machine may run five busy processes here.
             "--heartbeat-timeout-s", "30",
-        ) + _metrics_argv(metrics_ports, "router") + tuple(router_args), cpus=cores.router))
+        ) + _metrics_argv(metrics_ports, "router") + tuple(router_args), env=env, cpus=cores.router))
         for kind, addrs, extra in pools:
             for i, (addr, cpus) in enumerate(zip(addrs, cores.per_node(kind, len(addrs)))):
                 port = int(addr.rsplit(":", 1)[1])
                 argv = (_node_argv(kind, model_dir, port, router, i, node, cpus)
                         + _metrics_argv(metrics_ports, f"{kind}-{i}") + tuple(extra))
-                supervisor.start(ChildSpec(f"{kind}-{i}", argv))
+                supervisor.start(ChildSpec(f"{kind}-{i}", argv, env=env))
         try:
-            _wait_serving(router, num_prefill, num_decode, num_colocated, supervisor)
+            _wait_serving(router, num_prefill, num_decode, num_colocated, supervisor, auth_token)
             yield Cluster(router, prefill, decode,
                           {name: f"http://{HOST}:{port}/metrics" for name, port in metrics_ports.items()},
-                          supervisor.pids, colocated)
+                          supervisor.pids, colocated, auth_token)
         finally:
             supervisor.stop_all(grace_s=10)

@@ -1,6 +1,7 @@
 """Overload: admitted requests keep their latency when 10× the cluster's capacity arrives.
 
     pdserve bench overload [--size small] [--max-inflight 8] [--duration-s 10] [--overload 10]
+                           [--auth-token-file PATH]
 
 Starts router + `--prefill` prefill + `--decode` decode nodes on 127.0.0.1 (the router
 admits `--max-inflight` sequences at a time), then, with one seeded workload of
@@ -13,6 +14,8 @@ For each open-loop phase it reports the share refused with RESOURCE_EXHAUSTED, p
 of admitted requests' end-to-end latency and time to first token, how fast a refusal
 came back, and every other status seen (there should be none). Ratios N× / 1× are what
 to read: this machine is shared and noisy, so absolute numbers are context only.
+With a token (`--auth-token-file`, else `$PDSERVE_AUTH_TOKEN`) the cluster requires it
+and the benchmark's clients send it.
 """
 
 from __future__ import annotations
@@ -20,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import os
 import random
 import sys
 import time
@@ -29,6 +33,7 @@ from pathlib import Path
 
 import grpc
 
+from pdserve.auth import add_auth_args, insecure_channel, token_or_usage_error
 from pdserve.bench.common import ensure_model
 from pdserve.bench.local_cluster import NodeSettings, running_cluster
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
@@ -134,10 +139,10 @@ async def open_loop(stub, workload: Workload, name: str, rate: float, duration_s
     return phase
 
 
-async def measure(router: str, args: argparse.Namespace) -> list[Phase]:
+async def measure(router: str, args: argparse.Namespace, auth_token: str | None) -> list[Phase]:
     workload = Workload(args.seed, args.prompt_len, args.max_tokens, args.vocab)
     rng = random.Random(args.seed + 1)
-    async with grpc.aio.insecure_channel(router) as channel:
+    async with insecure_channel(router, auth_token) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         for _ in range(WARMUP_REQUESTS):
             await one_request(stub, workload.next_request(), args.timeout_s)
@@ -153,13 +158,14 @@ async def measure(router: str, args: argparse.Namespace) -> list[Phase]:
     return [capacity, base, over]
 
 
-def run(args: argparse.Namespace) -> dict:
+def run(args: argparse.Namespace, auth_token: str | None = None) -> dict:
     model_dir = args.model_dir or ensure_model("llama", args.size, "float32")
     node = NodeSettings(dtype="float32", block_size=16, num_blocks=args.num_blocks,
                         max_num_batched_tokens=args.chunk, max_num_seqs=args.max_num_seqs, threads=args.threads)
     router_args = ("--max-inflight-requests", str(args.max_inflight))
-    with running_cluster(str(model_dir), args.prefill, args.decode, node, router_args=router_args) as cluster:
-        phases = asyncio.run(measure(cluster.router, args))
+    with running_cluster(str(model_dir), args.prefill, args.decode, node, router_args=router_args,
+                         auth_token=auth_token) as cluster:
+        phases = asyncio.run(measure(cluster.router, args, auth_token))
         leftover = [(s.kind, s.used_blocks, s.reserved_blocks) for s in cluster.wait_all_blocks_free(timeout_s=30)]
     summaries = [p.summary() for p in phases]
     base, over = summaries[1], summaries[2]
@@ -213,8 +219,9 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per node")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--out", type=Path, default=Path("results/overload.json"))
+    add_auth_args(parser)
     args = parser.parse_args(argv)
-    result = run(args)
+    result = run(args, token_or_usage_error(parser, args.auth_token_file, os.environ))
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(result, indent=1))
     _print(result)

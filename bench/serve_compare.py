@@ -62,13 +62,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--output-len-range", default="32:128")
     p.add_argument("--num-requests", type=int, default=24, help="requests per sweep probe")
     p.add_argument("--chunk", type=int, default=512, help="max_num_batched_tokens of every node")
-    p.add_argument("--tpot-tight", default="8.0,0.12", metavar="TTFT,TPOT",
+    p.add_argument("--tpot-tight", default="4.0,0.10", metavar="TTFT,TPOT",
                    help="SLO seconds: loose TTFT, tight TPOT")
-    p.add_argument("--ttft-tight", default="2.0,0.5", metavar="TTFT,TPOT",
+    p.add_argument("--ttft-tight", default="2.0,0.3", metavar="TTFT,TPOT",
                    help="SLO seconds: tight TTFT, loose TPOT")
     p.add_argument("--attainment", type=float, default=0.9)
     p.add_argument("--start-rate", type=float, default=0.5)
-    p.add_argument("--rate-min", type=float, default=0.125, help="below this, goodput is reported as none")
+    p.add_argument("--rate-min", type=float, help="never probe below this")
     p.add_argument("--rate-max", type=float, help="never probe above this")
     p.add_argument("--tolerance", type=float, default=0.15)
     p.add_argument("--max-probes", type=int, default=6)
@@ -92,7 +92,8 @@ def _cluster(arch: Architecture, model_dir: str, chunk: int) -> Iterator[Cluster
 
 
 def _kv_share(router: str, rng: random.Random, prompt_len: int, repeats: int = 3) -> dict:
-    runs = [one_request(router, [rng.randrange(1, 1700) for _ in range(prompt_len)], 4) for _ in range(repeats)]
+    prompts = [[rng.randrange(1, 1700) for _ in range(prompt_len)] for _ in range(repeats)]
+    runs = [one_request(router, prompt, 4, None) for prompt in prompts]
     ttft = statistics.median(r["client_ttft_s"] for r in runs)
     transfer = statistics.median(r["kv_transfer_after_token1_s"] for r in runs)
     return {"prompt_len": prompt_len, "ttft_s": ttft, "kv_transfer_after_token1_s": transfer,

@@ -17,11 +17,11 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.node.client import CoreClient
-from pdserve.node.convert import finish_reason_to_proto, logprobs_to_proto
+from pdserve.node.convert import tokens_to_proto
 from pdserve.node.core import CoreHooks
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
-from pdserve.node.messages import DecodeSubmit, RequestFailed, Tokens
-from pdserve.node.server import answer_stats, request_params, run_node
+from pdserve.node.messages import RequestFailed, Tokens
+from pdserve.node.server import answer_stats, decode_submit, run_node
 from pdserve.proto import node_pb2, node_pb2_grpc
 
 HOOKS = CoreHooks("pdserve.colocated_node.core", uses_kv_transport=False)
@@ -34,7 +34,7 @@ class ColocatedServicer(node_pb2_grpc.ColocatedNodeServicer):
     async def Generate(self, request: node_pb2.DecodeRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.DecodeEvent]:
         try:
-            submit = _submit(request)
+            submit = decode_submit(request)
             queue = self.client.open_stream(submit.req_id)
         except NodeError as exc:
             await abort_rpc(context, exc)
@@ -50,7 +50,7 @@ class ColocatedServicer(node_pb2_grpc.ColocatedNodeServicer):
                     ended = True
                     await abort_rpc(context, NodeError(ErrorCode.INTERNAL, f"unexpected {type(msg).__name__}"))
                 ended = msg.finish_reason is not None
-                yield node_pb2.DecodeEvent(tokens=_tokens(msg))
+                yield node_pb2.DecodeEvent(tokens=tokens_to_proto(msg))
         finally:
             self.client.close_stream(submit.req_id)
             if not ended:
@@ -58,19 +58,6 @@ class ColocatedServicer(node_pb2_grpc.ColocatedNodeServicer):
 
     async def GetStats(self, request: node_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
         return await answer_stats(self.client, context)
-
-
-def _submit(request: node_pb2.DecodeRequest) -> DecodeSubmit:
-    params = request_params(request)
-    return DecodeSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
-                        sample_index=request.sample_index, resumed_token_ids=list(request.resumed_token_ids))
-
-
-def _tokens(msg: Tokens) -> node_pb2.DecodeTokens:
-    logprobs = [logprobs_to_proto(t, lp) for t, lp in zip(msg.token_ids, msg.logprobs) if lp is not None]
-    stop_token_id = msg.stop_token_id if msg.stop_token_id is not None else -1
-    return node_pb2.DecodeTokens(token_ids=msg.token_ids, logprobs=logprobs,
-                                 finish_reason=finish_reason_to_proto(msg.finish_reason), stop_token_id=stop_token_id)
 
 
 def _add_servicer(server: grpc.aio.Server, client: CoreClient) -> None:

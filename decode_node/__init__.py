@@ -2,5 +2,5 @@
 
 The front (server.py) never imports the engine; the engine-core process runs core.py
 (reserve → admit on the done message → decode → stream) and reservations.py (the
-reservation table with its quarantine and leases).
+reservation table with its write permits and leases).
 """

@@ -8,8 +8,12 @@
     done message (transport.poll_done) ─▶ admit with token 1 (or end at once if token 1
         already stops it: Tokens{[], finish_reason})
     each step ─▶ Tokens{[token], [logprobs]} per request, the last with finish_reason
-    Abort ─▶ quarantine a reservation, or abort the running request (blocks freed)
+    Abort ─▶ free a reservation (its write permit revoked first), or abort the running
+        request (blocks freed)
     a reservation's lease ─▶ RequestFailed(DEADLINE_EXCEEDED) (why: reservations.py)
+
+The core hands the table's `WritePermits` to the transport, so a push lands only in
+blocks its request still holds: that is what lets a cancelled reservation free at once.
 
 The colocated policy is the decode policy: requests only reach the scheduler with their
 prompt's KV present and token 1 known, so it just decodes.
@@ -48,6 +52,7 @@ class DecodeCore:
         self.emit = emit
         self.bounds = bounds
         self._admitted: dict[str, Request] = {}
+        transport.guard_writes(table.permits)
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, DecodeSubmit):
@@ -89,7 +94,7 @@ class DecodeCore:
             done = KVDone.from_bytes(payload)
         except ValueError as exc:
             logger.error("request %s: %s", req_id, exc)
-            if self.table.cancel(req_id):  # the sender is broken: fail, hold the blocks to the quarantine
+            if self.table.cancel(req_id):  # the sender is broken: fail and free (nothing more of it lands)
                 self.emit(RequestFailed(req_id, ErrorCode.UNAVAILABLE, f"bad KV done message: {exc}"))
             return
         request = self.table.reserved_request(req_id)
@@ -118,6 +123,6 @@ def make_policy(config: NodeConfig) -> SchedulingPolicy:
 
 def make_handler(config: NodeConfig, engine: EngineCore, transport: KVTransport, descriptor: KVDescriptor,
                  emit: Emit) -> DecodeCore:
-    table = ReservationTable(engine, config.lease_s, config.quarantine_s)
+    table = ReservationTable(engine, config.lease_s, config.retired_id_s)
     bounds = QueueBounds(config.max_waiting_requests, config.max_queued_tokens)
     return DecodeCore(engine, transport, table, descriptor.to_bytes().decode(), emit, bounds)

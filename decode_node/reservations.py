@@ -3,20 +3,28 @@
 A request's life through it:
 
     reserve ─▶ RESERVED: the engine request exists (not scheduled) and holds
-       │        ceil((prompt + resumed tokens) / block_size) blocks that a prefill node writes into
-       ├─ done{ok, token 1} ─▶ admitted: prompt computed, token 1 appended, blocks
-       │                       published, scheduled (EngineCore.add_prefilled) ─▶ gone
-       ├─ done{aborted} ─▶ the prefill node gave up; nothing more lands: freed ─▶ gone
-       ├─ cancel ─────────▶ QUARANTINED (see below)
-       └─ lease_s passes ─▶ QUARANTINED, and the stream fails DEADLINE_EXCEEDED
+       │        ceil((prompt + resumed tokens) / block_size) blocks; their write permit
+       │        is granted before their ids leave this node (Ready)
+       ├─ done{ok, token 1} ─▶ permit revoked; admitted: prompt computed, token 1
+       │                       appended, blocks published, scheduled
+       │                       (EngineCore.add_prefilled) ─▶ gone
+       ├─ done{aborted} ─▶ the prefill node gave up: permit revoked, blocks freed ─▶ gone
+       ├─ cancel ─────────▶ permit revoked, blocks freed at once ─▶ RETIRED
+       └─ lease_s passes ─▶ the same, and the stream fails DEADLINE_EXCEEDED
 
-    QUARANTINED: the prefill node may still be writing into the blocks, so they stay
-    held until its done message (either kind) arrives — pushes and the done message
-    share one ordered connection, so after it nothing more lands — or until
-    `quarantine_s` after the reservation, by which time the prefill node's own lease
-    (`lease_s` from its Prefill call, plus the transfer timeout of its last push, also
-    `lease_s`) has stopped every write, provided the router called Prefill within
-    `lease_s` of READY.
+Why a cancelled reservation's blocks are freed at once although a prefill node may
+still be pushing into them: a push reaches the cache only through the transport's
+`WritePermits` (its bytes land in a staging buffer; each chunk is scattered into the
+blocks under the permit's lock), so once the permit is revoked nothing more of that
+request lands, whether its prefill node is slow, partitioned, dead, or was never asked.
+Its later pushes are drained and dropped; its done message finds no reservation.
+
+RETIRED: the id alone is remembered, and refused as a new reservation until
+`retired_id_s` after the old one was made: a late push or done message for it must
+never reach a new reservation under the same id (possibly on the same blocks). By then
+the old prefill node's own lease (`lease_s` from its Prefill call, plus the transfer
+timeout of its last push, also `lease_s`) has stopped every write, provided the router
+called Prefill within `lease_s` of READY. The router never reuses an id anyway.
 
 Why DEADLINE_EXCEEDED and not UNAVAILABLE for a reservation that outlives its lease:
 the deadline is this node's own lease running out, not this node failing. UNAVAILABLE
@@ -25,8 +33,9 @@ from a healthy node); DEADLINE_EXCEEDED says "this attempt timed out" — the ro
 learns why from the Prefill call (which fails UNAVAILABLE when the transfer did) and
 may retry the request anywhere.
 
-Must never: free a block a prefill node may still write, or let another request find
-a reserved block in the prefix cache before its bytes arrived.
+Must never: free a reserved block before revoking its permit, grant a permit after the
+block ids were handed out, or let another request find a reserved block in the prefix
+cache before its bytes arrived.
 """
 
 from __future__ import annotations
@@ -35,10 +44,10 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput, RequestRejected
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import WritePermits
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.kv_done import DoneStatus, KVDone
 
@@ -51,40 +60,33 @@ class Reservation:
     deadline: float  # the stream fails here if the KV has not arrived
 
 
-@dataclass(slots=True, eq=False)
-class Quarantined:
-    blocks: list[KVBlock]
-    until: float  # freed then at the latest
-
-
 class Arrival(enum.Enum):
     ADMITTED = "admitted"  # scheduled; `output` is token 1 (its finish_reason may be set)
     ABORTED = "aborted"  # the prefill node gave up: the blocks are free, the stream must fail
-    RELEASED = "released"  # a quarantined (cancelled or expired) reservation freed
-    UNKNOWN = "unknown"  # no such reservation (freed long ago): nothing to do
+    UNKNOWN = "unknown"  # no such reservation (cancelled, expired, or never made): nothing to do
 
 
 class ReservationTable:
-    def __init__(self, engine: EngineCore, lease_s: float, quarantine_s: float) -> None:
+    def __init__(self, engine: EngineCore, lease_s: float, retired_id_s: float) -> None:
         self.engine = engine
         self.lease_s = lease_s
-        self.quarantine_s = quarantine_s
+        self.retired_id_s = retired_id_s
+        self.permits = WritePermits()  # the decode core hands these to its transport
         self._reserved: dict[str, Reservation] = {}
-        self._quarantined: dict[str, Quarantined] = {}
+        self._retired: dict[str, float] = {}  # req_id -> refused as a new reservation until then
 
     @property
     def num_blocks(self) -> int:
-        """Blocks held for KV that has not arrived (reserved and quarantined)."""
-        return (sum(len(r.block_ids) for r in self._reserved.values())
-                + sum(len(q.blocks) for q in self._quarantined.values()))
+        """Blocks held for KV that has not arrived."""
+        return sum(len(r.block_ids) for r in self._reserved.values())
 
     @property
     def num_reserved(self) -> int:
-        """Reservations still waiting for their KV (quarantined ones wait for nothing)."""
+        """Reservations waiting for their KV."""
         return len(self._reserved)
 
     def has_pending(self) -> bool:
-        return bool(self._reserved or self._quarantined)
+        return bool(self._reserved)
 
     def reserved_request(self, req_id: str) -> Request | None:
         reservation = self._reserved.get(req_id)
@@ -94,9 +96,10 @@ class ReservationTable:
                 now: float, resumed_token_ids: Sequence[int] = ()) -> list[int]:
         """The reserved block ids, in prompt (+ resumed tokens) order. Raises NodeError
         (INVALID_ARGUMENT, RESOURCE_EXHAUSTED)."""
-        if req_id in self._quarantined:
-            raise NodeError(ErrorCode.INVALID_ARGUMENT, f"request_id {req_id!r} was cancelled here and is "
-                                                        "still quarantined")
+        retired_until = self._retired.get(req_id)
+        if retired_until is not None and now < retired_until:
+            raise NodeError(ErrorCode.INVALID_ARGUMENT, f"request_id {req_id!r} ended here before its KV arrived "
+                                                        f"and cannot be reused within {self.retired_id_s:g}s")
         try:
             request = self.engine.new_request(req_id, prompt_token_ids, params, sample_index, resumed_token_ids)
         except RequestRejected as exc:
@@ -110,41 +113,42 @@ class ReservationTable:
             raise NodeError(ErrorCode.RESOURCE_EXHAUSTED, f"the prompt needs {needed} KV blocks; "
                                                           f"{self.engine.kv.num_free_blocks} are free")
         self._reserved[req_id] = Reservation(request, block_ids, now, now + self.lease_s)
+        self._retired.pop(req_id, None)
+        self.permits.grant(req_id, block_ids)
         return block_ids
 
     def arrive(self, req_id: str, done: KVDone) -> tuple[Arrival, EngineCoreOutput | None]:
         """The prefill node's done message for `req_id`: every byte before it has landed."""
-        quarantined = self._quarantined.pop(req_id, None)
-        if quarantined is not None:
-            self.engine.kv.pool.free(reversed(quarantined.blocks))
-            return Arrival.RELEASED, None
         reservation = self._reserved.pop(req_id, None)
         if reservation is None:
             return Arrival.UNKNOWN, None
+        # Nothing may land after the done message: the blocks are the request's own from now on.
+        self.permits.revoke(req_id)
         if done.status is DoneStatus.ABORTED:
             self.engine.kv.pool.free(reversed(self.engine.detach(req_id)))
             return Arrival.ABORTED, None
         return Arrival.ADMITTED, self.engine.add_prefilled(reservation.request, done.token_id)
 
     def cancel(self, req_id: str) -> bool:
-        """The stream went away before the KV arrived: quarantine. False if not reserved."""
+        """The stream went away before the KV arrived: free the blocks. False if not reserved."""
         reservation = self._reserved.pop(req_id, None)
         if reservation is None:
             return False
-        self._quarantine(reservation)
+        self._release(reservation)
         return True
 
     def expire(self, now: float) -> list[str]:
-        """Quarantine reservations past their lease (their ids: fail those streams); free old quarantines."""
+        """Free reservations past their lease (their ids: fail those streams); forget old retired ids."""
         expired = [r for r in self._reserved.values() if now >= r.deadline]
         for reservation in expired:
             del self._reserved[reservation.request.req_id]
-            self._quarantine(reservation)
-        for req_id in [k for k, q in self._quarantined.items() if now >= q.until]:
-            self.engine.kv.pool.free(reversed(self._quarantined.pop(req_id).blocks))
+            self._release(reservation)
+        for req_id in [k for k, until in self._retired.items() if now >= until]:
+            del self._retired[req_id]
         return [r.request.req_id for r in expired]
 
-    def _quarantine(self, reservation: Reservation) -> None:
+    def _release(self, reservation: Reservation) -> None:
         req_id = reservation.request.req_id
-        blocks = self.engine.detach(req_id)
-        self._quarantined[req_id] = Quarantined(blocks, reservation.reserved_at + self.quarantine_s)
+        self.permits.revoke(req_id)  # first: once it returns, no push writes these blocks
+        self.engine.kv.pool.free(reversed(self.engine.detach(req_id)))
+        self._retired[req_id] = reservation.reserved_at + self.retired_id_s

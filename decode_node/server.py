@@ -3,7 +3,7 @@
 `Decode(req)` streams: first `ready{kv_descriptor, block_ids}` once the core reserved
 blocks for the prompt (or the call fails RESOURCE_EXHAUSTED at once), then `tokens`
 events for tokens 2..n, the last with finish_reason. Cancelling the call aborts the
-request in the core (a reservation whose KV has not arrived is quarantined there).
+request in the core (a reservation whose KV has not arrived is freed there at once).
 
 Must never: run model code, or choose a status code outside node/errors.py.
 """
@@ -16,7 +16,7 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.node.client import CoreClient
-from pdserve.node.convert import finish_reason_to_proto, logprobs_to_proto
+from pdserve.node.convert import tokens_to_proto
 from pdserve.node.core import CoreHooks
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import DecodeSubmit, Ready, RequestFailed, Tokens
@@ -48,7 +48,7 @@ class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
                                                                     block_ids=msg.block_ids))
                 elif isinstance(msg, Tokens):
                     ended = msg.finish_reason is not None
-                    yield node_pb2.DecodeEvent(tokens=_tokens(msg))
+                    yield node_pb2.DecodeEvent(tokens=tokens_to_proto(msg))
                     if ended:
                         return
                 else:
@@ -67,13 +67,6 @@ def _submit(request: node_pb2.DecodeRequest) -> DecodeSubmit:
     params = request_params(request)
     return DecodeSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
                         sample_index=request.sample_index, resumed_token_ids=list(request.resumed_token_ids))
-
-
-def _tokens(msg: Tokens) -> node_pb2.DecodeTokens:
-    logprobs = [logprobs_to_proto(t, lp) for t, lp in zip(msg.token_ids, msg.logprobs) if lp is not None]
-    stop_token_id = msg.stop_token_id if msg.stop_token_id is not None else -1
-    return node_pb2.DecodeTokens(token_ids=msg.token_ids, logprobs=logprobs,
-                                 finish_reason=finish_reason_to_proto(msg.finish_reason), stop_token_id=stop_token_id)
 
 
 def _add_servicer(server: grpc.aio.Server, client: CoreClient) -> None:

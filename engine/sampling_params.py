@@ -10,11 +10,22 @@ compares by value. It never touches tensors or tokenizers.
 from __future__ import annotations
 
 import math
+import struct
 from dataclasses import dataclass
 from numbers import Integral, Real
 
 MAX_LOGPROBS = 20
+# The additive penalties take OpenAI's (and vLLM's) range.
 MAX_ABS_PENALTY = 2.0
+# The repetition penalty divides a seen token's positive logit and multiplies a negative
+# one: past these bounds a float32 logit overflows to inf and the draw turns to NaN (a
+# penalty of 1e-38 would make every draw pick the last vocabulary id). A factor of 100
+# either way is already far beyond any useful setting (1.0-2.0 in practice).
+MIN_REPETITION_PENALTY = 0.01
+MAX_REPETITION_PENALTY = 100.0
+# Above this the distribution is all but flat for any real model's logits; a larger one
+# buys nothing and, past float32's range, divides -inf by inf (NaN) in the sampler.
+MAX_TEMPERATURE = 100.0
 
 
 def _as_int(name: str, value: object) -> int:
@@ -33,10 +44,19 @@ def _as_float(name: str, value: object) -> float:
     return value
 
 
+def _as_sent(bound: float) -> float:
+    """`bound` as a float32 proto field carries it (ints are exact, and may not fit)."""
+    if isinstance(bound, int):
+        return bound
+    return struct.unpack("f", struct.pack("f", bound))[0]
+
+
 def _check_range(name: str, value: float, low: float | None, high: float | None) -> None:
-    if low is not None and value < low:
+    # Proto floats are float32: a client's 0.01 arrives as 0.0099999998. Each bound also
+    # admits its float32 rounding, so a value sent exactly at the bound is not refused.
+    if low is not None and value < min(low, _as_sent(low)):
         raise ValueError(f"{name} must be >= {low:g}, got {value:g}")
-    if high is not None and value > high:
+    if high is not None and value > max(high, _as_sent(high)):
         raise ValueError(f"{name} must be <= {high:g}, got {value:g}")
 
 
@@ -65,11 +85,11 @@ def _as_token_ids(name: str, value: object) -> tuple[int, ...]:
 @dataclass(frozen=True, slots=True)
 class SamplingParams:
     n: int = 1
-    temperature: float = 1.0  # 0 => greedy
+    temperature: float = 1.0  # [0, 100]; 0 => greedy
     top_p: float = 1.0  # (0, 1]
     top_k: int | None = None  # None => off
     min_p: float = 0.0  # [0, 1]
-    repetition_penalty: float = 1.0  # > 0; 1 => off
+    repetition_penalty: float = 1.0  # [0.01, 100]; 1 => off
     presence_penalty: float = 0.0  # [-2, 2]
     frequency_penalty: float = 0.0  # [-2, 2]
     seed: int | None = None
@@ -104,7 +124,7 @@ class SamplingParams:
 
     def _validate_distribution(self) -> None:
         self._set("temperature", _as_float("temperature", self.temperature))
-        _check_range("temperature", self.temperature, 0.0, None)
+        _check_range("temperature", self.temperature, 0.0, MAX_TEMPERATURE)
         self._set("top_p", _as_float("top_p", self.top_p))
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p:g}")
@@ -116,8 +136,7 @@ class SamplingParams:
 
     def _validate_penalties(self) -> None:
         self._set("repetition_penalty", _as_float("repetition_penalty", self.repetition_penalty))
-        if self.repetition_penalty <= 0.0:
-            raise ValueError(f"repetition_penalty must be > 0, got {self.repetition_penalty:g}")
+        _check_range("repetition_penalty", self.repetition_penalty, MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY)
         self._set("presence_penalty", _as_float("presence_penalty", self.presence_penalty))
         _check_range("presence_penalty", self.presence_penalty, -MAX_ABS_PENALTY, MAX_ABS_PENALTY)
         self._set("frequency_penalty", _as_float("frequency_penalty", self.frequency_penalty))

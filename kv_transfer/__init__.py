@@ -13,7 +13,7 @@ from typing import TYPE_CHECKING
 
 from .base import (KV_LAYOUT_VERSION, FingerprintMismatch, HeadOverlap, KVCacheSpec,
                    KVDescriptor, KVTransferError, KVTransport, TransferHandle,
-                   TransferState, TransferStats, plan_head_overlap)
+                   TransferState, TransferStats, WritePermits, plan_head_overlap)
 from .config import KVTransferConfig
 from .inprocess import InProcessFabric, InProcessTransport
 
@@ -24,7 +24,7 @@ __all__ = [
     "KV_LAYOUT_VERSION", "FingerprintMismatch", "HeadOverlap", "InProcessFabric",
     "InProcessTransport", "KVCacheSpec", "KVDescriptor", "KVTransferConfig",
     "KVTransferError", "KVTransport", "TransferHandle", "TransferState", "TransferStats",
-    "UcxTransport", "plan_head_overlap",
+    "UcxTransport", "WritePermits", "plan_head_overlap",
 ]
 
 

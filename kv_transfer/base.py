@@ -1,8 +1,9 @@
 """The transport seam: what a KV cache looks like to a transfer, and what moving it means.
 
 Owns the value types every transport shares (`KVCacheSpec` and its fingerprint,
-`KVDescriptor`, `TransferState`, `TransferHandle`, `TransferStats`), the head-range
-planning rule (`plan_head_overlap`) and the `KVTransport` interface.
+`KVDescriptor`, `TransferState`, `TransferHandle`, `TransferStats`), the receiver's
+`WritePermits`, the head-range planning rule (`plan_head_overlap`) and the `KVTransport`
+interface.
 
 A push's life, on the sending side:
 
@@ -10,7 +11,9 @@ A push's life, on the sending side:
                                    └──────▶ FAILED    (peer dead, refused, or timed out)
 
 The receiving side sees the bytes land in the blocks it reserved, then the request's
-completion message (`send_done`), never the other way round.
+completion message (`send_done`), never the other way round. A receiver that owns its
+blocks per request (the decode node) hands its transport `WritePermits`: a push is then
+placed only into blocks its request holds a permit for, and dropped otherwise.
 
 Must never: import a network library, pickle anything, or block the caller of `push`.
 """
@@ -256,6 +259,39 @@ class TransferHandle:
 DoneCallback = Callable[[str, bytes], None]
 
 
+class WritePermits:
+    """Which blocks a push for each request may write on the receiving rank (thread-safe).
+
+    The blocks' owner grants a request its blocks before it names them to any sender and
+    revokes the grant before it frees or reuses them. The transport writes a push's bytes
+    (one call of `write`, e.g. a chunk's scatter) only under `place`, which holds the
+    lock while it writes: once `revoke` returns, no byte for that request can land, so
+    its blocks may be freed at once, whoever might still be sending.
+    """
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._granted: dict[str, frozenset[int]] = {}
+
+    def grant(self, req_id: str, block_ids: Sequence[int]) -> None:
+        with self._lock:
+            self._granted[req_id] = frozenset(block_ids)
+
+    def revoke(self, req_id: str) -> None:
+        """After this returns, `place` writes nothing for `req_id` (idempotent)."""
+        with self._lock:
+            self._granted.pop(req_id, None)
+
+    def place(self, req_id: str, dst_block_ids: Sequence[int], write: Callable[[], None]) -> bool:
+        """Run `write` if `req_id` holds every block in `dst_block_ids`; False: dropped."""
+        with self._lock:
+            granted = self._granted.get(req_id)
+            if granted is None or not granted.issuperset(dst_block_ids):
+                return False
+            write()  # under the lock: a concurrent revoke waits for this write to end
+            return True
+
+
 class KVTransport(ABC):
     """Moves KV blocks of a request from this rank's cache into a peer's reserved blocks.
 
@@ -299,6 +335,15 @@ class KVTransport(ABC):
     @abstractmethod
     def set_done_callback(self, callback: DoneCallback | None) -> None:
         """Also call `callback(req_id, payload)` on each completion (transport thread)."""
+
+    @abstractmethod
+    def guard_writes(self, permits: WritePermits) -> None:
+        """From now on, place a received push only as `permits` allow; drop it otherwise.
+
+        A dropped push is drained and acknowledged like a placed one (its sender's request
+        is over here; failing the push would make the sender drop the whole connection),
+        and is not counted in `recv_stats`. Without permits every valid push is placed.
+        """
 
     @abstractmethod
     def stats(self) -> TransferStats:

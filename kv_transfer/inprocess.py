@@ -10,7 +10,8 @@ deterministic: nothing moves until `progress()` (or on every call, with
     progress()  -> SUCCESS        (receiver validated and scattered) | FAILED
 
 A done message waits behind the pushes queued before it, so the receiver sees it after
-their bytes. `InProcessFabric.kill(address)` makes a peer vanish mid-flight.
+their bytes. `InProcessFabric.kill(address)` makes a peer vanish mid-flight. A receiver
+with `guard_writes(permits)` drops (and still succeeds) a push its permits refuse.
 
 Must never: spawn threads, sleep, or touch a socket.
 """
@@ -26,7 +27,7 @@ import torch
 
 from .base import (DoneCallback, FingerprintMismatch, KVCacheSpec, KVDescriptor,
                    KVTransferError, KVTransport, TransferHandle, TransferState,
-                   TransferStats)
+                   TransferStats, WritePermits)
 from .layout import (TransferPlan, check_block_ids, check_layers, gather, make_plan,
                      scatter, staging_shape, validate_caches)
 
@@ -75,6 +76,7 @@ class InProcessTransport(KVTransport):
         self._jobs: deque[_Job] = deque()
         self._done_msgs: list[tuple[str, bytes]] = []
         self._callback: DoneCallback | None = None
+        self._permits: WritePermits | None = None
         self._sent = TransferStats()
         self._received = TransferStats()
         self._refusals: list[FingerprintMismatch] = []
@@ -202,10 +204,20 @@ class InProcessTransport(KVTransport):
         held = spec.local_heads
         if not held[0] <= plan.overlap.heads[0] < plan.overlap.heads[1] <= held[1]:
             raise ValueError(f"heads {plan.overlap.heads} not held here ({held})")
-        scatter(staging.to(self._k[0].device), plan.dst_block_ids, plan.layers,
-                plan.overlap.dst, self._k, self._v)
+
+        def write() -> None:
+            scatter(staging.to(self._k[0].device), plan.dst_block_ids, plan.layers,
+                    plan.overlap.dst, self._k, self._v)
+
+        if self._permits is None:
+            write()
+        elif not self._permits.place(plan.req_id, plan.dst_block_ids, write):
+            return  # the request holds no permit for these blocks here: dropped
         self._received.record_success(plan.nbytes(spec), plan.num_blocks,
                                       time.monotonic() - start)
+
+    def guard_writes(self, permits: WritePermits) -> None:
+        self._permits = permits
 
     def _deliver_done(self, req_id: str, payload: bytes) -> None:
         self._done_msgs.append((req_id, payload))

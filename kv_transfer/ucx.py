@@ -17,6 +17,8 @@ One push on the wire (sender: ucx_conn.py, receiver: ucx_inbound.py):
 
 A DONE message is handled only after every earlier message on its connection, so the
 receiver's `poll_done()` / callback sees a request complete after its bytes landed.
+With `guard_writes(permits)` each chunk is scattered only under the request's permit;
+a push whose request holds none is drained, acknowledged and dropped.
 
 Everything network-facing runs on the process's UCX loop thread (ucx_runtime.py); the
 caller's `push`/`send_done`/`poll`/`poll_done` never wait on the network.
@@ -33,7 +35,7 @@ import json
 import logging
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import numpy as np
@@ -41,7 +43,7 @@ import torch
 
 from .base import (DoneCallback, FingerprintMismatch, KVCacheSpec, KVDescriptor,
                    KVTransferError, KVTransport, TransferHandle, TransferState,
-                   TransferStats)
+                   TransferStats, WritePermits)
 from .config import KVTransferConfig
 from .layout import make_plan, validate_caches
 from .ucx_conn import Connection, Job, header_nbytes
@@ -68,6 +70,7 @@ class UcxTransport(KVTransport):
         self._watchdog: asyncio.Future | None = None
         self._done_msgs: list[tuple[str, bytes]] = []
         self._callback: DoneCallback | None = None
+        self._permits: WritePermits | None = None  # None: every valid push is placed
         self._sent = TransferStats()
         self._received = TransferStats()
         self._refusals: list[FingerprintMismatch] = []
@@ -279,7 +282,19 @@ class UcxTransport(KVTransport):
             num_blocks=self._num_blocks, config=self.config,
             worker_recv=self._rt.ucxx.recv if data_on_worker else None,
             deliver_done=self._deliver_done, count=self._count_received,
-            quarantine=self._quarantine)
+            quarantine=self._quarantine, place=self._place)
+
+    def guard_writes(self, permits: WritePermits) -> None:
+        self._permits = permits
+
+    def _place(self, req_id: str, dst_block_ids: Sequence[int], write: Callable[[], None]) -> bool:
+        """Loop thread: write a chunk of a push if its request may (read per call: the
+        permits may be installed after a connection was accepted)."""
+        permits = self._permits
+        if permits is None:
+            write()
+            return True
+        return permits.place(req_id, dst_block_ids, write)
 
     def _count_received(self, ok: bool, nbytes: int, num_blocks: int,
                         latency_s: float) -> None:

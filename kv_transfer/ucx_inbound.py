@@ -6,23 +6,28 @@ A message's life on the receiving rank (UCX loop thread):
                    byte count against the header (a count that does not add up drops the
                    connection: the bytes could not even be drained)
                 ─▶ post the receive of every layer chunk into one reusable staging buffer
-                ─▶ scatter each chunk into the dst blocks as it lands ─▶ ACK(seq)
+                ─▶ scatter each chunk into the dst blocks as it lands, each under the
+                   request's write permit (`ReceiverSide.place`) ─▶ ACK(seq)
     DONE        ─▶ deliver (req_id, payload) ─▶ ACK(seq)
 
 Messages are handled strictly one after another, so a DONE is delivered after the bytes
 of every push sent before it. A failed validation still drains the bytes and answers
-with an error ACK; a receive that times out retires its staging buffer for good.
+with an error ACK; a receive that times out retires its staging buffer for good. A push
+whose request holds no permit for its blocks (the receiver freed them: cancelled, lease
+over, or never granted) is drained and acknowledged OK but placed nowhere: its request
+is over here, and an error would make the sender drop a connection others share.
 
-Must never: write a block the header did not name, reuse a buffer a receive may still
-target, or pickle.
+Must never: write a block the header did not name, write outside `place`, reuse a
+buffer a receive may still target, or pickle.
 """
 
 from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Awaitable, Callable
+from collections.abc import Awaitable, Callable, Sequence
 from dataclasses import dataclass
+from functools import partial
 from typing import Any
 
 import numpy as np
@@ -51,6 +56,9 @@ class ReceiverSide:
     deliver_done: Callable[[str, bytes], None]
     count: Callable[[bool, int, int, float], None]  # ok, nbytes, num_blocks, latency_s
     quarantine: list[torch.Tensor]
+    # place(req_id, dst block ids, write) runs `write` if the request may write those
+    # blocks and says whether it did; every scatter into the caches goes through it.
+    place: Callable[[str, Sequence[int], Callable[[], None]], bool]
 
 
 class Inbound:
@@ -92,8 +100,8 @@ class Inbound:
                             f"its header implies {expected}")
         raw = self._staging_for(expected)
         try:
-            await asyncio.wait_for(self._recv_and_place(msg, raw, error is None),
-                                   self._side.config.transfer_timeout_s)
+            placed = await asyncio.wait_for(self._recv_and_place(msg, raw, error is None),
+                                            self._side.config.transfer_timeout_s)
         except BaseException:
             # A worker-level receive may still be posted into this buffer (aborting the
             # endpoint does not cancel it): never reuse it, never free it.
@@ -101,11 +109,15 @@ class Inbound:
             self._staging = torch.empty(0, dtype=torch.uint8)
             self._side.count(False, 0, 0, 0.0)
             raise
-        self._side.count(error is None, expected, len(msg.block_ids), time.monotonic() - start)
+        if error is not None or placed:
+            self._side.count(error is None, expected, len(msg.block_ids), time.monotonic() - start)
         return error
 
-    async def _recv_and_place(self, msg: ControlMsg, raw: torch.Tensor, place: bool) -> None:
-        """Post every chunk's receive at once; scatter each as it lands, in order."""
+    async def _recv_and_place(self, msg: ControlMsg, raw: torch.Tensor, place: bool) -> bool:
+        """Post every chunk's receive at once; scatter each as it lands, in order.
+
+        True if every chunk was placed; False once a chunk was refused its permit (the
+        rest is drained, not placed) or `place` was False."""
         per_layer = msg.data_nbytes // len(msg.layers)
         chunks = layer_chunks(len(msg.layers), msg.chunk_layers)
         recvs = [asyncio.ensure_future(self._recv_data(raw[lo * per_layer:hi * per_layer],
@@ -116,12 +128,13 @@ class Inbound:
             for (lo, hi), recv in zip(chunks, recvs):
                 await recv
                 if place:
-                    scatter(staging[lo:hi], msg.block_ids, msg.layers[lo:hi],
-                            self._local_heads(msg), self._side.k_caches,
-                            self._side.v_caches)
+                    place = self._side.place(msg.req_id, msg.block_ids, partial(
+                        scatter, staging[lo:hi], msg.block_ids, msg.layers[lo:hi],
+                        self._local_heads(msg), self._side.k_caches, self._side.v_caches))
         finally:
             for recv in recvs:
                 recv.cancel()
+        return place
 
     def _check(self, msg: ControlMsg) -> str | None:
         try:

@@ -51,16 +51,16 @@ class NodeConfig:
     cpus: tuple[int, ...] | None = None
     # A reservation (decode) or an unacknowledged transfer (prefill) lives at most this long.
     lease_s: float = 30.0
-    # Decode: blocks of a cancelled or expired reservation stay held at most this many
-    # leases after the reservation unless the prefill node's done message frees them first.
-    quarantine_leases: float = 3.0
+    # Decode: the id of a cancelled or expired reservation (its blocks are freed at once) is
+    # refused as a new reservation for this many leases after the old one was made.
+    retired_id_leases: float = 3.0
     # Registration with the router.
     heartbeat_interval_s: float = 0.5
     registry_rpc_timeout_s: float = 1.0
     # Queue bounds: beyond them a new request is refused RESOURCE_EXHAUSTED at once, not
-    # queued. Waiting requests — prefill: in the scheduler's queue; decode: reservations
-    # whose KV has not arrived plus preempted requests. Queued tokens (prefill): prompt
-    # tokens not yet computed, the work a new request would wait behind.
+    # queued. Waiting requests — prefill, colocated: in the scheduler's queue; decode:
+    # reservations whose KV has not arrived plus preempted requests. Queued tokens
+    # (prefill, colocated): tokens not yet computed, the work a new request would wait behind.
     max_waiting_requests: int = 256
     max_queued_tokens: int = 65536
     # Front <-> core.
@@ -101,14 +101,14 @@ class NodeConfig:
                  f"and max_queued_tokens must be >= 1, got {self.max_waiting_requests}, {self.max_queued_tokens}")
         _require(self.debug_step_delay_s >= 0, "debug_step_delay_s", f"must be >= 0, got {self.debug_step_delay_s}")
         _require(self.max_message_bytes >= 1024, "max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
-        _require(self.quarantine_leases >= 1, "quarantine_leases", f"must be >= 1, got {self.quarantine_leases}")
+        _require(self.retired_id_leases >= 1, "retired_id_leases", f"must be >= 1, got {self.retired_id_leases}")
         _require(self.busy_poll_ms >= 0 and self.idle_poll_ms > 0, "idle_poll_ms", "must be > 0")
         _require(self.cpus is None or (len(self.cpus) > 0 and min(self.cpus) >= 0), "cpus",
                  f"must be a non-empty list of core numbers, got {self.cpus}")
 
     @property
-    def quarantine_s(self) -> float:
-        return self.quarantine_leases * self.lease_s
+    def retired_id_s(self) -> float:
+        return self.retired_id_leases * self.lease_s
 
     def engine_config(self) -> EngineConfig:
         """Raises ValueError naming a bad engine field (the core reports it at startup)."""
@@ -144,7 +144,7 @@ class NodeConfig:
 
 
 def add_node_args(parser: argparse.ArgumentParser) -> None:
-    """The flags of `pdserve prefill` and `pdserve decode` (the CLI contract)."""
+    """The flags of `pdserve prefill`, `pdserve decode` and `pdserve colocated` (the CLI contract)."""
     d = NodeConfig(model="-")
     parser.add_argument("--model", required=True, help="model directory")
     parser.add_argument("--host", default=d.host)
@@ -168,7 +168,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--max-waiting-requests", type=int, default=d.max_waiting_requests,
                         help="requests waiting for compute; beyond: RESOURCE_EXHAUSTED at once")
     parser.add_argument("--max-queued-tokens", type=int, default=d.max_queued_tokens,
-                        help="prefill: prompt tokens not yet computed; beyond: RESOURCE_EXHAUSTED at once")
+                        help="prefill, colocated: tokens not yet computed; beyond: RESOURCE_EXHAUSTED at once")
     parser.add_argument("--debug-step-delay-s", type=float, default=d.debug_step_delay_s,
                         help="fault drills and tests: sleep this long after every engine step")
     parser.add_argument("--metrics-port", type=int, default=d.metrics_port,
@@ -187,9 +187,15 @@ def config_from_args(args: argparse.Namespace, kind: str, environ: Mapping[str, 
 
 
 def parse_node_args(argv: list[str] | None, kind: str, environ: Mapping[str, str] | None = None) -> NodeConfig:
+    """A bad value — a token file that is missing, empty or unreadable, a bound below 1 — is a
+    usage error: one line naming it on stderr and exit status 2, as argparse's own errors."""
     parser = argparse.ArgumentParser(prog=f"pdserve {kind}", description=f"run a {kind} node")
     add_node_args(parser)
-    return config_from_args(parser.parse_args(argv), kind, environ)
+    args = parser.parse_args(argv)
+    try:
+        return config_from_args(args, kind, environ)
+    except ValueError as exc:  # TokenError is one
+        parser.error(str(exc))
 
 
 def _require(ok: bool, field: str, message: str) -> None:

@@ -1,7 +1,8 @@
 """Conversions between the node protos and the engine's / the core messages' types.
 
 Owns: proto SamplingParams -> engine `SamplingParams` (with the router's seed), engine
-logprobs and finish reasons -> proto, `StatsData` -> `NodeStats`.
+logprobs and finish reasons -> proto, a core's `Tokens` -> `DecodeTokens`, `StatsData` ->
+`NodeStats`.
 
 Must never: decide a status code (errors.py does) or touch the network.
 """
@@ -10,7 +11,7 @@ from __future__ import annotations
 
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.node.messages import Logprobs, StatsData
+from pdserve.node.messages import Logprobs, StatsData, Tokens
 from pdserve.proto import node_pb2, pdserve_pb2
 
 # Optional scalar fields of the proto that map 1:1 onto SamplingParams (n is not one:
@@ -44,6 +45,14 @@ def logprobs_to_proto(token_id: int, logprobs: Logprobs) -> pdserve_pb2.TokenLog
 
 def finish_reason_to_proto(reason: str | None) -> int:
     return _FINISH[reason]
+
+
+def tokens_to_proto(msg: Tokens) -> node_pb2.DecodeTokens:
+    """The tokens event of a decode or colocated stream; -1 stands for "no stop token" on the wire."""
+    logprobs = [logprobs_to_proto(t, lp) for t, lp in zip(msg.token_ids, msg.logprobs) if lp is not None]
+    stop_token_id = msg.stop_token_id if msg.stop_token_id is not None else -1
+    return node_pb2.DecodeTokens(token_ids=msg.token_ids, logprobs=logprobs,
+                                 finish_reason=finish_reason_to_proto(msg.finish_reason), stop_token_id=stop_token_id)
 
 
 def stats_to_proto(stats: StatsData) -> node_pb2.NodeStats:

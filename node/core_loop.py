@@ -62,7 +62,7 @@ class CoreHandler(Protocol):
         """Is something outstanding that only polling advances, and soon (push acknowledgements)?"""
 
     def reserved_blocks(self) -> int:
-        """Blocks held outside the scheduler (reservations, quarantine, blocks being sent)."""
+        """Blocks held outside the scheduler (reservations, blocks being sent)."""
 
 
 def kv_cache_spec(config: NodeConfig, engine: EngineCore) -> KVCacheSpec:

@@ -33,6 +33,7 @@ from pdserve.node.config import NodeConfig, parse_node_args
 from pdserve.node.convert import params_from_proto, stats_to_proto
 from pdserve.node.core import CoreHooks
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
+from pdserve.node.messages import DecodeSubmit
 from pdserve.node.metrics import serve_node_metrics
 from pdserve.node.registration import run_registration
 from pdserve.proto import node_pb2
@@ -123,6 +124,13 @@ def request_params(request: node_pb2.DecodeRequest | node_pb2.PrefillRequest) ->
         return params_from_proto(request.sampling_params, request.seed)
     except ValueError as exc:
         raise NodeError(ErrorCode.INVALID_ARGUMENT, f"sampling_params: {exc}") from exc
+
+
+def decode_submit(request: node_pb2.DecodeRequest) -> DecodeSubmit:
+    """What the core gets for a decode or colocated node's request (params checked as above)."""
+    params = request_params(request)
+    return DecodeSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
+                        sample_index=request.sample_index, resumed_token_ids=list(request.resumed_token_ids))
 
 
 async def answer_stats(client: CoreClient, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:

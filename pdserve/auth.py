@@ -62,6 +62,16 @@ def token_from_cli(token_file: str | None, environ: Mapping[str, str]) -> str | 
     return check_token(value, f"${TOKEN_ENV}") if value else None
 
 
+def token_or_usage_error(parser: argparse.ArgumentParser, token_file: str | None,
+                         environ: Mapping[str, str]) -> str | None:
+    """`token_from_cli` for a command's `main`: a token file that is missing, empty or
+    unreadable (or a bad variable) is a usage error — one line naming it, exit status 2."""
+    try:
+        return token_from_cli(token_file, environ)
+    except TokenError as exc:
+        parser.error(str(exc))
+
+
 def add_auth_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--auth-token-file", metavar="PATH", default=None,
                         help=f"require and send this shared secret (default: ${TOKEN_ENV}; neither: no auth)")

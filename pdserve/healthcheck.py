@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 import uvloop
 
-from pdserve.auth import add_auth_args, insecure_channel, token_from_cli
+from pdserve.auth import add_auth_args, insecure_channel, token_or_usage_error
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
 T = TypeVar("T")
@@ -130,10 +130,7 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    try:
-        token = token_from_cli(args.auth_token_file, os.environ)
-    except ValueError as exc:
-        parser.error(str(exc))
+    token = token_or_usage_error(parser, args.auth_token_file, os.environ)
     config = HealthcheckConfig(timeout_s=args.timeout_s, min_prefill=args.min_prefill, min_decode=args.min_decode,
                                min_colocated=args.min_colocated, auth_token=token)
     verdict = check(args.addr, args.service, config)

@@ -18,7 +18,7 @@ from typing import TextIO
 import grpc
 import uvloop
 
-from pdserve.auth import add_auth_args, insecure_channel, token_from_cli
+from pdserve.auth import add_auth_args, insecure_channel, token_or_usage_error
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
@@ -139,10 +139,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if (args.prompt is None) == (args.token_ids is None):
         parser.error("give exactly one of PROMPT and --token-ids")
-    try:
-        token = token_from_cli(args.auth_token_file, os.environ)
-    except ValueError as exc:
-        parser.error(str(exc))
+    token = token_or_usage_error(parser, args.auth_token_file, os.environ)
     return uvloop.run(_run(args, token))
 
 

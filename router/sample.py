@@ -5,7 +5,7 @@ One attempt (node request id: the sample's own; "<id>~<n>" for the n-th after a 
     pick D ──Decode(prompt, resumed)──▶ READY{descriptor, block ids}    (RESOURCE_EXHAUSTED or dead: next D)
     pick P ──Prefill(descriptor, block ids, resumed)──▶ next token       (RESOURCE_EXHAUSTED: next P, same blocks)
     relay D's tokens ──▶ client                                           (until D's finish, or a stop string)
-    finally: cancel the D stream unless it ended                          (D frees or quarantines its blocks)
+    finally: cancel the D stream unless it ended                          (D frees its blocks at once)
 
 A node lost mid-attempt (a call failed UNAVAILABLE / INTERNAL / UNKNOWN / CANCELLED, or
 the decode stream ended unfinished) ends the attempt: the nodes involved are probed
@@ -20,7 +20,7 @@ before the next token) and by the client's deadline, which every node call carri
 Why a failed prefill starts a new attempt instead of reusing D's reservation: the
 failed prefill node may still write into those blocks, or send D an "aborted" done
 that frees them while another prefill node writes; a fresh reservation under a new id
-is never ambiguous (D quarantines the old one until its writer is done). Only a
+is never ambiguous (D frees the old one and drops what still arrives for it). Only a
 RESOURCE_EXHAUSTED prefill (refused before it touched anything) reuses the reservation.
 
 Owns the order of node calls and the mapping of node call failures to router errors;
@@ -149,7 +149,7 @@ class SampleRun:
     # -- recovery -----------------------------------------------------------------------
 
     def _next_req_id(self) -> str:
-        # A new id per attempt: a node may still hold the last attempt's (quarantined) id.
+        # A new id per attempt: a decode node refuses the last attempt's (retired) id for a while.
         req_id = self._spec.node_req_id if not self._attempts else f"{self._spec.node_req_id}~{self._attempts}"
         self._attempts += 1
         return req_id

@@ -34,6 +34,7 @@ class FaultSettings:
     heartbeat_timeout_s: float = 3.0
     prefill_step_delay_s: float = 0.0  # fault drills: slow a pool down so a kill lands mid-request
     decode_step_delay_s: float = 0.0
+    prefill_args: tuple[str, ...] = ()  # more flags for every prefill node (e.g. queue bounds)
 
 
 @dataclass
@@ -92,6 +93,8 @@ class FaultCluster:
                         "--max-num-batched-tokens", str(settings.max_num_batched_tokens),
                         "--max-num-seqs", str(settings.max_num_seqs), "--threads", "1",
                         "--lease-s", str(settings.lease_s), "--debug-step-delay-s", str(delay)]
+                if kind == "prefill":
+                    argv += settings.prefill_args
                 self._procs[name] = _Proc(name, argv, address, log_dir / f"{name}.log")
 
     def __enter__(self) -> FaultCluster:

@@ -15,7 +15,7 @@ import grpc
 from pdserve.bench.local_cluster import Cluster
 from pdserve.proto import node_pb2, pdserve_pb2
 
-IDLE_TIMEOUT_S = 15.0  # a cancelled reservation may wait for the prefill node's done message
+IDLE_TIMEOUT_S = 15.0  # bounds the poll: a cancelled request's blocks are freed at once
 
 
 @dataclass

@@ -32,10 +32,9 @@ BLOCK_SIZE = 8
 NUM_REQUESTS = 24
 CONCURRENCY = 8
 MAX_TOKENS = 16
-# A reservation cancelled before the router sent its Prefill is held until 3 leases
-# have passed (the decode node cannot know no prefill node will write into it): a short
-# lease bounds how long the test waits for the last blocks.
-LEASE_S = 4.0
+# Long: a reservation cancelled at any stage is freed at once (its write permit revoked
+# first), so no block waits for a lease.
+LEASE_S = 30.0
 NODE_ARGS = ("--debug-step-delay-s", "0.02", "--lease-s", str(LEASE_S))
 
 
@@ -117,7 +116,7 @@ def test_random_cancellation_at_every_stage_frees_every_block(model_dir, workloa
     with running_cluster(model_dir, num_prefill, num_decode, node, prefill_args=NODE_ARGS,
                          decode_args=NODE_ARGS) as cluster:
         outcomes = asyncio.run(run_all(cluster.router, prompts, plans))
-        idle = wait_idle(cluster, timeout_s=3 * LEASE_S + 5)
+        idle = wait_idle(cluster)
         after = asyncio.run(one_greedy(cluster.router, prompts[0], MAX_TOKENS))
         idle_again = wait_idle(cluster)
 

@@ -31,7 +31,7 @@ BLOCK_SIZE = 8
 ROUTER_LIMIT = 2
 PREFILL_WAITING_LIMIT = 2
 DECODE_WAITING_LIMIT = 4
-LEASE_S = 2.0  # cancelled reservations leave quarantine within 3 leases
+LEASE_S = 30.0  # long: a cancelled reservation is freed at once, never at its lease
 SEED = 3
 
 
@@ -167,7 +167,7 @@ def test_a_decode_node_with_its_reservations_full_refuses_at_once(cluster):
             except grpc.aio.AioRpcError as exc:
                 refusal = (exc.code(), exc.details())
             for call in held:
-                call.cancel()  # quarantined: no prefill node will ever write; freed within 3 leases
+                call.cancel()  # freed at once: no push can land once the write permit is revoked
             return refusal
 
     code, details = asyncio.run(scenario())

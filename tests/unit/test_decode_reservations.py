@@ -1,6 +1,8 @@
-"""The decode node's reservation table: exact blocks, admission, quarantine, leases."""
+"""The decode node's reservation table: exact blocks, admission, write permits, leases."""
 
 from __future__ import annotations
+
+import threading
 
 import pytest
 import torch
@@ -13,7 +15,8 @@ from pdserve.engine.policy import SchedulingPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.kv_done import DoneStatus, KVDone
-from tests.unit.node_pair import engine_config
+from pdserve.node.messages import Abort, Ready
+from tests.unit.node_pair import Pair, engine_config
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 LEASE_S, QUARANTINE_S = 10.0, 30.0
@@ -35,6 +38,10 @@ def table(model):
 
 def used(table: ReservationTable) -> int:
     return table.engine.kv.num_used_blocks
+
+
+def fail_if_written() -> None:
+    raise AssertionError("a push wrote blocks its request holds no permit for")
 
 
 def test_reserve_takes_ceil_prompt_over_block_size_blocks_in_order(table):
@@ -79,29 +86,128 @@ def test_token_one_can_end_the_request_at_once(table):
     assert used(table) == 0 and not table.engine.has_unfinished()
 
 
-def test_cancel_quarantines_until_the_done_message(table):
-    table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
+def test_arrival_revokes_the_write_permit(table):
+    block_ids = table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
+    assert table.permits.place("a", block_ids, lambda: None)
+    table.arrive("a", OK)
+    # The blocks are the running request's now: a late push for its id writes nothing.
+    assert not table.permits.place("a", block_ids, fail_if_written)
+
+
+def test_cancel_frees_at_once_and_revokes_the_write_permit(table):
+    block_ids = table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
     assert table.cancel("a")
-    assert used(table) == 3 and table.num_blocks == 3  # the prefill may still be writing
-    assert table.expire(now=QUARANTINE_S - 1) == []
-    assert used(table) == 3
-    assert table.arrive("a", OK) == (Arrival.RELEASED, None)
-    assert used(table) == 0 and not table.has_pending()
-    assert table.arrive("a", OK) == (Arrival.UNKNOWN, None)
+    assert used(table) == 0 and table.num_blocks == 0 and not table.has_pending()
+    assert not table.permits.place("a", block_ids, fail_if_written)
+    assert table.arrive("a", OK) == (Arrival.UNKNOWN, None)  # its done message changes nothing
+    assert used(table) == 0 and not table.engine.has_unfinished()
+    assert not table.cancel("a")  # idempotent
 
 
-def test_lease_expiry_fails_the_stream_and_quarantine_has_a_bound(table):
+def test_a_cancelled_id_is_retired_until_the_quarantine_bound(table):
     table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
-    assert table.expire(now=LEASE_S - 0.1) == []
-    assert table.expire(now=LEASE_S) == ["a"]
-    assert used(table) == 3  # quarantined, not freed
-    with pytest.raises(NodeError):
-        table.reserve("a", [1], PARAMS, 0, now=LEASE_S)  # the id is still taken
-    assert table.expire(now=QUARANTINE_S) == []
+    table.cancel("a")
+    with pytest.raises(NodeError) as info:
+        table.reserve("a", [1, 2, 3], PARAMS, 0, now=QUARANTINE_S - 1)
+    assert info.value.code is ErrorCode.INVALID_ARGUMENT
+    assert used(table) == 0
+    table.expire(now=QUARANTINE_S)  # forgets the retired id
+    assert table.reserve("a", [1, 2, 3], PARAMS, 0, now=QUARANTINE_S) == [3]  # freed blocks queue last
+
+
+def test_a_late_push_never_reaches_the_blocks_of_the_next_reservation(table):
+    old = table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
+    table.reserve("filler", list(range(1, 21)), PARAMS, 0, now=0.0)  # the other 5 blocks
+    table.cancel("a")
+    new = table.reserve("b", list(range(11, 20)), PARAMS, 0, now=0.0)
+    assert sorted(new) == sorted(old) == [0, 1, 2]  # the very blocks "a" held
+    assert not table.permits.place("a", old, fail_if_written)
+    assert table.permits.place("b", new, lambda: None)
+
+
+def test_a_push_outside_its_reserved_blocks_is_dropped(table):
+    table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)  # [0, 1, 2]
+    table.reserve("b", [1, 2, 3, 4], PARAMS, 0, now=0.0)  # [3]
+    assert not table.permits.place("a", [2, 3], fail_if_written)
+    assert not table.permits.place("never-reserved", [5], fail_if_written)
+    assert table.permits.place("a", [2, 0], lambda: None)
+
+
+def test_a_cancel_waits_for_a_write_in_progress_then_frees(table):
+    block_ids = table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
+    writing, proceed = threading.Event(), threading.Event()
+    held_while_writing: list[int] = []
+
+    def slow_write() -> None:  # a chunk's scatter on the transport's thread
+        writing.set()
+        proceed.wait(10)
+        held_while_writing.append(used(table))
+
+    writer = threading.Thread(target=table.permits.place, args=("a", block_ids, slow_write))
+    writer.start()
+    assert writing.wait(10)
+    canceller = threading.Thread(target=table.cancel, args=("a",))
+    canceller.start()
+    canceller.join(0.1)  # it cannot free the blocks while the write holds the permit
+    proceed.set()
+    writer.join(10)
+    canceller.join(10)
+    assert held_while_writing == [3]
     assert used(table) == 0 and not table.has_pending()
+
+
+def test_lease_expiry_fails_the_stream_and_frees_at_once(table):
+    block_ids = table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
+    assert table.expire(now=LEASE_S - 0.1) == []
+    assert used(table) == 3
+    assert table.expire(now=LEASE_S) == ["a"]
+    assert used(table) == 0 and not table.has_pending()
+    assert not table.permits.place("a", block_ids, fail_if_written)
+    with pytest.raises(NodeError):
+        table.reserve("a", [1], PARAMS, 0, now=LEASE_S)  # the id is retired
+    assert table.expire(now=QUARANTINE_S) == []
+    assert table.reserve("a", [1], PARAMS, 0, now=QUARANTINE_S) == [3]
 
 
 def test_aborted_done_frees_a_live_reservation(table):
-    table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
+    block_ids = table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
     assert table.arrive("a", KVDone(DoneStatus.ABORTED)) == (Arrival.ABORTED, None)
     assert used(table) == 0 and not table.engine.has_unfinished()
+    assert not table.permits.place("a", block_ids, fail_if_written)
+
+
+# -- through the transport: a real push after the cancel --------------------------------
+def test_pushes_after_a_cancel_land_nowhere_even_in_reused_blocks(model):
+    pair = Pair(*model, d_blocks=9)  # "a" takes 8 of them: "b" must reuse 7 of its blocks
+    prompt_a, prompt_b = [(5 * i + 1) % 900 + 5 for i in range(32)], [(3 * i + 2) % 900 + 5 for i in range(32)]
+    ready_a = pair.reserve("a", prompt_a, PARAMS)
+    pair.prefill_from(ready_a, prompt_a, PARAMS)
+    pair.tick()
+    pair.tick()  # a's first push landed
+    pair.decode.handle(Abort("a"))
+    ready_b = pair.reserve("b", prompt_b, PARAMS)
+    assert isinstance(ready_b, Ready) and len(set(ready_b.block_ids) & set(ready_a.block_ids)) == 7
+    k_before = [k[ready_b.block_ids].clone() for k in pair.d_engine.runner.k_caches]
+    placed_before = pair.d_tx.recv_stats().transfers
+    for _ in range(100):  # P finishes "a": its pushes and done message reach D
+        if not (pair.exporter.has_pending() or pair.p_engine.has_unfinished() or pair.p_tx.pending()):
+            break
+        pair.tick()
+    assert "a" in pair.first_tokens()
+    assert pair.d_tx.recv_stats().transfers == placed_before  # dropped, every one
+    assert all(torch.equal(k[ready_b.block_ids], before)
+               for k, before in zip(pair.d_engine.runner.k_caches, k_before))
+    assert pair.table.reserved_request("b") is not None and not pair.d_engine.has_unfinished()
+    pair.prefill_from(ready_b, prompt_b, PARAMS)
+    pair.run()
+    assert not pair.failures("p") and not pair.failures("d")
+    assert pair.used_blocks() == (0, 0)
+    # "b" comes out exactly as on a pair that never saw "a".
+    fresh = Pair(*model, d_blocks=9)
+    fresh.submit("b", prompt_b, PARAMS)
+    fresh.run()
+    assert served_tokens(pair, "b") == served_tokens(fresh, "b") and len(served_tokens(fresh, "b")) == 4
+
+
+def served_tokens(pair: Pair, req_id: str) -> list[int]:
+    return [pair.first_tokens()[req_id].token_id, *(t for e in pair.decoded(req_id) for t in e.token_ids)]

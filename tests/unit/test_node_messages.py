@@ -91,7 +91,7 @@ def test_flags_can_be_added_to_another_parser():
 
 
 @pytest.mark.parametrize("bad", [dict(kind="both"), dict(port=70000), dict(router="nowhere"), dict(lease_s=0),
-                                 dict(dtype="int8"), dict(quarantine_leases=0.5)])
+                                 dict(dtype="int8"), dict(retired_id_leases=0.5)])
 def test_bad_config_names_the_field(bad):
     with pytest.raises(ValueError):
         NodeConfig(model="/m", **bad)

@@ -1,10 +1,23 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
+import struct
 
 import pytest
+import torch
 
-from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.sampler import Sampler, SamplingRow
+from pdserve.engine.sampling_params import (
+    MAX_ABS_PENALTY,
+    MAX_REPETITION_PENALTY,
+    MAX_TEMPERATURE,
+    MIN_REPETITION_PENALTY,
+    SamplingParams,
+)
+from pdserve.node.convert import params_from_proto
+from pdserve.proto import pdserve_pb2
+from pdserve.router.wire import params_to_proto, sampling_kwargs
 
 NAN = float("nan")
 INF = float("inf")
@@ -22,6 +35,8 @@ BAD_VALUES = [
     ("temperature", "1"),
     ("temperature", True),
     ("temperature", None),
+    ("temperature", 100.01),
+    ("temperature", 1e30),
     ("top_p", 0.0),
     ("top_p", -0.5),
     ("top_p", 1.01),
@@ -38,6 +53,10 @@ BAD_VALUES = [
     ("repetition_penalty", -1.0),
     ("repetition_penalty", INF),
     ("repetition_penalty", NAN),
+    ("repetition_penalty", 1e-38),  # overflows the sampler's logits to inf: NaN draws
+    ("repetition_penalty", 0.0099),
+    ("repetition_penalty", 100.5),
+    ("repetition_penalty", 1e38),
     ("presence_penalty", -2.5),
     ("presence_penalty", 2.01),
     ("presence_penalty", NAN),
@@ -101,7 +120,8 @@ def test_defaults():
     "kwargs",
     [
         dict(temperature=0.0, top_p=1.0, top_k=1, min_p=1.0, logprobs=0),
-        dict(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=1e-3),
+        dict(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.01),
+        dict(repetition_penalty=100.0, temperature=100.0),
         dict(max_tokens=1, min_tokens=1, logprobs=20, seed=-3, n=4),
         dict(top_k=10**9, top_p=1e-6, seed=2**70),
     ],
@@ -137,3 +157,62 @@ def test_frozen_hashable_and_compares_by_value():
     assert a == b and hash(a) == hash(b)
     with pytest.raises(dataclasses.FrozenInstanceError):
         a.temperature = 0.5  # type: ignore[misc]
+
+
+def test_new_bounds_are_stated_in_the_message():
+    with pytest.raises(ValueError, match=r"^repetition_penalty must be >= 0.01, got 1e-38$"):
+        SamplingParams(repetition_penalty=1e-38)
+    with pytest.raises(ValueError, match=r"^repetition_penalty must be <= 100, got 1000$"):
+        SamplingParams(repetition_penalty=1000)
+    with pytest.raises(ValueError, match=r"^temperature must be <= 100, got 250$"):
+        SamplingParams(temperature=250)
+
+
+def as_float32(value: float) -> float:
+    return struct.unpack("f", struct.pack("f", value))[0]
+
+
+def test_a_bound_sent_as_a_proto_float32_is_accepted():
+    """A client's 0.01 reaches the router and the nodes as float32 0.0099999998."""
+    sent = as_float32(MIN_REPETITION_PENALTY)
+    assert sent < MIN_REPETITION_PENALTY
+    assert SamplingParams(repetition_penalty=sent).repetition_penalty == sent
+    # The router's request and its message to the nodes both carry float32.
+    request = pdserve_pb2.SamplingParams(repetition_penalty=MIN_REPETITION_PENALTY, temperature=MAX_TEMPERATURE)
+    at_router = SamplingParams(**sampling_kwargs(request))
+    at_node = params_from_proto(params_to_proto(at_router), seed=1)
+    assert (at_node.repetition_penalty, at_node.temperature) == (sent, MAX_TEMPERATURE)
+    below = as_float32(0.00999)
+    with pytest.raises(ValueError, match=r"^repetition_penalty must be >= 0.01, got 0.00999$"):
+        SamplingParams(repetition_penalty=below)
+
+
+# Every extreme the bounds admit, at once; the sampler must stay finite under each.
+EXTREMES = [
+    SamplingParams(temperature=t, repetition_penalty=r, presence_penalty=p, frequency_penalty=f, min_tokens=10,
+                   top_p=top_p, seed=7)
+    for t, r, p, f, top_p in itertools.product(
+        (1e-9, MAX_TEMPERATURE), (MIN_REPETITION_PENALTY, MAX_REPETITION_PENALTY),
+        (-MAX_ABS_PENALTY, MAX_ABS_PENALTY), (-MAX_ABS_PENALTY, MAX_ABS_PENALTY), (1e-6, 1.0))
+]
+
+
+def test_the_sampler_stays_finite_at_every_admitted_extreme():
+    """Logits as large as a real model's, every token seen (prompt and output), eos masked by
+    min_tokens: processed logits are finite where not masked, and the draw follows them (a NaN
+    row would fall through to the last vocabulary id)."""
+    vocab, eos = 64, 0
+    generator = torch.Generator().manual_seed(0)
+    logits = torch.randn(1, vocab, generator=generator) * 40  # [1, vocab]
+    prompt = list(range(vocab)) * 4
+    output = [5, 5, 5, 9, 9, 63]  # fewer than min_tokens: eos stays masked
+    sampler = Sampler([eos])
+    for params in EXTREMES:
+        rows = [SamplingRow(params, prompt, output, seed=params.seed)]
+        processed = sampler.process_logits(logits, rows)  # [1, vocab]
+        assert processed[0, eos] == float("-inf")
+        assert torch.isfinite(processed[0, 1:]).all(), params
+        token = sampler(logits, rows).token_ids[0]
+        assert token != eos and 0 < token < vocab, params
+        if params.temperature < 1e-5 or params.top_p < 1e-3:  # one-hot: the draw is the argmax
+            assert token == int(processed[0].argmax()), params

@@ -1,0 +1,144 @@
+"""The colocated core's admission: the node's queue bounds, then the engine's own refusals.
+
+A real tiny engine with the colocated handler in one process; the test plays the front
+(messages in) and the core loop (step, after_step). `--max-waiting-requests` bounds the
+requests not yet scheduled, `--max-queued-tokens` the tokens not yet computed (prompt
+and resumed tokens alike); beyond either the handler answers RESOURCE_EXHAUSTED at once
+and the engine never sees the request. What was admitted comes out token-exact, and
+every block is free afterwards.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+from pdserve.colocated_node.core import ColocatedCore, make_handler
+from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.model_factory import make_model
+from pdserve.engine.model_loader import load_model
+from pdserve.engine.policy import ColocatedPolicy
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node.config import NodeConfig, parse_node_args
+from pdserve.node.errors import ErrorCode
+from pdserve.node.messages import Abort, DecodeSubmit, Message, RequestFailed, Tokens
+from pdserve.node.stats import QueueBounds
+
+from ..integration.reference import assert_matches, greedy_references
+from .node_pair import engine_config
+
+NUM_BLOCKS = 64
+GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    model_dir = make_model(tmp_path_factory.mktemp("tiny"), "llama", "tiny", dtype=torch.float32)
+    return str(model_dir), load_model(model_dir, torch.float32)
+
+
+def prompt(n: int, salt: int = 0) -> list[int]:
+    return [(11 * i + 5 + salt) % 900 + 3 for i in range(n)]
+
+
+class Node:
+    """A colocated core handler over a real engine; `out` collects what it emits."""
+
+    def __init__(self, model, bounds: QueueBounds) -> None:
+        model_dir, loaded = model
+        self.engine = EngineCore(engine_config(model_dir, NUM_BLOCKS, budget=16), ColocatedPolicy(), loaded)
+        self.out: list[Message] = []
+        self.core = ColocatedCore(self.engine, self.out.append, bounds)
+
+    def submit(self, req_id: str, tokens: list[int], resumed: list[int] | None = None) -> RequestFailed | None:
+        """The handler's immediate answer: a refusal, or None (admitted, nothing emitted yet)."""
+        self.core.handle(DecodeSubmit(req_id, tokens, GREEDY, 0, resumed_token_ids=resumed or []))
+        if not self.out:
+            return None
+        reply = self.out.pop()
+        assert isinstance(reply, RequestFailed) and reply.req_id == req_id and not self.out
+        return reply
+
+    def run(self) -> dict[str, list[int]]:
+        while self.engine.has_unfinished():
+            self.core.after_step(self.engine.step())
+        streamed: dict[str, list[int]] = {}
+        for msg in self.out:
+            assert isinstance(msg, Tokens)
+            streamed.setdefault(msg.req_id, []).extend(msg.token_ids)
+        self.out.clear()
+        return streamed
+
+    def used_blocks(self) -> int:
+        return self.engine.kv.pool.num_used_blocks
+
+
+def refusal(reply: RequestFailed | None) -> tuple[ErrorCode, str] | None:
+    return None if reply is None else (reply.code, reply.message)
+
+
+def test_beyond_max_waiting_requests_is_refused_at_once(model):
+    node = Node(model, QueueBounds(max_waiting_requests=2, max_queued_tokens=10_000))
+    prompts = {"a": prompt(9), "b": prompt(6, 1), "c": prompt(7, 2)}
+    assert node.submit("a", prompts["a"]) is None
+    assert node.submit("b", prompts["b"]) is None
+    assert refusal(node.submit("c", prompts["c"])) == (ErrorCode.RESOURCE_EXHAUSTED,
+                                                       "queue full: 2 requests waiting (limit 2)")
+    assert len(node.engine.scheduler.waiting) == 2  # the refused request never reached the engine
+
+    streamed = node.run()
+    assert sorted(streamed) == ["a", "b"]
+    assert_matches([streamed["a"], streamed["b"]],
+                   greedy_references(model[0], [prompts["a"], prompts["b"]], [GREEDY.max_tokens] * 2))
+    assert node.used_blocks() == 0
+
+    # Once the queue drained the same request is admitted.
+    assert node.submit("c", prompts["c"]) is None
+    assert len(node.run()["c"]) == GREEDY.max_tokens
+    assert node.used_blocks() == 0
+
+
+def test_beyond_max_queued_tokens_is_refused_and_resumed_tokens_count(model):
+    node = Node(model, QueueBounds(max_waiting_requests=100, max_queued_tokens=20))
+    assert node.submit("a", prompt(12)) is None
+    assert refusal(node.submit("b", prompt(9, 1))) == (
+        ErrorCode.RESOURCE_EXHAUSTED, "queue full: 12 tokens to compute, this request adds 9 (limit 20)")
+    # A resume recomputes prompt + resumed tokens: 6 + 4.
+    assert refusal(node.submit("c", prompt(6, 2), resumed=[7, 8, 9, 10])) == (
+        ErrorCode.RESOURCE_EXHAUSTED, "queue full: 12 tokens to compute, this request adds 10 (limit 20)")
+    assert node.submit("d", prompt(8, 3)) is None  # 12 + 8 is exactly the bound
+    assert sorted(node.run()) == ["a", "d"]
+    assert node.used_blocks() == 0
+
+
+def test_a_prompt_longer_than_the_token_bound_waits_for_an_idle_node(model):
+    node = Node(model, QueueBounds(max_waiting_requests=100, max_queued_tokens=8))
+    assert node.submit("long", prompt(30)) is None  # nothing queued: admitted, never refused forever
+    assert refusal(node.submit("short", prompt(2, 1)))[0] is ErrorCode.RESOURCE_EXHAUSTED
+    assert len(node.run()["long"]) == GREEDY.max_tokens
+    assert node.submit("short", prompt(2, 1)) is None
+    assert sorted(node.run()) == ["short"]
+    assert node.used_blocks() == 0
+
+
+def test_an_aborted_request_leaves_the_queue_and_frees_its_blocks(model):
+    node = Node(model, QueueBounds(max_waiting_requests=1, max_queued_tokens=10_000))
+    assert node.submit("a", prompt(20)) is None
+    node.core.after_step(node.engine.step())  # part of the prompt computed, blocks held
+    assert node.used_blocks() > 0
+    node.core.handle(Abort("a"))
+    assert node.used_blocks() == 0 and not node.engine.has_unfinished()
+    assert node.submit("b", prompt(4, 1)) is None
+    assert sorted(node.run()) == ["b"]
+
+
+def test_the_node_flags_reach_the_colocated_handler(model):
+    config = parse_node_args(["--model", model[0], "--max-waiting-requests", "3", "--max-queued-tokens", "50"],
+                             "colocated", {})
+    assert (config.max_waiting_requests, config.max_queued_tokens) == (3, 50)
+    node = Node(model, QueueBounds(1, 1))
+    handler = make_handler(config, node.engine, None, None, node.out.append)
+    assert handler.bounds == QueueBounds(max_waiting_requests=3, max_queued_tokens=50)
+    defaults = NodeConfig(model=model[0], kind="colocated")
+    assert make_handler(defaults, node.engine, None, None, node.out.append).bounds == QueueBounds(
+        defaults.max_waiting_requests, defaults.max_queued_tokens)
