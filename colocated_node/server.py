@@ -17,11 +17,9 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.node.client import CoreClient
-from pdserve.node.convert import tokens_to_proto
 from pdserve.node.core import CoreHooks
-from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
-from pdserve.node.messages import RequestFailed, Tokens
-from pdserve.node.server import answer_stats, decode_submit, run_node
+from pdserve.node.errors import NodeError, abort_rpc
+from pdserve.node.server import answer_stats, decode_submit, run_node, stream_events
 from pdserve.proto import node_pb2, node_pb2_grpc
 
 HOOKS = CoreHooks("pdserve.colocated_node.core", uses_kv_transport=False)
@@ -35,26 +33,10 @@ class ColocatedServicer(node_pb2_grpc.ColocatedNodeServicer):
                        context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.DecodeEvent]:
         try:
             submit = decode_submit(request)
-            queue = self.client.open_stream(submit.req_id)
         except NodeError as exc:
             await abort_rpc(context, exc)
-        ended = False
-        try:
-            self.client.send(submit)
-            while not ended:
-                msg = await queue.get()
-                if isinstance(msg, RequestFailed):
-                    ended = True
-                    await abort_rpc(context, NodeError(msg.code, msg.message))
-                if not isinstance(msg, Tokens):
-                    ended = True
-                    await abort_rpc(context, NodeError(ErrorCode.INTERNAL, f"unexpected {type(msg).__name__}"))
-                ended = msg.finish_reason is not None
-                yield node_pb2.DecodeEvent(tokens=tokens_to_proto(msg))
-        finally:
-            self.client.close_stream(submit.req_id)
-            if not ended:
-                self.client.abort(submit.req_id)
+        async for event in stream_events(self.client, context, submit):
+            yield event
 
     async def GetStats(self, request: node_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
         return await answer_stats(self.client, context)

@@ -19,7 +19,7 @@ import os
 import signal
 import sys
 import time
-from collections.abc import Callable
+from collections.abc import AsyncIterator, Callable
 
 import grpc
 import uvloop
@@ -30,10 +30,10 @@ from pdserve.metrics_endpoint import MetricsEndpoint
 from pdserve.node.affinity import pin_to_cpus
 from pdserve.node.client import CoreClient
 from pdserve.node.config import NodeConfig, parse_node_args
-from pdserve.node.convert import params_from_proto, stats_to_proto
+from pdserve.node.convert import params_from_proto, stats_to_proto, tokens_to_proto
 from pdserve.node.core import CoreHooks
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
-from pdserve.node.messages import DecodeSubmit
+from pdserve.node.messages import DecodeSubmit, Ready, RequestFailed, Tokens
 from pdserve.node.metrics import serve_node_metrics
 from pdserve.node.registration import run_registration
 from pdserve.proto import node_pb2
@@ -131,6 +131,40 @@ def decode_submit(request: node_pb2.DecodeRequest) -> DecodeSubmit:
     params = request_params(request)
     return DecodeSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
                         sample_index=request.sample_index, resumed_token_ids=list(request.resumed_token_ids))
+
+
+async def stream_events(client: CoreClient, context: grpc.aio.ServicerContext,
+                        submit: DecodeSubmit) -> AsyncIterator[node_pb2.DecodeEvent]:
+    """A decode or colocated request's core messages as `DecodeEvent`s, until its last token.
+
+    A `RequestFailed` aborts the call with its code; a call that ends before the last
+    token (cancel, deadline, a client gone) aborts the request in the core.
+    """
+    try:
+        queue = client.open_stream(submit.req_id)
+    except NodeError as exc:
+        await abort_rpc(context, exc)
+    ended = False
+    try:
+        client.send(submit)
+        while not ended:
+            msg = await queue.get()
+            if isinstance(msg, RequestFailed):
+                ended = True
+                await abort_rpc(context, NodeError(msg.code, msg.message))
+            if isinstance(msg, Ready):
+                yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_descriptor=msg.kv_descriptor.encode(),
+                                                                block_ids=msg.block_ids))
+            elif isinstance(msg, Tokens):
+                ended = msg.finish_reason is not None
+                yield node_pb2.DecodeEvent(tokens=tokens_to_proto(msg))
+            else:
+                ended = True
+                await abort_rpc(context, NodeError(ErrorCode.INTERNAL, f"unexpected {type(msg).__name__}"))
+    finally:
+        client.close_stream(submit.req_id)
+        if not ended:
+            client.abort(submit.req_id)
 
 
 async def answer_stats(client: CoreClient, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
