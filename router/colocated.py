@@ -29,12 +29,12 @@ from collections.abc import Callable
 import grpc
 
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
-from pdserve.router.errors import (DeadlineExceeded, NodeFailed, NoNodeAvailable, Overloaded, RouterError,
+from pdserve.router.errors import (NodeFailed, NoNodeAvailable, Overloaded, RouterError,
                                    from_node_error)
 from pdserve.router.placement import Candidate, ColocatedPlacement
 from pdserve.router.registry import NodeEntry, NodeKind
 from pdserve.router.relay import TokenRelay
-from pdserve.router.sample import NODE_LOST_CODES, RecoveryBudget, RouterState, SampleSpec
+from pdserve.router.sample import NODE_LOST_CODES, RecoveryBudget, RouterState, SampleSpec, attempt_ids
 from pdserve.router.wire import params_to_proto
 
 log = logging.getLogger(__name__)
@@ -51,12 +51,11 @@ class ColocatedRun:
         self._relay = TokenRelay(spec.request, spec.index, state.model, spec.received_at, state.clock, emit)
         self._budget = RecoveryBudget(state.config.max_resumes, state.config.max_prefill_retries)
         self._lost: dict[str, RouterError] = {}  # by node id: nodes lost during this sample, and how
-        self._attempts = 0
 
     async def run(self) -> None:
-        while True:
+        for req_id in attempt_ids(self._spec.node_req_id):
             try:
-                await self._attempt(self._next_req_id())
+                await self._attempt(req_id)
                 return
             except _NodeLost as lost:
                 await self._recover(lost)
@@ -70,22 +69,11 @@ class ColocatedRun:
 
     # -- recovery -----------------------------------------------------------------------
 
-    def _next_req_id(self) -> str:
-        # A new id per attempt, as for disaggregated samples: ids never repeat on a node.
-        req_id = self._spec.node_req_id if not self._attempts else f"{self._spec.node_req_id}~{self._attempts}"
-        self._attempts += 1
-        return req_id
-
     async def _recover(self, lost: _NodeLost) -> None:
         """Allow another attempt (a resume once tokens were streamed, else a retry) or raise."""
         await self._probe(lost.entry)
         decoding = bool(self._relay.streamed_token_ids)
-        what = "resume" if decoding else "retry"
-        if not self._budget.spend(decoding):
-            raise type(lost.error)(f"{lost.error} (no {what} left for this sample)") from lost
-        remaining = self._remaining()
-        if remaining is not None and remaining <= 0:
-            raise DeadlineExceeded(f"the deadline passed while recovering from: {lost.error}") from lost
+        what = self._budget.allow(decoding, lost.error, self._remaining(), lost)
         log.warning("sample %s: %s on another colocated node after %d streamed tokens: %s", self._spec.node_req_id,
                     what, len(self._relay.streamed_token_ids), lost.error)
 

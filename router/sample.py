@@ -32,10 +32,11 @@ registry beyond marking a node suspect.
 from __future__ import annotations
 
 import asyncio
+import itertools
 import logging
 import math
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 
 import grpc
@@ -108,6 +109,24 @@ class RecoveryBudget:
         self.retries += 1
         return self.retries <= self.max_retries
 
+    def allow(self, decoding: bool, error: RouterError, remaining_s: float | None, cause: BaseException) -> str:
+        """Count one recovery and name it ("resume" or "retry"); raise `error`'s kind once
+        the budget is spent, or DeadlineExceeded once the deadline has passed."""
+        what = "resume" if decoding else "retry"
+        if not self.spend(decoding):
+            raise type(error)(f"{error} (no {what} left for this sample)") from cause
+        if remaining_s is not None and remaining_s <= 0:
+            raise DeadlineExceeded(f"the deadline passed while recovering from: {error}") from cause
+        return what
+
+
+def attempt_ids(node_req_id: str) -> Iterator[str]:
+    """The node request id of each attempt: the sample's own, then "<id>~<n>". Ids never
+    repeat on a node (a decode node refuses a retired id for a while)."""
+    yield node_req_id
+    for n in itertools.count(1):
+        yield f"{node_req_id}~{n}"
+
 
 @dataclass(frozen=True, slots=True)
 class DecodeLeg:
@@ -123,12 +142,11 @@ class SampleRun:
         self._relay = TokenRelay(spec.request, spec.index, state.model, spec.received_at, state.clock, emit)
         self._budget = RecoveryBudget(state.config.max_resumes, state.config.max_prefill_retries)
         self._excluded: dict[str, NodeEntry] = {}  # by node id: nodes lost during this sample
-        self._attempts = 0
 
     async def run(self) -> None:
-        while True:
+        for req_id in attempt_ids(self._spec.node_req_id):
             try:
-                await self._attempt(self._next_req_id())
+                await self._attempt(req_id)
                 return
             except NodeLost as lost:
                 await self._recover(lost)
@@ -148,12 +166,6 @@ class SampleRun:
 
     # -- recovery -----------------------------------------------------------------------
 
-    def _next_req_id(self) -> str:
-        # A new id per attempt: a decode node refuses the last attempt's (retired) id for a while.
-        req_id = self._spec.node_req_id if not self._attempts else f"{self._spec.node_req_id}~{self._attempts}"
-        self._attempts += 1
-        return req_id
-
     async def _recover(self, lost: NodeLost) -> None:
         """Probe the nodes involved, then allow another attempt or raise the loss's error."""
         registry, timeout = self._state.registry, self._bounded(self._state.config.failure_probe_timeout_s)
@@ -161,12 +173,7 @@ class SampleRun:
         for entry, alive in zip(lost.involved, answered):
             if not alive:
                 self._excluded[entry.node_id] = entry
-        what = "resume" if lost.decoding else "retry"
-        if not self._budget.spend(lost.decoding):
-            raise type(lost.error)(f"{lost.error} (no {what} left for this sample)") from lost
-        remaining = self._remaining()
-        if remaining is not None and remaining <= 0:
-            raise DeadlineExceeded(f"the deadline passed while recovering from: {lost.error}") from lost
+        what = self._budget.allow(lost.decoding, lost.error, self._remaining(), lost)
         log.warning("sample %s: %s after %d streamed tokens: %s", self._spec.node_req_id, what,
                     len(self._relay.streamed_token_ids), lost.error)
 
