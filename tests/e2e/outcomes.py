@@ -7,6 +7,7 @@ came before), and the check every one of those tests ends with: no node holds a 
 from __future__ import annotations
 
 import asyncio
+import random
 import time
 from dataclasses import dataclass, field
 
@@ -62,3 +63,26 @@ def wait_idle(cluster: Cluster, timeout_s: float = IDLE_TIMEOUT_S) -> list[node_
 def held_blocks(stats: list[node_pb2.NodeStats]) -> list[tuple[str, int, int]]:
     """(kind, used, reserved) per node: what a test asserts is all zeros."""
     return [(s.kind, s.used_blocks, s.reserved_blocks) for s in stats]
+
+
+def random_prompt(n: int, seed: int) -> list[int]:
+    rng = random.Random(seed)
+    return [rng.randrange(1, 900) for _ in range(n)]
+
+
+def greedy_params(max_tokens: int) -> pdserve_pb2.SamplingParams:
+    return pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
+
+
+def decode_request(seed: int, req_id: str, tokens: list[int], max_tokens: int) -> node_pb2.DecodeRequest:
+    """A greedy DecodeRequest as the router would send it, for tests that play the router."""
+    return node_pb2.DecodeRequest(request_id=req_id, prompt_token_ids=tokens, sampling_params=greedy_params(max_tokens),
+                                  seed=seed)
+
+
+def prefill_request(seed: int, req_id: str, tokens: list[int], max_tokens: int,
+                    ready: node_pb2.Ready) -> node_pb2.PrefillRequest:
+    """The PrefillRequest that fills `ready`'s blocks."""
+    return node_pb2.PrefillRequest(request_id=req_id, prompt_token_ids=tokens,
+                                   sampling_params=greedy_params(max_tokens), seed=seed,
+                                   decode_kv_descriptor=ready.kv_descriptor, decode_block_ids=ready.block_ids)

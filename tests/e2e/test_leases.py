@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import asyncio
 import os
-import random
 import signal
 import time
 
@@ -22,10 +21,10 @@ import torch
 
 from pdserve.bench.local_cluster import NodeSettings, running_cluster
 from pdserve.engine.model_factory import make_model
-from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
+from pdserve.proto import node_pb2, node_pb2_grpc
 
 from ..integration.reference import assert_matches, greedy_references
-from .outcomes import held_blocks, wait_idle
+from .outcomes import decode_request, held_blocks, prefill_request, random_prompt, wait_idle
 
 BLOCK_SIZE = 8
 LEASE_S = 1.5
@@ -45,26 +44,6 @@ def cluster(model_dir):
         yield cluster
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 900) for _ in range(n)]
-
-
-def params(max_tokens: int) -> pdserve_pb2.SamplingParams:
-    return pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def decode_request(req_id: str, tokens: list[int], max_tokens: int) -> node_pb2.DecodeRequest:
-    return node_pb2.DecodeRequest(request_id=req_id, prompt_token_ids=tokens, sampling_params=params(max_tokens),
-                                  seed=SEED)
-
-
-def prefill_request(req_id: str, tokens: list[int], max_tokens: int, ready: node_pb2.Ready) -> node_pb2.PrefillRequest:
-    return node_pb2.PrefillRequest(request_id=req_id, prompt_token_ids=tokens, sampling_params=params(max_tokens),
-                                   seed=SEED, decode_kv_descriptor=ready.kv_descriptor,
-                                   decode_block_ids=ready.block_ids)
-
-
 async def stream_status(call) -> grpc.StatusCode:
     """Read a Decode stream to its end; its status."""
     try:
@@ -77,9 +56,9 @@ async def stream_status(call) -> grpc.StatusCode:
 
 async def play_router(cluster, req_id: str, tokens: list[int], max_tokens: int) -> list[int]:
     async with grpc.aio.insecure_channel(cluster.decode[0]) as d, grpc.aio.insecure_channel(cluster.prefill[0]) as p:
-        call = node_pb2_grpc.DecodeNodeStub(d).Decode(decode_request(req_id, tokens, max_tokens), timeout=60)
+        call = node_pb2_grpc.DecodeNodeStub(d).Decode(decode_request(SEED, req_id, tokens, max_tokens), timeout=60)
         ready = (await call.read()).ready
-        reply = await node_pb2_grpc.PrefillNodeStub(p).Prefill(prefill_request(req_id, tokens, max_tokens, ready),
+        reply = await node_pb2_grpc.PrefillNodeStub(p).Prefill(prefill_request(SEED, req_id, tokens, max_tokens, ready),
                                                                timeout=60)
         out = [reply.first_token_id]
         while (event := await call.read()) is not grpc.aio.EOF:
@@ -92,11 +71,12 @@ def node_stats(cluster, kind: str) -> node_pb2.NodeStats:
 
 
 def test_a_reservation_whose_kv_never_comes_ends_deadline_exceeded_and_is_freed(cluster):
-    tokens = prompt(40, 1)
+    tokens = random_prompt(40, 1)
 
     async def scenario():
         async with grpc.aio.insecure_channel(cluster.decode[0]) as channel:
-            call = node_pb2_grpc.DecodeNodeStub(channel).Decode(decode_request("never-fed", tokens, 8), timeout=60)
+            request = decode_request(SEED, "never-fed", tokens, 8)
+            call = node_pb2_grpc.DecodeNodeStub(channel).Decode(request, timeout=60)
             ready = (await call.read()).ready
             held = await asyncio.to_thread(node_stats, cluster, "decode")
             return ready, held, await stream_status(call)
@@ -109,19 +89,19 @@ def test_a_reservation_whose_kv_never_comes_ends_deadline_exceeded_and_is_freed(
 
 
 def test_a_prefill_never_acknowledged_by_a_frozen_decode_node_fails_and_frees_its_blocks(cluster, model_dir):
-    warm, tokens = prompt(20, 2), prompt(40, 3)
+    warm, tokens = random_prompt(20, 2), random_prompt(40, 3)
     decode_group = cluster.pids["decode-0"]
 
     async def scenario():
         await play_router(cluster, "warm-up", warm, 4)  # the prefill node is connected to the decode node
         async with grpc.aio.insecure_channel(cluster.decode[0]) as d, \
                 grpc.aio.insecure_channel(cluster.prefill[0]) as p:
-            call = node_pb2_grpc.DecodeNodeStub(d).Decode(decode_request("unacked", tokens, 8), timeout=60)
+            call = node_pb2_grpc.DecodeNodeStub(d).Decode(decode_request(SEED, "unacked", tokens, 8), timeout=60)
             ready = (await call.read()).ready
             os.killpg(decode_group, signal.SIGSTOP)
             try:
                 try:
-                    await node_pb2_grpc.PrefillNodeStub(p).Prefill(prefill_request("unacked", tokens, 8, ready),
+                    await node_pb2_grpc.PrefillNodeStub(p).Prefill(prefill_request(SEED, "unacked", tokens, 8, ready),
                                                                    timeout=60)
                     prefill_code = grpc.StatusCode.OK
                 except grpc.aio.AioRpcError as exc:
@@ -139,7 +119,7 @@ def test_a_prefill_never_acknowledged_by_a_frozen_decode_node_fails_and_frees_it
     assert prefill_after.kv_transfer.failures >= 1
     assert held_blocks(wait_idle(cluster)) == [("prefill", 0, 0), ("decode", 0, 0)]
 
-    again = prompt(30, 4)
+    again = random_prompt(30, 4)
     out = asyncio.run(play_router(cluster, "after-the-thaw", again, 6))
     assert_matches([out], greedy_references(model_dir, [again], [6]))
     assert held_blocks(wait_idle(cluster)) == [("prefill", 0, 0), ("decode", 0, 0)]

@@ -19,17 +19,16 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import random
 import time
 
 import grpc
 import pytest
 import torch
 from pdserve.engine.model_factory import make_model
-from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2_grpc
 
 from tests.e2e.fault_cluster import FaultCluster, FaultSettings
-from tests.e2e.outcomes import greedy_request, outcome_of
+from tests.e2e.outcomes import decode_request, greedy_request, outcome_of, prefill_request, random_prompt
 from tests.integration.reference import assert_matches, greedy_references
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
@@ -55,26 +54,6 @@ def cluster(model_dir, tmp_path_factory):
         yield running
 
 
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 900) for _ in range(n)]
-
-
-def params(max_tokens: int) -> pdserve_pb2.SamplingParams:
-    return pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
-
-
-def decode_request(req_id: str, tokens: list[int], max_tokens: int) -> node_pb2.DecodeRequest:
-    return node_pb2.DecodeRequest(request_id=req_id, prompt_token_ids=tokens, sampling_params=params(max_tokens),
-                                  seed=SEED)
-
-
-def prefill_request(req_id: str, tokens: list[int], max_tokens: int, ready: node_pb2.Ready) -> node_pb2.PrefillRequest:
-    return node_pb2.PrefillRequest(request_id=req_id, prompt_token_ids=tokens, sampling_params=params(max_tokens),
-                                   seed=SEED, decode_kv_descriptor=ready.kv_descriptor,
-                                   decode_block_ids=ready.block_ids)
-
-
 def held(stats: node_pb2.NodeStats) -> tuple[int, int]:
     return stats.used_blocks, stats.reserved_blocks
 
@@ -98,23 +77,23 @@ def prefill_load(cluster: FaultCluster) -> int:
 
 
 def test_a_reservation_cancelled_before_any_prefill_is_freed_at_once(cluster, model_dir):
-    tokens = prompt(40, seed=1)
+    tokens = random_prompt(40, seed=1)
 
     async def scenario():
         async with grpc.aio.insecure_channel(cluster.address("decode-0")) as d, \
                 grpc.aio.insecure_channel(cluster.address("prefill-0")) as p:
             decode = node_pb2_grpc.DecodeNodeStub(d)
-            call = decode.Decode(decode_request("no-prefill", tokens, 8), timeout=60)
+            call = decode.Decode(decode_request(SEED, "no-prefill", tokens, 8), timeout=60)
             ready = (await call.read()).ready
             reserved = await asyncio.to_thread(cluster.stats, "decode-0")
             call.cancel()  # what the router does when it sends no Prefill
             freed = await asyncio.to_thread(cluster.wait_no_blocks, FREED_S)
             placed = (await asyncio.to_thread(cluster.stats, "decode-0")).kv_transfer.transfers
-            late = await node_pb2_grpc.PrefillNodeStub(p).Prefill(prefill_request("no-prefill", tokens, 8, ready),
+            late = await node_pb2_grpc.PrefillNodeStub(p).Prefill(prefill_request(SEED, "no-prefill", tokens, 8, ready),
                                                                   timeout=60)
             after = await asyncio.to_thread(cluster.stats, "decode-0")
             try:
-                await decode.Decode(decode_request("no-prefill", tokens, 8), timeout=60).read()
+                await decode.Decode(decode_request(SEED, "no-prefill", tokens, 8), timeout=60).read()
                 reuse = grpc.StatusCode.OK
             except grpc.aio.AioRpcError as exc:
                 reuse = exc.code()
@@ -131,8 +110,9 @@ def test_a_reservation_cancelled_before_any_prefill_is_freed_at_once(cluster, mo
 
 
 def test_a_request_every_prefill_node_refuses_leaves_no_reservation_behind(cluster, model_dir):
-    admitted_prompts = [prompt(LONG_PROMPT, seed=10 + i) for i in range(4)]  # 2 prefill nodes x (1 running + 1 waiting)
-    refused_prompt = prompt(24, seed=20)
+    # 2 prefill nodes x (1 running + 1 waiting)
+    admitted_prompts = [random_prompt(LONG_PROMPT, seed=10 + i) for i in range(4)]
+    refused_prompt = random_prompt(24, seed=20)
 
     async def scenario():
         async with grpc.aio.insecure_channel(cluster.router) as channel:
@@ -155,7 +135,7 @@ def test_a_request_every_prefill_node_refuses_leaves_no_reservation_behind(clust
 
 
 def test_a_prefill_node_killed_mid_transfer_is_retried_and_its_reservation_freed_at_once(cluster, model_dir):
-    tokens = prompt(LONG_PROMPT, seed=2)
+    tokens = random_prompt(LONG_PROMPT, seed=2)
     ref = greedy_references(model_dir, [tokens], [12])
     placed_before = cluster.stats("decode-0").kv_transfer.transfers
 
