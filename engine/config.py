@@ -6,14 +6,20 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.dtype_choice import DTYPE_NAMES, resolve_dtype
+
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+MODEL_IMPLS = ("auto", "native", "transformers")
 ATTENTION_BACKENDS = ("fast", "reference")
 
 
 @dataclass(frozen=True)
 class EngineConfig:
     model: str
-    dtype: str = "bfloat16"
+    # "auto" becomes the machine's fastest native dtype at construction (see dtype_choice).
+    dtype: str = "auto"
+    # "auto": the native forward for the Llama family, transformers for every other model.
+    model_impl: str = "auto"
     block_size: int = 16
     # KV capacity: an explicit block count wins over the memory budget.
     num_blocks: int | None = None
@@ -31,7 +37,10 @@ class EngineConfig:
     seed: int = 0
 
     def __post_init__(self) -> None:
-        _require(self.dtype in DTYPES, "dtype", f"must be one of {sorted(DTYPES)}, got {self.dtype!r}")
+        _require(self.dtype in DTYPE_NAMES, "dtype", f"must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        # Resolved once, here, so every reader (KV cache, fingerprint, logs) sees the same dtype.
+        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
+        _require(self.model_impl in MODEL_IMPLS, "model_impl", f"must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", f"must be >= 1, got {self.num_blocks}")
         _require(self.kv_cache_bytes > 0, "kv_cache_bytes", f"must be > 0, got {self.kv_cache_bytes}")

@@ -45,7 +45,7 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.torch_dtype)
+        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.model_impl)
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
         num_blocks = config.num_blocks or max(
             1, config.kv_cache_bytes // kv_block_bytes(self.loaded, config.block_size, config.torch_dtype)

@@ -1,14 +1,16 @@
-"""Load a causal LM from disk with transformers itself, wired to the engine's attention.
+"""Load a causal LM from disk, on the native Llama-family forward or on transformers itself,
+either way wired to the engine's paged attention.
 
-Owns: reading a model directory (weights, config, tokenizer, generation config),
-refusing configs the engine cannot serve exactly, and the shape facts the KV cache
-is sized from (`num_layers`, `num_kv_heads`, `head_dim`, ...). It never edits the
+Owns: reading a model directory (weights, config, tokenizer, generation config), choosing
+the implementation (`model_impl`), refusing configs the engine cannot serve exactly, and the
+shape facts the KV cache is sized from (`num_layers`, `num_kv_heads`, `head_dim`, ...). It never edits the
 files on disk and never reaches the network (`local_files_only`).
 """
 
 from __future__ import annotations
 
 import copy
+import logging
 import os
 from dataclasses import dataclass
 from pathlib import Path
@@ -18,13 +20,20 @@ from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, Genera
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from pdserve.engine.attention import register_paged_attention
+from pdserve.engine.config import MODEL_IMPLS
+from pdserve.engine.models import CausalLM
+from pdserve.engine.models.hf import TransformersCausalLM
+from pdserve.engine.models.llama import load_native_llama, unsupported_reason
+
+log = logging.getLogger(__name__)
 
 REFERENCE_ATTENTION = "sdpa"
 
 
 @dataclass(frozen=True)
 class LoadedModel:
-    model: torch.nn.Module  # eval mode, no grad, attention = the engine's paged attention
+    model: CausalLM  # eval mode, no grad, writing and reading the engine's paged KV cache
+    impl: str  # "native" or "transformers": which implementation runs it
     tokenizer: PreTrainedTokenizerBase
     config: PretrainedConfig
     eos_token_ids: list[int]
@@ -35,30 +44,54 @@ class LoadedModel:
     max_model_len: int
 
 
-def load_model(model_dir: str | os.PathLike, dtype: torch.dtype | str) -> LoadedModel:
-    """Load weights, tokenizer and config; switch attention to the paged kernels."""
+def load_model(model_dir: str | os.PathLike, dtype: torch.dtype | str, impl: str = "auto") -> LoadedModel:
+    """Load weights, tokenizer and config with the chosen implementation (see choose_impl)."""
     path = Path(model_dir)
     config = AutoConfig.from_pretrained(path, local_files_only=True)
     check_servable(config)
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=_as_dtype(dtype), local_files_only=True)
-    try:
-        model.set_attn_implementation(register_paged_attention())
-    except (ValueError, NotImplementedError) as exc:
-        raise ValueError(f"{path}: model class {type(model).__name__} cannot use a custom attention: {exc}") from exc
+    impl = choose_impl(path, config, impl)
+    torch_dtype = _as_dtype(dtype)
+    if impl == "native":
+        model = load_native_llama(path, config, torch_dtype)
+    else:
+        model = TransformersCausalLM(_load_transformers(path, torch_dtype))
     model.eval().requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
-    text = model.config.get_text_config()
+    text = config.get_text_config()
     return LoadedModel(
         model=model,
+        impl=impl,
         tokenizer=tokenizer,
-        config=model.config,
-        eos_token_ids=_eos_token_ids(path, model.config, tokenizer),
+        config=config,
+        eos_token_ids=_eos_token_ids(path, config, tokenizer),
         num_layers=text.num_hidden_layers,
         num_kv_heads=_num_kv_heads(text),
         head_dim=_head_dim(text),
         vocab_size=text.vocab_size,
         max_model_len=text.max_position_embeddings,
     )
+
+
+def choose_impl(path: Path, config: PretrainedConfig, impl: str) -> str:
+    """`auto`: the native forward where the architecture has one, else transformers."""
+    if impl not in MODEL_IMPLS:
+        raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {impl!r}")
+    reason = unsupported_reason(path, config)
+    if impl == "native" and reason is not None:
+        raise ValueError(f"model_impl native cannot run {path}: {reason}")
+    if impl == "auto":
+        impl = "transformers" if reason is not None else "native"
+        log.info("model %s runs on the %s implementation%s", path.name, impl, f" ({reason})" if reason else "")
+    return impl
+
+
+def _load_transformers(path: Path, dtype: torch.dtype) -> torch.nn.Module:
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+    try:
+        model.set_attn_implementation(register_paged_attention())
+    except (ValueError, NotImplementedError) as exc:
+        raise ValueError(f"{path}: model class {type(model).__name__} cannot use a custom attention: {exc}") from exc
+    return model
 
 
 def load_reference_model(model_dir: str | os.PathLike, dtype: torch.dtype | str) -> torch.nn.Module:

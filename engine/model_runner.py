@@ -12,7 +12,7 @@ from dataclasses import dataclass
 
 import torch
 
-from pdserve.engine.attention import FORWARD_KWARG, ForwardContext
+from pdserve.engine.attention import ForwardContext
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs
@@ -64,13 +64,7 @@ class ModelRunner:
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         batch = self._pack(out.scheduled)
         ctx = ForwardContext(batch.metadata, self.k_caches, self.v_caches, self.backend)
-        logits = self.loaded.model(
-            input_ids=batch.input_ids.unsqueeze(0),
-            position_ids=batch.positions.unsqueeze(0),
-            use_cache=False,
-            logits_to_keep=batch.logits_indices,
-            **{FORWARD_KWARG: ctx},
-        ).logits[0]  # [num_sampled, vocab]
+        logits = self.loaded.model(batch.input_ids, batch.positions, ctx, batch.logits_indices)  # [num_sampled, vocab]
         if not batch.sampled:
             return []
         rows = [_sampling_row(s.request) for s in batch.sampled]

@@ -42,6 +42,9 @@ class CpuOps:
 
     paged_attention: Callable[..., None]
     write_kv_cache: Callable[..., None]
+    rms_norm: Callable[..., None]
+    add_rms_norm: Callable[..., None]
+    rope_write_kv: Callable[..., None]
 
 
 def available() -> bool:
@@ -79,7 +82,13 @@ def _build() -> CpuOps | None:
         )
         # The overloads themselves: calling them skips the packet's overload resolution.
         namespace = torch.ops.pdserve_cpu
-        return CpuOps(namespace.paged_attention.default, namespace.write_kv_cache.default)
+        return CpuOps(
+            namespace.paged_attention.default,
+            namespace.write_kv_cache.default,
+            namespace.rms_norm.default,
+            namespace.add_rms_norm.default,
+            namespace.rope_write_kv.default,
+        )
     except Exception as exc:  # any build or load failure means: use the torch paths
         log.warning("pdserve C++ CPU kernels unavailable, using the torch paths: %s", _summary(exc))
         log.debug("C++ CPU kernels build failure", exc_info=True)
@@ -89,16 +98,19 @@ def _build() -> CpuOps | None:
 def _build_dir() -> Path:
     from pdserve.engine.model_factory import default_cache_dir  # the one cache-dir default
 
-    key = "|".join([platform.machine(), _cpu_flags(), torch.__version__, sys.version, " ".join(CFLAGS)])
+    flags = " ".join(sorted(cpu_flags()))
+    key = "|".join([platform.machine(), flags, torch.__version__, sys.version, " ".join(CFLAGS)])
     return default_cache_dir() / "torch_extensions" / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
 
 
-def _cpu_flags() -> str:
+def cpu_flags() -> set[str]:
+    """The CPU's feature flags from /proc/cpuinfo (x86 "flags", Arm "Features")."""
     try:
         with open("/proc/cpuinfo") as cpuinfo:
-            return next((line for line in cpuinfo if line.startswith(("flags", "Features"))), "")
+            line = next((ln for ln in cpuinfo if ln.startswith(("flags", "Features"))), "")
     except OSError:
-        return platform.processor()
+        line = ""
+    return set(line.partition(":")[2].split()) if line else set(platform.processor().split())
 
 
 def _summary(exc: Exception) -> str:
