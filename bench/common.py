@@ -48,6 +48,22 @@ def weight_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for p in model.parameters())
 
 
+def read_bandwidth(num_bytes: int, rounds: int = 5) -> float:
+    """Best read-only memory bandwidth in bytes/s: a sum over a buffer far larger than the caches.
+
+    This is the rate at which a decode step streams its weights, so floors of one-stream
+    decode (weight bytes / bandwidth) use it.
+    """
+    src = torch.ones(num_bytes // 4, dtype=torch.float32)
+    src.sum()  # fault the pages in before timing
+    best = float("inf")
+    for _ in range(rounds):
+        start = time.perf_counter()
+        src.sum()
+        best = min(best, time.perf_counter() - start)
+    return num_bytes / best
+
+
 class Stopwatch:
     """Wall and process-CPU seconds of a block, with the 1-minute load average around it.
 

@@ -31,6 +31,8 @@ import torch
 
 from pdserve.bench.common import DTYPE_NAMES, Stopwatch, capture_logger, chunks, copy_bandwidth, ensure_model
 from pdserve.bench.common import left_pad, weight_bytes
+from pdserve.engine.dtype_choice import DTYPE_NAMES as DTYPE_CHOICES
+from pdserve.engine.dtype_choice import resolve_dtype
 
 DEFAULT_OUT = "results/throughput.json"
 WARMUP_PROMPT_LEN = 16
@@ -336,7 +338,7 @@ def main(argv: list[str] | None = None) -> int:
     print(
         f"model {model_dir} ({args.dtype}), {len(workload.prompts)} requests × {workload.max_tokens} tokens, "
         f"prompts {args.min_prompt}-{args.max_prompt} (total {sum(map(len, workload.prompts))}), "
-        f"{args.threads} threads",
+        f"{args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}",
         flush=True,
     )
     engine = run_engine(model_dir, workload, vocab_size, args)
@@ -354,7 +356,13 @@ def main(argv: list[str] | None = None) -> int:
     results = [r for r in (engine, generate, batch) if r is not None]
     rat = ratios(engine, generate, batch, floor)
     print_report(results, floor, engine, rat)
-    _write_json(args, model_dir, workload, engine, generate, batch, floor, rat)
+    anchors = None
+    if args.anchors:
+        from pdserve.bench.anchors import run_anchors
+
+        gc.collect()
+        anchors = run_anchors(model_dir, args.dtype, engine, workload, args)
+    _write_json(args, model_dir, workload, engine, generate, batch, floor, rat, anchors)
     return _check_lengths(results, workload.max_tokens)
 
 
@@ -378,13 +386,16 @@ def _check_lengths(results: list[SystemResult], max_tokens: int) -> int:
     return status
 
 
-def _write_json(args, model_dir, workload, engine, generate, batch, floor, rat) -> None:
+def _write_json(args, model_dir, workload, engine, generate, batch, floor, rat, anchors) -> None:
     import transformers
 
     data = {
         "args": vars(args),
         "model_dir": str(model_dir),
-        "machine": {"cpu_count": os.cpu_count(), "torch": torch.__version__, "transformers": transformers.__version__},
+        "machine": {
+            "cpu_count": os.cpu_count(), "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+            "torch": torch.__version__, "transformers": transformers.__version__,
+        },
         "workload": {
             "num_requests": len(workload.prompts),
             "max_tokens": workload.max_tokens,
@@ -396,6 +407,7 @@ def _write_json(args, model_dir, workload, engine, generate, batch, floor, rat) 
         "hf_generate_batch": batch.to_dict() if batch else None,
         "floor": floor,
         "ratios": rat,
+        "anchors": anchors,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -406,7 +418,7 @@ def _write_json(args, model_dir, workload, engine, generate, batch, floor, rat) 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve bench throughput", description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", help="model directory (default: smol135m bf16, built once in the pdserve cache)")
-    parser.add_argument("--dtype", choices=sorted(DTYPE_NAMES), default="bfloat16")
+    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the machine's native fast dtype")
     parser.add_argument("--num-requests", type=_positive_int, default=64)
     parser.add_argument("--max-tokens", type=_positive_int, default=128)
     parser.add_argument("--min-prompt", type=_positive_int, default=64)
@@ -420,7 +432,11 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--threads", type=_positive_int, default=len(os.sched_getaffinity(0)))
     parser.add_argument("--copy-mib", type=_positive_int, default=512, help="size of the bandwidth-measuring copy")
     parser.add_argument("--out", default=DEFAULT_OUT)
+    parser.add_argument("--anchors", action="store_true",
+                        help="also run llama.cpp and CTranslate2 (built/installed once into the cache) and report ratios")
+    parser.add_argument("--anchor-rounds", type=_positive_int, default=3, help="interleaved rounds of the one-stream phases")
     args = parser.parse_args(argv)
+    args.dtype = resolve_dtype(args.dtype)
     if args.max_prompt < args.min_prompt:
         parser.error("--max-prompt must be >= --min-prompt")
     return args

@@ -45,6 +45,7 @@ class CpuOps:
     rms_norm: Callable[..., None]
     add_rms_norm: Callable[..., None]
     rope_write_kv: Callable[..., None]
+    linear_bf16w: Callable[..., None]
 
 
 def available() -> bool:
@@ -88,6 +89,7 @@ def _build() -> CpuOps | None:
             namespace.rms_norm.default,
             namespace.add_rms_norm.default,
             namespace.rope_write_kv.default,
+            namespace.linear_bf16w.default,
         )
     except Exception as exc:  # any build or load failure means: use the torch paths
         log.warning("pdserve C++ CPU kernels unavailable, using the torch paths: %s", _summary(exc))

@@ -1,65 +1,94 @@
-"""Fused per-layer ops of the native Llama-family model: RMSNorm (with the residual add) and
-RoPE with the KV-cache write.
+"""The per-layer ops of the native Llama-family model, chosen once per step.
 
-Owns the math of these ops and their two formulations: the C++ kernels (kernels/csrc/
-layer_ops.cpp, see cpu_ext) when built and the inputs are float32/bfloat16 on the CPU, else
-torch ops computing the same values the way transformers' Llama modules do. It never decides
-which layers call them; engine/models does.
+Owns the math of: linear layers (x @ weight.T + bias), RMSNorm (optionally with the residual
+add before it) and RoPE with the KV-cache write, in two formulations: the C++ kernels
+(kernels/csrc/layer_ops.cpp and bf16_gemv.cpp, see cpu_ext) when built, else torch ops computing
+the same values the way transformers' Llama modules do. `LayerOps.for_step` resolves which
+formulation and which GEMM path serve a step once, so the ~10 ops a layer runs cost one call
+each and no lookups. It never decides which layers call them; engine/models does.
+
+Linear layers: decode steps have few rows and are bound by reading the weights, so bf16
+weights go through the GEMV kernel, which streams them at close to memory bandwidth (about 2x
+torch's bf16 GEMV and 5x an fp32 GEMV; bench/kernels.py --linear measures it). Many rows
+(prefill) are bound by arithmetic, where torch's GEMM wins. Weights may be bf16 under float32
+activations ("bf16 storage" on CPUs without native bf16): the kernel converts them in registers,
+and large batches multiply a float32 copy.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
+import torch.nn.functional as F
 
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.cache_write import write_kv_cache_torch
 
 CPP_DTYPES = (torch.float32, torch.bfloat16)
+# Most rows the GEMV kernel takes, by activation dtype (the crossover measured by
+# bench/kernels.py --linear): against torch's native bf16 GEMM it wins only for the fewest rows,
+# against an fp32 GEMM on upcast weights far longer.
+GEMV_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 16}
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """weight * RMSNorm(x) over the last dim; x [rows, dim]."""
-    ops = _ops(x)
-    if ops is None:
-        return rms_norm_torch(x, weight, eps)
-    out = torch.empty_like(x)
-    ops.rms_norm(x, weight, out, eps)
-    return out
+@dataclass(frozen=True, slots=True)
+class LayerOps:
+    cpp: cpu_ext.CpuOps | None  # None: the torch formulation
+    gemv: bool  # bf16 weights through the GEMV kernel (few rows)
 
+    @classmethod
+    def for_step(cls, dtype: torch.dtype, num_rows: int, device: torch.device) -> LayerOps:
+        cpp = cpu_ext.ops() if device.type == "cpu" and dtype in CPP_DTYPES else None
+        return cls(cpp, cpp is not None and num_rows <= GEMV_MAX_ROWS.get(dtype, 0))
 
-def add_rms_norm(x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """residual += x (in place), then weight * RMSNorm(residual); all [rows, dim] contiguous."""
-    ops = _ops(x)
-    if ops is None:
-        residual.add_(x)
-        return rms_norm_torch(residual, weight, eps)
-    out = torch.empty_like(x)
-    ops.add_rms_norm(x, residual, weight, out, eps)
-    return out
+    def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x [rows, in] @ weight [out, in].T (+ bias [out]) -> [rows, out] in x's dtype."""
+        if self.gemv and weight.dtype == torch.bfloat16:
+            out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+            self.cpp.linear_bf16w(x.contiguous(), weight, bias, out)
+            return out
+        if weight.dtype != x.dtype:
+            weight = weight.to(x.dtype)
+        return F.linear(x, weight, bias)
 
+    def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """weight * RMSNorm(x) over the last dim; x [rows, dim]."""
+        if self.cpp is None:
+            return rms_norm_torch(x, weight, eps)
+        out = torch.empty_like(x)
+        self.cpp.rms_norm(x, weight, out, eps)
+        return out
 
-def rope_write_kv(
-    qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
-    cos: torch.Tensor,  # [num_tokens, head_dim] float32
-    sin: torch.Tensor,
-    head_norms: tuple[torch.Tensor, torch.Tensor] | None,  # Qwen3's (q_norm, k_norm) weights
-    eps: float,
-    k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
-    v_cache: torch.Tensor,
-    slot_mapping: torch.Tensor,  # [num_tokens] int64
-    num_heads: int,
-) -> torch.Tensor:  # q: [num_tokens, num_heads, head_dim]
-    """Normalise (optionally) and rotate q and k, store k and v at their cache slots, return q.
-    qkv is used as scratch: its q and k parts are overwritten."""
-    num_tokens = qkv.shape[0]
-    head_dim = k_cache.shape[3]
-    ops = _ops(qkv)
-    if ops is None:
-        return _rope_write_kv_torch(qkv, cos, sin, head_norms, eps, k_cache, v_cache, slot_mapping, num_heads)
-    q = torch.empty(num_tokens, num_heads, head_dim, dtype=qkv.dtype)
-    q_norm, k_norm = head_norms if head_norms is not None else (None, None)
-    ops.rope_write_kv(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping, q)
-    return q
+    def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+        """residual += x (in place), then weight * RMSNorm(residual); all [rows, dim] contiguous."""
+        if self.cpp is None:
+            residual.add_(x)
+            return rms_norm_torch(residual, weight, eps)
+        out = torch.empty_like(x)
+        self.cpp.add_rms_norm(x, residual, weight, out, eps)
+        return out
+
+    def rope_write_kv(
+        self,
+        qkv: torch.Tensor,  # [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim]
+        cos: torch.Tensor,  # [num_tokens, head_dim] float32
+        sin: torch.Tensor,
+        head_norms: tuple[torch.Tensor, torch.Tensor] | None,  # Qwen3's (q_norm, k_norm) weights
+        eps: float,
+        k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
+        v_cache: torch.Tensor,
+        slot_mapping: torch.Tensor,  # [num_tokens] int64
+        num_heads: int,
+    ) -> torch.Tensor:  # q: [num_tokens, num_heads, head_dim]
+        """Normalise (optionally) and rotate q and k, store k and v at their cache slots, return q.
+        qkv is scratch: its q and k parts are overwritten."""
+        if self.cpp is None:
+            return _rope_write_kv_torch(qkv, cos, sin, head_norms, eps, k_cache, v_cache, slot_mapping, num_heads)
+        q = torch.empty(qkv.shape[0], num_heads, k_cache.shape[3], dtype=qkv.dtype)
+        q_norm, k_norm = head_norms if head_norms is not None else (None, None)
+        self.cpp.rope_write_kv(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping, q)
+        return q
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -90,9 +119,3 @@ def _rope_write_kv_torch(qkv, cos, sin, head_norms, eps, k_cache, v_cache, slot_
     q, k = apply_rope_torch(q, cos, sin), apply_rope_torch(k, cos, sin)
     write_kv_cache_torch(k, v, k_cache, v_cache, slot_mapping)
     return q.contiguous()
-
-
-def _ops(x: torch.Tensor) -> cpu_ext.CpuOps | None:
-    if x.device.type != "cpu" or x.dtype not in CPP_DTYPES:
-        return None
-    return cpu_ext.ops()

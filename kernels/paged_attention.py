@@ -124,6 +124,7 @@ def paged_attention_cpp(
         raise RuntimeError("the C++ CPU kernels are not available (see pdserve.kernels.cpu_ext)")
     _check_shapes(query, k_cache, v_cache, metadata)
     assert _cpp_applies(query, k_cache, v_cache), (query.device, query.dtype, k_cache.dtype, v_cache.dtype)
+    assert sdpa_min_query_len >= 2, "decodes always stay in the kernel"
     if query.stride(-1) != 1:
         query = query.contiguous()
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
@@ -131,8 +132,11 @@ def paged_attention_cpp(
         query, k_cache, v_cache, metadata.block_tables.contiguous(), metadata.seq_lens.contiguous(),
         metadata.query_start_loc.contiguous(), out, scale, sdpa_min_query_len, CPP_ROW_TILE,
     )  # fmt: skip
-    start = 0
-    for seq_idx, (query_len, seq_len) in enumerate(zip(metadata.query_lens_cpu, metadata.seq_lens_cpu)):
+    # Decodes (one query token each, first in the batch) are never left to SDPA: skip them here,
+    # where a Python loop over a large decode batch would cost more than their attention.
+    start = metadata.num_decodes
+    for seq_idx in range(metadata.num_decodes, metadata.num_seqs):
+        query_len, seq_len = metadata.query_lens_cpu[seq_idx], metadata.seq_lens_cpu[seq_idx]
         end = start + query_len
         if query_len >= sdpa_min_query_len and seq_len > query_len:
             block_table = metadata.block_tables[seq_idx]
@@ -290,4 +294,4 @@ def _check_shapes(
     assert k_cache.shape[2] == metadata.block_size, (k_cache.shape, metadata.block_size)
     assert query.shape[2] == k_cache.shape[3], (query.shape, k_cache.shape)
     assert query.shape[1] % k_cache.shape[1] == 0, (query.shape, k_cache.shape)
-    assert query.shape[0] == sum(metadata.query_lens_cpu), (query.shape, metadata.query_lens_cpu)
+    assert query.shape[0] == metadata.num_tokens, (query.shape, metadata.num_tokens)

@@ -25,7 +25,8 @@ from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from pdserve.engine.attention import ForwardContext
-from pdserve.kernels.layer_ops import add_rms_norm, rms_norm, rope_write_kv
+from pdserve.kernels import cpu_ext
+from pdserve.kernels.layer_ops import LayerOps
 
 # model_type -> the prefix of its transformers classes (for the rotary embedding).
 ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
@@ -68,16 +69,26 @@ class LlamaShape:
         )
 
 
-class LlamaLayer(torch.nn.Module):
-    """One decoder layer's weights, fused for the forward below."""
+@dataclass(slots=True)
+class LlamaLayer:
+    """One decoder layer's weights, fused: plain tensors, so the forward reads them without
+    nn.Module's attribute machinery (NativeLlama registers them as parameters)."""
 
-    def __init__(self, weights: dict[str, torch.Tensor | None]) -> None:
-        super().__init__()
-        for name, tensor in weights.items():
-            self.register_parameter(name, None if tensor is None else torch.nn.Parameter(tensor, requires_grad=False))
+    input_norm: torch.Tensor
+    qkv: torch.Tensor  # [(heads + 2 * kv_heads) * head_dim, hidden]
+    qkv_bias: torch.Tensor | None
+    head_norms: tuple[torch.Tensor, torch.Tensor] | None  # Qwen3's (q_norm, k_norm)
+    o_proj: torch.Tensor
+    o_bias: torch.Tensor | None
+    post_norm: torch.Tensor
+    gate_up: torch.Tensor  # [2 * intermediate, hidden]: gate rows, then up rows
+    down_proj: torch.Tensor
 
-    def head_norms(self) -> tuple[torch.Tensor, torch.Tensor] | None:
-        return None if self.q_norm is None else (self.q_norm, self.k_norm)
+    def tensors(self) -> list[torch.Tensor]:
+        norms = list(self.head_norms or ())
+        fields = [self.input_norm, self.qkv, self.qkv_bias, *norms, self.o_proj, self.o_bias, self.post_norm,
+                  self.gate_up, self.down_proj]  # fmt: skip
+        return [t for t in fields if t is not None]
 
 
 class NativeLlama(torch.nn.Module):
@@ -86,28 +97,34 @@ class NativeLlama(torch.nn.Module):
         super().__init__()
         self.shape = shape
         self.rotary = rotary  # transformers' own rotary embedding for the config (every RoPE scaling type)
-        self.embed = torch.nn.Parameter(embed, requires_grad=False)
-        self.layers = torch.nn.ModuleList(layers)
-        self.norm = torch.nn.Parameter(norm, requires_grad=False)
-        tied = lm_head.data_ptr() == embed.data_ptr()
-        self.lm_head = self.embed if tied else torch.nn.Parameter(lm_head, requires_grad=False)
+        self.embed, self.norm, self.lm_head = embed, norm, lm_head
+        self.layers = layers
+        self.compute_dtype = norm.dtype  # matrices may be stored narrower (see storage_dtype)
+        # Registered once each (a tied lm_head is the embedding itself): parameters() and
+        # the weight byte count see every tensor the forward reads.
+        unique = {t.data_ptr(): t for t in [embed, norm, lm_head, *(t for l in layers for t in l.tensors())]}
+        self.weights = torch.nn.ParameterList(torch.nn.Parameter(t, requires_grad=False) for t in unique.values())
 
     @torch.inference_mode()
     def forward(
         self, input_ids: torch.Tensor, positions: torch.Tensor, ctx: ForwardContext, logits_indices: torch.Tensor
     ) -> torch.Tensor:  # [num_sampled, vocab]
+        ops = LayerOps.for_step(self.compute_dtype, input_ids.shape[0], input_ids.device)
+        eps = self.shape.eps
         cos, sin = self._rope_angles(positions)
-        residual = F.embedding(input_ids, self.embed)  # [num_tokens, hidden]
-        hidden = rms_norm(residual, self.layers[0].input_norm, self.shape.eps)
+        residual = F.embedding(input_ids, self.embed).to(self.compute_dtype)  # [num_tokens, hidden]
+        hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
             if index:
-                hidden = add_rms_norm(hidden, residual, layer.input_norm, self.shape.eps)
-            attn = self._attention(index, layer, hidden, cos, sin, ctx)
-            hidden = add_rms_norm(attn, residual, layer.post_norm, self.shape.eps)
-            hidden = self._mlp(layer, hidden)
+                hidden = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
+            attn = self._attention(ops, ctx, index, layer, hidden, cos, sin)
+            hidden = ops.add_rms_norm(attn, residual, layer.post_norm, eps)
+            gate, up = ops.linear(hidden, layer.gate_up).chunk(2, dim=-1)  # [num_tokens, intermediate] each
+            hidden = ops.linear(F.silu(gate) * up, layer.down_proj)
         # The final norm is per row: normalise only the rows that are sampled.
-        hidden = add_rms_norm(hidden[logits_indices], residual[logits_indices], self.norm, self.shape.eps)
-        return F.linear(hidden, self.lm_head)
+        rows = LayerOps.for_step(self.compute_dtype, logits_indices.shape[0], input_ids.device)
+        hidden = rows.add_rms_norm(hidden[logits_indices], residual[logits_indices], self.norm, eps)
+        return rows.linear(hidden, self.lm_head)
 
     def _rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         # float32 angles whatever the weights' dtype: [num_tokens, head_dim] each.
@@ -115,52 +132,56 @@ class NativeLlama(torch.nn.Module):
         cos, sin = self.rotary(probe, positions.unsqueeze(0))
         return cos[0].contiguous(), sin[0].contiguous()
 
-    def _attention(self, index: int, layer: LlamaLayer, hidden: torch.Tensor, cos, sin, ctx: ForwardContext):
-        qkv = F.linear(hidden, layer.qkv, layer.qkv_bias)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
+    def _attention(self, ops: LayerOps, ctx: ForwardContext, index: int, layer: LlamaLayer, hidden, cos, sin):
+        qkv = ops.linear(hidden, layer.qkv, layer.qkv_bias)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
         k_cache, v_cache = ctx.k_caches[index], ctx.v_caches[index]
-        q = rope_write_kv(qkv, cos, sin, layer.head_norms(), self.shape.eps, k_cache, v_cache,
-                          ctx.metadata.slot_mapping, self.shape.num_heads)  # fmt: skip
+        q = ops.rope_write_kv(qkv, cos, sin, layer.head_norms, self.shape.eps, k_cache, v_cache,
+                              ctx.metadata.slot_mapping, self.shape.num_heads)  # fmt: skip
         out = ctx.backend(q, k_cache, v_cache, ctx.metadata, self.shape.scale)  # [num_tokens, heads, head_dim]
-        return F.linear(out.view(out.shape[0], -1), layer.o_proj, layer.o_bias)
-
-    @staticmethod
-    def _mlp(layer: LlamaLayer, hidden: torch.Tensor) -> torch.Tensor:
-        gate_up = F.linear(hidden, layer.gate_up)  # [num_tokens, 2 * intermediate]
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.linear(F.silu(gate) * up, layer.down_proj)
+        return ops.linear(out.view(out.shape[0], -1), layer.o_proj, layer.o_bias)
 
 
 def load_native_llama(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype) -> NativeLlama:
-    """Read the checkpoint's tensors one at a time into fused weights of `dtype`."""
+    """Read the checkpoint's tensors one at a time into fused weights; compute in `dtype`."""
     text = config.get_text_config()
     shape = LlamaShape.of(text)
     with _Checkpoint(model_dir) as ckpt:
-        take = lambda name: ckpt.tensor(name, dtype)  # noqa: E731
-        embed = take("model.embed_tokens.weight")
-        layers = [_load_layer(ckpt, f"model.layers.{i}.", dtype) for i in range(shape.num_layers)]
-        norm = take("model.norm.weight")
+        store = storage_dtype(ckpt.dtype("model.embed_tokens.weight"), dtype)
+        embed = ckpt.tensor("model.embed_tokens.weight", store)
+        layers = [_load_layer(ckpt, f"model.layers.{i}.", dtype, store) for i in range(shape.num_layers)]
+        norm = ckpt.tensor("model.norm.weight", dtype)
         tied = getattr(config, "tie_word_embeddings", False) or not ckpt.has("lm_head.weight")
-        lm_head = embed if tied else take("lm_head.weight")
+        lm_head = embed if tied else ckpt.tensor("lm_head.weight", store)
     return NativeLlama(shape, _rotary(config), embed, layers, norm, lm_head).eval()
 
 
-def _load_layer(ckpt: _Checkpoint, prefix: str, dtype: torch.dtype) -> LlamaLayer:
+def storage_dtype(checkpoint: torch.dtype, compute: torch.dtype) -> torch.dtype:
+    """The matrices' dtype in memory. A bf16 checkpoint computed in float32 (a CPU without native
+    bf16) keeps bf16 matrices: the values are the same, half the bytes are read per step, and
+    kernels/linear.py converts them in registers. Otherwise the compute dtype."""
+    if checkpoint == torch.bfloat16 and compute == torch.float32 and cpu_ext.available():
+        return torch.bfloat16
+    return compute
+
+
+def _load_layer(ckpt: _Checkpoint, prefix: str, dtype: torch.dtype, store: torch.dtype) -> LlamaLayer:
+    """Matrices in `store`, norms and biases (small) in the compute `dtype`."""
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
-    fuse = lambda *names: torch.cat([ckpt.tensor(n, dtype) for n in names]).contiguous()  # noqa: E731
+    fuse = lambda dt, *names: torch.cat([ckpt.tensor(n, dt) for n in names]).contiguous()  # noqa: E731
     optional = lambda name: ckpt.tensor(name, dtype) if ckpt.has(name) else None  # noqa: E731
     qkv_bias = [attn + p + "_proj.bias" for p in "qkv"]
-    return LlamaLayer({
-        "input_norm": ckpt.tensor(prefix + "input_layernorm.weight", dtype),
-        "qkv": fuse(*(attn + p + "_proj.weight" for p in "qkv")),
-        "qkv_bias": fuse(*qkv_bias) if ckpt.has(qkv_bias[0]) else None,
-        "q_norm": optional(attn + "q_norm.weight"),
-        "k_norm": optional(attn + "k_norm.weight"),
-        "o_proj": ckpt.tensor(attn + "o_proj.weight", dtype),
-        "o_bias": optional(attn + "o_proj.bias"),
-        "post_norm": ckpt.tensor(prefix + "post_attention_layernorm.weight", dtype),
-        "gate_up": fuse(mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-        "down_proj": ckpt.tensor(mlp + "down_proj.weight", dtype),
-    })  # fmt: skip
+    has_head_norms = ckpt.has(attn + "q_norm.weight")
+    return LlamaLayer(
+        input_norm=ckpt.tensor(prefix + "input_layernorm.weight", dtype),
+        qkv=fuse(store, *(attn + p + "_proj.weight" for p in "qkv")),
+        qkv_bias=fuse(dtype, *qkv_bias) if ckpt.has(qkv_bias[0]) else None,
+        head_norms=(optional(attn + "q_norm.weight"), optional(attn + "k_norm.weight")) if has_head_norms else None,
+        o_proj=ckpt.tensor(attn + "o_proj.weight", store),
+        o_bias=optional(attn + "o_proj.bias"),
+        post_norm=ckpt.tensor(prefix + "post_attention_layernorm.weight", dtype),
+        gate_up=fuse(store, mlp + "gate_proj.weight", mlp + "up_proj.weight"),
+        down_proj=ckpt.tensor(mlp + "down_proj.weight", store),
+    )
 
 
 def _rotary(config: PretrainedConfig) -> torch.nn.Module:
@@ -192,9 +213,15 @@ class _Checkpoint:
         return name in self._files
 
     def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
+        return self._file(name).get_tensor(name).to(dtype).contiguous()
+
+    def dtype(self, name: str) -> torch.dtype:
+        return {"BF16": torch.bfloat16, "F16": torch.float16}.get(self._file(name).get_slice(name).get_dtype(), torch.float32)
+
+    def _file(self, name: str):
         if name not in self._files:
             raise ValueError(f"checkpoint has no tensor {name!r}")
         path = self._files[name]
         if path not in self._open:
             self._open[path] = safe_open(path, framework="pt")
-        return self._open[path].get_tensor(name).to(dtype).contiguous()
+        return self._open[path]
