@@ -64,7 +64,7 @@ def one_request(router: str, prompt: list[int], max_tokens: int, auth_token: str
 def run(args: argparse.Namespace, auth_token: str | None = None) -> dict:
     model_dir = args.model_dir or ensure_model("llama", "smol135m", "bfloat16")
     rng = random.Random(args.seed)
-    node = NodeSettings(dtype="bfloat16", block_size=16, num_blocks=2048,
+    node = NodeSettings(dtype="auto", block_size=16, num_blocks=2048,
                         max_num_batched_tokens=args.chunk, max_num_seqs=16, threads=args.threads)
     runs = []
     with running_cluster(str(model_dir), 1, 1, node, auth_token=auth_token) as cluster:

@@ -26,6 +26,7 @@ from pdserve.kernels import (
     write_kv_cache,
     write_kv_cache_torch,
 )
+from pdserve.kernels.layer_ops import LayerOps
 
 
 @dataclass(frozen=True)
@@ -136,15 +137,48 @@ def bench_cache_write(gen: torch.Generator, rounds: int) -> str:
     return f"torch/C++ = {torch_s / cpp_s:6.2f}x"
 
 
+# smol135m's projections (qkv, o, gate_up, down), 30 layers' worth: far more than the caches,
+# so the weights stream from memory as in a decode step.
+LINEAR_SHAPES = ((960, 576), (576, 576), (3072, 576), (576, 1536))
+LINEAR_LAYERS = 30
+
+
+def bench_linear(rows: int, x_dtype: torch.dtype, gen: torch.Generator, rounds: int) -> str:
+    """The bf16-weight GEMV kernel against torch's GEMM: with bf16 activations against torch's
+    bf16 GEMM, with float32 activations against torch's float32 GEMM on float32 weights."""
+    weights = [torch.randn(n, k, generator=gen).to(torch.bfloat16) for _ in range(LINEAR_LAYERS) for n, k in LINEAR_SHAPES]
+    torch_weights = weights if x_dtype == torch.bfloat16 else [w.float() for w in weights]
+    xs = {k: torch.randn(rows, k, generator=gen).to(x_dtype) for k in {k for _, k in LINEAR_SHAPES}}
+    kernel, baseline = LayerOps(cpu_ext.ops(), gemv=True), LayerOps(None, gemv=False)
+    kernel_s, torch_s = best_times(
+        [
+            lambda: [kernel.linear(xs[w.shape[1]], w) for w in weights],
+            lambda: [baseline.linear(xs[w.shape[1]], w) for w in torch_weights],
+        ],
+        rounds,
+    )
+    gb_s = sum(w.numel() * 2 for w in weights) / kernel_s / 1e9
+    return f"torch/GEMV = {torch_s / kernel_s:6.2f}x   (GEMV streams bf16 weights at {gb_s:.1f} GB/s)"
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--threads", type=int, default=1)
     parser.add_argument("--rounds", type=int, default=7)
+    parser.add_argument("--linear", action="store_true", help="only the linear layers: GEMV kernel vs torch by rows")
     args = parser.parse_args()
     torch.set_num_threads(args.threads)
     with_cpp = cpu_ext.available()
     print(f"C++ CPU kernels: {'active' if with_cpp else 'unavailable, torch path only'}; threads {args.threads}")
     gen = torch.Generator().manual_seed(0)
+    if args.linear:
+        if not with_cpp:
+            raise SystemExit("the GEMV kernel needs the C++ CPU kernels")
+        for rows in (1, 2, 4, 8, 16, 32):
+            for x_dtype in (torch.bfloat16, torch.float32):
+                name = f"linear, {rows} rows, {str(x_dtype)[6:]} x, bf16 weights ({LINEAR_LAYERS} layers of smol135m)"
+                print(f"{name:<75} {bench_linear(rows, x_dtype, gen, args.rounds)}", flush=True)
+        return
     for case in CASES:
         print(f"{case.name:<75} {bench_attention(case, gen, args.rounds, with_cpp)}", flush=True)
     if with_cpp:

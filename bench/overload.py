@@ -160,7 +160,7 @@ async def measure(router: str, args: argparse.Namespace, auth_token: str | None)
 
 def run(args: argparse.Namespace, auth_token: str | None = None) -> dict:
     model_dir = args.model_dir or ensure_model("llama", args.size, "float32")
-    node = NodeSettings(dtype="float32", block_size=16, num_blocks=args.num_blocks,
+    node = NodeSettings(dtype="auto", block_size=16, num_blocks=args.num_blocks,
                         max_num_batched_tokens=args.chunk, max_num_seqs=args.max_num_seqs, threads=args.threads)
     router_args = ("--max-inflight-requests", str(args.max_inflight))
     with running_cluster(str(model_dir), args.prefill, args.decode, node, router_args=router_args,

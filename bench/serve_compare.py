@@ -84,7 +84,7 @@ def _slo(text: str) -> Slo:
 
 @contextmanager
 def _cluster(arch: Architecture, model_dir: str, chunk: int) -> Iterator[Cluster]:
-    node = NodeSettings(dtype="bfloat16", block_size=16, num_blocks=4096, max_num_batched_tokens=chunk,
+    node = NodeSettings(dtype="auto", block_size=16, num_blocks=4096, max_num_batched_tokens=chunk,
                         max_num_seqs=64)
     with running_cluster(model_dir, arch.num_prefill, arch.num_decode, node, num_colocated=arch.num_colocated,
                          cores=arch.cores) as cluster:

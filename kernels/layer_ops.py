@@ -29,7 +29,7 @@ CPP_DTYPES = (torch.float32, torch.bfloat16)
 # Most rows the GEMV kernel takes, by activation dtype (the crossover measured by
 # bench/kernels.py --linear): against torch's native bf16 GEMM it wins only for the fewest rows,
 # against an fp32 GEMM on upcast weights far longer.
-GEMV_MAX_ROWS = {torch.bfloat16: 4, torch.float32: 16}
+GEMV_MAX_ROWS = {torch.bfloat16: 8, torch.float32: 16}
 
 
 @dataclass(frozen=True, slots=True)

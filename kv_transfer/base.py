@@ -54,7 +54,9 @@ class FingerprintMismatch(KVTransferError):
         parts = [f"{name}: local={local!r} remote={remote!r}"
                  for name, (local, remote) in self.diffs.items()]
         prefix = f"{context}: " if context else ""
-        super().__init__(f"{prefix}KV cache fingerprint mismatch ({'; '.join(parts)})")
+        # "auto" resolves per machine: nodes on CPUs with and without native bf16 differ.
+        hint = "; set the same --dtype (float32 or bfloat16) on every node" if "dtype" in self.diffs else ""
+        super().__init__(f"{prefix}KV cache fingerprint mismatch ({'; '.join(parts)}){hint}")
 
 
 def dtype_from_name(name: str) -> torch.dtype:

@@ -24,7 +24,8 @@ if TYPE_CHECKING:
     from pdserve.kv_transfer import KVTransferConfig
 
 NODE_KINDS = ("prefill", "decode", "colocated")
-DTYPE_NAMES = ("bfloat16", "float32")  # the engine's DTYPES, named without importing torch
+DTYPE_NAMES = ("auto", "bfloat16", "float32")  # engine/dtype_choice's, named without importing torch
+MODEL_IMPLS = ("auto", "native", "transformers")  # engine/config's
 
 
 @dataclass(frozen=True)
@@ -39,8 +40,9 @@ class NodeConfig:
     # KV transport listener (the descriptor carries the real port).
     kv_host: str = "127.0.0.1"
     kv_port: int = 0
-    # Engine.
-    dtype: str = "bfloat16"
+    # Engine. "auto": the engine core resolves it for its machine (engine/dtype_choice).
+    dtype: str = "auto"
+    model_impl: str = "auto"
     block_size: int = 16
     num_blocks: int | None = None
     kv_cache_bytes: int = 1 << 30
@@ -94,6 +96,7 @@ class NodeConfig:
         _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port", "out of range")
         _require(":" in self.router, "router", f"must be HOST:PORT, got {self.router!r}")
         _require(self.dtype in DTYPE_NAMES, "dtype", f"must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        _require(self.model_impl in MODEL_IMPLS, "model_impl", f"must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         for name in ("lease_s", "heartbeat_interval_s", "registry_rpc_timeout_s", "core_start_timeout_s",
                      "core_stop_timeout_s", "stats_timeout_s", "stats_push_interval_s", "grace_s"):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
@@ -117,6 +120,7 @@ class NodeConfig:
         return EngineConfig(
             model=self.model,
             dtype=self.dtype,
+            model_impl=self.model_impl,
             block_size=self.block_size,
             num_blocks=self.num_blocks,
             kv_cache_bytes=self.kv_cache_bytes,
@@ -153,7 +157,10 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--node-id", default=d.node_id)
     parser.add_argument("--kv-host", default=d.kv_host)
     parser.add_argument("--kv-port", type=int, default=d.kv_port)
-    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype)
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype,
+                        help="auto: bfloat16 where the CPU computes it natively (AMX, AVX512_BF16), else float32")
+    parser.add_argument("--model-impl", choices=MODEL_IMPLS, default=d.model_impl,
+                        help="auto: the native forward for llama/mistral/qwen2/qwen3, transformers otherwise")
     parser.add_argument("--block-size", type=int, default=d.block_size)
     capacity = parser.add_mutually_exclusive_group()
     capacity.add_argument("--num-blocks", type=int, default=d.num_blocks)

@@ -39,6 +39,7 @@ from typing import TextIO
 from pdserve.auth import add_auth_args, token_from_cli
 from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
+from pdserve.node.config import DTYPE_NAMES
 from pdserve.node.affinity import available_cpus, check_available, cpu_list_arg, format_cpu_list, split_cpus
 
 # Flags the launcher sets itself on every node / on the router; pass-through args must not.
@@ -62,7 +63,7 @@ class ClusterConfig:
     num_colocated: int = 0  # > 0: a colocated cluster, with no prefill or decode pool
     host: str = "127.0.0.1"
     port: int = 50051  # router port; 0 picks a free one
-    dtype: str = "float32"
+    dtype: str = "auto"  # each node resolves it for its machine (engine/dtype_choice)
     block_size: int = 16  # shared: both pools' KV layouts must match for the transfer
     threads_per_node: int | None = None  # None: the machine's cores split over the nodes
     router_args: tuple[str, ...] = ()
@@ -314,7 +315,8 @@ def _parser() -> argparse.ArgumentParser:
                    help="run N colocated nodes (both phases each: the baseline) instead of prefill and decode pools")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="router port (0: pick a free one)")
-    p.add_argument("--dtype", choices=["float32", "bfloat16"], default=d.dtype)
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype,
+                   help="auto: bfloat16 where the CPU computes it natively (AMX, AVX512_BF16), else float32")
     p.add_argument("--block-size", type=int, default=d.block_size)
     p.add_argument("--threads-per-node", type=int, default=d.threads_per_node)
     p.add_argument("--router-args", default="", metavar='"ARGS"', help="extra router flags")

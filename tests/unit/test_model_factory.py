@@ -20,10 +20,10 @@ from safetensors.torch import load_file
 from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, T5Config
 
-from pdserve.engine.attention import ATTENTION_NAME, FORWARD_KWARG, ForwardContext
+from pdserve.engine.attention import ATTENTION_NAME, ForwardContext
 from pdserve.engine.model_factory import ARCHS, build_tokenizer, ensure_demo_model, make_config, make_model
 from pdserve.engine.model_loader import check_servable, load_model, load_reference_model
-from pdserve.kernels import AttentionMetadata, paged_attention_reference
+from pdserve.kernels import AttentionMetadata, cpu_ext, paged_attention_reference
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -71,30 +71,48 @@ def paged_forward(loaded, token_ids: list[int], block_size: int = 4, dtype=torch
     v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(loaded.num_layers)]
     ctx = ForwardContext(metadata, k_caches, v_caches, paged_attention_reference)
     with torch.inference_mode():
-        out = loaded.model(
-            input_ids=torch.tensor([token_ids]), position_ids=positions.unsqueeze(0), use_cache=False,
-            **{FORWARD_KWARG: ctx},
-        )
-    return out.logits[0]
+        return loaded.model(torch.tensor(token_ids), positions, ctx, torch.arange(len(token_ids)))
 
 
+@pytest.mark.parametrize("impl", ["native", "transformers"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_model_loads_and_paged_forward_matches_transformers(tiny_dirs, arch):
-    loaded = load_model(tiny_dirs[arch], torch.float32)
+def test_tiny_model_loads_and_paged_forward_matches_transformers(tiny_dirs, arch, impl):
+    loaded = load_model(tiny_dirs[arch], torch.float32, impl)
+    assert loaded.impl == impl
     assert (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim) == (3, 2, 16)
     assert loaded.vocab_size == 960 >= len(loaded.tokenizer)
     assert loaded.max_model_len == 4096
     assert loaded.eos_token_ids == [0]
-    assert loaded.model.config._attn_implementation == ATTENTION_NAME
     assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
 
     token_ids = loaded.tokenizer("Paged attention must match: 世界 😀 def f(x): return x")["input_ids"]
     reference = load_reference_model(tiny_dirs[arch], torch.float32)
-    assert reference.config is not loaded.model.config
     with torch.inference_mode():
         expected = reference(torch.tensor([token_ids])).logits[0]
     torch.testing.assert_close(paged_forward(loaded, token_ids), expected, atol=1e-4, rtol=1e-4)
-    assert loaded.model.config._attn_implementation == ATTENTION_NAME  # untouched by the reference
+
+
+def test_transformers_impl_keeps_its_attention_apart_from_the_reference(tiny_dirs):
+    loaded = load_model(tiny_dirs["llama"], torch.float32, "transformers")
+    hf_model = loaded.model.model
+    assert hf_model.config._attn_implementation == ATTENTION_NAME
+    reference = load_reference_model(tiny_dirs["llama"], torch.float32)
+    assert reference.config is not hf_model.config
+    assert hf_model.config._attn_implementation == ATTENTION_NAME  # untouched by the reference
+
+
+def test_auto_impl_is_native_for_the_llama_family_and_refuses_native_elsewhere(tiny_dirs, tmp_path):
+    assert load_model(tiny_dirs["qwen3"], torch.float32).impl == "native"
+    config = json.loads((tiny_dirs["llama"] / "config.json").read_text())
+    config["hidden_act"] = "gelu"
+    gelu_dir = tmp_path / "gelu"
+    gelu_dir.mkdir()
+    for f in tiny_dirs["llama"].iterdir():
+        (gelu_dir / f.name).write_bytes(f.read_bytes())
+    (gelu_dir / "config.json").write_text(json.dumps(config))
+    assert load_model(gelu_dir, torch.float32).impl == "transformers"
+    with pytest.raises(ValueError, match="model_impl native cannot run .*activation 'gelu'"):
+        load_model(gelu_dir, torch.float32, "native")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
@@ -219,9 +237,25 @@ def test_bfloat16_model_is_saved_and_loaded_in_bfloat16(tmp_path):
     model_dir = make_model(tmp_path, "qwen2", "tiny", dtype=torch.bfloat16)
     assert {t.dtype for t in load_file(model_dir / "model.safetensors").values()} == {torch.bfloat16}
     loaded = load_model(model_dir, torch.bfloat16)
-    assert loaded.model.dtype == torch.bfloat16
+    assert {p.dtype for p in loaded.model.parameters()} == {torch.bfloat16}
     logits = paged_forward(loaded, [1, 2, 3, 4, 5, 6], dtype=torch.bfloat16)
     assert torch.isfinite(logits).all()
+
+
+def test_bfloat16_checkpoint_in_float32_keeps_bf16_matrices_and_float32_results(tmp_path):
+    # A CPU without native bf16 computes in float32; the bf16 checkpoint's matrices stay bf16
+    # (same values, half the bytes). Logits match transformers' float32 forward of the upcast weights.
+    model_dir = make_model(tmp_path, "qwen2", "tiny", dtype=torch.bfloat16)
+    loaded = load_model(model_dir, torch.float32, "native")
+    if cpu_ext.available():
+        assert loaded.model.layers[0].gate_up.dtype == torch.bfloat16
+    assert loaded.model.layers[0].input_norm.dtype == torch.float32
+    reference = load_reference_model(model_dir, torch.float32)
+    # 1 token: the GEMV kernel; 24 tokens (> GEMV_MAX_ROWS): torch's GEMM on a float32 copy.
+    for token_ids in ([5], [(7 * i) % 900 + 1 for i in range(24)]):
+        with torch.inference_mode():
+            expected = reference(torch.tensor([token_ids])).logits[0]
+        torch.testing.assert_close(paged_forward(loaded, token_ids), expected, atol=1e-4, rtol=1e-4)
 
 
 def test_ensure_demo_model_builds_once(tmp_path):
