@@ -21,6 +21,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from pdserve.engine.attention import register_paged_attention
 from pdserve.engine.config import MODEL_IMPLS
+from pdserve.engine.model_facts import head_dim, num_kv_heads, optional
 from pdserve.engine.models import CausalLM
 from pdserve.engine.models.hf import TransformersCausalLM
 from pdserve.engine.models.llama import load_native_llama, unsupported_reason
@@ -65,8 +66,8 @@ def load_model(model_dir: str | os.PathLike, dtype: torch.dtype | str, impl: str
         config=config,
         eos_token_ids=_eos_token_ids(path, config, tokenizer),
         num_layers=text.num_hidden_layers,
-        num_kv_heads=_num_kv_heads(text),
-        head_dim=_head_dim(text),
+        num_kv_heads=num_kv_heads(text),
+        head_dim=head_dim(text),
         vocab_size=text.vocab_size,
         max_model_len=text.max_position_embeddings,
     )
@@ -116,38 +117,23 @@ def check_servable(config: PretrainedConfig) -> None:
     text = config.get_text_config()
     # transformers 5 lists each layer's attention kind; anything else than full
     # attention (sliding, chunked, linear/recurrent) would silently differ.
-    layer_types = set(_optional(text, "layer_types") or [])
+    layer_types = set(optional(text, "layer_types") or [])
     if layer_types - {"full_attention"}:
         raise ValueError(f"{name}: layer types {sorted(layer_types)} are not supported; only full attention is")
-    window = _optional(text, "sliding_window")
-    window_enabled = _optional(text, "use_sliding_window") is not False
+    window = optional(text, "sliding_window")
+    window_enabled = optional(text, "use_sliding_window") is not False
     if window is not None and window_enabled and window < text.max_position_embeddings:
         raise ValueError(
             f"{name}: sliding window {window} < max_position_embeddings {text.max_position_embeddings}; "
             "the engine's attention has no sliding window"
         )
-    if text.num_attention_heads % _num_kv_heads(text):
+    if text.num_attention_heads % num_kv_heads(text):
         raise ValueError(f"{name}: {text.num_attention_heads} heads is not a multiple of the KV heads")
-
-
-def _optional(config: PretrainedConfig, key: str):
-    # Config classes differ in which of these keys they define at all.
-    return config.to_dict().get(key)
-
-
-def _num_kv_heads(text: PretrainedConfig) -> int:
-    kv = _optional(text, "num_key_value_heads")
-    return kv if kv is not None else text.num_attention_heads
-
-
-def _head_dim(text: PretrainedConfig) -> int:
-    head_dim = _optional(text, "head_dim")
-    return head_dim if head_dim is not None else text.hidden_size // text.num_attention_heads
 
 
 def _eos_token_ids(path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
     """Union of the generation config's, the model config's and the tokenizer's EOS ids."""
-    candidates = [_optional(config.get_text_config(), "eos_token_id"), tokenizer.eos_token_id]
+    candidates = [optional(config.get_text_config(), "eos_token_id"), tokenizer.eos_token_id]
     if (path / "generation_config.json").is_file():
         candidates.insert(0, GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
     ids: list[int] = []

@@ -1,13 +1,15 @@
-"""Attention kernels over the paged KV cache: cache writes and paged attention.
+"""The engine's kernels: cache writes and paged attention over the paged KV cache, and the
+native model's layer ops (`LayerOps`: linear layers, RMSNorm, RoPE + KV write).
 
-`paged_attention` and `write_kv_cache` use the C++ CPU kernels when they are built
-(`cpu_ext.available()`), else their torch paths; the `_torch` / `_cpp` variants pick one.
+Each uses the C++ CPU kernels when they are built (`cpu_ext.available()`), else its torch
+formulation; the `_torch` / `_cpp` variants of the attention pick one.
 """
 
 from __future__ import annotations
 
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.cache_write import write_kv_cache, write_kv_cache_torch
+from pdserve.kernels.layer_ops import LayerOps
 from pdserve.kernels.metadata import AttentionMetadata
 from pdserve.kernels.paged_attention import (
     paged_attention,
@@ -18,6 +20,7 @@ from pdserve.kernels.paged_attention import (
 
 __all__ = [
     "AttentionMetadata",
+    "LayerOps",
     "cpu_ext",
     "paged_attention",
     "paged_attention_cpp",

@@ -1,4 +1,5 @@
-"""The C++ CPU kernels (kernels/csrc): built once per machine at first use, then loaded.
+"""The C++ CPU kernels (kernels/csrc: paged attention, cache write, the native model's layer
+ops and bf16-weight GEMV): built once per machine at first use, then loaded.
 
 Owns compiling and loading the extension and the answer to "is it active?". The build
 goes under the pdserve cache dir (`$PDSERVE_CACHE`, else ~/.cache/pdserve), in a folder

@@ -67,11 +67,12 @@ class CoreHandler(Protocol):
 
 def kv_cache_spec(config: NodeConfig, engine: EngineCore) -> KVCacheSpec:
     """The fingerprint names the model by its folder's name, so nodes on machines with
-    different paths to the same model still match; the shape fields catch the rest."""
+    different paths to the same model still match; the shape fields catch the rest. The dtype
+    is the engine's resolved one: `--dtype auto` may differ between machines."""
     loaded = engine.loaded
-    return KVCacheSpec(model=Path(config.model).resolve().name, dtype=config.dtype,
+    return KVCacheSpec(model=Path(config.model).resolve().name, dtype=engine.config.dtype,
                        num_layers=loaded.num_layers, num_kv_heads=loaded.num_kv_heads,
-                       head_dim=loaded.head_dim, block_size=config.block_size)
+                       head_dim=loaded.head_dim, block_size=engine.config.block_size)
 
 
 class StopFlag:

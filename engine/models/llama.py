@@ -25,6 +25,7 @@ from safetensors import safe_open
 from transformers import PretrainedConfig
 
 from pdserve.engine.attention import ForwardContext
+from pdserve.engine.model_facts import head_dim, num_kv_heads, optional
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.layer_ops import LayerOps
 
@@ -39,8 +40,13 @@ def unsupported_reason(model_dir: Path, config: PretrainedConfig) -> str | None:
     text = config.get_text_config()
     if config.model_type not in ARCHITECTURES:
         return f"model type {config.model_type!r} is not one of {sorted(ARCHITECTURES)}"
-    if getattr(text, "hidden_act", "silu") != "silu":
+    if optional(text, "hidden_act") not in (None, "silu"):
         return f"activation {text.hidden_act!r} (the native MLP is SiLU-gated)"
+    if optional(text, "mlp_bias"):
+        return "MLP biases (mlp_bias)"
+    rope = optional(text, "rope_parameters") or {}
+    if (optional(text, "partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
+        return "partial rotary embeddings (partial_rotary_factor)"
     if not ((model_dir / SINGLE_FILE).is_file() or (model_dir / SHARD_INDEX).is_file()):
         return f"no {SINGLE_FILE} or {SHARD_INDEX} in {model_dir}"
     return None
@@ -57,15 +63,14 @@ class LlamaShape:
 
     @classmethod
     def of(cls, text: PretrainedConfig) -> LlamaShape:
-        num_heads = text.num_attention_heads
-        head_dim = getattr(text, "head_dim", None) or text.hidden_size // num_heads
+        dim = head_dim(text)
         return cls(
             num_layers=text.num_hidden_layers,
-            num_heads=num_heads,
-            num_kv_heads=getattr(text, "num_key_value_heads", None) or num_heads,
-            head_dim=head_dim,
+            num_heads=text.num_attention_heads,
+            num_kv_heads=num_kv_heads(text),
+            head_dim=dim,
             eps=text.rms_norm_eps,
-            scale=head_dim**-0.5,
+            scale=dim**-0.5,
         )
 
 
@@ -150,7 +155,7 @@ def load_native_llama(model_dir: Path, config: PretrainedConfig, dtype: torch.dt
         embed = ckpt.tensor("model.embed_tokens.weight", store)
         layers = [_load_layer(ckpt, f"model.layers.{i}.", dtype, store) for i in range(shape.num_layers)]
         norm = ckpt.tensor("model.norm.weight", dtype)
-        tied = getattr(config, "tie_word_embeddings", False) or not ckpt.has("lm_head.weight")
+        tied = bool(optional(config, "tie_word_embeddings")) or not ckpt.has("lm_head.weight")
         lm_head = embed if tied else ckpt.tensor("lm_head.weight", store)
     return NativeLlama(shape, _rotary(config), embed, layers, norm, lm_head).eval()
 

@@ -2,7 +2,10 @@
 
 12 prompts of 1..400 tokens, up to 64 new tokens, on Llama and Qwen2 tiny models, under
 chunk sizes {16, 64, 512} x block sizes {8, 16}, under preemption, and with prefix-cache
-hits; Mistral and Qwen3 (q/k norm) on fewer prompts. After every run no block is in use.
+hits; Mistral and Qwen3 (q/k norm) on fewer prompts. These run the default implementation
+(`auto`: the native forward for all four); the transformers implementation runs the same
+prompts on every architecture, and the native forward also from a bf16 checkpoint computed
+in float32 (bf16-stored matrices). After every run no block is in use.
 """
 
 from __future__ import annotations
@@ -10,8 +13,10 @@ from __future__ import annotations
 import random
 
 import pytest
+import torch
 
 from pdserve import LLM, SamplingParams
+from pdserve.engine.model_factory import make_model
 
 from .reference import assert_matches, greedy_references
 
@@ -91,5 +96,29 @@ def test_other_architectures(model_dirs, arch):
     new_tokens = [32, 32, 16, 32]
     refs = greedy_references(model_dirs[arch], prompts, new_tokens)
     llm = LLM(model_dirs[arch], dtype="float32", block_size=16, max_num_batched_tokens=64, max_num_seqs=4)
+    assert_matches(run_greedy(llm, prompts, new_tokens), refs)
+    assert llm.engine.kv.num_used_blocks == 0
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral", "qwen3"])
+def test_both_implementations(model_dirs, arch):
+    prompts = random_prompts([1, 17, 64, 200], vocab=900, seed=4)
+    new_tokens = [24, 24, 16, 24]
+    refs = greedy_references(model_dirs[arch], prompts, new_tokens)
+    for impl in ("native", "transformers"):
+        llm = LLM(model_dirs[arch], dtype="float32", model_impl=impl, block_size=8, max_num_batched_tokens=64)
+        assert llm.engine.loaded.impl == impl
+        assert_matches(run_greedy(llm, prompts, new_tokens), refs)
+        assert llm.engine.kv.num_used_blocks == 0
+
+
+def test_bf16_checkpoint_in_float32(tmp_path):
+    """What `auto` runs on a CPU without native bf16: float32 math on bf16-stored matrices
+    (the GEMV kernel for decode steps), token-identical to transformers on the upcast weights."""
+    model_dir = make_model(tmp_path / "qwen2-bf16", "qwen2", "tiny", dtype=torch.bfloat16, seed=0)
+    prompts = random_prompts([5, 40, 130], vocab=900, seed=5)
+    new_tokens = [32, 32, 32]
+    refs = greedy_references(model_dir, prompts, new_tokens)
+    llm = LLM(model_dir, dtype="float32", block_size=16, max_num_batched_tokens=64)
     assert_matches(run_greedy(llm, prompts, new_tokens), refs)
     assert llm.engine.kv.num_used_blocks == 0

@@ -129,7 +129,7 @@ def test_plan_starts_router_then_each_pool_with_its_own_flags():
     flags = dict(zip(prefill[4::2], prefill[5::2]))
     assert flags == {"--model": "/m", "--host": "127.0.0.1", "--port": "0", "--router": "127.0.0.1:50999",
                      "--node-id": "prefill-0", "--kv-host": "127.0.0.1", "--kv-port": "0",
-                     "--dtype": "float32", "--block-size": "8", "--threads": "1",
+                     "--dtype": "auto", "--block-size": "8", "--threads": "1",
                      "--max-num-batched-tokens": "1024"}
     assert plan.nodes[2].argv[3] == "decode"
     assert plan.nodes[2].argv[-2:] == ("--max-num-seqs", "128")
@@ -178,7 +178,7 @@ def test_colocated_plan_starts_only_colocated_nodes_without_kv_listeners():
     argv = plan.nodes[1].argv
     assert argv[:4] == ("py", "-m", "pdserve", "colocated")
     assert _flags(argv) == {"--model": "/m", "--host": "127.0.0.1", "--port": "0", "--router": "127.0.0.1:50999",
-                            "--node-id": "colocated-1", "--dtype": "float32", "--block-size": "8",
+                            "--node-id": "colocated-1", "--dtype": "auto", "--block-size": "8",
                             "--threads": "1", "--max-num-seqs": "32"}
     assert plan.router.cpus is None and all(n.cpus is None for n in plan.nodes)
 

@@ -101,18 +101,19 @@ def test_transformers_impl_keeps_its_attention_apart_from_the_reference(tiny_dir
     assert hf_model.config._attn_implementation == ATTENTION_NAME  # untouched by the reference
 
 
-def test_auto_impl_is_native_for_the_llama_family_and_refuses_native_elsewhere(tiny_dirs, tmp_path):
+@pytest.mark.parametrize(("edit", "reason"), [({"hidden_act": "gelu"}, "activation 'gelu'"),
+                                              ({"mlp_bias": True}, "MLP biases")])
+def test_auto_impl_is_native_for_the_llama_family_and_refuses_native_elsewhere(tiny_dirs, tmp_path, edit, reason):
     assert load_model(tiny_dirs["qwen3"], torch.float32).impl == "native"
-    config = json.loads((tiny_dirs["llama"] / "config.json").read_text())
-    config["hidden_act"] = "gelu"
-    gelu_dir = tmp_path / "gelu"
-    gelu_dir.mkdir()
+    edited = tmp_path / "edited"
+    edited.mkdir()
     for f in tiny_dirs["llama"].iterdir():
-        (gelu_dir / f.name).write_bytes(f.read_bytes())
-    (gelu_dir / "config.json").write_text(json.dumps(config))
-    assert load_model(gelu_dir, torch.float32).impl == "transformers"
-    with pytest.raises(ValueError, match="model_impl native cannot run .*activation 'gelu'"):
-        load_model(gelu_dir, torch.float32, "native")
+        (edited / f.name).write_bytes(f.read_bytes())
+    config = json.loads((edited / "config.json").read_text())
+    (edited / "config.json").write_text(json.dumps({**config, **edit}))
+    assert load_model(edited, torch.float32).impl == "transformers"
+    with pytest.raises(ValueError, match=f"model_impl native cannot run .*{reason}"):
+        load_model(edited, torch.float32, "native")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
