@@ -13,6 +13,7 @@ It prints the CPU capability, each figure, each ratio and the target it answers 
 
 from __future__ import annotations
 
+import gc
 import multiprocessing
 import random
 import statistics
@@ -55,7 +56,6 @@ def run_anchors(model_dir: Path, dtype: str, engine_offline, workload, args) -> 
     vocab = _vocab_size(model_dir)
     engine = _OneStream(model_dir, dtype, args.threads)
     reference = _TransformersForward(model_dir, dtype)
-    ct2 = _CTranslate2(ct2_dir, args.threads)
     prompt = _random_ids(vocab, PREFILL_TOKENS, args.seed)
     for round_index in range(args.anchor_rounds):
         print(f"anchors: round {round_index + 1}/{args.anchor_rounds}", flush=True)
@@ -66,10 +66,14 @@ def run_anchors(model_dir: Path, dtype: str, engine_offline, workload, args) -> 
             result = anchor_tools.run_llama_bench(llama, gguf, args.threads, PREFILL_TOKENS, ONE_STREAM_TOKENS, 1)
             figures.add("decode", f"llama.cpp {outtype}", result.decode_tokens_per_s)
             figures.add("prefill", f"llama.cpp {outtype}", result.prompt_tokens_per_s)
-        figures.add("decode", "CTranslate2 float32", ct2.decode(prompt[:1], ONE_STREAM_TOKENS))
+        # CTranslate2's worker threads outlive its calls and would take the cores from the
+        # others: each of its phases gets its own generator, closed before the next phase.
+        with _CTranslate2(ct2_dir, args.threads) as ct2:
+            figures.add("decode", "CTranslate2 float32", ct2.decode(prompt[:1], ONE_STREAM_TOKENS))
     engine.close()
     figures.add("offline", "pdserve", engine_offline.tokens_per_s)
-    figures.add("offline", "CTranslate2 float32", ct2.offline(workload))
+    with _CTranslate2(ct2_dir, args.threads) as ct2:
+        figures.add("offline", "CTranslate2 float32", ct2.offline(workload))
     mean_prompt = round(statistics.mean(len(p) for p in workload.prompts))
     batched = anchor_tools.run_batched_bench(llama, ggufs["bf16"], args.threads, mean_prompt, workload.max_tokens,
                                              len(workload.prompts))  # fmt: skip
@@ -140,6 +144,13 @@ class _CTranslate2:
         self.tokens = _ct2_vocabulary(model_dir)
         self.decode(_random_ids(100, 16, 0), 4)  # warm-up
 
+    def __enter__(self) -> _CTranslate2:
+        return self
+
+    def __exit__(self, *exc) -> None:
+        del self.generator
+        gc.collect()
+
     def decode(self, prompt: list[int], tokens: int) -> float:
         start_tokens = [[self.tokens[i] for i in prompt]]
         stamps = []
@@ -170,8 +181,6 @@ def engine_peak_rss(model_dir: Path, dtype: str, threads: int) -> dict:
 
 
 def _measure_rss(model_dir: str, dtype: str, threads: int) -> dict:
-    import resource
-
     from pdserve import LLM, SamplingParams
     from pdserve.bench.common import weight_bytes
 
@@ -181,9 +190,17 @@ def _measure_rss(model_dir: str, dtype: str, threads: int) -> dict:
     engine = llm.engine
     kv_bytes = sum(c.numel() * c.element_size() for c in engine.runner.k_caches + engine.runner.v_caches)
     weights = weight_bytes(engine.loaded.model)
-    peak = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    peak = _peak_rss_bytes()
     return {"peak_rss_bytes": peak, "weight_bytes": weights, "kv_cache_bytes": kv_bytes,
             "budget_bytes": weights + kv_bytes + RSS_SLACK_BYTES}  # fmt: skip
+
+
+def _peak_rss_bytes() -> int:
+    """This process's own high-water mark (VmHWM). Not getrusage's ru_maxrss: Linux keeps that
+    across execve, so a spawned child would report its (large) parent's peak."""
+    with open("/proc/self/status") as status:
+        line = next(ln for ln in status if ln.startswith("VmHWM:"))
+    return int(line.split()[1]) * 1024
 
 
 def _floors(engine_offline, dtype: str, args) -> dict:

@@ -13,8 +13,6 @@ from dataclasses import dataclass
 from typing import Protocol
 
 import torch
-from transformers import AttentionInterface
-from transformers.masking_utils import AttentionMaskInterface
 
 from pdserve.kernels import write_kv_cache
 from pdserve.kernels.metadata import AttentionMetadata
@@ -65,7 +63,13 @@ def _no_mask(*args, **kwargs):
 
 
 def register_paged_attention() -> str:
-    """Register the engine's attention with transformers (idempotent); returns its name."""
+    """Register the engine's attention with transformers (idempotent); returns its name.
+
+    Imported here: transformers' attention and masking modules cost ~120 MB of memory, which
+    the native model (engine/models/llama.py) never needs."""
+    from transformers import AttentionInterface
+    from transformers.masking_utils import AttentionMaskInterface
+
     AttentionInterface.register(ATTENTION_NAME, paged_attention_forward)
     AttentionMaskInterface.register(ATTENTION_NAME, _no_mask)
     return ATTENTION_NAME

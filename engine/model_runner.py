@@ -8,6 +8,8 @@ that are sampled, and samples them. It never decides what runs; the scheduler do
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 
 import torch
@@ -51,8 +53,8 @@ class ModelRunner:
         self.kv = kv
         self.block_size = kv.block_size
         shape = (num_blocks, loaded.num_kv_heads, self.block_size, loaded.head_dim)
-        self.k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(loaded.num_layers)]
-        self.v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(loaded.num_layers)]
+        self.k_caches = [zeroed_cache(shape, dtype) for _ in range(loaded.num_layers)]
+        self.v_caches = [zeroed_cache(shape, dtype) for _ in range(loaded.num_layers)]
         self.backend = BACKENDS[backend]
         if backend == "fast":
             # Build the C++ kernels now (once per machine, up to a minute) rather than
@@ -112,6 +114,14 @@ class ModelRunner:
             logits_indices=query_start_loc[1:][sampled_pos].long() - 1,
             sampled=[seqs[i] for i in sampled_pos],
         )
+
+
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
+    """A zero-filled cache tensor on anonymous memory pages: the OS maps each page on its first
+    write, so a large KV budget takes RAM as blocks fill rather than all at start (torch.zeros
+    would write every page now)."""
+    nbytes = math.prod(shape) * dtype.itemsize
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 
 
 def _pad_tables(tables: list[list[int]]) -> torch.Tensor:

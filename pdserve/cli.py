@@ -13,6 +13,7 @@ import importlib
 import sys
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node.config import DTYPE_NAMES
 
 DEMO_PROMPTS = [
     "The quick brown fox",
@@ -73,6 +74,7 @@ def _parser() -> argparse.ArgumentParser:
     demo = sub.add_parser("demo", help="offline generation on the built-in demo model")
     demo.add_argument("--model", help="model directory (default: the built-in demo model)")
     demo.add_argument("--max-tokens", type=int, default=48)
+    demo.add_argument("--dtype", choices=DTYPE_NAMES, default="auto")
     demo.add_argument("--temperature", type=float, default=0.0)
     demo.add_argument("prompts", nargs="*", default=DEMO_PROMPTS)
     demo.set_defaults(run=_demo)
@@ -111,7 +113,7 @@ def _demo(args) -> int:
     from pdserve.llm import LLM
 
     model = args.model or ensure_demo_model()
-    llm = LLM(model, dtype="float32")
+    llm = LLM(model, dtype=args.dtype)
     params = SamplingParams(max_tokens=args.max_tokens, temperature=args.temperature, seed=0)
     for event in llm.stream(args.prompts, params):
         if event.delta.text:

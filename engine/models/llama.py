@@ -3,8 +3,8 @@
 Owns reading such a checkpoint's safetensors into fused weights (q/k/v as one matrix, gate/up as
 one) and the forward over a packed batch with the fewest ops per layer: one GEMM per projection,
 one fused op for the residual add and RMSNorm, one for RoPE (after Qwen3's q/k norms) and the
-KV-cache write, the paged attention kernel. Per-step work shared by all layers (RoPE angles) is
-done once per step. The math is transformers' (same formulas, same rounding points), so float32
+KV-cache write, the paged attention kernel. Per-step work shared by all layers (RoPE angles,
+engine/models/rope.py) is done once per step. The math is transformers' (same formulas, same rounding points), so float32
 greedy output matches transformers `generate`; transformers remains the reference in tests and
 the runner for every other architecture (engine/models/hf.py).
 
@@ -14,7 +14,6 @@ model directory.
 
 from __future__ import annotations
 
-import importlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
@@ -26,11 +25,11 @@ from transformers import PretrainedConfig
 
 from pdserve.engine.attention import ForwardContext
 from pdserve.engine.model_facts import head_dim, num_kv_heads, optional
+from pdserve.engine.models.rope import STATIC_ROPE_TYPES, RotaryAngles, rope_type
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.layer_ops import LayerOps
 
-# model_type -> the prefix of its transformers classes (for the rotary embedding).
-ARCHITECTURES = {"llama": "Llama", "mistral": "Mistral", "qwen2": "Qwen2", "qwen3": "Qwen3"}
+ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SINGLE_FILE = "model.safetensors"
 SHARD_INDEX = "model.safetensors.index.json"
 
@@ -47,6 +46,8 @@ def unsupported_reason(model_dir: Path, config: PretrainedConfig) -> str | None:
     rope = optional(text, "rope_parameters") or {}
     if (optional(text, "partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
         return "partial rotary embeddings (partial_rotary_factor)"
+    if rope_type(text) not in STATIC_ROPE_TYPES:
+        return f"RoPE type {rope_type(text)!r} (its angles depend on the sequence length)"
     if not ((model_dir / SINGLE_FILE).is_file() or (model_dir / SHARD_INDEX).is_file()):
         return f"no {SINGLE_FILE} or {SHARD_INDEX} in {model_dir}"
     return None
@@ -97,11 +98,11 @@ class LlamaLayer:
 
 
 class NativeLlama(torch.nn.Module):
-    def __init__(self, shape: LlamaShape, rotary: torch.nn.Module, embed: torch.Tensor, layers: list[LlamaLayer],
+    def __init__(self, shape: LlamaShape, rotary: RotaryAngles, embed: torch.Tensor, layers: list[LlamaLayer],
                  norm: torch.Tensor, lm_head: torch.Tensor) -> None:  # fmt: skip
         super().__init__()
         self.shape = shape
-        self.rotary = rotary  # transformers' own rotary embedding for the config (every RoPE scaling type)
+        self.rotary = rotary
         self.embed, self.norm, self.lm_head = embed, norm, lm_head
         self.layers = layers
         self.compute_dtype = norm.dtype  # matrices may be stored narrower (see storage_dtype)
@@ -116,7 +117,7 @@ class NativeLlama(torch.nn.Module):
     ) -> torch.Tensor:  # [num_sampled, vocab]
         ops = LayerOps.for_step(self.compute_dtype, input_ids.shape[0], input_ids.device)
         eps = self.shape.eps
-        cos, sin = self._rope_angles(positions)
+        cos, sin = self.rotary(positions)  # [num_tokens, head_dim] float32, whatever the weights' dtype
         residual = F.embedding(input_ids, self.embed).to(self.compute_dtype)  # [num_tokens, hidden]
         hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         for index, layer in enumerate(self.layers):
@@ -130,12 +131,6 @@ class NativeLlama(torch.nn.Module):
         rows = LayerOps.for_step(self.compute_dtype, logits_indices.shape[0], input_ids.device)
         hidden = rows.add_rms_norm(hidden[logits_indices], residual[logits_indices], self.norm, eps)
         return rows.linear(hidden, self.lm_head)
-
-    def _rope_angles(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        # float32 angles whatever the weights' dtype: [num_tokens, head_dim] each.
-        probe = torch.empty(0, dtype=torch.float32, device=positions.device)
-        cos, sin = self.rotary(probe, positions.unsqueeze(0))
-        return cos[0].contiguous(), sin[0].contiguous()
 
     def _attention(self, ops: LayerOps, ctx: ForwardContext, index: int, layer: LlamaLayer, hidden, cos, sin):
         qkv = ops.linear(hidden, layer.qkv, layer.qkv_bias)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
@@ -157,7 +152,7 @@ def load_native_llama(model_dir: Path, config: PretrainedConfig, dtype: torch.dt
         norm = ckpt.tensor("model.norm.weight", dtype)
         tied = bool(optional(config, "tie_word_embeddings")) or not ckpt.has("lm_head.weight")
         lm_head = embed if tied else ckpt.tensor("lm_head.weight", store)
-    return NativeLlama(shape, _rotary(config), embed, layers, norm, lm_head).eval()
+    return NativeLlama(shape, RotaryAngles(text), embed, layers, norm, lm_head).eval()
 
 
 def storage_dtype(checkpoint: torch.dtype, compute: torch.dtype) -> torch.dtype:
@@ -187,12 +182,6 @@ def _load_layer(ckpt: _Checkpoint, prefix: str, dtype: torch.dtype, store: torch
         gate_up=fuse(store, mlp + "gate_proj.weight", mlp + "up_proj.weight"),
         down_proj=ckpt.tensor(mlp + "down_proj.weight", store),
     )
-
-
-def _rotary(config: PretrainedConfig) -> torch.nn.Module:
-    prefix = ARCHITECTURES[config.model_type]
-    module = importlib.import_module(f"transformers.models.{config.model_type}.modeling_{config.model_type}")
-    return getattr(module, f"{prefix}RotaryEmbedding")(config=config.get_text_config()).eval()
 
 
 class _Checkpoint:

@@ -92,6 +92,30 @@ def test_tiny_model_loads_and_paged_forward_matches_transformers(tiny_dirs, arch
     torch.testing.assert_close(paged_forward(loaded, token_ids), expected, atol=1e-4, rtol=1e-4)
 
 
+def copy_with_config(src, dst, **edit):
+    dst.mkdir()
+    for f in src.iterdir():
+        (dst / f.name).write_bytes(f.read_bytes())
+    config = json.loads((dst / "config.json").read_text())
+    (dst / "config.json").write_text(json.dumps({**config, **edit}))
+    return dst
+
+
+@pytest.mark.parametrize("rope", [
+    {"rope_type": "linear", "factor": 2.0},
+    {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+     "original_max_position_embeddings": 256},
+    {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
+])
+def test_native_forward_matches_transformers_with_scaled_rope(tiny_dirs, tmp_path, rope):
+    model_dir = copy_with_config(tiny_dirs["llama"], tmp_path / "scaled", rope_parameters={"rope_theta": 10000.0, **rope})
+    loaded = load_model(model_dir, torch.float32, "native")
+    token_ids = [(13 * i) % 900 + 1 for i in range(300)]  # past original_max_position_embeddings
+    with torch.inference_mode():
+        expected = load_reference_model(model_dir, torch.float32)(torch.tensor([token_ids])).logits[0]
+    torch.testing.assert_close(paged_forward(loaded, token_ids), expected, atol=1e-4, rtol=1e-4)
+
+
 def test_transformers_impl_keeps_its_attention_apart_from_the_reference(tiny_dirs):
     loaded = load_model(tiny_dirs["llama"], torch.float32, "transformers")
     hf_model = loaded.model.model
@@ -101,16 +125,14 @@ def test_transformers_impl_keeps_its_attention_apart_from_the_reference(tiny_dir
     assert hf_model.config._attn_implementation == ATTENTION_NAME  # untouched by the reference
 
 
-@pytest.mark.parametrize(("edit", "reason"), [({"hidden_act": "gelu"}, "activation 'gelu'"),
-                                              ({"mlp_bias": True}, "MLP biases")])
+@pytest.mark.parametrize(("edit", "reason"), [
+    ({"hidden_act": "gelu"}, "activation 'gelu'"),
+    ({"mlp_bias": True}, "MLP biases"),
+    ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "RoPE type 'dynamic'"),
+])
 def test_auto_impl_is_native_for_the_llama_family_and_refuses_native_elsewhere(tiny_dirs, tmp_path, edit, reason):
     assert load_model(tiny_dirs["qwen3"], torch.float32).impl == "native"
-    edited = tmp_path / "edited"
-    edited.mkdir()
-    for f in tiny_dirs["llama"].iterdir():
-        (edited / f.name).write_bytes(f.read_bytes())
-    config = json.loads((edited / "config.json").read_text())
-    (edited / "config.json").write_text(json.dumps({**config, **edit}))
+    edited = copy_with_config(tiny_dirs["llama"], tmp_path / "edited", **edit)
     assert load_model(edited, torch.float32).impl == "transformers"
     with pytest.raises(ValueError, match=f"model_impl native cannot run .*{reason}"):
         load_model(edited, torch.float32, "native")
