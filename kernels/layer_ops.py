@@ -1,6 +1,7 @@
 """The per-layer ops of the native Llama-family model, chosen once per step.
 
-Owns the math of: linear layers (x @ weight.T + bias), RMSNorm (optionally with the residual
+Owns the math of: linear layers (x @ weight.T + bias; also with the SiLU-gated input of the
+MLP's down projection), RMSNorm (optionally with the residual
 add before it) and RoPE with the KV-cache write, in two formulations: the C++ kernels
 (kernels/csrc/layer_ops.cpp and bf16_gemv.cpp, see cpu_ext) when built, else torch ops computing
 the same values the way transformers' Llama modules do. `LayerOps.for_step` resolves which
@@ -45,29 +46,31 @@ class LayerOps:
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] @ weight [out, in].T (+ bias [out]) -> [rows, out] in x's dtype."""
         if self.gemv and weight.dtype == torch.bfloat16:
-            out = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-            self.cpp.linear_bf16w(x.contiguous(), weight, bias, out)
-            return out
+            return self.cpp.linear_bf16w(x.contiguous(), weight, bias, False)
         if weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
         return F.linear(x, weight, bias)
+
+    def gated_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """(silu(gate) * up) @ weight.T for gate_up = [gate | up] ([rows, 2 * in]): the MLP's
+        down projection, with the activation inside the GEMV kernel when it serves the step."""
+        if self.gemv and weight.dtype == torch.bfloat16:
+            return self.cpp.linear_bf16w(gate_up, weight, None, True)
+        gate, up = gate_up.chunk(2, dim=-1)
+        return self.linear(F.silu(gate) * up, weight)
 
     def rms_norm(self, x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """weight * RMSNorm(x) over the last dim; x [rows, dim]."""
         if self.cpp is None:
             return rms_norm_torch(x, weight, eps)
-        out = torch.empty_like(x)
-        self.cpp.rms_norm(x, weight, out, eps)
-        return out
+        return self.cpp.rms_norm(x, weight, eps)
 
     def add_rms_norm(self, x: torch.Tensor, residual: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
         """residual += x (in place), then weight * RMSNorm(residual); all [rows, dim] contiguous."""
         if self.cpp is None:
             residual.add_(x)
             return rms_norm_torch(residual, weight, eps)
-        out = torch.empty_like(x)
-        self.cpp.add_rms_norm(x, residual, weight, out, eps)
-        return out
+        return self.cpp.add_rms_norm(x, residual, weight, eps)
 
     def rope_write_kv(
         self,
@@ -85,10 +88,8 @@ class LayerOps:
         qkv is scratch: its q and k parts are overwritten."""
         if self.cpp is None:
             return _rope_write_kv_torch(qkv, cos, sin, head_norms, eps, k_cache, v_cache, slot_mapping, num_heads)
-        q = torch.empty(qkv.shape[0], num_heads, k_cache.shape[3], dtype=qkv.dtype)
         q_norm, k_norm = head_norms if head_norms is not None else (None, None)
-        self.cpp.rope_write_kv(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping, q)
-        return q
+        return self.cpp.rope_write_kv(qkv, cos, sin, q_norm, k_norm, eps, k_cache, v_cache, slot_mapping, num_heads)
 
 
 def rms_norm_torch(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:

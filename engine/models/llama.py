@@ -125,8 +125,8 @@ class NativeLlama(torch.nn.Module):
                 hidden = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
             attn = self._attention(ops, ctx, index, layer, hidden, cos, sin)
             hidden = ops.add_rms_norm(attn, residual, layer.post_norm, eps)
-            gate, up = ops.linear(hidden, layer.gate_up).chunk(2, dim=-1)  # [num_tokens, intermediate] each
-            hidden = ops.linear(F.silu(gate) * up, layer.down_proj)
+            gate_up = ops.linear(hidden, layer.gate_up)  # [num_tokens, 2 * intermediate]
+            hidden = ops.gated_linear(gate_up, layer.down_proj)
         # The final norm is per row: normalise only the rows that are sampled.
         rows = LayerOps.for_step(self.compute_dtype, logits_indices.shape[0], input_ids.device)
         hidden = rows.add_rms_norm(hidden[logits_indices], residual[logits_indices], self.norm, eps)

@@ -1,6 +1,6 @@
 // Small-batch linear layer with bfloat16 weights and float32 accumulation, for the CPU.
 //
-// kernels/linear.py owns the contract: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), for
+// kernels/layer_ops.py owns the contract: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), for
 // few rows m (decode steps). A decode step is bound by reading the weights once, so the kernel
 // streams each weight row exactly once, converts its bf16 values to float32 in registers (a
 // 16-bit shift: exact) and reuses them for every row of x. Weights are bf16 either because the
@@ -14,12 +14,14 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <c10/util/Optional.h>
 
 #include <cstdint>
 #include <algorithm>
+#include <cmath>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -167,22 +169,47 @@ std::vector<float> as_float(const at::Tensor& t) {
 
 }  // namespace
 
-// out [rows, n] = x [rows, k] @ weight [n, k]^T (+ bias [n]); weight bfloat16; x, bias and out
-// float32 or bfloat16 (out has x's dtype). All contiguous.
-void linear_bf16w(const at::Tensor& x, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                  const at::Tensor& out) {
-  TORCH_CHECK(x.dim() == 2 && weight.dim() == 2 && out.dim() == 2 && x.size(1) == weight.size(1));
-  TORCH_CHECK(out.size(0) == x.size(0) && out.size(1) == weight.size(0) && out.scalar_type() == x.scalar_type());
+// silu(gate) * up of x = [gate | up] (each [rows, k]), rounded where transformers' modules round:
+// for bf16, silu's result and the product are each rounded to bf16.
+template <typename T>
+at::Tensor silu_mul(const at::Tensor& x) {
+  const int64_t rows = x.size(0), k = x.size(1) / 2;
+  at::Tensor out = at::empty({rows, k}, x.options());
+  const T* in = x.const_data_ptr<T>();
+  T* o = out.mutable_data_ptr<T>();
+  for (int64_t r = 0; r < rows; ++r) {
+    for (int64_t i = 0; i < k; ++i) {
+      const float g = static_cast<float>(in[r * 2 * k + i]);
+      const T act = static_cast<T>(g / (1.0f + std::exp(-g)));
+      o[r * k + i] = static_cast<T>(static_cast<float>(act) * static_cast<float>(in[r * 2 * k + k + i]));
+    }
+  }
+  return out;
+}
+
+// [rows, n] = x [rows, k] @ weight [n, k]^T (+ bias [n]); weight bfloat16; x, bias and the result
+// float32 or bfloat16 (the result has x's dtype). gated: x is [gate | up] ([rows, 2k]) and the
+// product uses silu(gate) * up (the MLP's down projection), computed here for few rows.
+at::Tensor linear_bf16w(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                        bool gated) {
+  TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
+              "linear_bf16w: float32/bfloat16 x");
+  TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous() && (!gated || x_in.size(1) % 2 == 0));
+  const at::Tensor x = !gated ? x_in
+                       : x_in.scalar_type() == at::kFloat ? silu_mul<float>(x_in)
+                                                          : silu_mul<at::BFloat16>(x_in);
+  TORCH_CHECK(weight.dim() == 2 && x.size(1) == weight.size(1), "linear_bf16w: x and weight widths differ");
   TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16w: weight must be bfloat16");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, "linear_bf16w: float32/bfloat16 x");
-  TORCH_CHECK(x.is_contiguous() && weight.is_contiguous() && out.is_contiguous());
+  TORCH_CHECK(weight.is_contiguous());
   TORCH_CHECK(!bias.has_value() || (bias->numel() == weight.size(0) && bias->is_contiguous()));
   const int64_t rows = x.size(0), n = weight.size(0), k = x.size(1);
+  at::Tensor out = at::empty({rows, n}, x.options());
   const std::vector<float> bf = bias.has_value() ? as_float(*bias) : std::vector<float>();
   const auto* w = reinterpret_cast<const uint16_t*>(weight.const_data_ptr<at::BFloat16>());
   const float* b = bias.has_value() ? bf.data() : nullptr;
   if (x.scalar_type() == at::kFloat) {
-    return gemv(x.const_data_ptr<float>(), w, b, out.mutable_data_ptr<float>(), rows, n, k);
+    gemv(x.const_data_ptr<float>(), w, b, out.mutable_data_ptr<float>(), rows, n, k);
+    return out;
   }
   auto* out_bf16 = out.mutable_data_ptr<at::BFloat16>();
 #if defined(__AVX512BF16__)
@@ -191,10 +218,11 @@ void linear_bf16w(const at::Tensor& x, const at::Tensor& weight, const c10::opti
   const std::vector<float> xf = as_float(x);
   gemv(xf.data(), w, b, out_bf16, rows, n, k);
 #endif
+  return out;
 }
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def("linear_bf16w(Tensor x, Tensor weight, Tensor? bias, Tensor(a!) out) -> ()");
+  m.def("linear_bf16w(Tensor x, Tensor weight, Tensor? bias, bool gated) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("linear_bf16w", &linear_bf16w); }

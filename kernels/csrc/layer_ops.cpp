@@ -12,6 +12,7 @@
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <torch/library.h>
 
 #include <c10/util/Optional.h>
@@ -157,32 +158,43 @@ const T* optional_ptr(const c10::optional<at::Tensor>& t) {
 
 }  // namespace
 
-// out = RMSNorm(x) * weight; x and out [rows, dim] with unit column stride.
-void rms_norm(const at::Tensor& x, const at::Tensor& weight, const at::Tensor& out, double eps) {
+// RMSNorm(x) * weight; x [rows, dim] with unit column stride.
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
   check_rows(x, weight, out);
-  if (x.scalar_type() == at::kFloat) return rms_norm_impl<float>(x, weight, out, eps);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 and bfloat16 only");
-  rms_norm_impl<at::BFloat16>(x, weight, out, eps);
+  if (x.scalar_type() == at::kFloat) {
+    rms_norm_impl<float>(x, weight, out, eps);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "rms_norm: float32 and bfloat16 only");
+    rms_norm_impl<at::BFloat16>(x, weight, out, eps);
+  }
+  return out;
 }
 
-// residual += x (in place), then out = RMSNorm(residual) * weight. All [rows, dim] contiguous.
-void add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, const at::Tensor& out,
-                  double eps) {
+// residual += x (in place), then RMSNorm(residual) * weight. All [rows, dim] contiguous.
+at::Tensor add_rms_norm(const at::Tensor& x, const at::Tensor& residual, const at::Tensor& weight, double eps) {
+  at::Tensor out = at::empty(x.sizes(), x.options());
   check_rows(x, weight, out);
-  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && out.is_contiguous() && residual.sizes() == x.sizes());
+  TORCH_CHECK(x.is_contiguous() && residual.is_contiguous() && residual.sizes() == x.sizes());
   TORCH_CHECK(residual.scalar_type() == x.scalar_type());
-  if (x.scalar_type() == at::kFloat) return add_rms_norm_impl<float>(x, residual, weight, out, eps);
-  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "add_rms_norm: float32 and bfloat16 only");
-  add_rms_norm_impl<at::BFloat16>(x, residual, weight, out, eps);
+  if (x.scalar_type() == at::kFloat) {
+    add_rms_norm_impl<float>(x, residual, weight, out, eps);
+  } else {
+    TORCH_CHECK(x.scalar_type() == at::kBFloat16, "add_rms_norm: float32 and bfloat16 only");
+    add_rms_norm_impl<at::BFloat16>(x, residual, weight, out, eps);
+  }
+  return out;
 }
 
 // qkv [num_tokens, (num_heads + 2 * num_kv_heads) * head_dim] (rows contiguous): normalises
-// (optionally) and rotates q and k in place, copies q to q_out [num_tokens, num_heads, head_dim]
-// and stores k and v at each token's flat cache slot.
-void rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
-                   const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps,
-                   const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
-                   const at::Tensor& q_out) {
+// (optionally) and rotates q and k in place, stores k and v at each token's flat cache slot and
+// returns q [num_tokens, num_heads, head_dim].
+at::Tensor rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tensor& sin,
+                         const c10::optional<at::Tensor>& q_norm, const c10::optional<at::Tensor>& k_norm, double eps,
+                         const at::Tensor& k_cache, const at::Tensor& v_cache, const at::Tensor& slot_mapping,
+                         int64_t num_heads) {
+  TORCH_CHECK(k_cache.dim() == 4 && num_heads > 0);
+  at::Tensor q_out = at::empty({qkv.size(0), num_heads, k_cache.size(3)}, qkv.options());
   TORCH_CHECK(qkv.dim() == 2 && qkv.stride(1) == 1 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes());
   TORCH_CHECK(k_cache.is_contiguous() && v_cache.is_contiguous() && q_out.is_contiguous() && q_out.dim() == 3);
   TORCH_CHECK(qkv.scalar_type() == k_cache.scalar_type() && qkv.scalar_type() == v_cache.scalar_type() &&
@@ -204,20 +216,22 @@ void rope_write_kv(const at::Tensor& qkv, const at::Tensor& cos, const at::Tenso
   for (int64_t t = 0; t < num_tokens; ++t) TORCH_CHECK(slots[t] >= 0 && slots[t] < sh.num_slots, "slot out of range");
   const float feps = static_cast<float>(eps);
   if (qkv.scalar_type() == at::kFloat) {
-    return rope_write_kv_impl<float>(qkv, cos, sin, optional_ptr<float>(q_norm), optional_ptr<float>(k_norm), feps,
-                                     k_cache, v_cache, slots, q_out, sh);
+    rope_write_kv_impl<float>(qkv, cos, sin, optional_ptr<float>(q_norm), optional_ptr<float>(k_norm), feps, k_cache,
+                              v_cache, slots, q_out, sh);
+  } else {
+    TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rope_write_kv: float32 and bfloat16 only");
+    rope_write_kv_impl<at::BFloat16>(qkv, cos, sin, optional_ptr<at::BFloat16>(q_norm),
+                                     optional_ptr<at::BFloat16>(k_norm), feps, k_cache, v_cache, slots, q_out, sh);
   }
-  TORCH_CHECK(qkv.scalar_type() == at::kBFloat16, "rope_write_kv: float32 and bfloat16 only");
-  rope_write_kv_impl<at::BFloat16>(qkv, cos, sin, optional_ptr<at::BFloat16>(q_norm),
-                                   optional_ptr<at::BFloat16>(k_norm), feps, k_cache, v_cache, slots, q_out, sh);
+  return q_out;
 }
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def("rms_norm(Tensor x, Tensor weight, Tensor(a!) out, float eps) -> ()");
-  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, Tensor(b!) out, float eps) -> ()");
+  m.def("rms_norm(Tensor x, Tensor weight, float eps) -> Tensor");
+  m.def("add_rms_norm(Tensor x, Tensor(a!) residual, Tensor weight, float eps) -> Tensor");
   m.def(
       "rope_write_kv(Tensor(a!) qkv, Tensor cos, Tensor sin, Tensor? q_norm, Tensor? k_norm, float eps, "
-      "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, Tensor(d!) q_out) -> ()");
+      "Tensor(b!) k_cache, Tensor(c!) v_cache, Tensor slot_mapping, int num_heads) -> Tensor");
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {

@@ -7,6 +7,9 @@ reference.
 
 from __future__ import annotations
 
+import os
+import shutil
+
 from dataclasses import dataclass
 
 import pytest
@@ -34,6 +37,14 @@ TOLERANCE = {torch.float32: 1e-5, torch.bfloat16: 2e-2}
 @pytest.fixture(scope="module")
 def cpp_ops() -> cpu_ext.CpuOps | None:
     return cpu_ext.ops()  # builds once per machine (~1 min), then loads from the cache dir
+
+
+def test_cpp_kernels_build_wherever_there_is_a_compiler():
+    # The engine falls back to torch when the build fails, and the C++ tests skip without it:
+    # without this test a broken kernel source would pass the suite on the fallback.
+    if os.environ.get(cpu_ext.DISABLE_ENV) == "0" or shutil.which("c++") is None:
+        pytest.skip("C++ kernels disabled, or no compiler on this machine")
+    assert cpu_ext.available(), "the C++ CPU kernels failed to build (see the warning logged above)"
 
 
 def skip_without_cpp(request: pytest.FixtureRequest, impl: str) -> str:
