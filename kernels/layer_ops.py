@@ -3,14 +3,14 @@
 Owns the math of: linear layers (x @ weight.T + bias; also with the SiLU-gated input of the
 MLP's down projection), RMSNorm (optionally with the residual
 add before it) and RoPE with the KV-cache write, in two formulations: the C++ kernels
-(kernels/csrc/layer_ops.cpp and bf16_gemv.cpp, see cpu_ext) when built, else torch ops computing
+(kernels/csrc/layer_ops.cpp and gemv.cpp, see cpu_ext) when built, else torch ops computing
 the same values the way transformers' Llama modules do. `LayerOps.for_step` resolves which
 formulation and which GEMM path serve a step once, so the ~10 ops a layer runs cost one call
 each and no lookups. It never decides which layers call them; engine/models does.
 
-Linear layers: decode steps have few rows and are bound by reading the weights, so bf16
-weights go through the GEMV kernel, which streams them at close to memory bandwidth (about 2x
-torch's bf16 GEMV and 5x an fp32 GEMV; bench/kernels.py --linear measures it). Many rows
+Linear layers: decode steps have few rows and are bound by reading the weights, so they go
+through the GEMV kernel, which streams bf16 or float32 weights at close to memory bandwidth
+(about 2x torch's bf16 GEMV and 3x its float32 GEMV; bench/kernels.py --linear measures it). Many rows
 (prefill) are bound by arithmetic, where torch's GEMM wins. Weights may be bf16 under float32
 activations ("bf16 storage" on CPUs without native bf16): the kernel converts them in registers,
 and large batches multiply a float32 copy.
@@ -36,7 +36,7 @@ GEMV_MAX_ROWS = {torch.bfloat16: 8, torch.float32: 16}
 @dataclass(frozen=True, slots=True)
 class LayerOps:
     cpp: cpu_ext.CpuOps | None  # None: the torch formulation
-    gemv: bool  # bf16 weights through the GEMV kernel (few rows)
+    gemv: bool  # linear layers through the GEMV kernel (few rows)
 
     @classmethod
     def for_step(cls, dtype: torch.dtype, num_rows: int, device: torch.device) -> LayerOps:
@@ -45,8 +45,8 @@ class LayerOps:
 
     def linear(self, x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
         """x [rows, in] @ weight [out, in].T (+ bias [out]) -> [rows, out] in x's dtype."""
-        if self.gemv and weight.dtype == torch.bfloat16:
-            return self.cpp.linear_bf16w(x.contiguous(), weight, bias, False)
+        if self.gemv:
+            return self.cpp.linear_gemv(x.contiguous(), weight, bias, False)
         if weight.dtype != x.dtype:
             weight = weight.to(x.dtype)
         return F.linear(x, weight, bias)
@@ -54,8 +54,8 @@ class LayerOps:
     def gated_linear(self, gate_up: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
         """(silu(gate) * up) @ weight.T for gate_up = [gate | up] ([rows, 2 * in]): the MLP's
         down projection, with the activation inside the GEMV kernel when it serves the step."""
-        if self.gemv and weight.dtype == torch.bfloat16:
-            return self.cpp.linear_bf16w(gate_up, weight, None, True)
+        if self.gemv:
+            return self.cpp.linear_gemv(gate_up, weight, None, True)
         gate, up = gate_up.chunk(2, dim=-1)
         return self.linear(F.silu(gate) * up, weight)
 

@@ -1,9 +1,10 @@
-// Small-batch linear layer with bfloat16 weights and float32 accumulation, for the CPU.
+// Small-batch linear layer (GEMV) with bfloat16 or float32 weights and float32 accumulation, for the CPU.
 //
 // kernels/layer_ops.py owns the contract: out[m, n] = sum_k x[m, k] * w[n, k] (+ bias[n]), for
 // few rows m (decode steps). A decode step is bound by reading the weights once, so the kernel
-// streams each weight row exactly once, converts its bf16 values to float32 in registers (a
-// 16-bit shift: exact) and reuses them for every row of x. Weights are bf16 either because the
+// streams each weight row exactly once and reuses it for every row of x (bf16 values are
+// converted to float32 in registers: a 16-bit shift, exact). torch's own GEMV reads float32
+// weights at about a third of the bandwidth this reaches. Weights are bf16 either because the
 // model runs in bf16, or because the checkpoint is bf16 and the machine computes in float32
 // (no native bf16): then reading bf16 halves the bytes and loses nothing. x and out are float32
 // or bfloat16 (x converted to float32 once per call; out rounded once).
@@ -70,16 +71,24 @@ inline float vsum(Vec v) {
 constexpr int64_t kLanes = 0;
 #endif
 
-// Dot products of one weight row with Rows (1..kRowTile) rows of x (float32, row stride k).
-template <int Rows>
-inline void dot_row(const uint16_t* w, const float* x, int64_t k, float* result) {
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
+inline Vec vload_w(const uint16_t* p) { return vload_bf16(p); }
+inline Vec vload_w(const float* p) { return vload(p); }
+#endif
+inline float w_to_float(uint16_t bits) { return bf16_to_float(bits); }
+inline float w_to_float(float w) { return w; }
+
+// Dot products of one weight row (bf16 bits or float32) with Rows (1..kRowTile) rows of x
+// (float32, row stride k).
+template <int Rows, typename W>
+inline void dot_row(const W* w, const float* x, int64_t k, float* result) {
   int64_t done = 0;
 #if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
   Vec acc[Rows][2];
   for (int m = 0; m < Rows; ++m) acc[m][0] = acc[m][1] = vzero();
   const int64_t step = 2 * kLanes, vector_end = k - k % step;
   for (int64_t i = 0; i < vector_end; i += step) {
-    const Vec w0 = vload_bf16(w + i), w1 = vload_bf16(w + i + kLanes);
+    const Vec w0 = vload_w(w + i), w1 = vload_w(w + i + kLanes);
     for (int m = 0; m < Rows; ++m) {
       acc[m][0] = vfma(w0, vload(x + m * k + i), acc[m][0]);
       acc[m][1] = vfma(w1, vload(x + m * k + i + kLanes), acc[m][1]);
@@ -91,7 +100,7 @@ inline void dot_row(const uint16_t* w, const float* x, int64_t k, float* result)
   for (int m = 0; m < Rows; ++m) result[m] = 0.0f;
 #endif
   for (int64_t i = done; i < k; ++i) {
-    const float wi = bf16_to_float(w[i]);
+    const float wi = w_to_float(w[i]);
     for (int m = 0; m < Rows; ++m) result[m] += wi * x[m * k + i];
   }
 }
@@ -118,8 +127,8 @@ inline void dot_row_bf16(const uint16_t* w, const uint16_t* x, int64_t k, float*
 }
 #endif
 
-template <int Rows, typename X, typename Out>
-inline void gemv_col(const X* x, const uint16_t* w_row, float b, Out* out, int64_t n, int64_t k) {
+template <int Rows, typename W, typename X, typename Out>
+inline void gemv_col(const X* x, const W* w_row, float b, Out* out, int64_t n, int64_t k) {
   float result[Rows];
 #if defined(__AVX512BF16__)
   if constexpr (std::is_same_v<X, uint16_t>) {
@@ -136,11 +145,11 @@ inline void gemv_col(const X* x, const uint16_t* w_row, float b, Out* out, int64
 
 // Columns outer, row tiles inner: each weight row is read from memory once and stays in L1
 // while every row tile of x uses it.
-template <typename X, typename Out>
-void gemv(const X* x, const uint16_t* w, const float* bias, Out* out, int64_t rows, int64_t n, int64_t k) {
+template <typename W, typename X, typename Out>
+void gemv(const X* x, const W* w, const float* bias, Out* out, int64_t rows, int64_t n, int64_t k) {
   at::parallel_for(0, n, kColGrain, [&](int64_t begin, int64_t end) {
     for (int64_t col = begin; col < end; ++col) {
-      const uint16_t* w_row = w + col * k;
+      const W* w_row = w + col * k;
       const float b = bias != nullptr ? bias[col] : 0.0f;
       for (int64_t m0 = 0; m0 < rows; m0 += kRowTile) {
         const X* xm = x + m0 * k;
@@ -187,26 +196,31 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return out;
 }
 
-// [rows, n] = x [rows, k] @ weight [n, k]^T (+ bias [n]); weight bfloat16; x, bias and the result
-// float32 or bfloat16 (the result has x's dtype). gated: x is [gate | up] ([rows, 2k]) and the
+// [rows, n] = x [rows, k] @ weight [n, k]^T (+ bias [n]); weight bfloat16 (x float32 or bfloat16)
+// or float32 (x float32); bias float32 or bfloat16; the result has x's dtype. gated: x is [gate | up] ([rows, 2k]) and the
 // product uses silu(gate) * up (the MLP's down projection), computed here for few rows.
-at::Tensor linear_bf16w(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
-                        bool gated) {
+at::Tensor linear_gemv(const at::Tensor& x_in, const at::Tensor& weight, const c10::optional<at::Tensor>& bias,
+                       bool gated) {
   TORCH_CHECK(x_in.scalar_type() == at::kFloat || x_in.scalar_type() == at::kBFloat16,
-              "linear_bf16w: float32/bfloat16 x");
+              "linear_gemv: float32/bfloat16 x");
   TORCH_CHECK(x_in.dim() == 2 && x_in.is_contiguous() && (!gated || x_in.size(1) % 2 == 0));
   const at::Tensor x = !gated ? x_in
                        : x_in.scalar_type() == at::kFloat ? silu_mul<float>(x_in)
                                                           : silu_mul<at::BFloat16>(x_in);
-  TORCH_CHECK(weight.dim() == 2 && x.size(1) == weight.size(1), "linear_bf16w: x and weight widths differ");
-  TORCH_CHECK(weight.scalar_type() == at::kBFloat16, "linear_bf16w: weight must be bfloat16");
+  TORCH_CHECK(weight.dim() == 2 && x.size(1) == weight.size(1), "linear_gemv: x and weight widths differ");
+  TORCH_CHECK(weight.scalar_type() == at::kBFloat16 || (weight.scalar_type() == at::kFloat && x.scalar_type() == at::kFloat),
+              "linear_gemv: bfloat16 weights, or float32 weights with float32 x");
   TORCH_CHECK(weight.is_contiguous());
   TORCH_CHECK(!bias.has_value() || (bias->numel() == weight.size(0) && bias->is_contiguous()));
   const int64_t rows = x.size(0), n = weight.size(0), k = x.size(1);
   at::Tensor out = at::empty({rows, n}, x.options());
   const std::vector<float> bf = bias.has_value() ? as_float(*bias) : std::vector<float>();
-  const auto* w = reinterpret_cast<const uint16_t*>(weight.const_data_ptr<at::BFloat16>());
   const float* b = bias.has_value() ? bf.data() : nullptr;
+  if (weight.scalar_type() == at::kFloat) {
+    gemv(x.const_data_ptr<float>(), weight.const_data_ptr<float>(), b, out.mutable_data_ptr<float>(), rows, n, k);
+    return out;
+  }
+  const auto* w = reinterpret_cast<const uint16_t*>(weight.const_data_ptr<at::BFloat16>());
   if (x.scalar_type() == at::kFloat) {
     gemv(x.const_data_ptr<float>(), w, b, out.mutable_data_ptr<float>(), rows, n, k);
     return out;
@@ -222,7 +236,7 @@ at::Tensor linear_bf16w(const at::Tensor& x_in, const at::Tensor& weight, const 
 }
 
 TORCH_LIBRARY_FRAGMENT(pdserve_cpu, m) {
-  m.def("linear_bf16w(Tensor x, Tensor weight, Tensor? bias, bool gated) -> Tensor");
+  m.def("linear_gemv(Tensor x, Tensor weight, Tensor? bias, bool gated) -> Tensor");
 }
 
-TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("linear_bf16w", &linear_bf16w); }
+TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) { m.impl("linear_gemv", &linear_gemv); }
