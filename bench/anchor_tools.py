@@ -17,7 +17,7 @@ import tarfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from pdserve.engine.model_factory import default_cache_dir
+from pdserve.common.paths import default_cache_dir
 
 LLAMA_CPP_SDIST = "llama-cpp-python"
 LLAMA_TARGETS = ("llama-bench", "llama-batched-bench")

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from pdserve.engine.model_factory import ensure_cached_model
+from pdserve.model_factory import ensure_cached_model
 
 DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
 

@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.auth import TOKEN_ENV, call_metadata
+from pdserve.common.auth import TOKEN_ENV, call_metadata
 from pdserve.cluster_supervisor import ChildSpec, ClusterSupervisor
 from pdserve.node.affinity import format_cpu_list, split_cpus
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc

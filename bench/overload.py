@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.auth import add_auth_args, insecure_channel, token_or_usage_error
+from pdserve.common.auth import add_auth_args, insecure_channel, token_or_usage_error
 from pdserve.bench.common import ensure_model
 from pdserve.bench.local_cluster import NodeSettings, running_cluster
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc

@@ -26,6 +26,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.common.paths import default_cache_dir
+
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PDSERVE_CPU_EXT"
@@ -99,8 +101,6 @@ def _build() -> CpuOps | None:
 
 
 def _build_dir() -> Path:
-    from pdserve.engine.model_factory import default_cache_dir  # the one cache-dir default
-
     flags = " ".join(sorted(cpu_flags()))
     key = "|".join([platform.machine(), flags, torch.__version__, sys.version, " ".join(CFLAGS)])
     return default_cache_dir() / "torch_extensions" / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}"

@@ -16,7 +16,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field, fields
 from typing import TYPE_CHECKING
 
-from pdserve.auth import add_auth_args, token_from_cli
+from pdserve.common.auth import add_auth_args, token_from_cli
 from pdserve.node.affinity import cpu_list_arg
 
 if TYPE_CHECKING:

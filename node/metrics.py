@@ -21,7 +21,7 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.metrics_endpoint import MetricsEndpoint
+from pdserve.common.metrics_endpoint import MetricsEndpoint
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.messages import StatsData
 

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import grpc
 
-from pdserve.auth import insecure_channel
+from pdserve.common.auth import insecure_channel
 from pdserve.node.config import NodeConfig
 from pdserve.node.convert import stats_to_proto
 from pdserve.node.messages import StatsData

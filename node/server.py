@@ -24,9 +24,9 @@ from collections.abc import AsyncIterator, Callable
 import grpc
 import uvloop
 
-from pdserve.auth import server_interceptors, server_options
+from pdserve.common.auth import server_interceptors, server_options
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.metrics_endpoint import MetricsEndpoint
+from pdserve.common.metrics_endpoint import MetricsEndpoint
 from pdserve.node.affinity import pin_to_cpus
 from pdserve.node.client import CoreClient
 from pdserve.node.config import NodeConfig, parse_node_args

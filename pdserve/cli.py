@@ -36,6 +36,7 @@ DELEGATED_COMMANDS: dict[str, tuple[str, str]] = {
 # `pdserve bench NAME ...` -> (module whose main(argv) runs it, one-line help)
 BENCHMARKS: dict[str, tuple[str, str]] = {
     "throughput": ("pdserve.bench.throughput", "offline throughput vs transformers generate / generate_batch"),
+    "dtypes": ("pdserve.bench.dtypes", "one-stream decode and prefill in each dtype setup (auto, bf16, fp32)"),
     "disagg-latency": ("pdserve.bench.disagg_latency", "one request through 1P1D: TTFT vs KV transfer"),
     "overload": ("pdserve.bench.overload", "10x the cluster's capacity: rejections and admitted latency"),
     "serve": ("pdserve.bench.serve.cli", "open-loop load on a running cluster: SLO attainment, goodput sweep"),
@@ -100,7 +101,7 @@ def _delegate(module_name: str, rest: list[str]) -> int:
 def _make_model(args) -> int:
     import torch
 
-    from pdserve.engine.model_factory import make_model
+    from pdserve.model_factory import make_model
 
     dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[args.dtype]
     path = make_model(args.dir, args.arch, args.size, dtype=dtype, seed=args.seed)
@@ -109,7 +110,7 @@ def _make_model(args) -> int:
 
 
 def _demo(args) -> int:
-    from pdserve.engine.model_factory import ensure_demo_model
+    from pdserve.model_factory import ensure_demo_model
     from pdserve.llm import LLM
 
     model = args.model or ensure_demo_model()

@@ -36,7 +36,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TextIO
 
-from pdserve.auth import add_auth_args, token_from_cli
+from pdserve.common.auth import add_auth_args, token_from_cli
 from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
 from pdserve.node.config import DTYPE_NAMES
@@ -359,7 +359,7 @@ def _model_dir(config: ClusterConfig, python: str = sys.executable) -> str:
         return str(Path(config.model).resolve())
     # In a child process: the launcher itself never loads torch or transformers.
     print("using the built-in demo model (built on first use, then cached)", flush=True)
-    code = "from pdserve.engine.model_factory import ensure_demo_model; print(ensure_demo_model())"
+    code = "from pdserve.model_factory import ensure_demo_model; print(ensure_demo_model())"
     try:
         done = subprocess.run([python, "-c", code], stdout=subprocess.PIPE, text=True,
                               timeout=config.ready_timeout_s, check=False)

@@ -21,7 +21,7 @@ from typing import Any, TypeVar
 import grpc
 import uvloop
 
-from pdserve.auth import add_auth_args, insecure_channel, token_or_usage_error
+from pdserve.common.auth import add_auth_args, insecure_channel, token_or_usage_error
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
 T = TypeVar("T")

@@ -18,7 +18,7 @@ from typing import TextIO
 import grpc
 import uvloop
 
-from pdserve.auth import add_auth_args, insecure_channel, token_or_usage_error
+from pdserve.common.auth import add_auth_args, insecure_channel, token_or_usage_error
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.auth import insecure_channel
+from pdserve.common.auth import insecure_channel
 from pdserve.proto import node_pb2, node_pb2_grpc
 from pdserve.router.placement import Candidate
 

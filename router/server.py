@@ -25,8 +25,8 @@ import grpc
 import uvloop
 from prometheus_client import CollectorRegistry
 
-from pdserve.auth import add_auth_args, server_interceptors, server_options, token_from_cli
-from pdserve.metrics_endpoint import MetricsEndpoint
+from pdserve.common.auth import add_auth_args, server_interceptors, server_options, token_from_cli
+from pdserve.common.metrics_endpoint import MetricsEndpoint
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.admission import Admission, AdmissionLimits
 from pdserve.router.config import DEFAULT_HOST, DEFAULT_PORT, RequestLimits, RouterConfig

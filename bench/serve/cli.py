@@ -21,7 +21,7 @@ from pathlib import Path
 import grpc
 import uvloop
 
-from pdserve.auth import add_auth_args, check_token, token_from_cli
+from pdserve.common.auth import add_auth_args, check_token, token_from_cli
 from pdserve.bench.serve import report
 from pdserve.bench.serve.client import ClientOptions, fetch_model_info, model_limits
 from pdserve.bench.serve.metrics import Slo

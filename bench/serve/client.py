@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import grpc
 from tqdm import tqdm
 
-from pdserve.auth import call_metadata
+from pdserve.common.auth import call_metadata
 from pdserve.bench.serve.metrics import RequestTrace
 from pdserve.bench.serve.workloads import ModelLimits, RequestSpec
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc

@@ -20,10 +20,10 @@ import grpc
 import pytest
 import torch
 
-from pdserve.auth import TOKEN_ENV, call_metadata
+from pdserve.common.auth import TOKEN_ENV, call_metadata
 from pdserve.bench.local_cluster import HOST, free_port
 from pdserve.cluster_supervisor import ChildSpec, ClusterSupervisor
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.healthcheck import HealthcheckConfig, check
 from pdserve.kv_transfer import KVDescriptor
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc

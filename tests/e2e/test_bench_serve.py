@@ -16,7 +16,7 @@ import torch
 from pdserve.bench.local_cluster import NodeSettings, running_cluster
 from pdserve.bench.serve import cli as serve_cli
 from pdserve.bench.serve.workloads import ModelLimits, SyntheticWorkload, UniformLengths
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 from pdserve import cli

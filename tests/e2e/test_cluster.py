@@ -19,7 +19,7 @@ import grpc
 import pytest
 import torch
 
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 

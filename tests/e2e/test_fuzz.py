@@ -25,7 +25,7 @@ from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from pdserve.bench.local_cluster import NodeSettings, running_cluster
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.model import load_router_model

@@ -21,7 +21,7 @@ import time
 import grpc
 import pytest
 import torch
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 from tests.e2e.fault_cluster import FaultCluster, FaultSettings

@@ -25,7 +25,7 @@ import grpc
 import pytest
 import torch
 
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
 from tests.integration.reference import assert_matches, greedy_references

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pdserve.bench.local_cluster import NodeSettings, running_cluster
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
 from ..integration.reference import assert_matches, greedy_references

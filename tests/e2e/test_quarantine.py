@@ -24,7 +24,7 @@ import time
 import grpc
 import pytest
 import torch
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2_grpc
 
 from tests.e2e.fault_cluster import FaultCluster, FaultSettings

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 
 torch.set_num_threads(2)
 

@@ -16,7 +16,7 @@ import pytest
 import torch
 
 from pdserve import LLM, SamplingParams
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 
 from .reference import assert_matches, greedy_references
 

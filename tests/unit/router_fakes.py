@@ -22,7 +22,7 @@ import grpc
 import torch
 import uvloop
 
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.model import RouterModel, load_router_model

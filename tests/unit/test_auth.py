@@ -12,7 +12,7 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.auth import (TOKEN_ENV, TokenAuthInterceptor, TokenError, add_auth_args, call_metadata, check_token,
+from pdserve.common.auth import (TOKEN_ENV, TokenAuthInterceptor, TokenError, add_auth_args, call_metadata, check_token,
                           insecure_channel, server_interceptors, token_from_cli)
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 

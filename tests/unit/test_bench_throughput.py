@@ -8,7 +8,7 @@ import pytest
 import torch
 
 from pdserve.bench import throughput
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 
 NUM_REQUESTS = 4
 MAX_TOKENS = 8

@@ -15,7 +15,7 @@ import torch
 
 from pdserve.colocated_node.core import ColocatedCore, make_handler
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams

@@ -9,7 +9,7 @@ import torch
 
 from pdserve.decode_node.reservations import Arrival, ReservationTable
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.policy import SchedulingPolicy
 from pdserve.engine.sampling_params import SamplingParams

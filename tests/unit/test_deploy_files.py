@@ -137,7 +137,7 @@ def test_model_volume_is_built_once_and_shared(compose, services):
         assert _flags(_argv(services[name]))["--model"] == MODEL_DIR
         assert services[name]["depends_on"]["model"]["condition"] == "service_completed_successfully"
     # The directory ensure_demo_model() makes under $PDSERVE_CACHE (read, not imported: torch).
-    factory = Path(importlib.util.find_spec("pdserve.engine.model_factory").origin).read_text()
+    factory = Path(importlib.util.find_spec("pdserve.model_factory").origin).read_text()
     assert f'"{Path(MODEL_DIR).name}"' in factory
 
 

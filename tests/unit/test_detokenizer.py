@@ -11,7 +11,7 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.model_factory import build_tokenizer
+from pdserve.model_factory import build_tokenizer
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",

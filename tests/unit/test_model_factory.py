@@ -21,7 +21,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, T5Config
 
 from pdserve.engine.attention import ATTENTION_NAME, ForwardContext
-from pdserve.engine.model_factory import ARCHS, build_tokenizer, ensure_demo_model, make_config, make_model
+from pdserve.model_factory import ARCHS, build_tokenizer, ensure_demo_model, make_config, make_model
 from pdserve.engine.model_loader import check_servable, load_model, load_reference_model
 from pdserve.kernels import AttentionMetadata, cpu_ext, paged_attention_reference
 

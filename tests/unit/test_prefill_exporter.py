@@ -11,7 +11,7 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.errors import ErrorCode

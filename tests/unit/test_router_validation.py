@@ -12,7 +12,7 @@ import dataclasses
 import pytest
 import torch
 
-from pdserve.engine.model_factory import make_model
+from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.model import load_router_model

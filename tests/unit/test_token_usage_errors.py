@@ -13,7 +13,7 @@ import sys
 
 import pytest
 
-from pdserve.auth import TOKEN_ENV
+from pdserve.common.auth import TOKEN_ENV
 from pdserve import healthcheck
 from pdserve.bench import disagg_latency, overload
 from pdserve.node.config import parse_node_args

@@ -34,6 +34,8 @@ from transformers import (
 # What Qwen2Tokenizer rebuilds on load (see `build_tokenizer`); imported so the two agree.
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
+from pdserve.common.paths import default_cache_dir
+
 ARCHS = ("llama", "qwen2", "mistral", "qwen3")
 SIZES = ("tiny", "small", "smol135m")
 SPECIAL_TOKEN = "<|endoftext|>"  # id 0: bos, eos and pad
@@ -299,12 +301,6 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
         else:
             std = 1.0 / math.sqrt(param.shape[-1])
         param.copy_(noise * std)
-
-
-def default_cache_dir() -> Path:
-    """`$PDSERVE_CACHE`, else ~/.cache/pdserve."""
-    env = os.environ.get("PDSERVE_CACHE")
-    return Path(env) if env else Path.home() / ".cache" / "pdserve"
 
 
 def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:

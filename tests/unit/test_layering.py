@@ -1,0 +1,80 @@
+"""The product's parts import only downwards, and every part is installed.
+
+Read from the source (ast), not by importing: a lazy import inside a function counts too.
+"""
+
+from __future__ import annotations
+
+import ast
+import tomllib
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+# Each part (a top-level folder, installed as pdserve.<folder>) and the parts it may import.
+# `pdserve` (CLI, LLM, launcher) and `bench` sit on top and may import any part.
+ALLOWED: dict[str, set[str]] = {
+    "common": set(),
+    "proto": set(),
+    "kernels": {"common"},
+    "engine": {"kernels", "common"},
+    "kv_transfer": {"common"},
+    "node": {"engine", "kernels", "kv_transfer", "proto", "common"},
+    "prefill_node": {"node", "engine", "kernels", "kv_transfer", "proto", "common"},
+    "decode_node": {"node", "engine", "kernels", "kv_transfer", "proto", "common"},
+    "colocated_node": {"node", "engine", "kernels", "proto", "common"},
+    "router": {"engine", "proto", "common"},
+}
+# Third-party modules a part must never load: the engine and its kernels run in a node's core
+# process, which talks ZMQ only through node/, and never serves gRPC.
+FORBIDDEN_EXTERNAL: dict[str, set[str]] = {
+    "engine": {"grpc", "zmq", "ucxx"},
+    "kernels": {"grpc", "zmq", "ucxx"},
+    "common": {"zmq", "ucxx", "torch"},
+}
+
+
+def imported_modules(path: Path) -> set[str]:
+    modules: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            modules.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            modules.add(node.module)
+    return modules
+
+
+def part_of(module: str) -> str | None:
+    """The part a pdserve module belongs to (`pdserve.engine.x` -> engine, `pdserve.cli` -> pdserve)."""
+    parts = module.split(".")
+    if parts[0] != "pdserve":
+        return None
+    return parts[1] if len(parts) > 1 and parts[1] in ALLOWED | {"bench": set()} else "pdserve"
+
+
+@pytest.mark.parametrize("part", sorted(ALLOWED))
+def test_part_imports_only_the_parts_below_it(part):
+    offenders = []
+    for path in sorted((ROOT / part).rglob("*.py")):
+        for module in imported_modules(path):
+            target = part_of(module)
+            if target is not None and target != part and target not in ALLOWED[part]:
+                offenders.append(f"{path.relative_to(ROOT)} imports {module}")
+            if module.split(".")[0] in FORBIDDEN_EXTERNAL.get(part, set()):
+                offenders.append(f"{path.relative_to(ROOT)} imports {module}")
+    assert not offenders, "\n".join(offenders)
+
+
+def test_every_part_folder_is_an_installed_package():
+    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
+    package_dirs = config["package-dir"]
+    folders = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
+    for folder in folders:
+        name = "pdserve" if folder == "pdserve" else f"pdserve.{folder}"
+        assert name in config["packages"], f"{folder}/ is not in pyproject's packages"
+        assert package_dirs.get(name) == folder, f"{name} is not mapped to {folder}/ in pyproject's package-dir"
+    subpackages = {p.parent for p in ROOT.glob("*/*/__init__.py") if p.parts[-3] != "tests"}
+    for sub in subpackages:
+        name = f"pdserve.{sub.parent.name}.{sub.name}" if sub.parent.name != "pdserve" else f"pdserve.{sub.name}"
+        assert name in config["packages"], f"{sub.relative_to(ROOT)}/ is not in pyproject's packages"
