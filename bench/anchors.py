@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from pdserve.bench import anchor_tools
-from pdserve.bench.common import read_bandwidth
+from pdserve.bench.common import OneStreamEngine, read_bandwidth
 
 ONE_STREAM_TOKENS = 128
 PREFILL_TOKENS = 512
@@ -54,7 +54,7 @@ def run_anchors(model_dir: Path, dtype: str, engine_offline, workload, args) -> 
     ggufs = {t: anchor_tools.ensure_gguf(llama, model_dir, t) for t in ("bf16", "q8_0")}
     ct2_dir = anchor_tools.ensure_ctranslate2(model_dir)
     vocab = _vocab_size(model_dir)
-    engine = _OneStream(model_dir, dtype, args.threads)
+    engine = OneStreamEngine(model_dir, PREFILL_TOKENS, dtype=dtype, num_threads=args.threads)
     reference = _TransformersForward(model_dir, dtype)
     prompt = _random_ids(vocab, PREFILL_TOKENS, args.seed)
     for round_index in range(args.anchor_rounds):
@@ -70,7 +70,7 @@ def run_anchors(model_dir: Path, dtype: str, engine_offline, workload, args) -> 
         # others: each of its phases gets its own generator, closed before the next phase.
         with _CTranslate2(ct2_dir, args.threads) as ct2:
             figures.add("decode", "CTranslate2 float32", ct2.decode(prompt[:1], ONE_STREAM_TOKENS))
-    engine.close()
+    del engine
     figures.add("offline", "pdserve", engine_offline.tokens_per_s)
     with _CTranslate2(ct2_dir, args.threads) as ct2:
         figures.add("offline", "CTranslate2 float32", ct2.offline(workload))
@@ -84,41 +84,6 @@ def run_anchors(model_dir: Path, dtype: str, engine_offline, workload, args) -> 
     report = _report(figures, floors, rss, capability, dtype)
     print_anchor_report(report)
     return report
-
-
-class _OneStream:
-    """The engine serving one request at a time, timed step by step."""
-
-    def __init__(self, model_dir: Path, dtype: str, threads: int) -> None:
-        from pdserve import LLM
-
-        self.llm = LLM(model_dir, dtype=dtype, num_threads=threads, enable_prefix_caching=False,
-                       max_num_batched_tokens=PREFILL_TOKENS)  # fmt: skip
-        self._count = 0
-        self._steps(_random_ids(100, 16, 0), 4)  # warm-up
-
-    def decode(self, prompt: list[int], tokens: int) -> float:
-        steps = self._steps(prompt, tokens)
-        return (len(steps) - 1) / sum(steps[1:])  # the first step is the prompt's
-
-    def prefill(self, prompt: list[int]) -> float:
-        return len(prompt) / self._steps(prompt, 1)[0]
-
-    def _steps(self, prompt: list[int], tokens: int) -> list[float]:
-        from pdserve import SamplingParams
-
-        engine = self.llm.engine
-        self._count += 1
-        engine.add_request(f"anchor-{self._count}", prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-        times = []
-        while engine.has_unfinished():
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        return times
-
-    def close(self) -> None:
-        del self.llm
 
 
 class _TransformersForward:

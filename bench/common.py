@@ -127,3 +127,37 @@ def left_pad(batch: list[list[int]], pad_id: int) -> tuple[torch.Tensor, torch.T
         input_ids[row, width - len(prompt) :] = torch.tensor(prompt)
         mask[row, width - len(prompt) :] = 1
     return input_ids, mask
+
+
+class OneStreamEngine:
+    """An engine serving one request at a time, timed step by step: one-stream decode and
+    prefill rates for the benchmarks that compare against single-stream tools (llama-bench)."""
+
+    def __init__(self, model_dir: Path, prefill_tokens: int, **engine_kwargs) -> None:
+        from pdserve import LLM
+
+        self.llm = LLM(model_dir, enable_prefix_caching=False, max_num_batched_tokens=prefill_tokens, **engine_kwargs)
+        self._count = 0
+        self._steps([1, 2, 3, 4], 4)  # warm-up
+
+    def decode(self, prompt: list[int], tokens: int) -> float:
+        """tok/s of the steps after the prompt's (which samples the first token)."""
+        steps = self._steps(prompt, tokens)
+        return (len(steps) - 1) / sum(steps[1:])
+
+    def prefill(self, prompt: list[int]) -> float:
+        return len(prompt) / self._steps(prompt, 1)[0]
+
+    def _steps(self, prompt: list[int], tokens: int) -> list[float]:
+        from pdserve import SamplingParams
+
+        engine = self.llm.engine
+        self._count += 1
+        params = SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True)
+        engine.add_request(f"one-stream-{self._count}", prompt, params)
+        times = []
+        while engine.has_unfinished():
+            start = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - start)
+        return times

@@ -18,12 +18,11 @@ import os
 import random
 import statistics
 import sys
-import time
 from dataclasses import dataclass
 
 import torch
 
-from pdserve.bench.common import ensure_model
+from pdserve.bench.common import OneStreamEngine, ensure_model
 from pdserve.engine.dtype_choice import auto_dtype
 
 PREFILL_TOKENS = 512
@@ -48,30 +47,6 @@ def setups(auto: str) -> list[Setup]:
     ]
 
 
-class OneStream:
-    def __init__(self, setup: Setup, threads: int) -> None:
-        from pdserve import LLM
-
-        model_dir = ensure_model("llama", "smol135m", setup.checkpoint)
-        self.llm = LLM(model_dir, dtype=setup.dtype, model_impl=setup.model_impl, num_threads=threads,
-                       enable_prefix_caching=False, max_num_batched_tokens=PREFILL_TOKENS)  # fmt: skip
-        self._count = 0
-        self.steps([1, 2, 3], 4)  # warm-up
-
-    def steps(self, prompt: list[int], tokens: int) -> list[float]:
-        from pdserve import SamplingParams
-
-        engine = self.llm.engine
-        self._count += 1
-        engine.add_request(str(self._count), prompt, SamplingParams(temperature=0, max_tokens=tokens, ignore_eos=True))
-        times = []
-        while engine.has_unfinished():
-            start = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - start)
-        return times
-
-
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve bench dtypes", description=__doc__.split("\n")[0])
     parser.add_argument("--threads", type=int, default=len(os.sched_getaffinity(0)))
@@ -81,15 +56,18 @@ def main(argv: list[str] | None = None) -> int:
     torch.set_num_threads(args.threads)
     choice = auto_dtype()
     print(f"CPU capability {torch.backends.cpu.get_cpu_capability()}; auto -> {choice.dtype} ({choice.reason})")
-    runners = {s.name: OneStream(s, args.threads) for s in setups(choice.dtype)}
+    runners = {
+        s.name: OneStreamEngine(ensure_model("llama", "smol135m", s.checkpoint), PREFILL_TOKENS, dtype=s.dtype,
+                                model_impl=s.model_impl, num_threads=args.threads)
+        for s in setups(choice.dtype)
+    }  # fmt: skip
     prompt = [random.Random(0).randrange(1, 40000) for _ in range(PREFILL_TOKENS)]
     decode: dict[str, list[float]] = {name: [] for name in runners}
     prefill: dict[str, list[float]] = {name: [] for name in runners}
     for _ in range(args.rounds):
         for name, runner in runners.items():
-            steps = runner.steps(prompt[:1], args.decode_tokens)
-            decode[name].append((len(steps) - 1) / sum(steps[1:]))
-            prefill[name].append(PREFILL_TOKENS / runner.steps(prompt, 1)[0])
+            decode[name].append(runner.decode(prompt[:1], args.decode_tokens))
+            prefill[name].append(runner.prefill(prompt))
     base_decode, base_prefill = statistics.median(decode[BASELINE]), statistics.median(prefill[BASELINE])
     print(f"\n{'setup':<52} {'decode tok/s':>12} {'ratio':>6} {'prefill tok/s':>14} {'ratio':>6}")
     for name in runners:
