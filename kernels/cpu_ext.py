@@ -72,6 +72,10 @@ def _build() -> CpuOps | None:
     from torch.utils import cpp_extension
 
     build_dir = _build_dir()
+    if not (build_dir / "pdserve_cpu_kernels.so").is_file():
+        # A node's first start is otherwise silent for the minute the compiler takes.
+        print(f"pdserve: building the C++ CPU kernels (once per machine, about a minute) in {build_dir}",
+              file=sys.stderr, flush=True)  # fmt: skip
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         # Registers the ops with the dispatcher (TORCH_LIBRARY): no Python module, no pybind.
