@@ -1,5 +1,5 @@
 """The C++ CPU kernels (kernels/csrc: paged attention, cache write, the native model's layer
-ops and GEMV): built once per machine at first use, then loaded.
+ops, GEMV and the whole layer stack): built once per machine at first use, then loaded.
 
 Owns compiling and loading the extension and the answer to "is it active?". The build
 goes under the pdserve cache dir (`$PDSERVE_CACHE`, else ~/.cache/pdserve), in a folder
@@ -49,6 +49,7 @@ class CpuOps:
     add_rms_norm: Callable[..., None]
     rope_write_kv: Callable[..., None]
     linear_gemv: Callable[..., torch.Tensor]
+    layer_stack: Callable[..., torch.Tensor]
 
 
 def available() -> bool:
@@ -97,6 +98,7 @@ def _build() -> CpuOps | None:
             namespace.add_rms_norm.default,
             namespace.rope_write_kv.default,
             namespace.linear_gemv.default,
+            namespace.layer_stack.default,
         )
     except Exception as exc:  # any build or load failure means: use the torch paths
         log.warning("pdserve C++ CPU kernels unavailable, using the torch paths: %s", _summary(exc))

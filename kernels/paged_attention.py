@@ -107,6 +107,19 @@ def _cpp_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     )
 
 
+def leaves_chunks_to_sdpa(metadata: AttentionMetadata, sdpa_min_query_len: int = DEFAULT_SDPA_MIN_QUERY_LEN) -> bool:
+    """Whether paged_attention_cpp hands some prefill chunk of this step to SDPA (see below):
+    steps where it does not can run their attention wholly in the C++ kernel."""
+    first = metadata.num_decodes
+    lens = zip(metadata.query_lens_cpu[first:], metadata.seq_lens_cpu[first:])
+    return any(_sdpa_chunk(query_len, seq_len, sdpa_min_query_len) for query_len, seq_len in lens)
+
+
+def _sdpa_chunk(query_len: int, seq_len: int, sdpa_min_query_len: int) -> bool:
+    # The rule `left_to_caller` in kernels/csrc/paged_attention.cpp applies too.
+    return query_len >= sdpa_min_query_len and seq_len > query_len
+
+
 def paged_attention_cpp(
     query: torch.Tensor,  # [num_tokens, num_heads, head_dim]
     k_cache: torch.Tensor,  # [num_blocks, num_kv_heads, block_size, head_dim]
@@ -138,7 +151,7 @@ def paged_attention_cpp(
     for seq_idx in range(metadata.num_decodes, metadata.num_seqs):
         query_len, seq_len = metadata.query_lens_cpu[seq_idx], metadata.seq_lens_cpu[seq_idx]
         end = start + query_len
-        if query_len >= sdpa_min_query_len and seq_len > query_len:
+        if _sdpa_chunk(query_len, seq_len, sdpa_min_query_len):
             block_table = metadata.block_tables[seq_idx]
             out[start:end] = _prefill_attention(query[start:end], k_cache, v_cache, block_table, seq_len, scale)
         start = end

@@ -28,6 +28,7 @@ from pdserve.engine.model_facts import head_dim, num_kv_heads, optional
 from pdserve.engine.models.rope import STATIC_ROPE_TYPES, RotaryAngles, rope_type
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.layer_ops import LayerOps
+from pdserve.kernels.paged_attention import leaves_chunks_to_sdpa, paged_attention
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SINGLE_FILE = "model.safetensors"
@@ -97,6 +98,34 @@ class LlamaLayer:
         return [t for t in fields if t is not None]
 
 
+@dataclass(frozen=True, slots=True)
+class LayerStack:
+    """Every layer's weights as one list per kind: the arguments of the C++ layer loop
+    (kernels/csrc/layer_stack.cpp), built once."""
+
+    input_norms: list[torch.Tensor]
+    qkv: list[torch.Tensor]
+    qkv_bias: list[torch.Tensor | None]
+    q_norms: list[torch.Tensor | None]
+    k_norms: list[torch.Tensor | None]
+    o_proj: list[torch.Tensor]
+    o_bias: list[torch.Tensor | None]
+    post_norms: list[torch.Tensor]
+    gate_up: list[torch.Tensor]
+    down_proj: list[torch.Tensor]
+
+    @classmethod
+    def of(cls, layers: list[LlamaLayer]) -> LayerStack:
+        norms = [layer.head_norms or (None, None) for layer in layers]
+        return cls(
+            [layer.input_norm for layer in layers], [layer.qkv for layer in layers],
+            [layer.qkv_bias for layer in layers], [q for q, _ in norms], [k for _, k in norms],
+            [layer.o_proj for layer in layers], [layer.o_bias for layer in layers],
+            [layer.post_norm for layer in layers], [layer.gate_up for layer in layers],
+            [layer.down_proj for layer in layers],
+        )  # fmt: skip
+
+
 class NativeLlama(torch.nn.Module):
     def __init__(self, shape: LlamaShape, rotary: RotaryAngles, embed: torch.Tensor, layers: list[LlamaLayer],
                  norm: torch.Tensor, lm_head: torch.Tensor) -> None:  # fmt: skip
@@ -105,6 +134,7 @@ class NativeLlama(torch.nn.Module):
         self.rotary = rotary
         self.embed, self.norm, self.lm_head = embed, norm, lm_head
         self.layers = layers
+        self.stack = LayerStack.of(layers)
         self.compute_dtype = norm.dtype  # matrices may be stored narrower (see storage_dtype)
         # Registered once each (a tied lm_head is the embedding itself): parameters() and
         # the weight byte count see every tensor the forward reads.
@@ -120,6 +150,21 @@ class NativeLlama(torch.nn.Module):
         cos, sin = self.rotary(positions)  # [num_tokens, head_dim] float32, whatever the weights' dtype
         residual = F.embedding(input_ids, self.embed).to(self.compute_dtype)  # [num_tokens, hidden]
         hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
+        # One C++ call for all layers when the step's attention stays in the C++ kernel (decode
+        # steps, short chunks); the Python loop otherwise, and wherever the C++ ops are not built.
+        if ops.cpp is not None and ctx.backend is paged_attention and not leaves_chunks_to_sdpa(ctx.metadata):
+            hidden = self._layers_cpp(ops, hidden, residual, cos, sin, ctx)
+        else:
+            hidden = self._layers_python(ops, hidden, residual, cos, sin, ctx)
+        # The final norm is per row: normalise only the rows that are sampled.
+        rows = LayerOps.for_step(self.compute_dtype, logits_indices.shape[0], input_ids.device)
+        hidden = rows.add_rms_norm(hidden[logits_indices], residual[logits_indices], self.norm, eps)
+        return rows.linear(hidden, self.lm_head)
+
+    def _layers_python(self, ops: LayerOps, hidden, residual, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        """The layer loop, one op at a time: residual is updated in place, the last layer's MLP
+        output is returned. kernels/csrc/layer_stack.cpp runs the same ops in the same order."""
+        eps = self.shape.eps
         for index, layer in enumerate(self.layers):
             if index:
                 hidden = ops.add_rms_norm(hidden, residual, layer.input_norm, eps)
@@ -127,10 +172,16 @@ class NativeLlama(torch.nn.Module):
             hidden = ops.add_rms_norm(attn, residual, layer.post_norm, eps)
             gate_up = ops.linear(hidden, layer.gate_up)  # [num_tokens, 2 * intermediate]
             hidden = ops.gated_linear(gate_up, layer.down_proj)
-        # The final norm is per row: normalise only the rows that are sampled.
-        rows = LayerOps.for_step(self.compute_dtype, logits_indices.shape[0], input_ids.device)
-        hidden = rows.add_rms_norm(hidden[logits_indices], residual[logits_indices], self.norm, eps)
-        return rows.linear(hidden, self.lm_head)
+        return hidden
+
+    def _layers_cpp(self, ops: LayerOps, hidden, residual, cos, sin, ctx: ForwardContext) -> torch.Tensor:
+        st, meta = self.stack, ctx.metadata
+        return ops.cpp.layer_stack(
+            hidden, residual, st.input_norms, st.qkv, st.qkv_bias, st.q_norms, st.k_norms, st.o_proj, st.o_bias,
+            st.post_norms, st.gate_up, st.down_proj, ctx.k_caches, ctx.v_caches, cos, sin, meta.slot_mapping,
+            meta.block_tables, meta.seq_lens, meta.query_start_loc, self.shape.eps, self.shape.scale,
+            self.shape.num_heads, ops.gemv,
+        )  # fmt: skip
 
     def _attention(self, ops: LayerOps, ctx: ForwardContext, index: int, layer: LlamaLayer, hidden, cos, sin):
         qkv = ops.linear(hidden, layer.qkv, layer.qkv_bias)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]

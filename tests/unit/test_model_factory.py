@@ -23,7 +23,8 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, T5Con
 from pdserve.engine.attention import ATTENTION_NAME, ForwardContext
 from pdserve.model_factory import ARCHS, build_tokenizer, ensure_demo_model, make_config, make_model
 from pdserve.engine.model_loader import check_servable, load_model, load_reference_model
-from pdserve.kernels import AttentionMetadata, cpu_ext, paged_attention_reference
+from pdserve.engine.models.llama import NativeLlama
+from pdserve.kernels import AttentionMetadata, cpu_ext, paged_attention, paged_attention_reference
 
 TEXTS = [
     "Hello, world! The quick brown fox jumps over the lazy dog.",
@@ -50,7 +51,8 @@ def tiny_dirs(tmp_path_factory):
     return {arch: make_model(root / arch, arch, "tiny") for arch in ARCHS}
 
 
-def paged_forward(loaded, token_ids: list[int], block_size: int = 4, dtype=torch.float32) -> torch.Tensor:
+def paged_forward(loaded, token_ids: list[int], block_size: int = 4, dtype=torch.float32,
+                  backend=paged_attention_reference) -> torch.Tensor:  # fmt: skip
     """One prefill of token_ids through the engine's attention; returns [len, vocab] logits."""
     num_blocks = (len(token_ids) + block_size - 1) // block_size
     block_ids = list(range(num_blocks + 3, 3, -1))  # non-contiguous, reversed
@@ -69,7 +71,7 @@ def paged_forward(loaded, token_ids: list[int], block_size: int = 4, dtype=torch
     shape = (num_blocks + 4, loaded.num_kv_heads, block_size, loaded.head_dim)
     k_caches = [torch.zeros(shape, dtype=dtype) for _ in range(loaded.num_layers)]
     v_caches = [torch.zeros(shape, dtype=dtype) for _ in range(loaded.num_layers)]
-    ctx = ForwardContext(metadata, k_caches, v_caches, paged_attention_reference)
+    ctx = ForwardContext(metadata, k_caches, v_caches, backend)
     with torch.inference_mode():
         return loaded.model(torch.tensor(token_ids), positions, ctx, torch.arange(len(token_ids)))
 
@@ -77,6 +79,7 @@ def paged_forward(loaded, token_ids: list[int], block_size: int = 4, dtype=torch
 @pytest.mark.parametrize("impl", ["native", "transformers"])
 @pytest.mark.parametrize("arch", ARCHS)
 def test_tiny_model_loads_and_paged_forward_matches_transformers(tiny_dirs, arch, impl):
+    # Reference attention: the native model's Python layer loop (see the next test for its C++ one).
     loaded = load_model(tiny_dirs[arch], torch.float32, impl)
     assert loaded.impl == impl
     assert (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim) == (3, 2, 16)
@@ -90,6 +93,23 @@ def test_tiny_model_loads_and_paged_forward_matches_transformers(tiny_dirs, arch
     with torch.inference_mode():
         expected = reference(torch.tensor([token_ids])).logits[0]
     torch.testing.assert_close(paged_forward(loaded, token_ids), expected, atol=1e-4, rtol=1e-4)
+
+
+@pytest.mark.parametrize("arch", ARCHS)
+def test_native_layer_stack_in_cpp_matches_transformers(tiny_dirs, arch, monkeypatch):
+    # The fast attention on a whole prompt: the native model runs all layers in one C++ call.
+    if not cpu_ext.available():
+        pytest.skip("C++ CPU kernels unavailable")
+
+    def python_loop(*args):
+        raise AssertionError("the Python layer loop ran")
+
+    monkeypatch.setattr(NativeLlama, "_layers_python", python_loop)
+    loaded = load_model(tiny_dirs[arch], torch.float32, "native")
+    token_ids = [(11 * i) % 900 + 1 for i in range(40)]
+    with torch.inference_mode():
+        expected = load_reference_model(tiny_dirs[arch], torch.float32)(torch.tensor([token_ids])).logits[0]
+    torch.testing.assert_close(paged_forward(loaded, token_ids, backend=paged_attention), expected, atol=1e-4, rtol=1e-4)
 
 
 def copy_with_config(src, dst, **edit):
