@@ -145,7 +145,9 @@ def run_llama_bench(llama: LlamaCpp, gguf: Path, threads: int, prompt: int, gen:
     return parse_llama_bench(out)
 
 
-def run_batched_bench(llama: LlamaCpp, gguf: Path, threads: int, prompt: int, gen: int, parallel: int) -> BatchedBenchResult:
+def run_batched_bench(
+    llama: LlamaCpp, gguf: Path, threads: int, prompt: int, gen: int, parallel: int
+) -> BatchedBenchResult:
     ctx = parallel * (prompt + gen) + 64
     out = _run([str(llama.tool("llama-batched-bench")), "-m", str(gguf), "-t", str(threads), "-tb", str(threads),
                 "-c", str(ctx), "-b", "2048", "-ub", "512", "-npp", str(prompt), "-ntg", str(gen),

@@ -124,8 +124,8 @@ class _CTranslate2:
             stamps.append(time.perf_counter())
             return False
 
-        self.generator.generate_batch(start_tokens, max_length=tokens, min_length=tokens, include_prompt_in_result=False,
-                                      callback=on_step)  # fmt: skip
+        self.generator.generate_batch(start_tokens, max_length=tokens, min_length=tokens,
+                                      include_prompt_in_result=False, callback=on_step)  # fmt: skip
         return (len(stamps) - 1) / (stamps[-1] - stamps[0])
 
     def offline(self, workload) -> float:
@@ -221,7 +221,10 @@ def _report(figures: Figures, floors: dict, rss: dict, capability: str, dtype: s
     return {
         "cpu_capability": capability,
         "dtype": dtype,
-        "medians_tok_s": {p: {s: statistics.median(v) for s, v in systems.items()} for p, systems in figures.rounds.items()},
+        "medians_tok_s": {
+            phase: {system: statistics.median(v) for system, v in systems.items()}
+            for phase, systems in figures.rounds.items()
+        },
         "rounds_tok_s": figures.rounds,
         "notes": figures.notes,
         "floors": floors,
@@ -239,7 +242,8 @@ def print_anchor_report(report: dict) -> None:
     f = report["floors"]
     print(f"  read bandwidth {f['read_bandwidth_bytes_per_s'] / 1e9:.1f} GB/s -> one-stream floor "
           f"{f['one_stream_floor_tok_s']:.1f} tok/s; GEMM {f['gemm_flop_per_s'] / 1e9:.0f} GFLOP/s")  # fmt: skip
-    print(f"  batch decode step {f['batch_decode_step_s'] * 1e3:.1f} ms (mean batch {f['batch_decode_mean_batch']:.1f}); "
+    print(f"  batch decode step {f['batch_decode_step_s'] * 1e3:.1f} ms "
+          f"(mean batch {f['batch_decode_mean_batch']:.1f}); "
           f"compute floor {f['batch_compute_floor_s'] * 1e3:.1f} ms, read floor {f['batch_read_floor_s'] * 1e3:.1f} ms")
     r = report["rss"]
     print(f"  peak RSS {r['peak_rss_bytes'] / 2**20:.0f} MiB; weights {r['weight_bytes'] / 2**20:.0f} MiB + KV "

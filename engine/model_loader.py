@@ -3,8 +3,8 @@ either way wired to the engine's paged attention.
 
 Owns: reading a model directory (weights, config, tokenizer, generation config), choosing
 the implementation (`model_impl`), refusing configs the engine cannot serve exactly, and the
-shape facts the KV cache is sized from (`num_layers`, `num_kv_heads`, `head_dim`, ...). It never edits the
-files on disk and never reaches the network (`local_files_only`).
+shape facts the KV cache is sized from (`num_layers`, `num_kv_heads`, `head_dim`, ...). It
+never edits the files on disk and never reaches the network (`local_files_only`).
 """
 
 from __future__ import annotations

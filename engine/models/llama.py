@@ -3,10 +3,12 @@
 Owns reading such a checkpoint's safetensors into fused weights (q/k/v as one matrix, gate/up as
 one) and the forward over a packed batch with the fewest ops per layer: one GEMM per projection,
 one fused op for the residual add and RMSNorm, one for RoPE (after Qwen3's q/k norms) and the
-KV-cache write, the paged attention kernel. Per-step work shared by all layers (RoPE angles,
-engine/models/rope.py) is done once per step. The math is transformers' (same formulas, same rounding points), so float32
-greedy output matches transformers `generate`; transformers remains the reference in tests and
-the runner for every other architecture (engine/models/hf.py).
+KV-cache write, the paged attention kernel; for steps whose attention stays in the C++ kernel,
+all layers in one C++ call (kernels/csrc/layer_stack.cpp). Per-step work shared by all layers
+(RoPE angles, engine/models/rope.py) is done once per step. The math is transformers' (same
+formulas, same rounding points), so float32 greedy output matches transformers `generate`;
+transformers remains the reference in tests and the runner for every other architecture
+(engine/models/hf.py).
 
 It never schedules, samples or allocates KV blocks, and never reads anything but the local
 model directory.
@@ -261,7 +263,8 @@ class _Checkpoint:
         return self._file(name).get_tensor(name).to(dtype).contiguous()
 
     def dtype(self, name: str) -> torch.dtype:
-        return {"BF16": torch.bfloat16, "F16": torch.float16}.get(self._file(name).get_slice(name).get_dtype(), torch.float32)
+        stored = self._file(name).get_slice(name).get_dtype()
+        return {"BF16": torch.bfloat16, "F16": torch.float16}.get(stored, torch.float32)
 
     def _file(self, name: str):
         if name not in self._files:

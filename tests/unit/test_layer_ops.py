@@ -48,8 +48,9 @@ def test_gated_gemv_applies_silu_times_up_first(cpp, dtype):
 
 
 def test_gemv_serves_only_few_rows():
-    assert LayerOps.for_step(torch.bfloat16, GEMV_MAX_ROWS[torch.bfloat16], torch.device("cpu")).gemv == cpu_ext.available()
-    assert not LayerOps.for_step(torch.bfloat16, GEMV_MAX_ROWS[torch.bfloat16] + 1, torch.device("cpu")).gemv
+    cpu, most = torch.device("cpu"), GEMV_MAX_ROWS[torch.bfloat16]
+    assert LayerOps.for_step(torch.bfloat16, most, cpu).gemv == cpu_ext.available()
+    assert not LayerOps.for_step(torch.bfloat16, most + 1, cpu).gemv
 
 
 @pytest.mark.parametrize("dtype", DTYPES)
