@@ -85,7 +85,7 @@ class NodeConfig:
     metrics_port: int | None = None
     # Largest request message the gRPC server takes (gRPC refuses more: RESOURCE_EXHAUSTED).
     max_message_bytes: int = 4 << 20
-    # Shared secret (pdserve/auth.py) required of gRPC callers and KV peers, and sent to
+    # Shared secret (common/auth.py) required of gRPC callers and KV peers, and sent to
     # the router; None: no authentication.
     auth_token: str | None = field(default=None, repr=False)
 

@@ -82,7 +82,7 @@ class RouterConfig:
     max_n: int = 64
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
-    # Shared secret callers must present (pdserve/auth.py); None: no authentication.
+    # Shared secret callers must present (common/auth.py); None: no authentication.
     auth_token: str | None = field(default=None, repr=False)
     # Admission (router/admission.py): beyond these the router refuses at once with
     # RESOURCE_EXHAUSTED instead of queueing. Sequences: a request with n samples counts n.

@@ -47,7 +47,7 @@ def _insecure_channel(address: str) -> grpc.aio.Channel:
 
 
 def node_channel_factory(token: str | None) -> Callable[[str], grpc.aio.Channel]:
-    """Channels to nodes whose every call carries the auth token (pdserve/auth.py)."""
+    """Channels to nodes whose every call carries the auth token (common/auth.py)."""
     return lambda address: insecure_channel(address, token, options=_CHANNEL_OPTIONS)
 
 

@@ -6,7 +6,7 @@ stream is observed by `RouterMetrics`), the optional `/metrics` endpoint, the re
 maintenance loop, signal handling and `main(argv)` for `pdserve router`. It loads only
 the tokenizer and config of the model, never weights, and never runs model code.
 
-Every service on the port sits behind the optional shared-secret token (pdserve/auth.py),
+Every service on the port sits behind the optional shared-secret token (common/auth.py),
 the Registry included: nodes and clients dial one address, and no node joins without the
 token. gRPC itself refuses a request message over `max_message_bytes` with RESOURCE_EXHAUSTED.
 """
