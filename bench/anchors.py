@@ -2,7 +2,8 @@
 
 One run, on the same weights, the systems interleaved round by round (medians of `--anchor-rounds`):
   - one stream: decode tok/s (128 tokens after a 1-token prompt; llama-bench tg128) and the
-    prefill of a 512-token prompt (llama-bench pp512, transformers' forward);
+    prefill of a 512-token prompt (llama-bench pp512, transformers' forward); the engine runs
+    these in a fresh process each round, as llama-bench does;
   - offline: the bench's request workload (64 by default) on CTranslate2 and on
     llama-batched-bench with as many parallel sequences, next to the engine's own run;
   - floors: weight bytes ÷ read bandwidth (one stream), and for the batch-64 decode step the
@@ -54,13 +55,13 @@ def run_anchors(model_dir: Path, dtype: str, engine_offline, workload, args) -> 
     ggufs = {t: anchor_tools.ensure_gguf(llama, model_dir, t) for t in ("bf16", "q8_0")}
     ct2_dir = anchor_tools.ensure_ctranslate2(model_dir)
     vocab = _vocab_size(model_dir)
-    engine = OneStreamEngine(model_dir, PREFILL_TOKENS, dtype=dtype, num_threads=args.threads)
     reference = _TransformersForward(model_dir, dtype)
     prompt = _random_ids(vocab, PREFILL_TOKENS, args.seed)
     for round_index in range(args.anchor_rounds):
         print(f"anchors: round {round_index + 1}/{args.anchor_rounds}", flush=True)
-        figures.add("decode", "pdserve", engine.decode(prompt[:1], ONE_STREAM_TOKENS))
-        figures.add("prefill", "pdserve", engine.prefill(prompt))
+        decode, prefill = engine_one_stream(model_dir, dtype, args.threads, prompt)
+        figures.add("decode", "pdserve", decode)
+        figures.add("prefill", "pdserve", prefill)
         figures.add("prefill", "transformers forward", reference.prefill(prompt))
         for outtype, gguf in ggufs.items():
             result = anchor_tools.run_llama_bench(llama, gguf, args.threads, PREFILL_TOKENS, ONE_STREAM_TOKENS, 1)
@@ -70,7 +71,6 @@ def run_anchors(model_dir: Path, dtype: str, engine_offline, workload, args) -> 
         # others: each of its phases gets its own generator, closed before the next phase.
         with _CTranslate2(ct2_dir, args.threads) as ct2:
             figures.add("decode", "CTranslate2 float32", ct2.decode(prompt[:1], ONE_STREAM_TOKENS))
-    del engine
     figures.add("offline", "pdserve", engine_offline.tokens_per_s)
     with _CTranslate2(ct2_dir, args.threads) as ct2:
         figures.add("offline", "CTranslate2 float32", ct2.offline(workload))
@@ -136,6 +136,19 @@ class _CTranslate2:
                                                 max_batch_size=len(start_tokens))  # fmt: skip
         seconds = time.perf_counter() - start
         return sum(len(r.sequences_ids[0]) for r in results) / seconds
+
+
+def engine_one_stream(model_dir: Path, dtype: str, threads: int, prompt: list[int]) -> tuple[float, float]:
+    """One-stream decode and prefill tok/s of a fresh engine process, as llama-bench runs in its
+    own: this process also holds transformers' model and the offline phase's leftovers."""
+    ctx = multiprocessing.get_context("spawn")
+    with ctx.Pool(1) as pool:
+        return pool.apply(_one_stream_child, (str(model_dir), dtype, threads, prompt))
+
+
+def _one_stream_child(model_dir: str, dtype: str, threads: int, prompt: list[int]) -> tuple[float, float]:
+    engine = OneStreamEngine(Path(model_dir), PREFILL_TOKENS, dtype=dtype, num_threads=threads)
+    return engine.decode(prompt[:1], ONE_STREAM_TOKENS), engine.prefill(prompt)
 
 
 def engine_peak_rss(model_dir: Path, dtype: str, threads: int) -> dict:
