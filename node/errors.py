@@ -1,8 +1,8 @@
 """Typed node errors and their one mapping onto gRPC status codes.
 
-The engine core reports a failed request as an `ErrorCode` plus a message (it never
-imports grpc); the front turns that into a status with `grpc_status`, here and nowhere
-else.
+The engine core reports a failed request as an `ErrorCode` plus a message and never
+chooses a gRPC status itself; the front turns that into a status with `grpc_status`, here
+and nowhere else.
 
 Must never: be bypassed by a front that picks a gRPC status code on its own.
 """

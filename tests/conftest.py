@@ -1,0 +1,17 @@
+"""Suite-wide markers: everything under tests/integration and tests/e2e is `slow` (real models,
+real processes), so `python -m pytest -m "not slow"` is the quick loop; the plain command
+runs everything."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+SLOW_FOLDERS = ("integration", "e2e")
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if Path(str(item.path)).parent.name in SLOW_FOLDERS:
+            item.add_marker(pytest.mark.slow)
