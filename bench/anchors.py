@@ -15,6 +15,7 @@ It prints the CPU capability, each figure, each ratio and the target it answers 
 from __future__ import annotations
 
 import gc
+import json
 import multiprocessing
 import random
 import statistics
@@ -279,6 +280,4 @@ def _vocab_size(model_dir: Path) -> int:
 
 
 def _ct2_vocabulary(model_dir: Path) -> list[str]:
-    import json
-
     return json.loads((model_dir / "vocabulary.json").read_text())

@@ -49,8 +49,9 @@ def unsupported_reason(model_dir: Path, config: PretrainedConfig) -> str | None:
     rope = optional(text, "rope_parameters") or {}
     if (optional(text, "partial_rotary_factor") or rope.get("partial_rotary_factor") or 1.0) != 1.0:
         return "partial rotary embeddings (partial_rotary_factor)"
-    if rope_type(text) not in STATIC_ROPE_TYPES:
-        return f"RoPE type {rope_type(text)!r} (its angles depend on the sequence length)"
+    kind = rope_type(text)
+    if kind not in STATIC_ROPE_TYPES:
+        return f"RoPE type {kind!r} (its angles depend on the sequence length)"
     if not ((model_dir / SINGLE_FILE).is_file() or (model_dir / SHARD_INDEX).is_file()):
         return f"no {SINGLE_FILE} or {SHARD_INDEX} in {model_dir}"
     return None
