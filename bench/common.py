@@ -18,12 +18,9 @@ import torch
 
 from pdserve.model_factory import ensure_cached_model
 
-DTYPE_NAMES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
-
-
 def ensure_model(arch: str, size: str, dtype: str, cache_dir: str | os.PathLike | None = None) -> Path:
     """Build `arch`/`size` in `dtype` once under the cache dir; reuse it afterwards."""
-    return ensure_cached_model(f"bench-{arch}-{size}-{dtype}", arch, size, DTYPE_NAMES[dtype], cache_dir)
+    return ensure_cached_model(f"bench-{arch}-{size}-{dtype}", arch, size, getattr(torch, dtype), cache_dir)
 
 
 def copy_bandwidth(num_bytes: int, rounds: int = 5) -> float:

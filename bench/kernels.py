@@ -17,6 +17,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.config import DEFAULT_BLOCK_SIZE
 from pdserve.kernels import (
     AttentionMetadata,
     cpu_ext,
@@ -38,7 +39,7 @@ class Case:
     num_heads: int = 9
     num_kv_heads: int = 3
     head_dim: int = 64
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
 
 
 CASES = (

@@ -27,6 +27,7 @@ from typing import Any
 
 import torch
 
+from pdserve.engine.config import DEFAULT_BLOCK_SIZE
 from pdserve.kv_transfer import KVCacheSpec
 from pdserve.kv_transfer.layout import gather, make_plan, staging_shape
 
@@ -164,7 +165,7 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=30)
     parser.add_argument("--kv-heads", type=int, default=3)
     parser.add_argument("--head-dim", type=int, default=64)
-    parser.add_argument("--block-size", type=int, default=16)
+    parser.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--pipeline", type=int, default=2, help="pushes in flight x iters")

@@ -29,9 +29,9 @@ from pathlib import Path
 
 import torch
 
-from pdserve.bench.common import DTYPE_NAMES, Stopwatch, capture_logger, chunks, copy_bandwidth, ensure_model
+from pdserve.bench.common import Stopwatch, capture_logger, chunks, copy_bandwidth, ensure_model
 from pdserve.bench.common import left_pad, weight_bytes
-from pdserve.engine.dtype_choice import DTYPE_NAMES as DTYPE_CHOICES
+from pdserve.engine.config import DTYPE_NAMES
 from pdserve.engine.dtype_choice import resolve_dtype
 
 DEFAULT_OUT = "results/throughput.json"
@@ -182,7 +182,7 @@ def run_hf_generate(
 
     from pdserve.engine.model_loader import load_reference_model
 
-    model = load_reference_model(model_dir, DTYPE_NAMES[args.dtype])
+    model = load_reference_model(model_dir, getattr(torch, args.dtype))
 
     def generate(w: Workload) -> list[int]:
         # min_new_tokens keeps eos out of the first max_tokens steps: no row stops early.
@@ -224,7 +224,7 @@ def run_hf_generate_batch(
     from pdserve.engine.model_loader import load_reference_model
 
     name = "transformers generate_batch (continuous batching)"
-    model = load_reference_model(model_dir, DTYPE_NAMES[args.dtype])
+    model = load_reference_model(model_dir, getattr(torch, args.dtype))
     longest = max(len(p) for p in workload.prompts) + workload.max_tokens
     page_size = 256
     # Sized to hold every request at once, as the engine's KV cache is; sizing from
@@ -418,7 +418,7 @@ def _write_json(args, model_dir, workload, engine, generate, batch, floor, rat, 
 def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(prog="pdserve bench throughput", description=__doc__.split("\n")[0])
     parser.add_argument("--model-dir", help="model directory (default: smol135m bf16, built once in the pdserve cache)")
-    parser.add_argument("--dtype", choices=DTYPE_CHOICES, default="auto", help="auto: the machine's native fast dtype")
+    parser.add_argument("--dtype", choices=DTYPE_NAMES, default="auto", help="auto: the machine's native fast dtype")
     parser.add_argument("--num-requests", type=_positive_int, default=64)
     parser.add_argument("--max-tokens", type=_positive_int, default=128)
     parser.add_argument("--min-prompt", type=_positive_int, default=64)

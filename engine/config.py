@@ -1,45 +1,51 @@
-"""Engine configuration: every size and limit of one engine, with its default in one place."""
+"""Engine configuration: every size and limit of one engine, with its default in one place.
+
+`EngineConfig` is a frozen value validated at construction. Its fields are the engine's
+flags on every node kind (common/config_flags.py derives them from the metadata here) and
+the keyword arguments of `LLM`. It never imports torch: a node's front builds it, and only
+the engine core, on the machine that computes, turns `dtype="auto"` into a real dtype
+(`resolved()`, engine/dtype_choice.py).
+"""
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
-import torch
-
-from pdserve.engine.dtype_choice import DTYPE_NAMES, resolve_dtype
-
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16}
+AUTO_DTYPE = "auto"
+DTYPE_NAMES = (AUTO_DTYPE, "bfloat16", "float32")
 MODEL_IMPLS = ("auto", "native", "transformers")
 ATTENTION_BACKENDS = ("fast", "reference")
+# Both pools of a cluster and the router must agree on it (KV layout, prefix hashing).
+DEFAULT_BLOCK_SIZE = 16
 
 
 @dataclass(frozen=True)
 class EngineConfig:
-    model: str
-    # "auto" becomes the machine's fastest native dtype at construction (see dtype_choice).
-    dtype: str = "auto"
-    # "auto": the native forward for the Llama family, transformers for every other model.
-    model_impl: str = "auto"
-    block_size: int = 16
+    model: str = field(metadata={"help": "model directory (a transformers checkpoint)"})
+    dtype: str = field(default=AUTO_DTYPE, metadata={
+        "choices": DTYPE_NAMES,
+        "help": "auto: bfloat16 where the machine computes it natively (CUDA, AMX, AVX512_BF16), else float32"})
+    model_impl: str = field(default="auto", metadata={
+        "choices": MODEL_IMPLS,
+        "help": "auto: the native forward for llama/mistral/qwen2/qwen3, transformers otherwise"})
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV block"})
     # KV capacity: an explicit block count wins over the memory budget.
-    num_blocks: int | None = None
-    kv_cache_bytes: int = 1 << 30
-    # Token budget of one step; a prefill chunk is at most this long.
-    max_num_batched_tokens: int = 512
-    max_num_seqs: int = 64
-    # None: the model's own limit.
-    max_model_len: int | None = None
-    enable_prefix_caching: bool = True
-    attention_backend: str = "fast"
-    # None: leave torch's thread count alone.
-    num_threads: int | None = None
-    # Seeds the per-request seeds drawn for requests that bring none.
-    seed: int = 0
+    num_blocks: int | None = field(default=None, metadata={"help": "KV blocks (default: from --kv-cache-bytes)"})
+    kv_cache_bytes: int = field(default=1 << 30, metadata={"help": "KV cache memory, when --num-blocks is not given"})
+    max_num_batched_tokens: int = field(default=512, metadata={
+        "help": "token budget of one step; a prefill chunk is at most this long"})
+    max_num_seqs: int = field(default=64, metadata={"help": "requests in one step"})
+    max_model_len: int | None = field(default=None, metadata={
+        "help": "longest sequence (prompt + generated); default: the model's own limit"})
+    enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})
+    attention_backend: str = field(default="fast", metadata={
+        "choices": ATTENTION_BACKENDS, "help": "fast: the C++ paged kernel; reference: torch SDPA per request"})
+    num_threads: int | None = field(default=None, metadata={
+        "aliases": ("--threads",), "help": "torch threads (default: torch's own choice)"})
+    seed: int = field(default=0, metadata={"help": "seeds the per-request seeds drawn for requests that bring none"})
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPE_NAMES, "dtype", f"must be one of {DTYPE_NAMES}, got {self.dtype!r}")
-        # Resolved once, here, so every reader (KV cache, fingerprint, logs) sees the same dtype.
-        object.__setattr__(self, "dtype", resolve_dtype(self.dtype))
         _require(self.model_impl in MODEL_IMPLS, "model_impl", f"must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", f"must be >= 1, got {self.num_blocks}")
@@ -51,15 +57,31 @@ class EngineConfig:
             f"must be >= max_num_seqs ({self.max_num_seqs}) so every running decode fits a step, "
             f"got {self.max_num_batched_tokens}",
         )
+        _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
+                 f"must be >= 2, got {self.max_model_len}")
         _require(
             self.attention_backend in ATTENTION_BACKENDS,
             "attention_backend",
             f"must be one of {ATTENTION_BACKENDS}, got {self.attention_backend!r}",
         )
+        _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
+                 f"must be >= 1, got {self.num_threads}")
+
+    def resolved(self) -> EngineConfig:
+        """This config with `dtype="auto"` replaced by this machine's choice (logged once)."""
+        if self.dtype != AUTO_DTYPE:
+            return self
+        from pdserve.engine.dtype_choice import resolve_dtype  # torch: only where the engine runs
+
+        return replace(self, dtype=resolve_dtype(self.dtype))
 
     @property
-    def torch_dtype(self) -> torch.dtype:
-        return DTYPES[self.dtype]
+    def torch_dtype(self):
+        """The torch dtype of a resolved config."""
+        import torch
+
+        _require(self.dtype != AUTO_DTYPE, "dtype", "is still 'auto': call resolved() first")
+        return getattr(torch, self.dtype)
 
 
 def _require(ok: bool, field: str, message: str) -> None:

@@ -16,12 +16,11 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.config import AUTO_DTYPE, DTYPE_NAMES
 from pdserve.kernels.cpu_ext import cpu_flags
 
 log = logging.getLogger(__name__)
 
-AUTO = "auto"
-DTYPE_NAMES = ("auto", "bfloat16", "float32")
 # /proc/cpuinfo flags (x86) or Features (Arm) that mean native bf16 matrix arithmetic.
 NATIVE_BF16_FLAGS = ("amx_bf16", "avx512_bf16", "bf16")
 
@@ -36,7 +35,7 @@ def resolve_dtype(name: str) -> str:
     """The concrete dtype name for `name` ("auto" resolved for this machine, others as given)."""
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {name!r}")
-    if name != AUTO:
+    if name != AUTO_DTYPE:
         return name
     choice = auto_dtype()
     log.info("dtype auto -> %s (%s)", choice.dtype, choice.reason)

@@ -42,6 +42,8 @@ class RequestRejected(ValueError):
 
 class EngineCore:
     def __init__(self, config: EngineConfig, policy: SchedulingPolicy | None = None, loaded: LoadedModel | None = None):
+        # Resolved once, here, so every reader (KV cache, fingerprint, logs) sees the same dtype.
+        config = config.resolved()
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config

@@ -9,28 +9,23 @@ Must never: pickle network data, or block the engine's step loop on the network.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-from .base import (KV_LAYOUT_VERSION, FingerprintMismatch, HeadOverlap, KVCacheSpec,
-                   KVDescriptor, KVTransferError, KVTransport, TransferHandle,
-                   TransferState, TransferStats, WritePermits, plan_head_overlap)
-from .config import KVTransferConfig
-from .inprocess import InProcessFabric, InProcessTransport
-
-if TYPE_CHECKING:
-    from .ucx import UcxTransport
-
-__all__ = [
-    "KV_LAYOUT_VERSION", "FingerprintMismatch", "HeadOverlap", "InProcessFabric",
-    "InProcessTransport", "KVCacheSpec", "KVDescriptor", "KVTransferConfig",
-    "KVTransferError", "KVTransport", "TransferHandle", "TransferState", "TransferStats",
-    "UcxTransport", "WritePermits", "plan_head_overlap",
-]
+import importlib
+# Each name, loaded from its module on first use: a node's front reads `KVTransferConfig`
+# without importing torch (base, inprocess) or UCX (ucx).
+_HOMES = {
+    "config": ("KVTransferConfig",),
+    "base": ("KV_LAYOUT_VERSION", "FingerprintMismatch", "HeadOverlap", "KVCacheSpec", "KVDescriptor",
+             "KVTransferError", "KVTransport", "TransferHandle", "TransferState", "TransferStats",
+             "WritePermits", "plan_head_overlap"),
+    "inprocess": ("InProcessFabric", "InProcessTransport"),
+    "ucx": ("UcxTransport",),
+}
+_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
+__all__ = sorted(_MODULE_OF)
 
 
 def __getattr__(name: str) -> object:
-    if name == "UcxTransport":
-        from .ucx import UcxTransport
-
-        return UcxTransport
-    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    module = _MODULE_OF.get(name)
+    if module is None:
+        raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
+    return getattr(importlib.import_module(f".{module}", __name__), name)

@@ -134,7 +134,7 @@ def _build(config: NodeConfig, kind: ModuleType, uses_kv_transport: bool,
     # No progress bars in a server's log; their tqdm lock would also be a named semaphore
     # in this spawned process that `os._exit` leaves for the resource tracker to reap.
     hf_logging.disable_progress_bar()
-    engine = EngineCore(config.engine_config(), kind.make_policy(config))
+    engine = EngineCore(config.engine, kind.make_policy(config))
     # What the node really runs on (tests and operators read this line; cores as devices).
     logger.info("engine core on cpus %s with %d torch threads", format_cpu_list(os.sched_getaffinity(0)),
                 torch.get_num_threads())
@@ -148,7 +148,7 @@ def _build(config: NodeConfig, kind: ModuleType, uses_kv_transport: bool,
 def _start_transport(config: NodeConfig, engine: EngineCore) -> tuple[KVTransport, KVDescriptor]:
     from pdserve.kv_transfer import UcxTransport  # starts UCX: only ever in the core process
 
-    transport = UcxTransport(config.transfer_config())
+    transport = UcxTransport(config.transfer)
     descriptor = transport.register(engine.runner.k_caches, engine.runner.v_caches, kv_cache_spec(config, engine))
     return transport, descriptor
 

@@ -13,7 +13,7 @@ import importlib
 import sys
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.node.config import DTYPE_NAMES
+from pdserve.engine.config import DTYPE_NAMES
 
 DEMO_PROMPTS = [
     "The quick brown fox",

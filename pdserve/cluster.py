@@ -39,7 +39,8 @@ from typing import TextIO
 from pdserve.common.auth import add_auth_args, token_from_cli
 from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
-from pdserve.node.config import DTYPE_NAMES
+from pdserve.common.config_flags import add_config_args
+from pdserve.engine.config import AUTO_DTYPE, DEFAULT_BLOCK_SIZE, EngineConfig
 from pdserve.node.affinity import available_cpus, check_available, cpu_list_arg, format_cpu_list, split_cpus
 
 # Flags the launcher sets itself on every node / on the router; pass-through args must not.
@@ -47,6 +48,7 @@ NODE_OWNED_FLAGS = ("--model", "--host", "--port", "--router", "--node-id", "--k
                     "--dtype", "--block-size", "--auth-token-file", "--cpus")
 ROUTER_OWNED_FLAGS = ("--host", "--port", "--model", "--prefill", "--decode", "--block-size", "--auth-token-file")
 EXAMPLE_PROMPT = "The quick brown fox"
+THREADS_FLAGS = ("--num-threads", "--threads")
 
 
 class ClusterError(RuntimeError):
@@ -63,8 +65,9 @@ class ClusterConfig:
     num_colocated: int = 0  # > 0: a colocated cluster, with no prefill or decode pool
     host: str = "127.0.0.1"
     port: int = 50051  # router port; 0 picks a free one
-    dtype: str = "auto"  # each node resolves it for its machine (engine/dtype_choice)
-    block_size: int = 16  # shared: both pools' KV layouts must match for the transfer
+    # Cluster-wide engine facts, handed to every node: both pools' KV layouts must match.
+    dtype: str = AUTO_DTYPE  # each node resolves it for its machine (engine/dtype_choice)
+    block_size: int = DEFAULT_BLOCK_SIZE
     threads_per_node: int | None = None  # None: the machine's cores split over the nodes
     router_args: tuple[str, ...] = ()
     prefill_args: tuple[str, ...] = ()
@@ -199,12 +202,12 @@ def _auth_args(config: ClusterConfig) -> tuple[str, ...]:
 def _threads_args(config: ClusterConfig, extra: Sequence[str], pinned: bool) -> tuple[str, ...]:
     # Nodes on one machine share its cores; torch's default (all cores each) oversubscribes.
     # A pinned node runs one thread per core of its own unless told otherwise.
-    if any(arg.split("=", 1)[0] == "--threads" for arg in extra):
+    if any(arg.split("=", 1)[0] in THREADS_FLAGS for arg in extra):
         return ()
     if pinned and config.threads_per_node is None:
         return ()
     threads = config.threads_per_node or max(1, (os.cpu_count() or 1) // config.num_nodes)
-    return ("--threads", str(threads))
+    return ("--num-threads", str(threads))
 
 
 def resolve_port(host: str, port: int) -> int:
@@ -315,9 +318,7 @@ def _parser() -> argparse.ArgumentParser:
                    help="run N colocated nodes (both phases each: the baseline) instead of prefill and decode pools")
     p.add_argument("--host", default=d.host)
     p.add_argument("--port", type=int, default=d.port, help="router port (0: pick a free one)")
-    p.add_argument("--dtype", choices=DTYPE_NAMES, default=d.dtype,
-                   help="auto: bfloat16 where the CPU computes it natively (AMX, AVX512_BF16), else float32")
-    p.add_argument("--block-size", type=int, default=d.block_size)
+    add_config_args(p, EngineConfig, only=("dtype", "block_size"))  # every node's, the router's block size
     p.add_argument("--threads-per-node", type=int, default=d.threads_per_node)
     p.add_argument("--router-args", default="", metavar='"ARGS"', help="extra router flags")
     for pool in d.pools:

@@ -69,8 +69,8 @@ class _Pending:
 
 class LLM:
     def __init__(self, model: str | Path, **engine_kwargs) -> None:
-        self.config = EngineConfig(model=str(model), **engine_kwargs)
-        self.engine = EngineCore(self.config)
+        self.engine = EngineCore(EngineConfig(model=str(model), **engine_kwargs))
+        self.config = self.engine.config  # resolved: dtype="auto" is this machine's choice
         self.tokenizer = self.engine.loaded.tokenizer
         self._ids = itertools.count()
 

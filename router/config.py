@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+from pdserve.engine.config import DEFAULT_BLOCK_SIZE
+
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
 # gRPC's own default: a request message larger than this is refused by gRPC with
@@ -58,7 +60,7 @@ class RouterConfig:
     maintenance_interval_s: float = 0.25
     stats_poll_timeout_s: float = 1.0
     # Must match the nodes' block size: prefix-affinity hashes whole blocks.
-    block_size: int = 16
+    block_size: int = DEFAULT_BLOCK_SIZE
     # A prefill node holding the prompt's prefix wins while its queue is at most this
     # many tokens longer than the shortest queue.
     affinity_slack_tokens: int = 2048

@@ -153,7 +153,7 @@ def test_router_and_node_flags_load_the_token(tmp_path):
     assert config_from_args(_parser().parse_args(["--model", "m"]), {TOKEN_ENV: "env-token"}).auth_token == "env-token"
     assert config_from_args(_parser().parse_args(["--model", "m"])).auth_token is None
     node = parse_node_args(["--model", "m", "--auth-token-file", str(path)], "decode")
-    assert node.auth_token == TOKEN and node.transfer_config().auth_token == TOKEN
+    assert node.auth_token == TOKEN and node.transfer.auth_token == TOKEN
     assert parse_node_args(["--model", "m"], "prefill", {TOKEN_ENV: "env-token"}).auth_token == "env-token"
     assert parse_node_args(["--model", "m"], "prefill").auth_token is None
 

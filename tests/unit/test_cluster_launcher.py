@@ -129,7 +129,7 @@ def test_plan_starts_router_then_each_pool_with_its_own_flags():
     flags = dict(zip(prefill[4::2], prefill[5::2]))
     assert flags == {"--model": "/m", "--host": "127.0.0.1", "--port": "0", "--router": "127.0.0.1:50999",
                      "--node-id": "prefill-0", "--kv-host": "127.0.0.1", "--kv-port": "0",
-                     "--dtype": "auto", "--block-size": "8", "--threads": "1",
+                     "--dtype": "auto", "--block-size": "8", "--num-threads": "1",
                      "--max-num-batched-tokens": "1024"}
     assert plan.nodes[2].argv[3] == "decode"
     assert plan.nodes[2].argv[-2:] == ("--max-num-seqs", "128")
@@ -147,8 +147,8 @@ def test_pool_args_are_one_quoted_string_each():
 def test_threads_split_the_cores_unless_the_pool_sets_them(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     plan = build_plan(ClusterConfig(num_prefill=1, num_decode=3, decode_args=("--threads=2",)), "/m", 1)
-    assert plan.nodes[0].argv[-2:] == ("--threads", "2")  # 8 cores / 4 nodes
-    assert plan.nodes[1].argv.count("--threads") == 0 and plan.nodes[1].argv[-1] == "--threads=2"
+    assert plan.nodes[0].argv[-2:] == ("--num-threads", "2")  # 8 cores / 4 nodes
+    assert plan.nodes[1].argv.count("--num-threads") == 0 and plan.nodes[1].argv[-1] == "--threads=2"
 
 
 @pytest.mark.parametrize("kwargs, message", [
@@ -179,7 +179,7 @@ def test_colocated_plan_starts_only_colocated_nodes_without_kv_listeners():
     assert argv[:4] == ("py", "-m", "pdserve", "colocated")
     assert _flags(argv) == {"--model": "/m", "--host": "127.0.0.1", "--port": "0", "--router": "127.0.0.1:50999",
                             "--node-id": "colocated-1", "--dtype": "auto", "--block-size": "8",
-                            "--threads": "1", "--max-num-seqs": "32"}
+                            "--num-threads": "1", "--max-num-seqs": "32"}
     assert plan.router.cpus is None and all(n.cpus is None for n in plan.nodes)
 
 
@@ -204,9 +204,9 @@ def test_each_pools_cores_are_split_across_its_nodes_and_set_their_threads():
                                                       ("decode-0", (6, 7))]
     for node in plan.nodes:  # a pinned node runs one torch thread per core: no --threads
         assert _flags(node.argv)["--cpus"] == {"prefill-0": "0-2", "prefill-1": "3-4", "decode-0": "6-7"}[node.name]
-        assert "--threads" not in node.argv
+        assert "--num-threads" not in node.argv
     pinned_threads = build_plan(ClusterConfig(prefill_cores=(0, 1), threads_per_node=1), "/m", 1, usable_cpus={0, 1})
-    assert _flags(pinned_threads.nodes[0].argv)["--threads"] == "1"  # asked for explicitly
+    assert _flags(pinned_threads.nodes[0].argv)["--num-threads"] == "1"  # asked for explicitly
     assert "--cpus" not in pinned_threads.nodes[1].argv  # the decode pool is not pinned
 
 

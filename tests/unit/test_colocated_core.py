@@ -13,6 +13,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from pdserve.engine.config import EngineConfig
 from pdserve.colocated_node.core import ColocatedCore, make_handler
 from pdserve.engine.engine_core import EngineCore
 from pdserve.model_factory import make_model
@@ -139,6 +140,6 @@ def test_the_node_flags_reach_the_colocated_handler(model):
     node = Node(model, QueueBounds(1, 1))
     handler = make_handler(config, node.engine, None, None, node.out.append)
     assert handler.bounds == QueueBounds(max_waiting_requests=3, max_queued_tokens=50)
-    defaults = NodeConfig(model=model[0], kind="colocated")
+    defaults = NodeConfig(EngineConfig(model[0]), kind="colocated")
     assert make_handler(defaults, node.engine, None, None, node.out.append).bounds == QueueBounds(
         defaults.max_waiting_requests, defaults.max_queued_tokens)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 
+from pdserve.engine.config import EngineConfig
 from pdserve.node.affinity import check_available, format_cpu_list, parse_cpu_list, split_cpus
 from pdserve.node.config import NodeConfig, parse_node_args
 
@@ -55,17 +56,17 @@ def test_a_core_not_on_this_machine_is_named():
 
 
 def test_a_nodes_torch_threads_follow_its_cores_unless_set():
-    assert NodeConfig(model="m").engine_config().num_threads is None
-    assert NodeConfig(model="m", cpus=(0, 2, 3)).engine_config().num_threads == 3
-    assert NodeConfig(model="m", cpus=(0, 2, 3), threads=1).engine_config().num_threads == 1
+    assert NodeConfig(EngineConfig("m")).engine.num_threads is None
+    assert NodeConfig(EngineConfig("m"), cpus=(0, 2, 3)).engine.num_threads == 3
+    assert NodeConfig(EngineConfig("m", num_threads=1), cpus=(0, 2, 3)).engine.num_threads == 1
     with pytest.raises(ValueError, match="cpus must be a non-empty list"):
-        NodeConfig(model="m", cpus=())
+        NodeConfig(EngineConfig("m"), cpus=())
 
 
 def test_the_node_cli_takes_a_cpu_list_for_every_kind(capsys):
     for kind in ("prefill", "decode", "colocated"):
         config = parse_node_args(["--model", "m", "--cpus", "0,2-3"], kind, {})
-        assert (config.kind, config.cpus, config.engine_threads) == (kind, (0, 2, 3), 3)
+        assert (config.kind, config.cpus, config.engine.num_threads) == (kind, (0, 2, 3), 3)
     with pytest.raises(SystemExit):
         parse_node_args(["--model", "m", "--cpus", "3-1"], "colocated", {})
     assert "argument --cpus: '3-1' is not a range" in capsys.readouterr().err

@@ -10,6 +10,8 @@ torch==2.13.0 first, then the project.
 
 from __future__ import annotations
 
+import argparse
+
 import importlib.util
 import re
 import shlex
@@ -20,14 +22,21 @@ import pytest
 import yaml
 
 from pdserve.cluster import ClusterConfig, build_plan
+from pdserve.node.config import add_node_args
 
 ROOT = Path(__file__).resolve().parents[2]
 NODES = ("prefill", "decode")
 MODEL_DIR = "/models/demo-llama-small"
-# The node CLI contract (pdserve prefill|decode ...).
-NODE_FLAGS = {"--model", "--host", "--port", "--router", "--node-id", "--kv-host", "--kv-port", "--dtype",
-              "--block-size", "--num-blocks", "--kv-cache-bytes", "--max-num-batched-tokens",
-              "--max-num-seqs", "--threads", "--lease-s", "--max-message-bytes", "--auth-token-file"}
+
+
+def _node_flags() -> set[str]:
+    parser = argparse.ArgumentParser()
+    add_node_args(parser)
+    return {flag for action in parser._actions for flag in action.option_strings}
+
+
+# The node CLI contract (pdserve prefill|decode ...): what the node's parser takes.
+NODE_FLAGS = _node_flags()
 # The one value compose fills in from the host's environment (a lone `$`).
 HOST_TOKEN = "${PDSERVE_AUTH_TOKEN:-}"
 

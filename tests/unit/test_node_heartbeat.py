@@ -12,6 +12,7 @@ import asyncio
 
 import grpc
 
+from pdserve.engine.config import EngineConfig
 from pdserve.node.config import NodeConfig
 from pdserve.node.messages import StatsData, StatsPush, TransferCounters, decode, encode
 from pdserve.node.registration import run_registration
@@ -59,7 +60,7 @@ def test_heartbeats_carry_the_latest_snapshot_and_wait_for_the_first_one():
         node_pb2_grpc.add_RegistryServicer_to_server(registry, server)
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
-        config = NodeConfig(model="/m", router=f"127.0.0.1:{port}", node_id="p0", heartbeat_interval_s=0.02)
+        config = NodeConfig(EngineConfig("/m"), router=f"127.0.0.1:{port}", node_id="p0", heartbeat_interval_s=0.02)
         task = asyncio.create_task(run_registration(config, "127.0.0.1:7000", lambda: latest[0]))
         try:
             await asyncio.sleep(0.2)

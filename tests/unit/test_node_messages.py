@@ -7,6 +7,7 @@ import argparse
 import grpc
 import pytest
 
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.config import NodeConfig, add_node_args, config_from_args, parse_node_args
 from pdserve.node.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto, stats_to_proto
@@ -76,10 +77,10 @@ def test_every_error_code_has_a_grpc_status():
 def test_flags_follow_the_cli_contract():
     config = parse_node_args(["--model", "/m", "--port", "0", "--router", "127.0.0.1:6000", "--num-blocks", "64",
                               "--dtype", "float32", "--lease-s", "2.5", "--threads", "1"], "decode")
-    assert config == NodeConfig(model="/m", kind="decode", router="127.0.0.1:6000", num_blocks=64,
-                                dtype="float32", lease_s=2.5, threads=1)
-    assert config.host == "127.0.0.1" and config.kv_host == "127.0.0.1"
-    assert config.engine_config().num_blocks == 64 and config.transfer_config().transfer_timeout_s == 2.5
+    engine = EngineConfig(model="/m", num_blocks=64, dtype="float32", num_threads=1)
+    assert config == NodeConfig(engine, kind="decode", router="127.0.0.1:6000", lease_s=2.5)
+    assert config.host == "127.0.0.1" and config.transfer.host == "127.0.0.1"
+    assert config.engine.num_blocks == 64 and config.transfer.transfer_timeout_s == 2.5
 
 
 def test_flags_can_be_added_to_another_parser():
@@ -87,14 +88,23 @@ def test_flags_can_be_added_to_another_parser():
     add_node_args(parser)
     config = config_from_args(parser.parse_args(["--model", "/m", "--node-id", "p0"]), "prefill")
     assert config.node_id == "p0" and config.resolved_node_id("127.0.0.1:1") == "p0"
-    assert NodeConfig(model="/m").resolved_node_id("127.0.0.1:1") == "prefill-127.0.0.1:1"
+    assert NodeConfig(EngineConfig("/m")).resolved_node_id("127.0.0.1:1") == "prefill-127.0.0.1:1"
 
 
 @pytest.mark.parametrize("bad", [dict(kind="both"), dict(port=70000), dict(router="nowhere"), dict(lease_s=0),
-                                 dict(dtype="int8"), dict(retired_id_leases=0.5)])
+                                 dict(retired_id_leases=0.5)])
 def test_bad_config_names_the_field(bad):
-    with pytest.raises(ValueError):
-        NodeConfig(model="/m", **bad)
+    with pytest.raises(ValueError, match=f"^{next(iter(bad))} "):
+        NodeConfig(EngineConfig("/m"), **bad)
+
+
+def test_a_bad_engine_flag_is_a_usage_error_naming_it(capsys):
+    with pytest.raises(SystemExit):
+        parse_node_args(["--model", "/m", "--max-num-seqs", "0"], "decode")
+    assert "max_num_seqs must be >= 1, got 0" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        parse_node_args(["--model", "/m", "--dtype", "int8"], "decode")
+    assert "argument --dtype: invalid choice: 'int8'" in capsys.readouterr().err
 
 
 def test_params_from_proto_takes_the_routers_seed_and_unset_defaults():

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from pdserve.engine.config import EngineConfig
 from pdserve.cluster import ClusterConfig
 from pdserve.kv_transfer import KVTransferConfig
 from pdserve.node.config import NodeConfig, add_node_args
@@ -82,8 +83,8 @@ def test_no_module_unpickles_or_evaluates_anything():
     "name, host",
     [
         ("router", RouterConfig(model="m").host),
-        ("node gRPC", NodeConfig(model="m").host),
-        ("node KV transfer", NodeConfig(model="m").kv_host),
+        ("node gRPC", NodeConfig(EngineConfig("m")).host),
+        ("node KV transfer", NodeConfig(EngineConfig("m")).transfer.host),
         ("KV transport", KVTransferConfig().host),
         ("local cluster", ClusterConfig().host),
         ("router --host", router_parser().parse_args(["--model", "m"]).host),
@@ -98,11 +99,11 @@ def test_node_flags_default_to_loopback_and_no_auth():
     add_node_args(parser)
     args = parser.parse_args(["--model", "m"])
     assert (args.host, args.kv_host, args.auth_token_file) == (LOOPBACK, LOOPBACK, None)
-    assert RouterConfig(model="m").auth_token is None and NodeConfig(model="m").auth_token is None
+    assert RouterConfig(model="m").auth_token is None and NodeConfig(EngineConfig("m")).auth_token is None
 
 
 def test_tokens_stay_out_of_reprs():
     secret = "do-not-log-me"
-    for value in (RouterConfig(model="m", auth_token=secret), NodeConfig(model="m", auth_token=secret),
+    for value in (RouterConfig(model="m", auth_token=secret), NodeConfig(EngineConfig("m"), auth_token=secret),
                   KVTransferConfig(auth_token=secret)):
         assert secret not in repr(value)
