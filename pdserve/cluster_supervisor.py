@@ -33,6 +33,41 @@ from pathlib import Path
 from typing import IO, TextIO
 
 READER_JOIN_S = 1.0  # how long to wait for a reader to drain an exited child's pipe
+RESTART_MODES = ("on-failure", "always", "never")
+
+
+@dataclass(frozen=True)
+class RestartPolicy:
+    """Which children that exit on their own start again, and how soon (docker's modes).
+
+    A child is started again `backoff_s` after it exits, doubling with each restart inside
+    `window_s` up to `max_backoff_s`; after `max_restarts` restarts inside `window_s` it is
+    crash-looping, and the launcher gives up on it.
+    """
+
+    mode: str = field(default="on-failure", metadata={
+        "choices": RESTART_MODES,
+        "help": "on-failure: restart a child that exits with a non-zero code or a signal; "
+                "never: any exit stops the whole cluster"})
+    backoff_s: float = field(default=1.0, metadata={"help": "wait before the first restart"})
+    max_backoff_s: float = field(default=30.0, metadata={"help": "the longest wait between restarts"})
+    max_restarts: int = field(default=5, metadata={"help": "restarts within --restart-window-s before giving up"})
+    window_s: float = field(default=60.0, metadata={"help": "the window of --restart-max-restarts"})
+
+    def __post_init__(self) -> None:
+        if self.mode not in RESTART_MODES:
+            raise ValueError(f"--restart-mode must be one of {RESTART_MODES}, got {self.mode!r}")
+        if not 0 < self.backoff_s <= self.max_backoff_s:
+            raise ValueError("--restart-backoff-s must be > 0 and <= --restart-max-backoff-s")
+        if self.max_restarts < 0 or self.window_s <= 0:
+            raise ValueError("--restart-max-restarts must be >= 0 and --restart-window-s > 0")
+
+    def wants(self, returncode: int) -> bool:
+        return self.mode == "always" or (self.mode == "on-failure" and returncode != 0)
+
+    def delay(self, recent_restarts: int) -> float:
+        """Wait before restart number `recent_restarts + 1` of the window."""
+        return min(self.max_backoff_s, self.backoff_s * 2 ** recent_restarts)
 
 
 @dataclass(frozen=True)
@@ -60,6 +95,7 @@ class _Child:
     tail: deque[str]
     reader: threading.Thread
     killed: bool = False  # the supervisor stopped it (not an exit to report)
+    reported: bool = False  # its exit was handed out by `exits()`
 
 
 class ClusterSupervisor:
@@ -103,6 +139,27 @@ class ClusterSupervisor:
             child.reader.join(READER_JOIN_S)  # let its last lines reach the tail
             return ChildExited(child.spec.name, child.proc.returncode, list(child.tail))
         return None
+
+    def exits(self) -> list[ChildExited]:
+        """Children that exited on their own since the last call, each reported once."""
+        out = []
+        for child in self._children:
+            if child.killed or child.reported or child.proc.poll() is None:
+                continue
+            child.reader.join(READER_JOIN_S)
+            child.reported = True
+            out.append(ChildExited(child.spec.name, child.proc.returncode, list(child.tail)))
+        return out
+
+    def restart(self, name: str) -> int:
+        """Start child `name` again with the same spec (it must have exited); returns its new pid."""
+        child = next(c for c in self._children if c.spec.name == name)
+        if child.proc.poll() is None:
+            raise ValueError(f"{name} is still running")
+        _signal_group(child.proc.pid, signal.SIGKILL)  # whatever it left behind in its group
+        child.reader.join(READER_JOIN_S)
+        self._children.remove(child)
+        return self.start(child.spec)
 
     def raise_if_exited(self) -> None:
         exited = self.first_exit()

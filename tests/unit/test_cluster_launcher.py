@@ -7,9 +7,11 @@ it starts through the supervisor, in a finally, and checks that nothing is left 
 
 from __future__ import annotations
 
+import dataclasses
 import io
 import os
 import re
+import signal
 import socket
 import sys
 import threading
@@ -28,7 +30,8 @@ from pdserve.cluster import (
     resolve_port,
     run_cluster,
 )
-from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor
+from pdserve.cluster_state import read_state
+from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor, RestartPolicy
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
 
 PY = sys.executable
@@ -119,21 +122,39 @@ def test_plan_starts_router_then_each_pool_with_its_own_flags():
     config = ClusterConfig(num_prefill=2, num_decode=1, block_size=8, threads_per_node=1,
                            prefill_args=("--max-num-batched-tokens", "1024"),
                            decode_args=("--max-num-seqs", "128"))
-    plan = build_plan(config, "/m", 50999, python="py")
+    ports = iter(range(6001, 6100))
+    plan = build_plan(config, "/m", 50999, python="py", pick_port=lambda: next(ports))
     assert plan.router_addr == "127.0.0.1:50999"
     assert plan.router.argv == ("py", "-m", "pdserve", "router", "--host", "127.0.0.1",
                                 "--port", "50999", "--model", "/m", "--block-size", "8")
+    # Each node gets its own port up front: it keeps its address when it is restarted.
+    assert plan.addresses == {"prefill-0": "127.0.0.1:6001", "prefill-1": "127.0.0.1:6002",
+                              "decode-0": "127.0.0.1:6003"}
     assert [n.name for n in plan.nodes] == ["prefill-0", "prefill-1", "decode-0"]
     prefill = plan.nodes[0].argv
     assert prefill[:4] == ("py", "-m", "pdserve", "prefill")
     flags = dict(zip(prefill[4::2], prefill[5::2]))
-    assert flags == {"--model": "/m", "--host": "127.0.0.1", "--port": "0", "--router": "127.0.0.1:50999",
+    assert flags == {"--model": "/m", "--host": "127.0.0.1", "--port": "6001", "--router": "127.0.0.1:50999",
                      "--node-id": "prefill-0", "--kv-host": "127.0.0.1", "--kv-port": "0",
                      "--dtype": "auto", "--block-size": "8", "--num-threads": "1",
                      "--max-num-batched-tokens": "1024"}
     assert plan.nodes[2].argv[3] == "decode"
     assert plan.nodes[2].argv[-2:] == ("--max-num-seqs", "128")
     assert "--max-num-batched-tokens" not in plan.nodes[2].argv
+
+
+def test_metrics_ports_for_the_router_and_every_node_when_asked():
+    ports = iter(range(7001, 7100))
+    config = ClusterConfig(num_prefill=1, num_decode=2, metrics_port=9100)
+    plan = build_plan(config, "/m", 50999, python="py", pick_port=lambda: next(ports))
+    assert plan.metrics_ports == {"router": 9100, "prefill-0": 7001, "decode-0": 7002, "decode-1": 7003}
+    assert plan.router.argv[-2:] == ("--metrics-port", "9100")
+    decode_1 = dict(zip(plan.nodes[2].argv[4::2], plan.nodes[2].argv[5::2]))
+    assert (decode_1["--port"], decode_1["--metrics-port"]) == ("7006", "7003")
+    assert plan.metrics_urls("127.0.0.1")["decode-1"] == "http://127.0.0.1:7003/metrics"
+    assert "--metrics-port" not in build_plan(ClusterConfig(), "/m", 1, python="py").router.argv
+    with pytest.raises(ValueError, match="--decode-args must not set --metrics-port"):
+        ClusterConfig(decode_args=("--metrics-port", "1"))
 
 
 def test_pool_args_are_one_quoted_string_each():
@@ -173,11 +194,11 @@ def test_colocated_plan_starts_only_colocated_nodes_without_kv_listeners():
                                "--colocated-args", "--max-num-seqs 32"])
     assert (config.num_prefill, config.num_decode, config.num_colocated) == (0, 0, 2)
     assert config.node_counts == "2 colocated"
-    plan = build_plan(config, "/m", 50999, python="py")
+    plan = build_plan(config, "/m", 50999, python="py", pick_port=lambda: 6001)
     assert [n.name for n in plan.nodes] == ["colocated-0", "colocated-1"]
     argv = plan.nodes[1].argv
     assert argv[:4] == ("py", "-m", "pdserve", "colocated")
-    assert _flags(argv) == {"--model": "/m", "--host": "127.0.0.1", "--port": "0", "--router": "127.0.0.1:50999",
+    assert _flags(argv) == {"--model": "/m", "--host": "127.0.0.1", "--port": "6001", "--router": "127.0.0.1:50999",
                             "--node-id": "colocated-1", "--dtype": "auto", "--block-size": "8",
                             "--num-threads": "1", "--max-num-seqs": "32"}
     assert plan.router.cpus is None and all(n.cpus is None for n in plan.nodes)
@@ -363,12 +384,85 @@ def test_a_node_dying_before_ready_fails_the_launch_with_its_log(supervisor):
     assert _all_dead(supervisor.pids.values())
 
 
-def test_a_node_dying_while_serving_stops_the_cluster(supervisor):
+def test_a_node_dying_while_serving_stops_the_cluster_when_restarts_are_off(supervisor):
     out = io.StringIO()
     plan = _plan([ChildSpec("decode-0", (PY, "-c", "import time, sys; time.sleep(1); sys.exit(5)"))])
-    code = run_cluster(FAST, plan, supervisor, lambda: Verdict(True, "ok"), threading.Event(), out)
+    config = dataclasses.replace(FAST, restart=RestartPolicy(mode="never"))
+    code = run_cluster(config, plan, supervisor, lambda: Verdict(True, "ok"), threading.Event(), out)
     assert code == 1
     assert "ready at" in out.getvalue() and "decode-0 exited with code 5" in out.getvalue()
+
+
+def _stop_when(out: io.StringIO, text: str, stop: threading.Event, timeout_s: float = 30.0) -> threading.Thread:
+    """Set `stop` once `text` is in `out` (or after `timeout_s`, which fails the test's assertions)."""
+    def watch() -> None:
+        deadline = time.monotonic() + timeout_s
+        while text not in out.getvalue() and time.monotonic() < deadline:
+            time.sleep(0.02)
+        stop.set()
+
+    thread = threading.Thread(target=watch, daemon=True)
+    thread.start()
+    return thread
+
+
+QUICK_RESTARTS = RestartPolicy(backoff_s=0.05, max_backoff_s=0.1, max_restarts=2, window_s=60.0)
+
+
+def test_a_crashing_node_is_restarted_then_given_up_while_the_cluster_serves_on(supervisor):
+    out, stop = io.StringIO(), threading.Event()
+    crasher = (PY, "-c", "import sys; print('crashing', flush=True); sys.exit(7)")
+    plan = _plan([ChildSpec("prefill-0", SLEEPER), ChildSpec("decode-0", crasher)])
+    config = dataclasses.replace(FAST, restart=QUICK_RESTARTS)
+    watcher = _stop_when(out, "giving up on decode-0", stop)
+    assert run_cluster(config, plan, supervisor, lambda: Verdict(True, "ok"), stop, out) == 0
+    watcher.join()
+    text = out.getvalue()
+    assert text.count("decode-0 exited with code 7; starting it again in") == 2
+    assert "decode-0 started again (restart 2)" in text
+    assert "giving up on decode-0: decode-0 exited with code 7 after 2 restarts in 60s; serving on without it" in text
+    assert "  | crashing" in text
+    assert "prefill-0" not in text  # untouched
+    assert _all_dead(supervisor.pids.values())
+
+
+def test_a_killed_node_comes_back_on_the_same_command_line_and_the_state_file_follows(supervisor, tmp_path):
+    out, stop = io.StringIO(), threading.Event()
+    state_file = tmp_path / "state.json"
+    plan = ClusterPlan(ChildSpec("router", SLEEPER), (ChildSpec("decode-0", SLEEPER),), "127.0.0.1:1",
+                       {"decode-0": "127.0.0.1:2"})
+    config = dataclasses.replace(FAST, restart=QUICK_RESTARTS, state_file=str(state_file))
+    first = {}
+
+    def kill_then_watch() -> None:
+        deadline = time.monotonic() + 30
+        while read_state(state_file) is None and time.monotonic() < deadline:
+            time.sleep(0.02)
+        first.update(read_state(state_file).children)
+        os.killpg(first["decode-0"].pid, signal.SIGKILL)  # what a crash of the machine's node does
+        _stop_when(out, "decode-0 started again (restart 1)", stop).join()
+
+    killer = threading.Thread(target=kill_then_watch, daemon=True)
+    killer.start()
+    assert run_cluster(config, plan, supervisor, lambda: Verdict(True, "ok"), stop, out) == 0
+    killer.join()
+    state = read_state(state_file)
+    assert state.router == "127.0.0.1:1" and state.addresses("decode") == ["127.0.0.1:2"]
+    assert state.children["decode-0"].restarts == 1 and state.children["decode-0"].pid != first["decode-0"].pid
+    assert first["router"].pid == state.children["router"].pid
+    assert "decode-0 exited with code -9; starting it again in 0.05s" in out.getvalue()
+    assert _all_dead(supervisor.pids.values())
+
+
+def test_a_crash_looping_router_stops_the_cluster(supervisor):
+    out = io.StringIO()
+    router = (PY, "-c", "import time, sys; time.sleep(0.2); sys.exit(3)")
+    config = dataclasses.replace(FAST, restart=dataclasses.replace(QUICK_RESTARTS, max_restarts=1))
+    code = run_cluster(config, _plan([ChildSpec("decode-0", SLEEPER)], router=router), supervisor,
+                       lambda: Verdict(True, "ok"), threading.Event(), out)
+    assert code == 1
+    assert "router exited with code 3 after 1 restarts in 60s; stopping the cluster" in out.getvalue()
+    assert _all_dead(supervisor.pids.values())
 
 
 def test_launcher_with_a_real_health_probe(supervisor, tmp_path):

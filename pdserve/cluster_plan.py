@@ -1,0 +1,120 @@
+"""What `pdserve cluster` starts: every child's command line, cores, ports and addresses.
+
+Owns the plan (`build_plan`): the router's and each node's argv (`python -m pdserve <kind>
+...`, each pool tuned by its own pass-through flags), a concrete gRPC port for every node
+(picked free here, so the node keeps its address across restarts and programs can reach
+it), the metrics ports when asked, the cores of each child when pools are pinned (each
+pool's cores split evenly across its nodes, passed as `--cpus`), and each node's torch
+threads. Must never start a process.
+"""
+
+from __future__ import annotations
+
+import os
+import socket
+import sys
+from collections.abc import Callable, Collection, Sequence
+from dataclasses import dataclass, field
+
+from pdserve.cluster_config import THREADS_FLAGS, ClusterConfig, ClusterError
+from pdserve.cluster_supervisor import ChildSpec
+from pdserve.node.affinity import available_cpus, check_available, format_cpu_list, split_cpus
+
+@dataclass(frozen=True)
+class ClusterPlan:
+    """What to start: the router, then the nodes; and the router address to probe."""
+
+    router: ChildSpec
+    nodes: tuple[ChildSpec, ...]
+    router_addr: str
+    addresses: dict[str, str] = field(default_factory=dict)  # node name -> its gRPC HOST:PORT
+    metrics_ports: dict[str, int] = field(default_factory=dict)  # child name -> /metrics port, when asked
+
+    def metrics_urls(self, host: str) -> dict[str, str]:
+        return {name: f"http://{host}:{port}/metrics" for name, port in self.metrics_ports.items()}
+
+
+def build_plan(config: ClusterConfig, model_dir: str, router_port: int, python: str = sys.executable,
+               usable_cpus: Collection[int] | None = None, pick_port: Callable[[], int] | None = None) -> ClusterPlan:
+    """The command line (and cores) of every child of the cluster.
+
+    `usable_cpus`: the cores pinned children may use (None: this process's own affinity).
+    `pick_port`: a free port for a node or a metrics endpoint (None: ask the OS on the host).
+    Raises ValueError naming the flag when a pool's cores are not on this machine.
+    """
+    check_cores(config, usable_cpus)
+    pick_port = pick_port or (lambda: resolve_port(config.host, 0))
+    base = (python, "-m", "pdserve")
+    router_addr = f"{config.host}:{router_port}"
+    metrics_ports = _metrics_ports(config, pick_port)
+    router = ChildSpec("router", (*base, "router", "--host", config.host, "--port", str(router_port),
+                                  "--model", model_dir, "--block-size", str(config.block_size),
+                                  *_auth_args(config), *_metrics_args(metrics_ports, "router"), *config.router_args),
+                       cpus=config.router_cores)
+    nodes, addresses = [], {}
+    for pool in config.pools:
+        cores = split_cpus(pool.cores, pool.count, pool.cores_flag) if pool.cores else [None] * pool.count
+        for index, cpus in enumerate(cores):
+            name = f"{pool.kind}-{index}"
+            # A colocated node moves no KV between nodes: it has no transfer listener to place.
+            kv = ("--kv-host", config.host, "--kv-port", "0") if pool.kind != "colocated" else ()
+            pin = ("--cpus", format_cpu_list(cpus)) if cpus else ()
+            port = pick_port()
+            argv = (*base, pool.kind, "--model", model_dir, "--host", config.host, "--port", str(port),
+                    "--router", router_addr, "--node-id", name, *kv, "--dtype", config.dtype,
+                    "--block-size", str(config.block_size), *_auth_args(config), *pin,
+                    *_metrics_args(metrics_ports, name),
+                    *_threads_args(config, pool.args, pinned=cpus is not None), *pool.args)
+            nodes.append(ChildSpec(name, argv, cpus=cpus))
+            addresses[name] = f"{config.host}:{port}"
+    return ClusterPlan(router, tuple(nodes), router_addr, addresses, metrics_ports)
+
+
+def _metrics_ports(config: ClusterConfig, pick_port: Callable[[], int]) -> dict[str, int]:
+    if config.metrics_port is None:
+        return {}
+    names = [f"{pool.kind}-{i}" for pool in config.pools for i in range(pool.count)]
+    return {"router": config.metrics_port or pick_port(), **{name: pick_port() for name in names}}
+
+
+def _metrics_args(metrics_ports: dict[str, int], name: str) -> tuple[str, ...]:
+    return ("--metrics-port", str(metrics_ports[name])) if name in metrics_ports else ()
+
+
+def check_cores(config: ClusterConfig, usable_cpus: Collection[int] | None) -> None:
+    flags = [(pool.cores_flag, pool.cores) for pool in config.pools] + [("--router-cores", config.router_cores)]
+    pinned = [(flag, cores) for flag, cores in flags if cores is not None]
+    if not pinned:
+        return
+    usable = available_cpus() if usable_cpus is None else usable_cpus
+    for flag, cores in pinned:
+        check_available(cores, flag, usable)
+
+
+def _auth_args(config: ClusterConfig) -> tuple[str, ...]:
+    return ("--auth-token-file", config.auth_token_file) if config.auth_token_file else ()
+
+
+def _threads_args(config: ClusterConfig, extra: Sequence[str], pinned: bool) -> tuple[str, ...]:
+    # Nodes on one machine share its cores; torch's default (all cores each) oversubscribes.
+    # A pinned node runs one thread per core of its own unless told otherwise.
+    if any(arg.split("=", 1)[0] in THREADS_FLAGS for arg in extra):
+        return ()
+    if pinned and config.threads_per_node is None:
+        return ()
+    threads = config.threads_per_node or max(1, (os.cpu_count() or 1) // config.num_nodes)
+    return ("--num-threads", str(threads))
+
+
+def resolve_port(host: str, port: int) -> int:
+    """`port`, checked free on `host`; 0 → a free port the OS picks."""
+    with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
+        # SO_REUSEADDR so a TIME_WAIT leftover does not count as busy; a live listener
+        # still does (gRPC servers set SO_REUSEPORT, which would otherwise share the port).
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            sock.bind((host, port))
+        except OSError as err:
+            raise ClusterError(f"cannot use {host}:{port} for the router ({err.strerror}); "
+                               "pass --port 0 to pick a free port") from err
+        return int(sock.getsockname()[1])
