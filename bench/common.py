@@ -10,12 +10,15 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import shlex
+import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import torch
 
+from pdserve.cluster_process import ClusterProcess
 from pdserve.model_factory import ensure_cached_model
 
 def ensure_model(arch: str, size: str, dtype: str, cache_dir: str | os.PathLike | None = None) -> Path:
@@ -158,3 +161,19 @@ class OneStreamEngine:
             engine.step()
             times.append(time.perf_counter() - start)
         return times
+
+
+@contextlib.contextmanager
+def local_cluster(model_dir: str | os.PathLike, pools: Sequence[str], node_args: Sequence[str],
+                  extra: Sequence[str] = (), auth_token: str | None = None) -> Iterator[ClusterProcess]:
+    """`pdserve cluster --model MODEL <pools> --dtype auto ...` as users start it, stopped on exit.
+
+    `pools`: e.g. ("--prefill", "1", "--decode", "1") or ("--colocated", "2"); `node_args`:
+    flags for every node of every pool; `extra`: more launcher flags (cores, router args).
+    """
+    pool_args = [arg for kind in ("prefill", "decode", "colocated")
+                 for arg in (f"--{kind}-args", shlex.join(node_args))]
+    flags = ["--model", str(model_dir), *pools, "--dtype", "auto", *pool_args, *extra]
+    with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as workdir:
+        with ClusterProcess(flags, workdir, auth_token=auth_token) as cluster:
+            yield cluster

@@ -27,8 +27,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.common.auth import add_auth_args, call_metadata, token_or_usage_error
-from pdserve.bench.common import copy_bandwidth, ensure_model
-from pdserve.bench.local_cluster import NodeSettings, running_cluster
+from pdserve.bench.common import copy_bandwidth, ensure_model, local_cluster
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 COPY_BYTES = 256 << 20
@@ -64,10 +63,10 @@ def one_request(router: str, prompt: list[int], max_tokens: int, auth_token: str
 def run(args: argparse.Namespace, auth_token: str | None = None) -> dict:
     model_dir = args.model_dir or ensure_model("llama", "smol135m", "bfloat16")
     rng = random.Random(args.seed)
-    node = NodeSettings(dtype="auto", block_size=16, num_blocks=2048,
-                        max_num_batched_tokens=args.chunk, max_num_seqs=16, threads=args.threads)
+    node_args = ("--num-blocks", "2048", "--max-num-batched-tokens", str(args.chunk), "--max-num-seqs", "16")
     runs = []
-    with running_cluster(str(model_dir), 1, 1, node, auth_token=auth_token) as cluster:
+    with local_cluster(model_dir, ("--prefill", "1", "--decode", "1"), node_args,
+                       ("--threads-per-node", str(args.threads)), auth_token) as cluster:
         one_request(cluster.router, [rng.randrange(1, 1700) for _ in range(32)], 2, auth_token)  # warm up
         before = _prefill_counters(cluster)
         for _ in range(args.repeats):
@@ -94,8 +93,8 @@ def run(args: argparse.Namespace, auth_token: str | None = None) -> dict:
 
 
 def _prefill_counters(cluster):
-    (stats,) = [s for s in cluster.stats() if s.kind == "prefill"]
-    return stats.kv_transfer
+    (name,) = cluster.names("prefill")
+    return cluster.stats(name).kv_transfer
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -34,8 +34,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.common.auth import add_auth_args, insecure_channel, token_or_usage_error
-from pdserve.bench.common import ensure_model
-from pdserve.bench.local_cluster import NodeSettings, running_cluster
+from pdserve.bench.common import ensure_model, local_cluster
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 WARMUP_REQUESTS = 4
@@ -160,19 +159,19 @@ async def measure(router: str, args: argparse.Namespace, auth_token: str | None)
 
 def run(args: argparse.Namespace, auth_token: str | None = None) -> dict:
     model_dir = args.model_dir or ensure_model("llama", args.size, "float32")
-    node = NodeSettings(dtype="auto", block_size=16, num_blocks=args.num_blocks,
-                        max_num_batched_tokens=args.chunk, max_num_seqs=args.max_num_seqs, threads=args.threads)
-    router_args = ("--max-inflight-requests", str(args.max_inflight))
-    with running_cluster(str(model_dir), args.prefill, args.decode, node, router_args=router_args,
-                         auth_token=auth_token) as cluster:
+    node_args = ("--num-blocks", str(args.num_blocks), "--max-num-batched-tokens", str(args.chunk),
+                 "--max-num-seqs", str(args.max_num_seqs))
+    pools = ("--prefill", str(args.prefill), "--decode", str(args.decode))
+    extra = ("--threads-per-node", str(args.threads), "--router-args", f"--max-inflight-requests {args.max_inflight}")
+    with local_cluster(model_dir, pools, node_args, extra, auth_token) as cluster:
         phases = asyncio.run(measure(cluster.router, args, auth_token))
-        leftover = [(s.kind, s.used_blocks, s.reserved_blocks) for s in cluster.wait_all_blocks_free(timeout_s=30)]
+        leftover = [(name, *held) for name, held in cluster.wait_all_blocks_free(timeout_s=30).items()]
     summaries = [p.summary() for p in phases]
     base, over = summaries[1], summaries[2]
     return {
         "model_dir": str(model_dir), "config": {k: str(v) for k, v in vars(args).items()},
         "phases": summaries,
-        "blocks_after (kind, used, reserved)": leftover,
+        "blocks_after (node, used, reserved)": leftover,
         "ratios": {
             "e2e_p50_overload_over_1x": _ratio(over["admitted_e2e_p50_s"], base["admitted_e2e_p50_s"]),
             "e2e_p99_overload_over_1x": _ratio(over["admitted_e2e_p99_s"], base["admitted_e2e_p99_s"]),

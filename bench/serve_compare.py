@@ -26,9 +26,9 @@ from pathlib import Path
 
 import uvloop
 
-from pdserve.bench.common import ensure_model
+from pdserve.bench.common import ensure_model, local_cluster
 from pdserve.bench.disagg_latency import one_request
-from pdserve.bench.local_cluster import Cluster, NodeSettings, PoolCores, running_cluster
+from pdserve.cluster_process import ClusterProcess
 from pdserve.bench.serve import report
 from pdserve.bench.serve.client import ClientOptions, fetch_model_info, model_limits
 from pdserve.bench.serve.metrics import Slo
@@ -43,15 +43,13 @@ UNLOADED_RATE = 0.1  # requests/s: one at a time, nearly always
 @dataclass(frozen=True)
 class Architecture:
     name: str
-    num_prefill: int
-    num_decode: int
-    num_colocated: int
-    cores: PoolCores
+    pools: tuple[str, ...]  # `pdserve cluster` flags: the pools and their cores (cores as devices)
 
 
 ARCHITECTURES = (
-    Architecture("disaggregated 1P1D", 1, 1, 0, PoolCores(prefill=(0,), decode=(1,), router=(1,))),
-    Architecture("colocated 2x1", 0, 0, 2, PoolCores(colocated=(0, 1), router=(1,))),
+    Architecture("disaggregated 1P1D", ("--prefill", "1", "--decode", "1", "--prefill-cores", "0",
+                                        "--decode-cores", "1", "--router-cores", "1")),
+    Architecture("colocated 2x1", ("--colocated", "2", "--colocated-cores", "0-1", "--router-cores", "1")),
 )
 
 
@@ -83,11 +81,9 @@ def _slo(text: str) -> Slo:
 
 
 @contextmanager
-def _cluster(arch: Architecture, model_dir: str, chunk: int) -> Iterator[Cluster]:
-    node = NodeSettings(dtype="auto", block_size=16, num_blocks=4096, max_num_batched_tokens=chunk,
-                        max_num_seqs=64)
-    with running_cluster(model_dir, arch.num_prefill, arch.num_decode, node, num_colocated=arch.num_colocated,
-                         cores=arch.cores) as cluster:
+def _cluster(arch: Architecture, model_dir: str, chunk: int) -> Iterator[ClusterProcess]:
+    node_args = ("--num-blocks", "4096", "--max-num-batched-tokens", str(chunk), "--max-num-seqs", "64")
+    with local_cluster(model_dir, arch.pools, node_args) as cluster:
         yield cluster
 
 
@@ -122,7 +118,7 @@ def _measure(arch: Architecture, args: argparse.Namespace, model_dir: str, slos:
         result["unloaded"] = {"ttft_p50_s": unloaded.summary.ttft_s.p50, "tpot_p50_s": unloaded.summary.tpot_s.p50}
         print(f"{arch.name}: unloaded TTFT p50 {unloaded.summary.ttft_s.p50 * 1e3:.0f} ms, "
               f"TPOT p50 {unloaded.summary.tpot_s.p50 * 1e3:.0f} ms", flush=True)
-        if arch.num_prefill:
+        if "--prefill" in arch.pools:  # the KV transfer share exists only between pools
             result["kv_share"] = _kv_share(cluster.router, random.Random(args.seed), high)
         result["sweeps"] = {}
         for phase, (slo_name, slo) in enumerate(slos.items(), start=3):

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 
 import grpc
 
-from pdserve.bench.local_cluster import Cluster
+from tests.e2e.cluster import Cluster
 from pdserve.proto import node_pb2, pdserve_pb2
 
 IDLE_TIMEOUT_S = 15.0  # bounds the poll: a cancelled request's blocks are freed at once

@@ -21,7 +21,7 @@ import pytest
 import torch
 
 from pdserve.common.auth import TOKEN_ENV, call_metadata
-from pdserve.bench.local_cluster import HOST, free_port
+from tests.e2e.cluster import HOST, free_port
 from pdserve.cluster_supervisor import ChildSpec, ClusterSupervisor
 from pdserve.model_factory import make_model
 from pdserve.healthcheck import HealthcheckConfig, check

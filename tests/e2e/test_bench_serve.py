@@ -13,7 +13,7 @@ import grpc
 import pytest
 import torch
 
-from pdserve.bench.local_cluster import NodeSettings, running_cluster
+from tests.e2e.cluster import NodeSettings, running_cluster
 from pdserve.bench.serve import cli as serve_cli
 from pdserve.bench.serve.workloads import ModelLimits, SyntheticWorkload, UniformLengths
 from pdserve.model_factory import make_model

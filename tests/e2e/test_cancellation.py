@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 
-from pdserve.bench.local_cluster import NodeSettings, running_cluster
+from tests.e2e.cluster import NodeSettings, running_cluster
 from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2_grpc
 

@@ -24,7 +24,7 @@ from pdserve.engine.model_loader import load_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 from ..integration.reference import assert_matches, greedy_references
-from pdserve.bench.local_cluster import NodeSettings, running_cluster
+from tests.e2e.cluster import NodeSettings, running_cluster
 
 BLOCK_SIZE = 8
 PROMPT_LENS = [1, 5, 8, 9, 17, 30, 47, 64, 65, 90, 120, 150, 33, 2, 77, 200]

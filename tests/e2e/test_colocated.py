@@ -21,7 +21,7 @@ import grpc
 import pytest
 import torch
 
-from pdserve.bench.local_cluster import HOST, NodeSettings, free_port, running_cluster
+from tests.e2e.cluster import HOST, NodeSettings, free_port, running_cluster
 from pdserve.cluster_supervisor import ChildSpec, ClusterSupervisor
 from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc

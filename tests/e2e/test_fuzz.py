@@ -24,7 +24,7 @@ import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
-from pdserve.bench.local_cluster import NodeSettings, running_cluster
+from tests.e2e.cluster import NodeSettings, running_cluster
 from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.errors import InvalidRequest

@@ -16,7 +16,7 @@ import torch
 
 from pdserve.common.auth import insecure_channel
 from pdserve.bench import disagg_latency, overload
-from pdserve.bench.local_cluster import NodeSettings, running_cluster
+from tests.e2e.cluster import NodeSettings, running_cluster
 from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 

@@ -20,7 +20,7 @@ import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.bench.local_cluster import Cluster, NodeSettings, running_cluster
+from tests.e2e.cluster import Cluster, NodeSettings, running_cluster
 from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc

@@ -24,7 +24,7 @@ import torch
 from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
-from tests.e2e.fault_cluster import FaultCluster, FaultSettings
+from tests.e2e.cluster import FaultCluster, FaultSettings
 from tests.integration.reference import assert_matches, greedy_references
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")

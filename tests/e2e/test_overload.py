@@ -20,7 +20,7 @@ import grpc
 import pytest
 import torch
 
-from pdserve.bench.local_cluster import NodeSettings, running_cluster
+from tests.e2e.cluster import NodeSettings, running_cluster
 from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 

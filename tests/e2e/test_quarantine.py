@@ -27,7 +27,7 @@ import torch
 from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2_grpc
 
-from tests.e2e.fault_cluster import FaultCluster, FaultSettings
+from tests.e2e.cluster import FaultCluster, FaultSettings
 from tests.e2e.outcomes import decode_request, greedy_request, outcome_of, prefill_request, random_prompt
 from tests.integration.reference import assert_matches, greedy_references
 
