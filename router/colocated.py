@@ -29,13 +29,13 @@ from collections.abc import Callable
 import grpc
 
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
+from pdserve.proto.convert import params_to_proto
 from pdserve.router.errors import (NodeFailed, NoNodeAvailable, Overloaded, RouterError,
                                    from_node_error)
 from pdserve.router.placement import Candidate, ColocatedPlacement
 from pdserve.router.registry import NodeEntry, NodeKind
 from pdserve.router.relay import TokenRelay
 from pdserve.router.sample import NODE_LOST_CODES, RecoveryBudget, RouterState, SampleSpec, attempt_ids
-from pdserve.router.wire import params_to_proto
 
 log = logging.getLogger(__name__)
 

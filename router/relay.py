@@ -20,9 +20,9 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.output_processor import SequenceStream
 from pdserve.engine.stop_rules import token_finish_reason
 from pdserve.proto import node_pb2, pdserve_pb2
+from pdserve.proto.convert import finish_reason_from_proto, finish_reason_to_proto
 from pdserve.router.model import RouterModel
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.wire import FINISH_FROM_PROTO, FINISH_TO_PROTO
 
 Emit = Callable[[pdserve_pb2.GenerateResponse], None]
 
@@ -78,7 +78,7 @@ class TokenRelay:
     def push_decoded(self, tokens: node_pb2.DecodeTokens) -> bool:
         """Relay one event of a node that judged the stop rules itself; True if the node
         ended the sample (False when a stop string ended it here, or it goes on)."""
-        node_reason = FINISH_FROM_PROTO.get(tokens.finish_reason)
+        node_reason = finish_reason_from_proto(tokens.finish_reason)
         ids: list[int] = []
         text = ""
         for i, token in enumerate(tokens.token_ids):
@@ -106,7 +106,7 @@ class TokenRelay:
             token_ids=token_ids,
             text=text,
             logprobs=logprobs if self._request.params.logprobs is not None else [],
-            finish_reason=FINISH_TO_PROTO[self._stream.finish_reason],
+            finish_reason=finish_reason_to_proto(self._stream.finish_reason),
             stop_token_id=-1,
         )
         if self.finished:

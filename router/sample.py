@@ -42,6 +42,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
+from pdserve.proto.convert import params_to_proto
 from pdserve.router.config import RouterConfig
 from pdserve.router.errors import (DeadlineExceeded, NodeFailed, NoNodeAvailable, Overloaded, RouterError,
                                    from_node_error)
@@ -50,7 +51,6 @@ from pdserve.router.placement import Candidate, DecodePlacement, PrefillPlacemen
 from pdserve.router.registry import NodeEntry, NodeKind, NodeRegistry
 from pdserve.router.relay import TokenRelay
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.wire import params_to_proto
 
 log = logging.getLogger(__name__)
 
