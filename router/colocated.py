@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import asyncio
 import logging
-import math
 from collections.abc import Callable
 
 import grpc
@@ -196,9 +195,7 @@ class ColocatedRun:
         return len(self._spec.request.prompt_token_ids) + len(self._relay.streamed_token_ids)
 
     def _blocks_needed(self) -> int:
-        request, model = self._spec.request, self._state.model
-        tokens = min(len(request.prompt_token_ids) + request.params.max_tokens, model.max_model_len)
-        return math.ceil(tokens / self._state.config.block_size)
+        return self._spec.request.max_kv_blocks(self._state.config.block_size, self._state.model.max_model_len)
 
     def _remaining(self) -> float | None:
         if self._spec.deadline is None:

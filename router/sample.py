@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 import time
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
@@ -353,9 +352,7 @@ class SampleRun:
         return params
 
     def _blocks_needed(self) -> int:
-        request, model = self._spec.request, self._state.model
-        tokens = min(len(request.prompt_token_ids) + request.params.max_tokens, model.max_model_len)
-        return math.ceil(tokens / self._state.config.block_size)
+        return self._spec.request.max_kv_blocks(self._state.config.block_size, self._state.model.max_model_len)
 
     def _remaining(self) -> float | None:
         if self._spec.deadline is None:
