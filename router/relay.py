@@ -6,9 +6,10 @@ token-level stop rule for a token the router learns without a finish reason (tok
 from a prefill node), and the responses themselves: each carries the sample's `index`;
 the last one the finish reason, usage and timings.
 
-Must never: talk to a node, pick a node, or pick a status code. The drivers
-(router/sample.py for disaggregated pools, router/colocated.py for colocated nodes)
-feed it tokens; it tells them when the sample has ended.
+Must never: talk to a node, pick a node, or pick a status code. The sample's driver
+(router/driver.py, on either route) and the disaggregated route's prefill leg feed it
+tokens; it tells them when the sample has ended, and hands each response to the
+request's `SendResponse` (the orchestrator's queue of the response stream).
 """
 
 from __future__ import annotations
@@ -24,7 +25,8 @@ from pdserve.proto.convert import finish_reason_from_proto, finish_reason_to_pro
 from pdserve.router.model import RouterModel
 from pdserve.router.validation import ValidatedRequest
 
-Emit = Callable[[pdserve_pb2.GenerateResponse], None]
+# Hands one response to the request's response stream.
+SendResponse = Callable[[pdserve_pb2.GenerateResponse], None]
 
 
 @dataclass
@@ -46,13 +48,13 @@ class PrefillTotals:
 
 class TokenRelay:
     def __init__(self, request: ValidatedRequest, index: int, model: RouterModel, received_at: float,
-                 clock: Callable[[], float], emit: Emit) -> None:
+                 clock: Callable[[], float], send: SendResponse) -> None:
         self._request = request
         self._index = index
         self._model = model
         self._received_at = received_at
         self._clock = clock
-        self._emit = emit
+        self._send = send
         detokenizer = IncrementalDetokenizer(model.tokenizer, request.prompt_token_ids)
         self._stream = SequenceStream(f"{request.request_id}-{index}", request.params, detokenizer)
         self.streamed_token_ids: list[int] = []
@@ -111,7 +113,7 @@ class TokenRelay:
         )
         if self.finished:
             self._finish(response)
-        self._emit(response)
+        self._send(response)
 
     def _finish(self, response: pdserve_pb2.GenerateResponse) -> None:
         stop = self._stream.stop_reason
