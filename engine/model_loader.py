@@ -16,12 +16,12 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, GenerationConfig, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from pdserve.engine.attention import register_paged_attention
 from pdserve.engine.config import MODEL_IMPLS
-from pdserve.engine.model_facts import head_dim, num_kv_heads, optional
+from pdserve.engine.model_facts import eos_token_ids, head_dim, num_kv_heads, optional
 from pdserve.engine.models import CausalLM
 from pdserve.engine.models.hf import TransformersCausalLM
 from pdserve.engine.models.llama import load_native_llama, unsupported_reason
@@ -64,7 +64,7 @@ def load_model(model_dir: str | os.PathLike, dtype: torch.dtype | str, impl: str
         impl=impl,
         tokenizer=tokenizer,
         config=config,
-        eos_token_ids=_eos_token_ids(path, config, tokenizer),
+        eos_token_ids=list(eos_token_ids(path, config, tokenizer.eos_token_id)),
         num_layers=text.num_hidden_layers,
         num_kv_heads=num_kv_heads(text),
         head_dim=head_dim(text),
@@ -129,19 +129,6 @@ def check_servable(config: PretrainedConfig) -> None:
         )
     if text.num_attention_heads % num_kv_heads(text):
         raise ValueError(f"{name}: {text.num_attention_heads} heads is not a multiple of the KV heads")
-
-
-def _eos_token_ids(path: Path, config: PretrainedConfig, tokenizer: PreTrainedTokenizerBase) -> list[int]:
-    """Union of the generation config's, the model config's and the tokenizer's EOS ids."""
-    candidates = [optional(config.get_text_config(), "eos_token_id"), tokenizer.eos_token_id]
-    if (path / "generation_config.json").is_file():
-        candidates.insert(0, GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
-    ids: list[int] = []
-    for c in candidates:
-        for token_id in c if isinstance(c, list) else [c]:
-            if token_id is not None and token_id not in ids:
-                ids.append(int(token_id))
-    return ids
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

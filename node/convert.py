@@ -1,50 +1,19 @@
-"""Conversions between the node protos and the engine's / the core messages' types.
+"""Conversions between the node protos and the core messages' types.
 
-Owns: proto SamplingParams -> engine `SamplingParams` (with the router's seed), engine
-logprobs and finish reasons -> proto, a core's `Tokens` -> `DecodeTokens`, `StatsData` ->
-`NodeStats`.
+Owns: a core's `Tokens` -> `DecodeTokens`, `StatsData` -> `NodeStats`. Sampling params,
+finish reasons and logprobs convert as they do for the router, in pdserve.proto.convert;
+this module re-exports the three a node front uses, so its callers keep one import.
 
 Must never: decide a status code (errors.py does) or touch the network.
 """
 
 from __future__ import annotations
 
-from pdserve.engine.request import FinishReason
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.node.messages import Logprobs, StatsData, Tokens
-from pdserve.proto import node_pb2, pdserve_pb2
+from pdserve.node.messages import StatsData, Tokens
+from pdserve.proto import node_pb2
+from pdserve.proto.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto
 
-# Optional scalar fields of the proto that map 1:1 onto SamplingParams (n is not one:
-# a node serves one sample, named by sample_index).
-_OPTIONAL = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-             "frequency_penalty", "max_tokens", "min_tokens", "logprobs")
-
-_FINISH = {
-    None: pdserve_pb2.FINISH_REASON_UNSPECIFIED,
-    FinishReason.STOP.value: pdserve_pb2.FINISH_REASON_STOP,
-    FinishReason.LENGTH.value: pdserve_pb2.FINISH_REASON_LENGTH,
-    FinishReason.ABORT.value: pdserve_pb2.FINISH_REASON_ABORT,
-}
-
-
-def params_from_proto(proto: pdserve_pb2.SamplingParams, seed: int) -> SamplingParams:
-    """Engine params; `seed` is the router's resolved seed. Raises ValueError naming a bad field."""
-    values: dict[str, object] = {name: getattr(proto, name) for name in _OPTIONAL if proto.HasField(name)}
-    values["stop"] = tuple(proto.stop)
-    values["stop_token_ids"] = tuple(proto.stop_token_ids)
-    values["ignore_eos"] = proto.ignore_eos
-    values["seed"] = seed
-    return SamplingParams(**values)
-
-
-def logprobs_to_proto(token_id: int, logprobs: Logprobs) -> pdserve_pb2.TokenLogprobs:
-    top = [pdserve_pb2.TopLogprob(token_id=t, logprob=lp)
-           for t, lp in zip(logprobs.top_token_ids, logprobs.top_logprobs)]
-    return pdserve_pb2.TokenLogprobs(token_id=token_id, logprob=logprobs.token_logprob, top=top)
-
-
-def finish_reason_to_proto(reason: str | None) -> int:
-    return _FINISH[reason]
+__all__ = ["finish_reason_to_proto", "logprobs_to_proto", "params_from_proto", "stats_to_proto", "tokens_to_proto"]
 
 
 def tokens_to_proto(msg: Tokens) -> node_pb2.DecodeTokens:

@@ -21,7 +21,7 @@ from collections.abc import Callable
 
 import grpc
 
-from pdserve.common.auth import insecure_channel
+from pdserve.common.channels import reconnecting_channel
 from pdserve.node.config import NodeConfig
 from pdserve.node.convert import stats_to_proto
 from pdserve.node.messages import StatsData
@@ -30,13 +30,6 @@ from pdserve.proto import node_pb2, node_pb2_grpc
 logger = logging.getLogger(__name__)
 
 LatestStats = Callable[[], StatsData | None]
-
-# Reconnect to a router that comes up late within about a second, not gRPC's 2-minute backoff.
-_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
 
 
 class _Registration:
@@ -83,7 +76,8 @@ class _Registration:
 
 async def run_registration(config: NodeConfig, address: str, latest_stats: LatestStats) -> None:
     """Runs until cancelled; `latest_stats` is the front's cached snapshot (`CoreClient.latest_stats`)."""
-    async with insecure_channel(config.router, config.auth_token, options=_CHANNEL_OPTIONS) as channel:
+    # Reconnects to a router that comes up late (or restarts) within about a second.
+    async with reconnecting_channel(config.router, config.auth_token) as channel:
         registration = _Registration(config, address, latest_stats, node_pb2_grpc.RegistryStub(channel))
         while True:
             try:

@@ -20,13 +20,9 @@ import uvloop
 
 from pdserve.common.auth import add_auth_args, insecure_channel, token_or_usage_error
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.proto.convert import finish_reason_name
 
 DEFAULT_ADDRESS = "127.0.0.1:50051"
-_FINISH_NAMES = {
-    pdserve_pb2.FINISH_REASON_STOP: "stop",
-    pdserve_pb2.FINISH_REASON_LENGTH: "length",
-    pdserve_pb2.FINISH_REASON_ABORT: "abort",
-}
 
 
 @dataclass
@@ -53,7 +49,7 @@ class Completion:
             "request_id": self.request_id,
             "text": self.text,
             "token_ids": self.token_ids,
-            "finish_reason": _FINISH_NAMES.get(last.finish_reason),
+            "finish_reason": finish_reason_name(last.finish_reason),
             "stop_string": last.stop_string or None,
             "stop_token_id": last.stop_token_id if last.stop_token_id >= 0 else None,
             "usage": _fields(last.usage),

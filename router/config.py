@@ -73,11 +73,12 @@ class RouterConfig:
     prefill_timeout_s: float = 600.0
     # After a decode stream's last event, how long to wait for its end before cancelling.
     stream_end_grace_s: float = 1.0
-    # Node failures (router/sample.py): a sample whose decode node is lost while it streams
-    # resumes on another one at most this many times; one whose node is lost before its
-    # next token (a prefill node, or the decode node it was prefilling into) is retried at
-    # most this many times. A node that failed a call gets a GetStats probe bounded by
-    # failure_probe_timeout_s; if it does not answer it is suspect (skipped) until it does.
+    # Node failures (router/driver.py): a sample whose decode (or colocated) node is lost
+    # while it streams resumes on another one at most this many times; one whose node is
+    # lost before its next token (a prefill node, or the decode node it was prefilling
+    # into) is retried at most this many times. A node that failed a call gets a GetStats
+    # probe bounded by failure_probe_timeout_s; if it does not answer it is suspect
+    # (skipped) until it does.
     max_resumes: int = 2
     max_prefill_retries: int = 2
     failure_probe_timeout_s: float = 1.0

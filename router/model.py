@@ -1,7 +1,9 @@
 """What the router knows of the model: its tokenizer and the facts of its config.
 
-Owns loading the tokenizer, config and EOS ids from a model directory. It must never
-load weights or import the engine's model code: the router runs no model.
+Owns loading the tokenizer and config from a model directory; the EOS ids are the
+engine's own union (engine/model_facts.py), so router and nodes stop on the same
+tokens. It must never load weights or import the engine's model code: the router runs
+no model.
 """
 
 from __future__ import annotations
@@ -10,8 +12,10 @@ import os
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from transformers import AutoConfig, AutoTokenizer, GenerationConfig
+from transformers import AutoConfig, AutoTokenizer
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+
+from pdserve.engine.model_facts import eos_token_ids
 
 
 @dataclass(frozen=True)
@@ -35,22 +39,9 @@ def load_router_model(model_dir: str | os.PathLike) -> RouterModel:
         tokenizer=tokenizer,
         vocab_size=text.vocab_size,
         max_model_len=text.max_position_embeddings,
-        eos_token_ids=_eos_token_ids(path, text.to_dict().get("eos_token_id"), tokenizer.eos_token_id),
+        eos_token_ids=eos_token_ids(path, config, tokenizer.eos_token_id),
         dtype=_dtype_name(text.to_dict()),
     )
-
-
-def _eos_token_ids(path: Path, config_eos: object, tokenizer_eos: int | None) -> tuple[int, ...]:
-    # The same union the engine's loader takes: generation config, model config, tokenizer.
-    candidates = [config_eos, tokenizer_eos]
-    if (path / "generation_config.json").is_file():
-        candidates.insert(0, GenerationConfig.from_pretrained(path, local_files_only=True).eos_token_id)
-    ids: list[int] = []
-    for c in candidates:
-        for token_id in c if isinstance(c, list) else [c]:
-            if token_id is not None and int(token_id) not in ids:
-                ids.append(int(token_id))
-    return tuple(ids)
 
 
 def _dtype_name(config: dict) -> str:

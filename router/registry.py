@@ -27,28 +27,16 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.common.auth import insecure_channel
+from pdserve.common.channels import reconnecting_channel
 from pdserve.proto import node_pb2, node_pb2_grpc
 from pdserve.router.placement import Candidate
 
 log = logging.getLogger(__name__)
 
-# gRPC's default reconnect backoff grows to two minutes: a restarted node on the same
-# address would stay unreachable through the cached channel long after it is back.
-_CHANNEL_OPTIONS = [
-    ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
-    ("grpc.max_reconnect_backoff_ms", 1000),
-]
-
-
-def _insecure_channel(address: str) -> grpc.aio.Channel:
-    return grpc.aio.insecure_channel(address, options=_CHANNEL_OPTIONS)
-
 
 def node_channel_factory(token: str | None) -> Callable[[str], grpc.aio.Channel]:
     """Channels to nodes whose every call carries the auth token (common/auth.py)."""
-    return lambda address: insecure_channel(address, token, options=_CHANNEL_OPTIONS)
+    return lambda address: reconnecting_channel(address, token)
 
 
 class NodeKind(enum.Enum):
@@ -88,7 +76,7 @@ class NodeRegistry:
         heartbeat_timeout_s: float,
         channel_close_grace_s: float,
         clock: Callable[[], float] = time.monotonic,
-        channel_factory: Callable[[str], grpc.aio.Channel] = _insecure_channel,
+        channel_factory: Callable[[str], grpc.aio.Channel] = reconnecting_channel,
     ) -> None:
         self._timeout_s = heartbeat_timeout_s
         self._close_grace_s = channel_close_grace_s

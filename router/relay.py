@@ -6,9 +6,10 @@ token-level stop rule for a token the router learns without a finish reason (tok
 from a prefill node), and the responses themselves: each carries the sample's `index`;
 the last one the finish reason, usage and timings.
 
-Must never: talk to a node, pick a node, or pick a status code. The drivers
-(router/sample.py for disaggregated pools, router/colocated.py for colocated nodes)
-feed it tokens; it tells them when the sample has ended.
+Must never: talk to a node, pick a node, or pick a status code. The sample's driver
+(router/driver.py, on either route) and the disaggregated route's prefill leg feed it
+tokens; it tells them when the sample has ended, and hands each response to the
+request's `SendResponse` (the orchestrator's queue of the response stream).
 """
 
 from __future__ import annotations
@@ -20,11 +21,12 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.output_processor import SequenceStream
 from pdserve.engine.stop_rules import token_finish_reason
 from pdserve.proto import node_pb2, pdserve_pb2
+from pdserve.proto.convert import finish_reason_from_proto, finish_reason_to_proto
 from pdserve.router.model import RouterModel
 from pdserve.router.validation import ValidatedRequest
-from pdserve.router.wire import FINISH_FROM_PROTO, FINISH_TO_PROTO
 
-Emit = Callable[[pdserve_pb2.GenerateResponse], None]
+# Hands one response to the request's response stream.
+SendResponse = Callable[[pdserve_pb2.GenerateResponse], None]
 
 
 @dataclass
@@ -46,13 +48,13 @@ class PrefillTotals:
 
 class TokenRelay:
     def __init__(self, request: ValidatedRequest, index: int, model: RouterModel, received_at: float,
-                 clock: Callable[[], float], emit: Emit) -> None:
+                 clock: Callable[[], float], send: SendResponse) -> None:
         self._request = request
         self._index = index
         self._model = model
         self._received_at = received_at
         self._clock = clock
-        self._emit = emit
+        self._send = send
         detokenizer = IncrementalDetokenizer(model.tokenizer, request.prompt_token_ids)
         self._stream = SequenceStream(f"{request.request_id}-{index}", request.params, detokenizer)
         self.streamed_token_ids: list[int] = []
@@ -78,7 +80,7 @@ class TokenRelay:
     def push_decoded(self, tokens: node_pb2.DecodeTokens) -> bool:
         """Relay one event of a node that judged the stop rules itself; True if the node
         ended the sample (False when a stop string ended it here, or it goes on)."""
-        node_reason = FINISH_FROM_PROTO.get(tokens.finish_reason)
+        node_reason = finish_reason_from_proto(tokens.finish_reason)
         ids: list[int] = []
         text = ""
         for i, token in enumerate(tokens.token_ids):
@@ -106,12 +108,12 @@ class TokenRelay:
             token_ids=token_ids,
             text=text,
             logprobs=logprobs if self._request.params.logprobs is not None else [],
-            finish_reason=FINISH_TO_PROTO[self._stream.finish_reason],
+            finish_reason=finish_reason_to_proto(self._stream.finish_reason),
             stop_token_id=-1,
         )
         if self.finished:
             self._finish(response)
-        self._emit(response)
+        self._send(response)
 
     def _finish(self, response: pdserve_pb2.GenerateResponse) -> None:
         stop = self._stream.stop_reason

@@ -36,7 +36,7 @@ from pdserve.router.model import RouterModel, load_router_model
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.placement import DecodePlacement, PrefillPlacement
 from pdserve.router.registry import NodeKind, NodeRegistry, node_channel_factory
-from pdserve.router.sample import RouterState
+from pdserve.router.state import RouterState
 from pdserve.router.validation import RequestValidator, live_capacity
 
 log = logging.getLogger(__name__)

@@ -21,15 +21,20 @@ from dataclasses import dataclass
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2
+from pdserve.proto.convert import sampling_kwargs
 from pdserve.router.config import RequestLimits
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.model import RouterModel
 from pdserve.router.registry import NodeKind, NodeRegistry
-from pdserve.router.wire import sampling_kwargs
 
 SEED_BITS = 63
 # The engine's default, read from the dataclass (a slots class keeps no class attribute).
 DEFAULT_MAX_TOKENS = next(f.default for f in dataclasses.fields(SamplingParams) if f.name == "max_tokens")
+
+
+def kv_blocks(num_tokens: int, block_size: int) -> int:
+    """KV blocks of `block_size` tokens that hold `num_tokens` (the last one may be partial)."""
+    return -(-num_tokens // block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -37,6 +42,11 @@ class ValidatedRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams  # seed resolved; max_tokens fits the model and the pools
+
+    def max_kv_blocks(self, block_size: int, max_model_len: int) -> int:
+        """The most KV blocks a node may hold for one sample of this request: prompt +
+        max_tokens, never beyond the model's length."""
+        return kv_blocks(min(len(self.prompt_token_ids) + self.params.max_tokens, max_model_len), block_size)
 
 
 @dataclass(frozen=True, slots=True)
@@ -53,7 +63,7 @@ class KVCapacity:
     decode_role: str = "decode"  # what messages call the pool that holds the whole request
 
     def blocks_for(self, num_tokens: int) -> int:
-        return -(-num_tokens // self.block_size)
+        return kv_blocks(num_tokens, self.block_size)
 
 
 def _unknown_capacity() -> KVCapacity:

@@ -81,6 +81,7 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
         self.script, self.calls, self.stats = script, calls, stats
         self.refuse = script.refuse_decode  # per node, so a test can make one node full
         self.fail_after_events = script.fail_decode_after_events  # per node, so one node can die
+        self.fail_before_ready = False  # per node: UNAVAILABLE before READY (a core that just died)
         self.requests: list[node_pb2.DecodeRequest] = []
 
     async def Decode(self, request, context):
@@ -89,6 +90,8 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
         with self.calls.watch("decode", request.request_id):
             if self.refuse:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake decode: no free KV blocks")
+            if self.fail_before_ready:
+                await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode: engine core died")
             yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_descriptor=FAKE_DESCRIPTOR, block_ids=[7, 3, 5]))
             await self.calls.kv_done[request.request_id].wait()
             for tokens in self._events(request):
@@ -171,6 +174,13 @@ class FakeNode:
         await registry.Register(node_pb2.RegisterRequest(kind=self.kind, address=self.address, node_id=self.node_id))
         self._task = asyncio.create_task(self._heartbeat(registry))
 
+    async def stop_heartbeats(self) -> None:
+        """No more stats from this node: what the router last heard stays its latest."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
     async def _heartbeat(self, registry: node_pb2_grpc.RegistryStub) -> None:
         while True:
             if self.heartbeats:
@@ -182,9 +192,7 @@ class FakeNode:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.stop_heartbeats()
         if self._server is not None:
             await self._server.stop(0)
         if self._channel is not None:

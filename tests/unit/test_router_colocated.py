@@ -101,15 +101,20 @@ class Node:
         await registry.Heartbeat(node_pb2.HeartbeatRequest(node_id=self.node_id, stats=self.servicer.stats))
         self._task = asyncio.create_task(self._heartbeat(registry))
 
+    async def stop_heartbeats(self) -> None:
+        """No more stats from this node: what the router last heard stays its latest."""
+        if self._task is not None:
+            self._task.cancel()
+            await asyncio.gather(self._task, return_exceptions=True)
+            self._task = None
+
     async def _heartbeat(self, registry: node_pb2_grpc.RegistryStub) -> None:
         while True:
             await asyncio.sleep(HEARTBEAT_S)
             await registry.Heartbeat(node_pb2.HeartbeatRequest(node_id=self.node_id, stats=self.servicer.stats))
 
     async def stop(self) -> None:
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
+        await self.stop_heartbeats()
         await self._server.stop(0)
         if self._channel is not None:
             await self._channel.close()

@@ -12,12 +12,13 @@ import dataclasses
 import pytest
 import torch
 
+from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.model import load_router_model
 from pdserve.router.config import RequestLimits
-from pdserve.router.validation import KVCapacity, RequestValidator
+from pdserve.router.validation import KVCapacity, RequestValidator, ValidatedRequest, kv_blocks
 
 MAX_MODEL_LEN = 64
 
@@ -257,3 +258,11 @@ def test_a_colocated_pool_is_named_as_such(model):
     validator = RequestValidator(model, max_n=4, capacity=lambda: capacity)
     error = refused(validator, ids_request([1] * 24, max_tokens=1))
     assert str(error) == "token_ids has 24 tokens and needs 4 KV blocks of 8 tokens; the largest colocated node holds 3"
+
+
+def test_the_blocks_a_request_may_need_round_up_and_stop_at_the_model():
+    assert [kv_blocks(n, 8) for n in (1, 8, 9, 16, 17)] == [1, 1, 2, 2, 3]
+    assert KVCapacity(block_size=8).blocks_for(17) == 3
+    request = ValidatedRequest("r", tuple(range(10)), SamplingParams(max_tokens=7))
+    assert request.max_kv_blocks(block_size=8, max_model_len=100) == 3  # 17 tokens
+    assert request.max_kv_blocks(block_size=8, max_model_len=16) == 2  # the model holds 16

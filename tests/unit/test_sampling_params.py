@@ -15,9 +15,8 @@ from pdserve.engine.sampling_params import (
     MIN_REPETITION_PENALTY,
     SamplingParams,
 )
-from pdserve.node.convert import params_from_proto
 from pdserve.proto import pdserve_pb2
-from pdserve.router.wire import params_to_proto, sampling_kwargs
+from pdserve.proto.convert import params_from_proto, params_to_proto, sampling_kwargs
 
 NAN = float("nan")
 INF = float("inf")

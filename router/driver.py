@@ -1,0 +1,245 @@
+"""One sample's life across the cluster, as the router drives it, on either architecture.
+
+A sample runs as attempts (node request id: the sample's own; "<id>~<n>" for the n-th
+after a loss), each along the sample's route (router/routes.py: disaggregated pools or
+colocated nodes):
+
+    rank the route's nodes ──open(prompt, resumed)──▶ opening event
+                                       (RESOURCE_EXHAUSTED: next node; lost: excluded, probed, next node)
+    the route's lead-in                (disaggregated: the prefill leg)
+    relay the stream's tokens ──▶ client  (until the node's finish, or a stop string)
+    finally: cancel the stream unless it ended  (the node frees its blocks at once)
+
+When no ranked node opens the stream, the sample ends `Overloaded` (RESOURCE_EXHAUSTED)
+if any usable node refused, now or moments ago (placement skips it until its next
+stats), and `NoNodeAvailable` (UNAVAILABLE, naming why each was lost) if every one was lost.
+
+A node lost mid-attempt (a call failed UNAVAILABLE / INTERNAL / UNKNOWN / CANCELLED, or
+the stream ended unfinished) ends the attempt with `NodeLost`: the nodes it implicates
+get a GetStats probe (`NodeRegistry.probe`; one that does not answer is suspect for
+everyone and excluded for this sample), the ones the route excludes outright are never
+asked again for this sample, and a new attempt runs with `resumed` = the tokens the
+client already has (`relay.streamed_token_ids`): the new node prefills prompt + those
+and goes on from there. The same `TokenRelay` (same detokenizer, same stop-string
+state) carries on, so the client sees no gap and no duplicate. Attempts are bounded by
+`RecoveryBudget` (resumes while decoding, retries before the next token) and by the
+client's deadline, which every node call carries.
+
+Owns the order of node calls and the mapping of node call failures to router errors;
+what the client sees (text, stop strings, responses, usage, timings) is the sample's
+`TokenRelay` (router/relay.py). Must never: pick a status code itself (router/errors.py
+does), multiplex samples, change the registry beyond a probe, ask a node excluded for
+this sample again, or leave a node call open when the sample ends.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+
+import grpc
+
+from pdserve.proto import node_pb2, pdserve_pb2
+from pdserve.proto.convert import params_to_proto
+from pdserve.router.errors import DeadlineExceeded, NodeFailed, NoNodeAvailable, Overloaded, from_node_error
+from pdserve.router.placement import Candidate
+from pdserve.router.recovery import NODE_LOST_CODES, NodeLost, RecoveryBudget, attempt_ids
+from pdserve.router.registry import NodeEntry, NodeKind
+from pdserve.router.relay import SendResponse, TokenRelay
+from pdserve.router.routes import Leg, Load, Route
+from pdserve.router.state import RouterState, SampleSpec
+
+log = logging.getLogger(__name__)
+
+
+class SampleDriver:
+    """Drives one sample along its route until it ends; raises a `RouterError` if it cannot."""
+
+    def __init__(self, state: RouterState, route: Route, spec: SampleSpec, send: SendResponse) -> None:
+        self.state = state
+        self.spec = spec
+        self.relay = TokenRelay(spec.request, spec.index, state.model, spec.received_at, state.clock, send)
+        self._route = route
+        self._budget = RecoveryBudget(state.config.max_resumes, state.config.max_prefill_retries)
+        self._excluded: dict[str, tuple[NodeEntry, str]] = {}  # by node id: lost during this sample, and why
+
+    async def run(self) -> None:
+        for req_id in attempt_ids(self.spec.node_req_id):
+            try:
+                await self._attempt(req_id)
+                return
+            except NodeLost as lost:
+                await self._recover(lost)
+
+    async def _attempt(self, req_id: str) -> None:
+        leg = await self._open(req_id, list(self.relay.streamed_token_ids))
+        try:
+            if await self._route.lead_in(self, leg):
+                return  # the lead-in's token ended the sample: the finally cancels the stream
+            await self._relay_stream(leg)
+        finally:
+            leg.call.cancel()  # no-op once the stream has ended
+
+    # -- recovery -----------------------------------------------------------------------
+
+    async def _recover(self, lost: NodeLost) -> None:
+        """Exclude and probe the nodes the loss implicates, then allow another attempt or raise."""
+        for entry in lost.exclude:
+            self._exclude(entry, str(lost.error))
+        timeout = self.bounded(self.state.config.failure_probe_timeout_s)
+        answered = await asyncio.gather(*(self.state.registry.probe(e, timeout) for e in lost.probe))
+        for entry, alive in zip(lost.probe, answered):
+            if not alive:
+                self._exclude(entry, f"{entry.address} was lost during this request")
+        what = self._budget.allow(lost.decoding, lost.error, self.remaining(), lost)
+        log.warning("sample %s: %s on %s nodes after %d streamed tokens: %s", self.spec.node_req_id, what,
+                    self._route.kind.value, len(self.relay.streamed_token_ids), lost.error)
+
+    def _exclude(self, entry: NodeEntry, reason: str) -> None:
+        self._excluded.setdefault(entry.node_id, (entry, reason))  # the first reason is the telling one
+
+    async def _lost_before_opening(self, entry: NodeEntry, reason: str) -> None:
+        # Never asked again for this sample; one that does not answer GetStats either is
+        # suspect for every request (skipped until its next stats).
+        self._exclude(entry, reason)
+        await self.state.registry.probe(entry, self.bounded(self.state.config.failure_probe_timeout_s))
+
+    # -- what a route may use -----------------------------------------------------------
+
+    def usable(self, kind: NodeKind) -> list[NodeEntry]:
+        return [e for e in self.state.registry.live(kind) if e.node_id not in self._excluded]
+
+    def none_left(self, kind: NodeKind) -> NoNodeAvailable:
+        reasons = [reason for entry, reason in self._excluded.values() if entry.kind is kind]
+        detail = f": {'; '.join(reasons)}" if reasons else ""
+        return NoNodeAvailable(f"no {kind.value} node is available{detail}")
+
+    def remaining(self) -> float | None:
+        if self.spec.deadline is None:
+            return None
+        return max(0.0, self.spec.deadline - self.state.clock())
+
+    def bounded(self, limit_s: float) -> float:
+        remaining = self.remaining()
+        return limit_s if remaining is None else min(limit_s, remaining)
+
+    def node_params(self) -> pdserve_pb2.SamplingParams:
+        params = params_to_proto(self.spec.request.params)
+        params.n = 1  # a node runs one sample; sample_index says which
+        return params
+
+    # -- opening the stream -------------------------------------------------------------
+
+    async def _open(self, req_id: str, resumed: list[int]) -> Leg:
+        """The best ranked node that answers with its opening event; a refusal or a lost node
+        before that moves on to the next one."""
+        route, kind = self._route, self._route.kind
+        live = self.usable(kind)
+        if not live:
+            raise self.none_left(kind)
+        request, model = self.spec.request, self.state.model
+        load = Load(len(request.prompt_token_ids) + len(resumed),
+                    request.max_kv_blocks(self.state.config.block_size, model.max_model_len))
+        refused: list[str] = []
+        for candidate in route.rank([e.candidate() for e in live]):
+            entry = self.state.registry.get(candidate.node_id)
+            if entry is None:
+                continue
+            try:
+                return await self._ask(entry, candidate, load, req_id, resumed)
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    route.mark_exhausted(candidate)
+                    refused.append(entry.address)
+                    continue
+                failure = from_node_error(kind.value, entry.address, exc)
+                if exc.code() not in NODE_LOST_CODES:
+                    raise failure from exc
+                await self._lost_before_opening(entry, str(failure))
+            except NodeFailed as exc:  # no opening event: gone, or broke the protocol
+                await self._lost_before_opening(entry, str(exc))
+        if all(e.node_id in self._excluded for e in live):
+            raise self.none_left(kind)
+        # The rest refused, now or moments ago (placement skips those until their next stats).
+        nodes = ", ".join(refused) or f"every {kind.value} node refused moments ago"
+        raise Overloaded(f"no {kind.value} node can take the request ({load.num_blocks} KV blocks): {nodes}")
+
+    async def _ask(self, entry: NodeEntry, candidate: Candidate, load: Load, req_id: str, resumed: list[int]) -> Leg:
+        """Open the route's call and wait for its opening event (a refusal comes at once, as an error)."""
+        route = self._route
+        route.claim(candidate, load)
+        call = route.open(self.state.registry.channel(entry), self._node_request(req_id, resumed), self.remaining())
+        try:
+            first = await self._opening_event(call, entry)
+        except BaseException:
+            call.cancel()
+            route.withdraw(candidate, load)
+            raise
+        route.opened(candidate, load)
+        return Leg(req_id, resumed, call, entry, first)
+
+    async def _opening_event(self, call: grpc.aio.UnaryStreamCall, entry: NodeEntry) -> node_pb2.DecodeEvent:
+        opening, node = self._route.opening, f"{self._route.kind.value} node {entry.address}"
+        timeout = None if opening.timeout_s is None else self.bounded(opening.timeout_s)
+        try:
+            event = await asyncio.wait_for(call.read(), timeout)
+        except TimeoutError as exc:
+            remaining = self.remaining()
+            if remaining is not None and remaining <= 0:
+                raise DeadlineExceeded(f"the deadline passed while waiting for {opening.name} from {node}") from exc
+            raise NodeFailed(f"{node} did not send {opening.name} within {timeout:.1f}s") from exc
+        if event is grpc.aio.EOF:
+            raise NodeFailed(f"{node} ended the stream before {opening.name}")
+        if event.WhichOneof("event") != opening.event:
+            raise NodeFailed(f"{node} sent {event.WhichOneof('event')} before {opening.name}")
+        return event
+
+    def _node_request(self, req_id: str, resumed: list[int]) -> node_pb2.DecodeRequest:
+        request = self.spec.request
+        return node_pb2.DecodeRequest(
+            request_id=req_id,
+            prompt_token_ids=request.prompt_token_ids,
+            sampling_params=self.node_params(),
+            seed=request.params.seed,
+            sample_index=self.spec.index,
+            resumed_token_ids=resumed,
+        )
+
+    # -- the stream ---------------------------------------------------------------------
+
+    async def _relay_stream(self, leg: Leg) -> None:
+        """Relay token events until the sample ends; raises `NodeLost` when the node goes away first."""
+        node = f"{self._route.kind.value} node {leg.entry.address}"
+        # An opening event that carries tokens (a colocated node's) is the first one to relay.
+        event = leg.first if leg.first.WhichOneof("event") == "tokens" else await self._next_event(leg)
+        while True:
+            if event.WhichOneof("event") != "tokens":
+                raise NodeFailed(f"{node} sent {event.WhichOneof('event')}, not tokens")
+            if self.relay.push_decoded(event.tokens):
+                await self._await_end(leg.call)
+                return
+            if self.relay.finished:
+                return  # a stop string: the caller cancels the call
+            event = await self._next_event(leg)
+
+    async def _next_event(self, leg: Leg) -> node_pb2.DecodeEvent:
+        node = f"{self._route.kind.value} node {leg.entry.address}"
+        # Lost once the client has tokens: a resume; before any: a retry.
+        decoding = bool(self.relay.streamed_token_ids)
+        try:
+            event = await leg.call.read()
+        except grpc.aio.AioRpcError as exc:
+            failure = from_node_error(self._route.kind.value, leg.entry.address, exc)
+            if exc.code() not in NODE_LOST_CODES:
+                raise failure from exc
+            raise self._route.stream_lost(leg, failure, decoding) from exc
+        if event is grpc.aio.EOF:
+            raise self._route.stream_lost(leg, NodeFailed(f"{node} ended the stream unfinished"), decoding)
+        return event
+
+    async def _await_end(self, call: grpc.aio.UnaryStreamCall) -> None:
+        # The node's last event is in; let its stream close by itself rather than cancel it.
+        try:
+            await asyncio.wait_for(call.read(), self.state.config.stream_end_grace_s)
+        except (TimeoutError, grpc.aio.AioRpcError):
+            pass

@@ -1,0 +1,73 @@
+"""How a sample recovers from a lost node: which failures count as a loss, how many new
+attempts it may start, and the node request id of each.
+
+Owns `NODE_LOST_CODES`, `NodeLost` (what ends an attempt that may succeed elsewhere,
+and which nodes it implicates), `RecoveryBudget` and `attempt_ids`. The driver
+(router/driver.py) raises and handles them; the routes (router/routes.py) say which
+nodes a loss implicates. Never calls a node and never touches the registry.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import grpc
+
+from pdserve.router.errors import DeadlineExceeded, RouterError
+from pdserve.router.registry import NodeEntry
+
+# Codes of a call whose node may be gone (killed, unreachable, its core dead): another
+# node may succeed. Every other code is an answer about the request itself.
+NODE_LOST_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERNAL, grpc.StatusCode.UNKNOWN,
+                             grpc.StatusCode.CANCELLED})
+
+
+class NodeLost(Exception):
+    """An attempt ended because a node call failed the way a lost node's does; `error` is
+    what the client gets if no recovery is left."""
+
+    def __init__(self, error: RouterError, probe: Sequence[NodeEntry], decoding: bool,
+                 exclude: Sequence[NodeEntry] = ()) -> None:
+        super().__init__(str(error))
+        self.error = error
+        self.probe = list(probe)  # any of them may be the one that died: each gets a GetStats probe
+        self.exclude = list(exclude)  # never asked again for this sample, whatever its probe says
+        self.decoding = decoding  # lost while decoding (a resume) or before the attempt's next token (a retry)
+
+
+@dataclass(slots=True)
+class RecoveryBudget:
+    """How many more attempts a sample may start after losing a node."""
+
+    max_resumes: int
+    max_retries: int
+    resumes: int = 0
+    retries: int = 0
+
+    def spend(self, decoding: bool) -> bool:
+        """Count one recovery; False once the kind's budget is spent."""
+        if decoding:
+            self.resumes += 1
+            return self.resumes <= self.max_resumes
+        self.retries += 1
+        return self.retries <= self.max_retries
+
+    def allow(self, decoding: bool, error: RouterError, remaining_s: float | None, cause: BaseException) -> str:
+        """Count one recovery and name it ("resume" or "retry"); raise `error`'s kind once
+        the budget is spent, or DeadlineExceeded once the deadline has passed."""
+        what = "resume" if decoding else "retry"
+        if not self.spend(decoding):
+            raise type(error)(f"{error} (no {what} left for this sample)") from cause
+        if remaining_s is not None and remaining_s <= 0:
+            raise DeadlineExceeded(f"the deadline passed while recovering from: {error}") from cause
+        return what
+
+
+def attempt_ids(node_req_id: str) -> Iterator[str]:
+    """The node request id of each attempt: the sample's own, then "<id>~<n>". Ids never
+    repeat on a node (a decode node refuses a retired id for a while)."""
+    yield node_req_id
+    for n in itertools.count(1):
+        yield f"{node_req_id}~{n}"

@@ -1,0 +1,248 @@
+"""The two ways a sample's tokens are made, as routes the one driver (router/driver.py) follows.
+
+Disaggregated (a decode node, then a prefill node):
+
+    rank decode nodes ──Decode(prompt, resumed)──▶ READY{descriptor, block ids}
+                                                   (placement counts prompt + max_tokens on D)
+    lead-in: pick P ──Prefill(descriptor, block ids, resumed)──▶ next token ──▶ client
+                                                   (RESOURCE_EXHAUSTED: next P, same blocks;
+                                                    the token may end the sample)
+    relay D's tokens ──▶ client
+    lost: a decode stream implicates D (probed); a prefill, P and D (both probed)
+
+Colocated (one node runs both phases — the baseline):
+
+    rank colocated nodes ──Generate(prompt, resumed)──▶ tokens 1..n ──▶ client
+    no lead-in
+    lost: the stream implicates its node (probed), excluded outright for this sample
+
+Why a failed prefill ends the attempt instead of reusing D's reservation: the failed
+prefill node may still write into those blocks, or send D an "aborted" done that frees
+them while another prefill node writes; a fresh reservation under a new id is never
+ambiguous (D frees the old one and drops what still arrives for it). Only a
+RESOURCE_EXHAUSTED prefill (refused before it touched anything) reuses the reservation.
+
+Owns, per architecture: the stub and RPC that open a sample's stream, the event that
+stream must open with, the lead-in between that event and the relay, the placement
+bookkeeping of each opening, and which nodes a loss implicates. Must never: relay
+tokens past the lead-in, pick a status code itself (router/errors.py does), or change
+the registry.
+"""
+
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Protocol
+
+import grpc
+
+from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
+from pdserve.router.errors import NoNodeAvailable, Overloaded, RouterError, from_node_error
+from pdserve.router.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
+from pdserve.router.recovery import NODE_LOST_CODES, NodeLost
+from pdserve.router.registry import NodeEntry, NodeKind
+from pdserve.router.relay import TokenRelay
+from pdserve.router.state import RouterState, SampleSpec
+
+
+@dataclass(frozen=True, slots=True)
+class Opening:
+    """The event a route's stream must open with, and how long the driver waits for it."""
+
+    event: str  # the DecodeEvent field: "ready" or "tokens"
+    name: str  # in messages: "READY", "its first token"
+    timeout_s: float | None  # None: only the client's deadline bounds it
+
+
+@dataclass(frozen=True, slots=True)
+class Load:
+    """What one opening asks of its node, as placement counts it."""
+
+    num_tokens: int  # to prefill: prompt + resumed tokens
+    num_blocks: int  # to hold: prompt + max_tokens
+
+
+@dataclass(frozen=True, slots=True)
+class Leg:
+    """One attempt's stream on one node, from its opening event on."""
+
+    req_id: str
+    resumed: list[int]  # the tokens the client had when the attempt started
+    call: grpc.aio.UnaryStreamCall
+    entry: NodeEntry
+    first: node_pb2.DecodeEvent
+
+
+class SampleView(Protocol):
+    """What a route may use of the sample it serves (the driver is one)."""
+
+    spec: SampleSpec
+    state: RouterState
+    relay: TokenRelay
+
+    def usable(self, kind: NodeKind) -> list[NodeEntry]: ...
+
+    def none_left(self, kind: NodeKind) -> NoNodeAvailable: ...
+
+    def bounded(self, limit_s: float) -> float: ...
+
+    def node_params(self) -> pdserve_pb2.SamplingParams: ...
+
+
+class Route(ABC):
+    """What differs between the architectures; the driver's loops are the same for both."""
+
+    kind: NodeKind  # the nodes a sample's stream is opened on
+    opening: Opening
+
+    @abstractmethod
+    def rank(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        """The nodes to ask, best first; nodes that just refused are left out."""
+
+    @abstractmethod
+    def mark_exhausted(self, candidate: Candidate) -> None:
+        """`candidate` refused for lack of room."""
+
+    @abstractmethod
+    def claim(self, candidate: Candidate, load: Load) -> None:
+        """Count `load` against `candidate` before asking it."""
+
+    @abstractmethod
+    def withdraw(self, candidate: Candidate, load: Load) -> None:
+        """Take back what `claim` counted: the stream never opened."""
+
+    def opened(self, candidate: Candidate, load: Load) -> None:
+        """The stream's opening event arrived (nothing to count by default)."""
+
+    @abstractmethod
+    def open(self, channel: grpc.aio.Channel, request: node_pb2.DecodeRequest,
+             timeout_s: float | None) -> grpc.aio.UnaryStreamCall:
+        """Start the node call whose events the driver relays."""
+
+    async def lead_in(self, sample: SampleView, leg: Leg) -> bool:
+        """What runs between the opening event and the relay; True if it ended the sample."""
+        return False
+
+    @abstractmethod
+    def stream_lost(self, leg: Leg, error: RouterError, decoding: bool) -> NodeLost:
+        """The loss to raise when `leg`'s stream fails the way a lost node's does."""
+
+
+class ColocatedRoute(Route):
+    kind = NodeKind.COLOCATED
+    # The first event follows the whole prefill, however long the node's queue: only the
+    # client's deadline bounds it.
+    opening = Opening("tokens", "its first token", None)
+
+    def __init__(self, placement: ColocatedPlacement) -> None:
+        self._placement = placement
+
+    def rank(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        return self._placement.rank(candidates)
+
+    def mark_exhausted(self, candidate: Candidate) -> None:
+        self._placement.mark_exhausted(candidate)
+
+    def claim(self, candidate: Candidate, load: Load) -> None:
+        self._placement.assign(candidate, load.num_tokens, load.num_blocks)
+
+    def withdraw(self, candidate: Candidate, load: Load) -> None:
+        self._placement.withdraw(candidate, load.num_tokens, load.num_blocks)
+
+    def opened(self, candidate: Candidate, load: Load) -> None:
+        self._placement.prefilled(candidate, load.num_tokens)  # token 1 is out: the prompt left its queue
+
+    def open(self, channel: grpc.aio.Channel, request: node_pb2.DecodeRequest,
+             timeout_s: float | None) -> grpc.aio.UnaryStreamCall:
+        return node_pb2_grpc.ColocatedNodeStub(channel).Generate(request, timeout=timeout_s)
+
+    def stream_lost(self, leg: Leg, error: RouterError, decoding: bool) -> NodeLost:
+        return NodeLost(error, probe=[leg.entry], decoding=decoding, exclude=[leg.entry])
+
+
+class DisaggregatedRoute(Route):
+    kind = NodeKind.DECODE
+
+    def __init__(self, decode: DecodePlacement, prefill: PrefillPlacement, ready_timeout_s: float,
+                 prefill_timeout_s: float) -> None:
+        self._decode = decode
+        self._prefill = prefill
+        self._prefill_timeout_s = prefill_timeout_s
+        self.opening = Opening("ready", "READY", ready_timeout_s)
+
+    def rank(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+        return self._decode.rank(candidates)
+
+    def mark_exhausted(self, candidate: Candidate) -> None:
+        self._decode.mark_exhausted(candidate)
+
+    def claim(self, candidate: Candidate, load: Load) -> None:
+        self._decode.reserve(candidate, load.num_blocks)
+
+    def withdraw(self, candidate: Candidate, load: Load) -> None:
+        self._decode.reserve(candidate, -load.num_blocks)
+
+    def open(self, channel: grpc.aio.Channel, request: node_pb2.DecodeRequest,
+             timeout_s: float | None) -> grpc.aio.UnaryStreamCall:
+        return node_pb2_grpc.DecodeNodeStub(channel).Decode(request, timeout=timeout_s)
+
+    def stream_lost(self, leg: Leg, error: RouterError, decoding: bool) -> NodeLost:
+        # A decode node that still answers may serve the resume: only its probe excludes it.
+        return NodeLost(error, probe=[leg.entry], decoding=decoding)
+
+    async def lead_in(self, sample: SampleView, leg: Leg) -> bool:
+        """The prefill leg: the next token into the decode node's blocks, relayed at once."""
+        prefill = await self._run_prefill(sample, leg)
+        sample.relay.prefill.add(prefill)
+        logprobs = prefill.logprobs if prefill.HasField("logprobs") else None
+        return sample.relay.push_sampled_token(prefill.first_token_id, logprobs)
+
+    async def _run_prefill(self, sample: SampleView, leg: Leg) -> node_pb2.PrefillResponse:
+        """The next token from some prefill node; a full queue sends the same reservation to the next one."""
+        full: dict[str, str] = {}  # node id -> address: refused RESOURCE_EXHAUSTED, touched nothing
+        tokens = [*sample.spec.request.prompt_token_ids, *leg.resumed]
+        while True:
+            live = [e for e in sample.usable(NodeKind.PREFILL) if e.node_id not in full]
+            if not live and full:
+                raise Overloaded(f"every prefill node's queue is full: {', '.join(full.values())}")
+            if not live:
+                raise sample.none_left(NodeKind.PREFILL)
+            candidate = self._prefill.choose([e.candidate() for e in live], tokens)
+            entry = next(e for e in live if e.node_id == candidate.node_id)
+            try:
+                return await self._call_prefill(sample, leg, entry, candidate, len(tokens))
+            except grpc.aio.AioRpcError as exc:
+                if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    full[entry.node_id] = entry.address
+                    continue
+                failure = from_node_error("prefill", entry.address, exc)
+                if exc.code() not in NODE_LOST_CODES:
+                    raise failure from exc
+                # The decode node may be the one that died (the prefill node could not push to it).
+                raise NodeLost(failure, probe=[entry, leg.entry], decoding=False) from exc
+
+    async def _call_prefill(self, sample: SampleView, leg: Leg, entry: NodeEntry, candidate: Candidate,
+                            num_tokens: int) -> node_pb2.PrefillResponse:
+        stub = node_pb2_grpc.PrefillNodeStub(sample.state.registry.channel(entry))
+        call = stub.Prefill(_prefill_request(sample, leg), timeout=sample.bounded(self._prefill_timeout_s))
+        try:
+            return await call
+        finally:
+            call.cancel()  # no-op once answered
+            self._prefill.finished(candidate, num_tokens)
+
+
+def _prefill_request(sample: SampleView, leg: Leg) -> node_pb2.PrefillRequest:
+    request, ready = sample.spec.request, leg.first.ready
+    return node_pb2.PrefillRequest(
+        request_id=leg.req_id,
+        prompt_token_ids=request.prompt_token_ids,
+        sampling_params=sample.node_params(),
+        seed=request.params.seed,
+        sample_index=sample.spec.index,
+        decode_kv_descriptor=ready.kv_descriptor,
+        decode_block_ids=ready.block_ids,
+        resumed_token_ids=leg.resumed,
+    )
