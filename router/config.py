@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE
+from pdserve.router.admission import AdmissionLimits
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
@@ -22,10 +23,12 @@ class RequestLimits:
     """What one GenerateRequest may hold beyond what the model and the KV pools allow."""
 
     # None: the model's max_model_len - 1 (the longest prompt that can still generate).
-    max_prompt_tokens: int | None = None
+    max_prompt_tokens: int | None = field(default=None, metadata={
+        "help": "longest prompt accepted, in tokens (default: the model's length - 1)"})
     # Checked before tokenizing, so a huge text costs no tokenizer time (tokenizing
     # 256 Ki characters takes ~0.3 s of the router's loop on a slow core).
-    max_prompt_chars: int = 1 << 18
+    max_prompt_chars: int = field(default=1 << 18, metadata={
+        "help": "longest text prompt accepted, in characters, checked before tokenizing"})
     max_stop_strings: int = 16
     max_stop_string_chars: int = 256
     max_stop_token_ids: int = 256
@@ -42,14 +45,16 @@ class RequestLimits:
 
 @dataclass(frozen=True)
 class RouterConfig:
-    model: str
+    model: str = field(metadata={"help": "model directory (tokenizer + config only)"})
     host: str = DEFAULT_HOST
-    port: int = DEFAULT_PORT  # 0: the OS picks; the server reports the bound port
+    port: int = field(default=DEFAULT_PORT, metadata={"help": "0: the OS picks (printed on start)"})
     # Prometheus /metrics on `host` (None: off; 0: the OS picks, printed on start).
-    metrics_port: int | None = None
+    metrics_port: int | None = field(default=None, metadata={
+        "help": "serve Prometheus /metrics on --host at this port (0: the OS picks); off by default"})
     # Static node addresses (polled with GetStats); nodes may also register themselves.
-    prefill_addresses: tuple[str, ...] = ()
-    decode_addresses: tuple[str, ...] = ()
+    # (--prefill / --decode HOST:PORT, repeatable)
+    prefill_addresses: tuple[str, ...] = field(default=(), metadata={"flag": False})
+    decode_addresses: tuple[str, ...] = field(default=(), metadata={"flag": False})
     # A node silent (no heartbeat, no answered GetStats) this long is dropped.
     # Ten missed heartbeats (nodes send one every 0.5 s): a node whose front is starved
     # of CPU by its own engine core on a small machine is slow, not dead.
@@ -60,7 +65,7 @@ class RouterConfig:
     maintenance_interval_s: float = 0.25
     stats_poll_timeout_s: float = 1.0
     # Must match the nodes' block size: prefix-affinity hashes whole blocks.
-    block_size: int = DEFAULT_BLOCK_SIZE
+    block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "the nodes' KV block size"})
     # A prefill node holding the prompt's prefix wins while its queue is at most this
     # many tokens longer than the shortest queue.
     affinity_slack_tokens: int = 2048
@@ -84,15 +89,13 @@ class RouterConfig:
     failure_probe_timeout_s: float = 1.0
     max_n: int = 64
     limits: RequestLimits = field(default_factory=RequestLimits)
-    max_message_bytes: int = DEFAULT_MAX_MESSAGE_BYTES
+    max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata={
+        "help": "largest request message; gRPC refuses a larger one with RESOURCE_EXHAUSTED"})
     # Shared secret callers must present (common/auth.py); None: no authentication.
-    auth_token: str | None = field(default=None, repr=False)
+    auth_token: str | None = field(default=None, repr=False, metadata={"flag": False})
     # Admission (router/admission.py): beyond these the router refuses at once with
-    # RESOURCE_EXHAUSTED instead of queueing. Sequences: a request with n samples counts n.
-    # Queued tokens: prompt tokens admitted but not yet at token 1 — the prefill work a new
-    # request waits behind, so what bounds its time to first token.
-    max_inflight_requests: int = 256
-    max_queued_tokens: int = 65536
+    # RESOURCE_EXHAUSTED instead of queueing.
+    admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     shutdown_grace_s: float = 5.0
     # How long in-flight calls on a dropped node's channel may finish before it closes.
     channel_close_grace_s: float = 5.0
@@ -114,8 +117,6 @@ class RouterConfig:
             (self.failure_probe_timeout_s > 0, "failure_probe_timeout_s", "must be > 0",
              self.failure_probe_timeout_s),
             (self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1024", self.max_message_bytes),
-            (self.max_inflight_requests >= 1, "max_inflight_requests", "must be >= 1", self.max_inflight_requests),
-            (self.max_queued_tokens >= 1, "max_queued_tokens", "must be >= 1", self.max_queued_tokens),
         ]
         for ok, name, rule, value in checks:
             if not ok:

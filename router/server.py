@@ -26,10 +26,11 @@ import uvloop
 from prometheus_client import CollectorRegistry
 
 from pdserve.common.auth import add_auth_args, server_interceptors, server_options, token_from_cli
+from pdserve.common.config_flags import add_config_args, values_from_args
 from pdserve.common.metrics_endpoint import MetricsEndpoint
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.admission import Admission, AdmissionLimits
-from pdserve.router.config import DEFAULT_HOST, DEFAULT_PORT, RequestLimits, RouterConfig
+from pdserve.router.config import RequestLimits, RouterConfig
 from pdserve.router.errors import InvalidRequest, RouterError, status_of
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model import RouterModel, load_router_model
@@ -150,7 +151,7 @@ class RouterServer:
             DecodePlacement(config.exhausted_cooldown_s),
             PrefillPlacement(config.block_size, config.affinity_slack_tokens, config.max_affinity_entries),
         )
-        self.admission = Admission(AdmissionLimits(config.max_inflight_requests, config.max_queued_tokens))
+        self.admission = Admission(config.admission)
         self.metrics = RouterMetrics(CollectorRegistry(), registry)
         self._server: grpc.aio.Server | None = None
         self._maintenance: asyncio.Task | None = None
@@ -201,27 +202,13 @@ class RouterServer:
 
 
 def _parser() -> argparse.ArgumentParser:
+    """The router's flags, derived from `RouterConfig` and its `RequestLimits` (one default each)."""
     parser = argparse.ArgumentParser(prog="pdserve router", description="the public API and node registry")
-    parser.add_argument("--host", default=DEFAULT_HOST)
-    parser.add_argument("--port", type=int, default=DEFAULT_PORT, help="0: the OS picks (printed on start)")
-    parser.add_argument("--metrics-port", type=int, default=None,
-                        help="serve Prometheus /metrics on --host at this port (0: the OS picks); off by default")
-    parser.add_argument("--model", required=True, help="model directory (tokenizer + config only)")
+    add_config_args(parser, RouterConfig)
+    add_config_args(parser.add_argument_group("request limits"), RequestLimits)
+    add_config_args(parser.add_argument_group("admission"), AdmissionLimits)
     parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a static prefill node")
     parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a static decode node")
-    parser.add_argument("--heartbeat-timeout-s", type=float, default=RouterConfig.heartbeat_timeout_s)
-    parser.add_argument("--block-size", type=int, default=RouterConfig.block_size, help="the nodes' KV block size")
-    parser.add_argument("--max-inflight-requests", type=int, default=RouterConfig.max_inflight_requests,
-                        help="sequences in flight (a request with n samples counts n); beyond: RESOURCE_EXHAUSTED")
-    parser.add_argument("--max-queued-tokens", type=int, default=RouterConfig.max_queued_tokens,
-                        help="prompt tokens admitted but not yet at token 1; beyond: RESOURCE_EXHAUSTED")
-    limits = RequestLimits()
-    parser.add_argument("--max-prompt-tokens", type=int, default=limits.max_prompt_tokens,
-                        help="longest prompt accepted, in tokens (default: the model's length - 1)")
-    parser.add_argument("--max-prompt-chars", type=int, default=limits.max_prompt_chars,
-                        help="longest text prompt accepted, in characters, checked before tokenizing")
-    parser.add_argument("--max-message-bytes", type=int, default=RouterConfig.max_message_bytes,
-                        help="largest request message; gRPC refuses a larger one with RESOURCE_EXHAUSTED")
     add_auth_args(parser)
     parser.add_argument("--log-level", default="INFO")
     return parser
@@ -230,19 +217,12 @@ def _parser() -> argparse.ArgumentParser:
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterConfig:
     """`environ` is where `$PDSERVE_AUTH_TOKEN` is looked up (main passes os.environ)."""
     return RouterConfig(
-        model=args.model,
-        host=args.host,
-        port=args.port,
-        metrics_port=args.metrics_port,
         prefill_addresses=tuple(args.prefill),
         decode_addresses=tuple(args.decode),
-        heartbeat_timeout_s=args.heartbeat_timeout_s,
-        block_size=args.block_size,
-        max_inflight_requests=args.max_inflight_requests,
-        max_queued_tokens=args.max_queued_tokens,
-        limits=RequestLimits(max_prompt_tokens=args.max_prompt_tokens, max_prompt_chars=args.max_prompt_chars),
-        max_message_bytes=args.max_message_bytes,
+        limits=RequestLimits(**values_from_args(args, RequestLimits)),
+        admission=AdmissionLimits(**values_from_args(args, AdmissionLimits)),
         auth_token=token_from_cli(args.auth_token_file, environ or {}),
+        **values_from_args(args, RouterConfig),
     )
 
 

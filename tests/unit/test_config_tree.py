@@ -95,3 +95,21 @@ def test_auto_dtype_is_resolved_by_the_engine_not_the_config():
     assert EngineConfig("/m", dtype="float32").resolved().dtype == "float32"
     with pytest.raises(ValueError, match="dtype is still 'auto'"):
         config.torch_dtype
+
+
+def test_the_routers_flags_are_its_config_tree():
+    from pdserve.router.admission import AdmissionLimits
+    from pdserve.router.config import RequestLimits
+    from pdserve.router.server import _parser, config_from_args
+
+    parser = _parser()
+    flags = {flag for action in parser._actions for flag in action.option_strings}
+    leaves = [f for cls in (RouterConfig, RequestLimits, AdmissionLimits) for f in dataclasses.fields(cls)
+              if f.metadata.get("flag", True) and not dataclasses.is_dataclass(f.default_factory
+                                                                              if callable(f.default_factory) else None)]
+    assert {flag_name(f.name) for f in leaves if f.name not in ("limits", "admission")} <= flags
+    assert config_from_args(parser.parse_args(["--model", "/m"])) == RouterConfig(model="/m")
+    config = config_from_args(parser.parse_args(["--model", "/m", "--max-inflight-requests", "3",
+                                                 "--max-stop-strings", "2", "--decode", "127.0.0.1:7"]))
+    assert (config.admission.max_inflight_requests, config.limits.max_stop_strings) == (3, 2)
+    assert config.decode_addresses == ("127.0.0.1:7",)

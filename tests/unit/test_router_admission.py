@@ -90,7 +90,7 @@ def test_limits_are_validated():
 def test_router_flags_set_the_limits():
     args = _parser().parse_args(["--model", "m", "--max-inflight-requests", "7", "--max-queued-tokens", "900"])
     config = config_from_args(args)
-    assert (config.max_inflight_requests, config.max_queued_tokens) == (7, 900)
+    assert config.admission == AdmissionLimits(max_inflight_requests=7, max_queued_tokens=900)
 
 
 # -- the real router server, fake nodes ---------------------------------------------------
@@ -141,7 +141,7 @@ def test_router_refuses_beyond_capacity_at_once_and_frees_slots_on_cancel_and_de
     script = Script(first_token=lambda i: 4, decode_events=lambda i: events, hang_prefill=True)
 
     async def scenario():
-        async with router_server(model, max_inflight_requests=2) as server:
+        async with router_server(model, admission=AdmissionLimits(max_inflight_requests=2)) as server:
             address, admission = f"127.0.0.1:{server.port}", server.admission
             async with fake_nodes(address, script) as (calls, _):
                 async with grpc.aio.insecure_channel(address) as channel:
