@@ -59,10 +59,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)

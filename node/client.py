@@ -44,7 +44,6 @@ class CoreClient:
     def __init__(self, config: NodeConfig, hooks: CoreHooks) -> None:
         self.config = config
         self.hooks = hooks
-        self.kv_descriptor = ""  # the core's KVDescriptor JSON, once started
         self.dead = asyncio.Event()
         self._dir = tempfile.mkdtemp(prefix=f"pdserve-{config.kind}-")
         self._addresses = CoreAddresses.in_dir(self._dir)
@@ -70,7 +69,6 @@ class CoreClient:
             raise NodeError(ErrorCode.INTERNAL, f"engine core failed to start: {first.message}")
         if not isinstance(first, CoreStarted):
             raise NodeError(ErrorCode.INTERNAL, f"engine core said {type(first).__name__} before CoreStarted")
-        self.kv_descriptor = first.kv_descriptor
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     async def _first_message(self) -> Message:

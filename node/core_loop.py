@@ -140,8 +140,7 @@ def _build(config: NodeConfig, kind: ModuleType, uses_kv_transport: bool,
                 torch.get_num_threads())
     transport, descriptor = _start_transport(config, engine) if uses_kv_transport else (None, None)
     handler = kind.make_handler(config, engine, transport, descriptor, emit)
-    kv_descriptor = descriptor.to_bytes().decode() if descriptor is not None else ""
-    emit(CoreStarted(kv_descriptor=kv_descriptor, num_blocks=engine.num_blocks))
+    emit(CoreStarted())
     return engine, transport, handler
 
 

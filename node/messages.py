@@ -107,8 +107,7 @@ class Shutdown(_Message):
 # -- core -> front -------------------------------------------------------------------
 @dataclass(slots=True)
 class CoreStarted(_Message):
-    kv_descriptor: str
-    num_blocks: int
+    """The core has loaded the model and registered its KV cache: it serves from now on."""
 
 
 @dataclass(slots=True)

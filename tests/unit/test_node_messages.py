@@ -29,7 +29,7 @@ MESSAGES = [
     Abort("r3"),
     StatsQuery(7),
     Shutdown(),
-    CoreStarted('{"a": 1}', 128),
+    CoreStarted(),
     CoreFailed("boom"),
     Ready("r4", "{}", [0, 1, 2]),
     FirstToken("r5", 11, LOGPROBS, 16, 0.5, 0.01, 12288),
