@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.counters import TransferStats
 from pdserve.node.errors import ErrorCode
 
 
@@ -162,15 +163,6 @@ class RequestFailed(_Message):
 
 
 @dataclass(slots=True)
-class TransferCounters:
-    bytes: int = 0
-    blocks: int = 0
-    transfers: int = 0
-    failures: int = 0
-    latency_s: float = 0.0
-
-
-@dataclass(slots=True)
 class StatsData:
     kind: str
     num_blocks: int
@@ -179,7 +171,7 @@ class StatsData:
     num_waiting: int
     num_running: int
     queued_prefill_tokens: int
-    kv_transfer: TransferCounters = field(default_factory=TransferCounters)
+    kv_transfer: TransferStats = field(default_factory=TransferStats)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
@@ -246,7 +238,7 @@ def _params(body: dict[str, Any]) -> SamplingParams:
 
 
 def _stats(body: dict[str, Any]) -> StatsData:
-    return StatsData(**{**body, "kv_transfer": TransferCounters(**body["kv_transfer"])})
+    return StatsData(**{**body, "kv_transfer": TransferStats(**body["kv_transfer"])})
 
 
 def _logprobs(body: dict[str, Any] | None) -> Logprobs | None:

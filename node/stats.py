@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pdserve.engine.engine_core import EngineCore
 from pdserve.kv_transfer import KVTransport, TransferStats
 from pdserve.node.errors import ErrorCode, NodeError
-from pdserve.node.messages import StatsData, TransferCounters
+from pdserve.node.messages import StatsData
 
 
 def queued_tokens(engine: EngineCore) -> int:
@@ -47,15 +47,10 @@ def build_stats(kind: str, engine: EngineCore, transport: KVTransport | None, re
         num_waiting=len(scheduler.waiting),
         num_running=len(scheduler.running),
         queued_prefill_tokens=queued_tokens(engine) if kind != "decode" else 0,
-        kv_transfer=_counters(transfer),
+        kv_transfer=transfer,
         prefix_cache_queries=pool.stats.queries,
         prefix_cache_hits=pool.stats.hits,
     )
-
-
-def _counters(stats: TransferStats) -> TransferCounters:
-    return TransferCounters(bytes=stats.bytes, blocks=stats.blocks, transfers=stats.transfers,
-                            failures=stats.failures, latency_s=stats.latency_s)
 
 
 @dataclass(frozen=True)

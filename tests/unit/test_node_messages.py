@@ -8,13 +8,14 @@ import grpc
 import pytest
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import TransferStats
 from pdserve.node.config import NodeConfig, add_node_args, config_from_args, parse_node_args
 from pdserve.node.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto, stats_to_proto
 from pdserve.node.errors import ErrorCode, grpc_status
 from pdserve.node.kv_done import DoneStatus, KVDone
 from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, DecodeSubmit, FirstToken, Logprobs, MessageError,
                                    PrefillSubmit, Ready, RequestFailed, Shutdown, StatsData, StatsQuery, StatsReply,
-                                   Tokens, TransferCounters, decode, encode)
+                                   Tokens, decode, encode)
 from pdserve.proto import pdserve_pb2
 
 PARAMS = SamplingParams(temperature=0.7, top_k=5, seed=-3, max_tokens=9, stop=("x", "yz"),
@@ -37,7 +38,7 @@ MESSAGES = [
     Tokens("r7", [1, 2], [LOGPROBS, None], "length", None),
     Tokens("r8", [], [], "stop", 3),
     RequestFailed("r9", ErrorCode.RESOURCE_EXHAUSTED, "short of blocks"),
-    StatsReply(3, StatsData("decode", 10, 4, 2, 1, 3, 0, TransferCounters(100, 2, 1, 0, 0.25), 8, 4)),
+    StatsReply(3, StatsData("decode", 10, 4, 2, 1, 3, 0, TransferStats(100, 2, 1, 0, 0.25), 8, 4)),
 ]
 
 
