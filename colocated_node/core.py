@@ -19,12 +19,12 @@ from __future__ import annotations
 
 import logging
 
-from pdserve.engine.engine_core import EngineCore, EngineCoreOutput, RequestRejected
+from pdserve.engine.admission import RequestRejected
+from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
-from pdserve.engine.request import FinishReason, Request
 from pdserve.node.config import NodeConfig
 from pdserve.node.core_loop import Emit
-from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.errors import NodeError, rejection_error
 from pdserve.node.messages import Abort, DecodeSubmit, Logprobs, Message, RequestFailed, Tokens
 from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
 
@@ -36,7 +36,6 @@ class ColocatedCore:
         self.engine = engine
         self.emit = emit
         self.bounds = bounds
-        self._requests: dict[str, Request] = {}  # admitted and not yet finished
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, DecodeSubmit):
@@ -45,32 +44,18 @@ class ColocatedCore:
             except NodeError as exc:
                 self.emit(RequestFailed(msg.req_id, exc.code, exc.message))
         elif isinstance(msg, Abort):
-            if self._requests.pop(msg.req_id, None) is not None:
-                self.engine.abort(msg.req_id)
+            self.engine.abort(msg.req_id)  # False (nothing to do) once the request has ended
         else:
             logger.warning("colocated core ignores %s", type(msg).__name__)
 
     def _admit(self, msg: DecodeSubmit) -> None:
-        resumed = msg.resumed_token_ids
-        self._check_capacity(msg)
-        new_tokens = len(msg.prompt_token_ids) + len(resumed)  # all of it is prefilled here
+        new_tokens = len(msg.prompt_token_ids) + len(msg.resumed_token_ids)  # all of it is prefilled here
         self.bounds.check(len(self.engine.scheduler.waiting), queued_tokens(self.engine), new_tokens)
         try:
-            request = self.engine.add_request(msg.req_id, msg.prompt_token_ids, msg.params, msg.sample_index,
-                                              resumed)
+            self.engine.add_request(msg.req_id, msg.prompt_token_ids, msg.params, msg.sample_index,
+                                    msg.resumed_token_ids)
         except RequestRejected as exc:
-            raise NodeError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
-        self._requests[msg.req_id] = request
-
-    def _check_capacity(self, msg: DecodeSubmit) -> None:
-        """A request whose KV can never fit this node's cache is this node's limit, not bad
-        input: RESOURCE_EXHAUSTED, so the router tries a node with more blocks."""
-        engine = self.engine
-        tokens = min(len(msg.prompt_token_ids) + msg.params.max_tokens, engine.max_model_len)
-        needed = engine.kv.blocks_needed(tokens)
-        if needed > engine.num_blocks:
-            raise NodeError(ErrorCode.RESOURCE_EXHAUSTED, f"prompt + max_tokens need {needed} KV blocks; "
-                                                          f"this node has {engine.num_blocks}")
+            raise rejection_error(exc) from exc
 
     def after_step(self, outputs: list[EngineCoreOutput]) -> None:
         for out in outputs:
@@ -87,10 +72,8 @@ class ColocatedCore:
 
     def _stream(self, out: EngineCoreOutput) -> None:
         reason = out.finish_reason
-        request = self._requests.pop(out.req_id, None) if reason is not None else self._requests.get(out.req_id)
-        stop_token_id = request.stop_token_id if request is not None and reason is FinishReason.STOP else None
         self.emit(Tokens(out.req_id, [out.new_token_id], [Logprobs.of(out.logprobs)],
-                         reason.value if reason is not None else None, stop_token_id))
+                         reason.value if reason is not None else None, out.stop_token_id))
 
 
 def make_policy(config: NodeConfig) -> SchedulingPolicy:

@@ -30,7 +30,6 @@ import time
 from pdserve.decode_node.reservations import Arrival, ReservationTable
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.engine.policy import SchedulingPolicy
-from pdserve.engine.request import FinishReason, Request
 from pdserve.kv_transfer import KVDescriptor, KVTransport
 from pdserve.node.config import NodeConfig
 from pdserve.node.core_loop import Emit
@@ -51,7 +50,6 @@ class DecodeCore:
         self.descriptor = descriptor
         self.emit = emit
         self.bounds = bounds
-        self._admitted: dict[str, Request] = {}
         transport.guard_writes(table.permits)
 
     def handle(self, msg: Message) -> None:
@@ -66,7 +64,7 @@ class DecodeCore:
                 return
             self.emit(Ready(msg.req_id, self.descriptor, block_ids))
         elif isinstance(msg, Abort):
-            if not self.table.cancel(msg.req_id) and self._admitted.pop(msg.req_id, None) is not None:
+            if not self.table.cancel(msg.req_id):  # not waiting for its KV: running, or already over
                 self.engine.abort(msg.req_id)
         else:
             logger.warning("decode core ignores %s", type(msg).__name__)
@@ -97,24 +95,18 @@ class DecodeCore:
             if self.table.cancel(req_id):  # the sender is broken: fail and free (nothing more of it lands)
                 self.emit(RequestFailed(req_id, ErrorCode.UNAVAILABLE, f"bad KV done message: {exc}"))
             return
-        request = self.table.reserved_request(req_id)
         arrival, out = self.table.arrive(req_id, done)
         if arrival is Arrival.ABORTED:
             self.emit(RequestFailed(req_id, ErrorCode.UNAVAILABLE, "the prefill node gave up on this request"))
-        elif arrival is Arrival.ADMITTED and out is not None and request is not None:
-            self._admitted[req_id] = request
+        elif arrival is Arrival.ADMITTED and out is not None:
             self._stream(out, [])  # token 1 is the router's already; only its finish matters here
 
     def _stream(self, out: EngineCoreOutput, token_ids: list[int]) -> None:
-        request = self._admitted.get(out.req_id)
         reason = out.finish_reason
         if reason is None and not token_ids:
             return
-        if reason is not None:
-            self._admitted.pop(out.req_id, None)
-        stop_token_id = request.stop_token_id if request is not None and reason is FinishReason.STOP else None
         self.emit(Tokens(out.req_id, token_ids, [Logprobs.of(out.logprobs)] if token_ids else [],
-                         reason.value if reason is not None else None, stop_token_id))
+                         reason.value if reason is not None else None, out.stop_token_id))
 
 
 def make_policy(config: NodeConfig) -> SchedulingPolicy:

@@ -44,11 +44,12 @@ import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.engine_core import EngineCore, EngineCoreOutput, RequestRejected
+from pdserve.engine.admission import RequestRejected
+from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import WritePermits
-from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.errors import ErrorCode, NodeError, rejection_error
 from pdserve.node.kv_done import DoneStatus, KVDone
 
 
@@ -103,7 +104,7 @@ class ReservationTable:
         try:
             request = self.engine.new_request(req_id, prompt_token_ids, params, sample_index, resumed_token_ids)
         except RequestRejected as exc:
-            raise NodeError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+            raise rejection_error(exc) from exc
         # No prefix lookup: every block receives the prefill node's bytes (prompt and
         # resumed tokens alike: a resume's prefill computes both).
         block_ids = self.engine.kv.allocate_slots(request, request.num_tokens)

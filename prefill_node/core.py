@@ -17,13 +17,14 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.engine.engine_core import EngineCore, EngineCoreOutput, RequestRejected
+from pdserve.engine.admission import RequestRejected
+from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.engine.policy import SchedulingPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import KVDescriptor, KVTransport
 from pdserve.node.config import NodeConfig
 from pdserve.node.core_loop import Emit
-from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.errors import ErrorCode, NodeError, rejection_error
 from pdserve.node.messages import Abort, Message, PrefillSubmit, RequestFailed
 from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
 from pdserve.prefill_node.exporter import KVExporter
@@ -64,7 +65,7 @@ class PrefillCore:
                                               prefill_params(msg.params, len(msg.resumed_token_ids)),
                                               msg.sample_index, msg.resumed_token_ids)
         except RequestRejected as exc:
-            raise NodeError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+            raise rejection_error(exc) from exc
         self.exporter.track(request, descriptor, msg.dst_block_ids, time.monotonic())
 
     def after_step(self, outputs: list[EngineCoreOutput]) -> None:
@@ -116,10 +117,9 @@ def make_policy(config: NodeConfig) -> SchedulingPolicy:
 
 def make_handler(config: NodeConfig, engine: EngineCore, transport: KVTransport, descriptor: KVDescriptor,
                  emit: Emit) -> PrefillCore:
-    policy = engine.scheduler.policy
-    if not isinstance(policy, PrefillPolicy):
-        raise TypeError(f"a prefill core needs the PrefillPolicy, got {type(policy).__name__}")
+    if not isinstance(engine.policy, PrefillPolicy):
+        raise TypeError(f"a prefill core needs the PrefillPolicy, got {type(engine.policy).__name__}")
     # One worker: connecting to a new decode node never stalls the step loop.
     peers = PeerConnections(transport, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-kv-connect"))
-    exporter = KVExporter(engine, policy, transport, peers, config.lease_s, emit)
+    exporter = KVExporter(engine, transport, peers, config.lease_s, emit)
     return PrefillCore(engine, exporter, emit, QueueBounds(config.max_waiting_requests, config.max_queued_tokens))

@@ -5,7 +5,7 @@ One request's export (the core drives it: `track`, `after_step`, `abort`, `poll`
     track ─▶ PREFILLING ── after every engine step, push the blocks that became full
                │            since the last push (src: this node's block ids, dst: the
                │            decode node's reserved ids at the same positions)
-               ▼ token 1 sampled (the prefill policy hands over the request's blocks)
+               ▼ token 1 sampled: the engine hands the request off, its blocks in the output
              SENDING ───── push the rest (incl. the partial last block), then
                │            send_done(token 1 + logprobs), queued behind the pushes
                ▼ every handle SUCCESS
@@ -31,14 +31,13 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
-from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.request import Request
 from pdserve.kv_transfer import KVDescriptor, KVTransferError, KVTransport, TransferHandle, TransferState
 from pdserve.node.core_loop import Emit
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.kv_done import DoneStatus, KVDone
 from pdserve.node.messages import FirstToken, Logprobs, RequestFailed
 from pdserve.prefill_node.peers import PeerConnections
-from pdserve.prefill_node.policy import PrefillPolicy
 
 
 class ExportPhase(enum.Enum):
@@ -83,10 +82,9 @@ def plan_push(num_pushed: int, num_ready: int, src_block_ids: list[int],
 
 
 class KVExporter:
-    def __init__(self, engine: EngineCore, policy: PrefillPolicy, transport: KVTransport, peers: PeerConnections,
-                 lease_s: float, emit: Emit) -> None:
+    def __init__(self, engine: EngineCore, transport: KVTransport, peers: PeerConnections, lease_s: float,
+                 emit: Emit) -> None:
         self.engine = engine
-        self.policy = policy
         self.transport = transport
         self.peers = peers
         self.lease_s = lease_s
@@ -109,11 +107,13 @@ class KVExporter:
         self._exports[request.req_id] = Export(request, key, list(dst_block_ids), now, now + self.lease_s)
 
     def after_step(self, outputs: list[EngineCoreOutput], now: float) -> None:
-        self._take_released()
         for out in outputs:
             export = self._exports.get(out.req_id)
-            if export is not None and export.phase is ExportPhase.PREFILLING:
-                export.first, export.first_at, export.phase = out, now, ExportPhase.SENDING
+            if export is None:  # not exported (cannot happen through the core): free at once
+                self.engine.kv.pool.free(reversed(out.handoff_blocks or []))
+                continue
+            export.first, export.first_at, export.phase = out, now, ExportPhase.SENDING
+            export.blocks = out.handoff_blocks
         for export in list(self._exports.values()):
             self._advance(export)
 
@@ -127,7 +127,6 @@ class KVExporter:
             self._fail(export, None)
 
     def poll(self, now: float) -> None:
-        self._take_released()
         for export in list(self._exports.values()):
             self._advance(export)
             self._check(export, now)
@@ -193,8 +192,7 @@ class KVExporter:
         if export.phase is ExportPhase.ABORTING:
             return
         if export.phase is ExportPhase.PREFILLING:
-            self.engine.abort(export.req_id)
-            self._take_released()
+            export.blocks = self.engine.detach(export.req_id)  # pushes may still read them
         export.phase = ExportPhase.ABORTING
         if error is not None and export.reply:
             self.emit(RequestFailed(export.req_id, error.code, error.message))
@@ -239,13 +237,3 @@ class KVExporter:
         del self._exports[export.req_id]
         if export.blocks:
             self.engine.kv.pool.free(reversed(export.blocks))
-
-    def _take_released(self) -> None:
-        for request, blocks in self.policy.drain_released():
-            export = self._exports.get(request.req_id)
-            if export is None:  # not exported (cannot happen through the core): free at once
-                self.engine.kv.pool.free(reversed(blocks))
-                continue
-            export.blocks = blocks
-            if request.finish_reason is FinishReason.ABORT and export.phase is ExportPhase.PREFILLING:
-                export.phase = ExportPhase.ABORTING

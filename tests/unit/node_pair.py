@@ -15,7 +15,7 @@ from pdserve.decode_node.reservations import ReservationTable
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.model_loader import LoadedModel
-from pdserve.engine.policy import SchedulingPolicy
+from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import InProcessFabric, InProcessTransport, KVCacheSpec
 from pdserve.node.messages import DecodeSubmit, FirstToken, Message, PrefillSubmit, Ready, RequestFailed, Tokens
@@ -55,15 +55,13 @@ class Pair:
     def __post_init__(self) -> None:
         self.fabric = InProcessFabric()
         self.p_engine = EngineCore(engine_config(self.model_dir, self.p_blocks), PrefillPolicy(), self.loaded)
-        self.d_engine = EngineCore(engine_config(self.model_dir, self.d_blocks), SchedulingPolicy(), self.loaded)
+        self.d_engine = EngineCore(engine_config(self.model_dir, self.d_blocks), ColocatedPolicy(), self.loaded)
         self.p_tx = InProcessTransport("p", self.fabric)
         self.d_tx = InProcessTransport("d", self.fabric)
         runner_p, runner_d = self.p_engine.runner, self.d_engine.runner
         self.p_tx.register(runner_p.k_caches, runner_p.v_caches, cache_spec(self.loaded))
         d_desc = self.d_tx.register(runner_d.k_caches, runner_d.v_caches, cache_spec(self.loaded, self.d_model_name))
-        policy = self.p_engine.scheduler.policy
-        assert isinstance(policy, PrefillPolicy)
-        self.exporter = KVExporter(self.p_engine, policy, self.p_tx, PeerConnections(self.p_tx), self.lease_s,
+        self.exporter = KVExporter(self.p_engine, self.p_tx, PeerConnections(self.p_tx), self.lease_s,
                                    self.p_out.append)
         self.prefill = PrefillCore(self.p_engine, self.exporter, self.p_out.append)
         self.table = ReservationTable(self.d_engine, self.lease_s, 3 * self.lease_s)

@@ -11,7 +11,7 @@ from pdserve.decode_node.reservations import Arrival, ReservationTable
 from pdserve.engine.engine_core import EngineCore
 from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
-from pdserve.engine.policy import SchedulingPolicy
+from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.kv_done import DoneStatus, KVDone
@@ -32,7 +32,7 @@ def model(tmp_path_factory):
 @pytest.fixture
 def table(model):
     model_dir, loaded = model
-    engine = EngineCore(engine_config(model_dir, num_blocks=8), SchedulingPolicy(), loaded)
+    engine = EngineCore(engine_config(model_dir, num_blocks=8), ColocatedPolicy(), loaded)
     return ReservationTable(engine, LEASE_S, QUARANTINE_S)
 
 
@@ -59,6 +59,17 @@ def test_short_of_blocks_is_resource_exhausted_and_leaks_nothing(table):
     assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED
     assert used(table) == 6 and table.num_blocks == 6
     assert table.reserve("b", [1, 2, 3], PARAMS, 0, now=0.0) == [6]  # the id is free again
+
+
+def test_kv_that_can_never_fit_this_node_is_resource_exhausted(table):
+    # 9 prompt tokens + max_tokens 24 need 9 blocks of 4; the node has 8 in all. Another
+    # decode node may be bigger: the router tries it (RESOURCE_EXHAUSTED, not INVALID_ARGUMENT).
+    with pytest.raises(NodeError) as info:
+        table.reserve("a", list(range(1, 10)), SamplingParams(max_tokens=24), 0, now=0.0)
+    assert (info.value.code, info.value.message) == (ErrorCode.RESOURCE_EXHAUSTED,
+                                                     "prompt + max_tokens need 9 KV blocks; this node has 8")
+    assert used(table) == 0 and not table.has_pending()
+    assert table.reserve("a", list(range(1, 10)), SamplingParams(max_tokens=23), 0, now=0.0) == [0, 1, 2]
 
 
 def test_invalid_request_is_invalid_argument(table):

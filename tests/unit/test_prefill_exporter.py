@@ -194,6 +194,15 @@ def test_prefill_capacity_is_checked_for_the_prompt_only(model):
     assert pair.used_blocks() == (0, 0)
 
 
+def test_a_prompt_that_can_never_fit_this_prefill_node_is_resource_exhausted(model):
+    pair = Pair(*model, p_blocks=2, d_blocks=64)  # P holds 8 tokens; prompt + token 1 need 11
+    pair.submit("long", prompt(10), GREEDY)
+    failed = pair.failures("p")["long"]
+    assert (failed.code, failed.message) == (ErrorCode.RESOURCE_EXHAUSTED,
+                                             "prompt + max_tokens need 3 KV blocks; this node has 2")
+    assert pair.p_engine.kv.num_used_blocks == 0 and not pair.exporter.has_pending()
+
+
 def test_a_request_id_is_taken_until_its_export_ends(model):
     pair = Pair(*model)
     pair.submit("r", prompt(30), GREEDY)
