@@ -1,8 +1,8 @@
 """The colocated node's part of the engine core: admit, run both phases, stream every token.
 
-`make_policy` / `make_handler` are the hooks the core process calls (node/core.py);
-`CoreHooks(..., uses_kv_transport=False)` — nothing moves between nodes, so the core
-starts no KV transport and the handler gets `None` for it. A request's life here:
+`make_handler` builds it in the engine-core process (the front names it in its `CorePart`,
+colocated_node/server.py, with `uses_kv_transport=False`: nothing moves between nodes, so
+the core starts no KV transport and the handler gets `None` for it). A request's life here:
 
     DecodeSubmit ─▶ admit into the engine (prompt, plus resumed tokens on a resume)
         or RequestFailed at once:
@@ -21,9 +21,8 @@ import logging
 
 from pdserve.engine.admission import RequestRejected
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
-from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
 from pdserve.node.config import NodeConfig
-from pdserve.node.core_loop import Emit
+from pdserve.node.core_part import ToFront
 from pdserve.node.errors import NodeError, rejection_error
 from pdserve.node.messages import Abort, DecodeSubmit, Logprobs, Message, RequestFailed, Tokens
 from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
@@ -32,9 +31,9 @@ logger = logging.getLogger(__name__)
 
 
 class ColocatedCore:
-    def __init__(self, engine: EngineCore, emit: Emit, bounds: QueueBounds = UNBOUNDED) -> None:
+    def __init__(self, engine: EngineCore, to_front: ToFront, bounds: QueueBounds = UNBOUNDED) -> None:
         self.engine = engine
-        self.emit = emit
+        self.to_front = to_front
         self.bounds = bounds
 
     def handle(self, msg: Message) -> None:
@@ -42,7 +41,7 @@ class ColocatedCore:
             try:
                 self._admit(msg)
             except NodeError as exc:
-                self.emit(RequestFailed(msg.req_id, exc.code, exc.message))
+                self.to_front(RequestFailed(msg.req_id, exc.code, exc.message))
         elif isinstance(msg, Abort):
             self.engine.abort(msg.req_id)  # False (nothing to do) once the request has ended
         else:
@@ -67,19 +66,15 @@ class ColocatedCore:
     def wants_fast_poll(self) -> bool:
         return False
 
-    def reserved_blocks(self) -> int:
+    def num_blocks_outside_scheduler(self) -> int:
         return 0
 
     def _stream(self, out: EngineCoreOutput) -> None:
         reason = out.finish_reason
-        self.emit(Tokens(out.req_id, [out.new_token_id], [Logprobs.of(out.logprobs)],
+        self.to_front(Tokens(out.req_id, [out.new_token_id], [Logprobs.of(out.logprobs)],
                          reason.value if reason is not None else None, out.stop_token_id))
 
 
-def make_policy(config: NodeConfig) -> SchedulingPolicy:
-    return ColocatedPolicy()
-
-
 def make_handler(config: NodeConfig, engine: EngineCore, transport: None, descriptor: None,
-                 emit: Emit) -> ColocatedCore:
-    return ColocatedCore(engine, emit, QueueBounds(config.max_waiting_requests, config.max_queued_tokens))
+                 to_front: ToFront) -> ColocatedCore:
+    return ColocatedCore(engine, to_front, QueueBounds(config.max_waiting_requests, config.max_queued_tokens))

@@ -16,13 +16,14 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.engine.policy import ColocatedPolicy
 from pdserve.node.client import CoreClient
-from pdserve.node.core import CoreHooks
+from pdserve.node.core_part import CorePart
 from pdserve.node.errors import NodeError, abort_rpc
 from pdserve.node.server import answer_stats, decode_submit, run_node, stream_events
 from pdserve.proto import node_pb2, node_pb2_grpc
 
-HOOKS = CoreHooks("pdserve.colocated_node.core", uses_kv_transport=False)
+CORE = CorePart(ColocatedPolicy, "pdserve.colocated_node.core:make_handler", uses_kv_transport=False)
 
 
 class ColocatedServicer(node_pb2_grpc.ColocatedNodeServicer):
@@ -47,7 +48,7 @@ def _add_servicer(server: grpc.aio.Server, client: CoreClient) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_node(argv, "colocated", HOOKS, _add_servicer)
+    return run_node(argv, "colocated", CORE, _add_servicer)
 
 
 if __name__ == "__main__":

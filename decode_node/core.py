@@ -1,6 +1,7 @@
 """The decode node's part of the engine core: reserve, import, decode, stream.
 
-`make_policy` / `make_handler` are the hooks the core process calls (node/core.py).
+`make_handler` builds it in the engine-core process (the front names it in its `CorePart`,
+decode_node/server.py).
 
     DecodeSubmit ─▶ reserve blocks ─▶ Ready{descriptor, block ids} | RequestFailed
         (RESOURCE_EXHAUSTED at once: too few free blocks, or the queue bounds — reservations
@@ -29,10 +30,9 @@ import time
 
 from pdserve.decode_node.reservations import Arrival, ReservationTable
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
-from pdserve.engine.policy import SchedulingPolicy
 from pdserve.kv_transfer import KVDescriptor, KVTransport
 from pdserve.node.config import NodeConfig
-from pdserve.node.core_loop import Emit
+from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.kv_done import KVDone
 from pdserve.node.messages import Abort, DecodeSubmit, Logprobs, Message, Ready, RequestFailed, Tokens
@@ -43,12 +43,12 @@ logger = logging.getLogger(__name__)
 
 class DecodeCore:
     def __init__(self, engine: EngineCore, transport: KVTransport, table: ReservationTable, descriptor: str,
-                 emit: Emit, bounds: QueueBounds = UNBOUNDED) -> None:
+                 to_front: ToFront, bounds: QueueBounds = UNBOUNDED) -> None:
         self.engine = engine
         self.transport = transport
         self.table = table
         self.descriptor = descriptor
-        self.emit = emit
+        self.to_front = to_front
         self.bounds = bounds
         transport.guard_writes(table.permits)
 
@@ -60,9 +60,9 @@ class DecodeCore:
                 block_ids = self.table.reserve(msg.req_id, msg.prompt_token_ids, msg.params, msg.sample_index,
                                                time.monotonic(), msg.resumed_token_ids)
             except NodeError as exc:
-                self.emit(RequestFailed(msg.req_id, exc.code, exc.message))
+                self.to_front(RequestFailed(msg.req_id, exc.code, exc.message))
                 return
-            self.emit(Ready(msg.req_id, self.descriptor, block_ids))
+            self.to_front(Ready(msg.req_id, self.descriptor, block_ids))
         elif isinstance(msg, Abort):
             if not self.table.cancel(msg.req_id):  # not waiting for its KV: running, or already over
                 self.engine.abort(msg.req_id)
@@ -77,15 +77,15 @@ class DecodeCore:
         for req_id, payload in self.transport.poll_done():
             self._arrive(req_id, payload)
         for req_id in self.table.expire(now):
-            self.emit(RequestFailed(req_id, ErrorCode.DEADLINE_EXCEEDED,
+            self.to_front(RequestFailed(req_id, ErrorCode.DEADLINE_EXCEEDED,
                                     f"the prompt's KV did not arrive within the {self.table.lease_s}s lease"))
 
     def wants_fast_poll(self) -> bool:
         # Done messages wake the loop (the transport's callback); leases are coarse.
         return False
 
-    def reserved_blocks(self) -> int:
-        return self.table.num_blocks
+    def num_blocks_outside_scheduler(self) -> int:
+        return self.table.num_reserved_blocks
 
     def _arrive(self, req_id: str, payload: bytes) -> None:
         try:
@@ -93,11 +93,11 @@ class DecodeCore:
         except ValueError as exc:
             logger.error("request %s: %s", req_id, exc)
             if self.table.cancel(req_id):  # the sender is broken: fail and free (nothing more of it lands)
-                self.emit(RequestFailed(req_id, ErrorCode.UNAVAILABLE, f"bad KV done message: {exc}"))
+                self.to_front(RequestFailed(req_id, ErrorCode.UNAVAILABLE, f"bad KV done message: {exc}"))
             return
         arrival, out = self.table.arrive(req_id, done)
         if arrival is Arrival.ABORTED:
-            self.emit(RequestFailed(req_id, ErrorCode.UNAVAILABLE, "the prefill node gave up on this request"))
+            self.to_front(RequestFailed(req_id, ErrorCode.UNAVAILABLE, "the prefill node gave up on this request"))
         elif arrival is Arrival.ADMITTED and out is not None:
             self._stream(out, [])  # token 1 is the router's already; only its finish matters here
 
@@ -105,16 +105,12 @@ class DecodeCore:
         reason = out.finish_reason
         if reason is None and not token_ids:
             return
-        self.emit(Tokens(out.req_id, token_ids, [Logprobs.of(out.logprobs)] if token_ids else [],
+        self.to_front(Tokens(out.req_id, token_ids, [Logprobs.of(out.logprobs)] if token_ids else [],
                          reason.value if reason is not None else None, out.stop_token_id))
 
 
-def make_policy(config: NodeConfig) -> SchedulingPolicy:
-    return SchedulingPolicy()
-
-
 def make_handler(config: NodeConfig, engine: EngineCore, transport: KVTransport, descriptor: KVDescriptor,
-                 emit: Emit) -> DecodeCore:
+                 to_front: ToFront) -> DecodeCore:
     table = ReservationTable(engine, config.lease_s, config.retired_id_s)
     bounds = QueueBounds(config.max_waiting_requests, config.max_queued_tokens)
-    return DecodeCore(engine, transport, table, descriptor.to_bytes().decode(), emit, bounds)
+    return DecodeCore(engine, transport, table, descriptor.to_bytes().decode(), to_front, bounds)

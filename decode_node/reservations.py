@@ -77,7 +77,7 @@ class ReservationTable:
         self._retired: dict[str, float] = {}  # req_id -> refused as a new reservation until then
 
     @property
-    def num_blocks(self) -> int:
+    def num_reserved_blocks(self) -> int:
         """Blocks held for KV that has not arrived."""
         return sum(len(r.block_ids) for r in self._reserved.values())
 

@@ -15,11 +15,15 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.engine.policy import ColocatedPolicy
 from pdserve.node.client import CoreClient
-from pdserve.node.core import CoreHooks
+from pdserve.node.core_part import CorePart
 from pdserve.node.errors import NodeError, abort_rpc
 from pdserve.node.server import answer_stats, decode_submit, run_node, stream_events
 from pdserve.proto import node_pb2, node_pb2_grpc
+
+# Requests join the scheduler prefilled, with token 1: the colocated rules only decode them.
+CORE = CorePart(ColocatedPolicy, "pdserve.decode_node.core:make_handler")
 
 
 class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
@@ -44,7 +48,7 @@ def _add_servicer(server: grpc.aio.Server, client: CoreClient) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_node(argv, "decode", CoreHooks("pdserve.decode_node.core"), _add_servicer)
+    return run_node(argv, "decode", CORE, _add_servicer)
 
 
 if __name__ == "__main__":

@@ -30,7 +30,8 @@ import zmq
 import zmq.asyncio
 
 from pdserve.node.config import NodeConfig
-from pdserve.node.core import CoreAddresses, CoreHooks, start_core
+from pdserve.node.core import CoreAddresses, start_core
+from pdserve.node.core_part import CorePart
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, FirstToken, Message, Ready, RequestFailed, Shutdown,
                                    StatsData, StatsPush, StatsQuery, StatsReply, Tokens, decode, encode)
@@ -41,9 +42,9 @@ WATCH_INTERVAL_S = 0.5  # how often the front checks that its core process is al
 
 
 class CoreClient:
-    def __init__(self, config: NodeConfig, hooks: CoreHooks) -> None:
+    def __init__(self, config: NodeConfig, part: CorePart) -> None:
         self.config = config
-        self.hooks = hooks
+        self.part = part
         self.dead = asyncio.Event()
         self._dir = tempfile.mkdtemp(prefix=f"pdserve-{config.kind}-")
         self._addresses = CoreAddresses.in_dir(self._dir)
@@ -63,7 +64,7 @@ class CoreClient:
         """Spawn the core and wait for it to load the model and register its KV cache."""
         self._out.bind(self._addresses.to_core)
         self._in.bind(self._addresses.from_core)
-        self._process = start_core(self.config, self._addresses, self.hooks)
+        self._process = start_core(self.config, self._addresses, self.part)
         first = await self._first_message()
         if isinstance(first, CoreFailed):
             raise NodeError(ErrorCode.INTERNAL, f"engine core failed to start: {first.message}")

@@ -167,6 +167,8 @@ class StatsData:
     kind: str
     num_blocks: int
     used_blocks: int
+    # Named as NodeStats names it: blocks held outside the scheduler (a decode node's
+    # reservations awaiting KV, a prefill node's blocks awaiting push acknowledgements).
     reserved_blocks: int
     num_waiting: int
     num_running: int

@@ -1,6 +1,6 @@
 """Running one node: core process + gRPC front + registration, until a signal.
 
-`run_node(argv, kind, hooks, add_servicer)` is the body of `pdserve prefill|decode|colocated`:
+`run_node(argv, kind, part, add_servicer)` is the body of `pdserve prefill|decode|colocated`:
 parse the flags, pin the process to `--cpus` (node/affinity.py), start the engine core (and wait for its model and KV cache), serve
 gRPC on `host:port` (port 0: the OS picks; the line `pdserve <kind> node listening on
 HOST:PORT` on stdout says which), serve Prometheus `/metrics` when `--metrics-port` is
@@ -31,7 +31,7 @@ from pdserve.node.affinity import pin_to_cpus
 from pdserve.node.client import CoreClient
 from pdserve.node.config import NodeConfig, parse_node_args
 from pdserve.node.convert import params_from_proto, stats_to_proto, tokens_to_proto
-from pdserve.node.core import CoreHooks
+from pdserve.node.core_part import CorePart
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import DecodeSubmit, Ready, RequestFailed, Tokens
 from pdserve.node.metrics import serve_node_metrics
@@ -43,7 +43,7 @@ logger = logging.getLogger(__name__)
 AddServicer = Callable[[grpc.aio.Server, CoreClient], None]
 
 
-def run_node(argv: list[str] | None, kind: str, hooks: CoreHooks, add_servicer: AddServicer) -> int:
+def run_node(argv: list[str] | None, kind: str, part: CorePart, add_servicer: AddServicer) -> int:
     config = parse_node_args(argv, kind, os.environ)
     try:
         pin_to_cpus(config.cpus)  # first: every thread and child of this process inherits it
@@ -51,11 +51,11 @@ def run_node(argv: list[str] | None, kind: str, hooks: CoreHooks, add_servicer: 
         print(f"pdserve {kind}: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind}-node %(levelname)s %(message)s")
-    return uvloop.run(serve_node(config, hooks, add_servicer))
+    return uvloop.run(serve_node(config, part, add_servicer))
 
 
-async def serve_node(config: NodeConfig, hooks: CoreHooks, add_servicer: AddServicer) -> int:
-    client = CoreClient(config, hooks)
+async def serve_node(config: NodeConfig, part: CorePart, add_servicer: AddServicer) -> int:
+    client = CoreClient(config, part)
     server: grpc.aio.Server | None = None
     registration: asyncio.Task | None = None
     metrics: MetricsEndpoint | None = None

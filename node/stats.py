@@ -29,10 +29,13 @@ def queued_tokens(engine: EngineCore) -> int:
     return sum(r.num_tokens - r.num_computed_tokens for r in (*scheduler.waiting, *scheduler.running))
 
 
-def build_stats(kind: str, engine: EngineCore, transport: KVTransport | None, reserved_blocks: int) -> StatsData:
+def build_stats(kind: str, engine: EngineCore, transport: KVTransport | None,
+                num_blocks_outside_scheduler: int) -> StatsData:
     """A prefill node counts what it sent, a decode node what it received, a node without a
     transport (colocated) nothing. Queued tokens are the work a new prompt waits behind:
-    prefill and colocated nodes compute prompts, a decode node never does."""
+    prefill and colocated nodes compute prompts, a decode node never does. Blocks held
+    outside the scheduler (a decode node's reservations, a prefill node's blocks awaiting
+    push acknowledgements) are reported as `reserved_blocks`."""
     scheduler = engine.scheduler
     if transport is None:
         transfer = TransferStats()
@@ -43,7 +46,7 @@ def build_stats(kind: str, engine: EngineCore, transport: KVTransport | None, re
         kind=kind,
         num_blocks=pool.num_blocks,
         used_blocks=pool.num_used_blocks,
-        reserved_blocks=reserved_blocks,
+        reserved_blocks=num_blocks_outside_scheduler,
         num_waiting=len(scheduler.waiting),
         num_running=len(scheduler.running),
         queued_prefill_tokens=queued_tokens(engine) if kind != "decode" else 0,

@@ -33,7 +33,7 @@ from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.engine.request import Request
 from pdserve.kv_transfer import KVDescriptor, KVTransferError, KVTransport, TransferHandle, TransferState
-from pdserve.node.core_loop import Emit
+from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.kv_done import DoneStatus, KVDone
 from pdserve.node.messages import FirstToken, Logprobs, RequestFailed
@@ -83,12 +83,12 @@ def plan_push(num_pushed: int, num_ready: int, src_block_ids: list[int],
 
 class KVExporter:
     def __init__(self, engine: EngineCore, transport: KVTransport, peers: PeerConnections, lease_s: float,
-                 emit: Emit) -> None:
+                 to_front: ToFront) -> None:
         self.engine = engine
         self.transport = transport
         self.peers = peers
         self.lease_s = lease_s
-        self.emit = emit
+        self.to_front = to_front
         self.block_size = engine.kv.block_size
         self._exports: dict[str, Export] = {}
 
@@ -98,8 +98,8 @@ class KVExporter:
     def is_tracking(self, req_id: str) -> bool:
         return req_id in self._exports
 
-    def held_blocks(self) -> int:
-        """Blocks of finished or aborted requests still held for their pushes."""
+    def num_held_blocks(self) -> int:
+        """Blocks of handed-off or aborted requests still held for their pushes."""
         return sum(len(e.blocks) for e in self._exports.values() if e.blocks)
 
     def track(self, request: Request, descriptor: KVDescriptor, dst_block_ids: list[int], now: float) -> None:
@@ -195,7 +195,7 @@ class KVExporter:
             export.blocks = self.engine.detach(export.req_id)  # pushes may still read them
         export.phase = ExportPhase.ABORTING
         if error is not None and export.reply:
-            self.emit(RequestFailed(export.req_id, error.code, error.message))
+            self.to_front(RequestFailed(export.req_id, error.code, error.message))
         export.reply = False
         self._send_abort(export)
 
@@ -222,7 +222,7 @@ class KVExporter:
         assert export.first is not None
         finished = [h.finished_at for h in export.handles if h.finished_at is not None]
         if export.reply:
-            self.emit(FirstToken(
+            self.to_front(FirstToken(
                 req_id=export.req_id,
                 token_id=export.first.new_token_id,
                 logprobs=Logprobs.of(export.first.logprobs),

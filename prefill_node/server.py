@@ -15,11 +15,14 @@ import grpc
 
 from pdserve.node.client import CoreClient
 from pdserve.node.convert import logprobs_to_proto
-from pdserve.node.core import CoreHooks
+from pdserve.node.core_part import CorePart
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import FirstToken, PrefillSubmit, RequestFailed
 from pdserve.node.server import answer_stats, request_params, run_node
+from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.proto import node_pb2, node_pb2_grpc
+
+CORE = CorePart(PrefillPolicy, "pdserve.prefill_node.core:make_handler")
 
 
 class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
@@ -78,7 +81,7 @@ def _add_servicer(server: grpc.aio.Server, client: CoreClient) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_node(argv, "prefill", CoreHooks("pdserve.prefill_node.core"), _add_servicer)
+    return run_node(argv, "prefill", CORE, _add_servicer)
 
 
 if __name__ == "__main__":

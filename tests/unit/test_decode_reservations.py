@@ -47,7 +47,7 @@ def fail_if_written() -> None:
 def test_reserve_takes_ceil_prompt_over_block_size_blocks_in_order(table):
     assert table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0) == [0, 1, 2]  # 9 tokens, blocks of 4
     assert table.reserve("b", [5, 6, 7, 8], PARAMS, 0, now=0.0) == [3]
-    assert table.num_blocks == 4 and used(table) == 4
+    assert table.num_reserved_blocks == 4 and used(table) == 4
     # Reserved, not scheduled: the scheduler never sees a request before its KV.
     assert not table.engine.has_unfinished()
 
@@ -57,7 +57,7 @@ def test_short_of_blocks_is_resource_exhausted_and_leaks_nothing(table):
     with pytest.raises(NodeError) as info:
         table.reserve("b", list(range(1, 13)), PARAMS, 0, now=0.0)  # needs 3
     assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED
-    assert used(table) == 6 and table.num_blocks == 6
+    assert used(table) == 6 and table.num_reserved_blocks == 6
     assert table.reserve("b", [1, 2, 3], PARAMS, 0, now=0.0) == [6]  # the id is free again
 
 
@@ -87,7 +87,7 @@ def test_arrival_admits_with_token_one_and_publishes_the_prompt_blocks(table):
     request = table.engine.scheduler.waiting[0]
     assert request.num_computed_tokens == len(prompt) and request.output_token_ids == [42]
     assert table.engine.kv.pool.num_cached_blocks == 2  # the two full prompt blocks
-    assert table.num_blocks == 0 and not table.has_pending()
+    assert table.num_reserved_blocks == 0 and not table.has_pending()
 
 
 def test_token_one_can_end_the_request_at_once(table):
@@ -108,7 +108,7 @@ def test_arrival_revokes_the_write_permit(table):
 def test_cancel_frees_at_once_and_revokes_the_write_permit(table):
     block_ids = table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
     assert table.cancel("a")
-    assert used(table) == 0 and table.num_blocks == 0 and not table.has_pending()
+    assert used(table) == 0 and table.num_reserved_blocks == 0 and not table.has_pending()
     assert not table.permits.place("a", block_ids, fail_if_written)
     assert table.arrive("a", OK) == (Arrival.UNKNOWN, None)  # its done message changes nothing
     assert used(table) == 0 and not table.engine.has_unfinished()

@@ -121,7 +121,7 @@ def test_fingerprint_mismatch_fails_with_failed_precondition_naming_the_field(mo
     assert pair.p_engine.kv.num_used_blocks == 0 and not pair.exporter.has_pending()
     # A cancelled reservation is freed at once: its write permit is revoked first.
     pair.decode.handle(Abort("r"))
-    assert pair.table.num_blocks == 0 and pair.d_engine.kv.num_used_blocks == 0
+    assert pair.table.num_reserved_blocks == 0 and pair.d_engine.kv.num_used_blocks == 0
 
 
 def test_a_failed_transfer_fails_the_rpc_unavailable_and_frees_the_blocks(model):
@@ -156,7 +156,7 @@ def test_a_cancelled_reservation_is_freed_at_once_and_its_late_pushes_are_droppe
     pair.tick()  # the first push has landed
     assert pair.d_tx.recv_stats().transfers == 1
     pair.decode.handle(Abort("r"))  # the router cancels the decode stream first
-    assert pair.table.num_blocks == 0 and pair.d_engine.kv.num_used_blocks == 0
+    assert pair.table.num_reserved_blocks == 0 and pair.d_engine.kv.num_used_blocks == 0
     pair.run()  # P finishes: D drops its pushes (they still succeed) and ignores its done message
     assert "r" in pair.first_tokens() and not pair.failures("p")
     assert pair.d_tx.recv_stats().transfers == 1  # only the push placed before the cancel
