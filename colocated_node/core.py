@@ -4,7 +4,7 @@
 colocated_node/server.py, with `uses_kv_transport=False`: nothing moves between nodes, so
 the core starts no KV transport and the handler gets `None` for it). A request's life here:
 
-    DecodeSubmit ─▶ admit into the engine (prompt, plus resumed tokens on a resume)
+    StreamSubmit ─▶ admit into the engine (prompt, plus resumed tokens on a resume)
         or RequestFailed at once:
           RESOURCE_EXHAUSTED — the queue bounds are full, or prompt + max_tokens need more
             KV blocks than this node has (another node may be bigger)
@@ -24,7 +24,7 @@ from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.node.config import NodeConfig
 from pdserve.node.core_part import ToFront
 from pdserve.node.errors import NodeError, rejection_error
-from pdserve.node.messages import Abort, DecodeSubmit, Logprobs, Message, RequestFailed, Tokens
+from pdserve.node.messages import Abort, StreamSubmit, Logprobs, Message, RequestFailed, Tokens
 from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
 
 logger = logging.getLogger(__name__)
@@ -37,7 +37,7 @@ class ColocatedCore:
         self.bounds = bounds
 
     def handle(self, msg: Message) -> None:
-        if isinstance(msg, DecodeSubmit):
+        if isinstance(msg, StreamSubmit):
             try:
                 self._admit(msg)
             except NodeError as exc:
@@ -47,7 +47,7 @@ class ColocatedCore:
         else:
             logger.warning("colocated core ignores %s", type(msg).__name__)
 
-    def _admit(self, msg: DecodeSubmit) -> None:
+    def _admit(self, msg: StreamSubmit) -> None:
         new_tokens = len(msg.prompt_token_ids) + len(msg.resumed_token_ids)  # all of it is prefilled here
         self.bounds.check(len(self.engine.scheduler.waiting), queued_tokens(self.engine), new_tokens)
         try:

@@ -3,7 +3,7 @@
 `make_handler` builds it in the engine-core process (the front names it in its `CorePart`,
 decode_node/server.py).
 
-    DecodeSubmit ─▶ reserve blocks ─▶ Ready{descriptor, block ids} | RequestFailed
+    StreamSubmit ─▶ reserve blocks ─▶ Ready{descriptor, block ids} | RequestFailed
         (RESOURCE_EXHAUSTED at once: too few free blocks, or the queue bounds — reservations
         waiting for their KV plus preempted requests — are full)
     done message (transport.poll_done) ─▶ admit with token 1 (or end at once if token 1
@@ -35,7 +35,7 @@ from pdserve.node.config import NodeConfig
 from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.kv_done import KVDone
-from pdserve.node.messages import Abort, DecodeSubmit, Logprobs, Message, Ready, RequestFailed, Tokens
+from pdserve.node.messages import Abort, StreamSubmit, Logprobs, Message, Ready, RequestFailed, Tokens
 from pdserve.node.stats import UNBOUNDED, QueueBounds
 
 logger = logging.getLogger(__name__)
@@ -53,7 +53,7 @@ class DecodeCore:
         transport.guard_writes(table.permits)
 
     def handle(self, msg: Message) -> None:
-        if isinstance(msg, DecodeSubmit):
+        if isinstance(msg, StreamSubmit):
             try:
                 # Only the waiting count: a decode node's tokens to compute are one per running request.
                 self.bounds.check(self.table.num_reserved + len(self.engine.scheduler.waiting), 0, 0)

@@ -5,9 +5,11 @@ name. Every message is a dataclass of JSON-native fields; the few nested values
 (sampling params, logprobs, error codes, stats) are rebuilt by their class's
 `from_json`. A request's life over these messages:
 
-    prefill: front ─PrefillSubmit─▶ core ─FirstToken | RequestFailed─▶ front
-    decode:  front ─DecodeSubmit─▶ core ─Ready─▶ front, then ─Tokens…(last: finish_reason)─▶
-             or ─RequestFailed─▶ at any point
+    prefill:   front ─PrefillSubmit─▶ core ─FirstToken | RequestFailed─▶ front
+    decode:    front ─StreamSubmit─▶ core ─Ready─▶ front, then ─Tokens…(last: finish_reason)─▶
+               or ─RequestFailed─▶ at any point
+    colocated: front ─StreamSubmit─▶ core ─Tokens…(last: finish_reason)─▶ front,
+               or ─RequestFailed─▶ at any point
     either:  front ─Abort─▶ core (the caller went away; no answer)
     stats:   core ─StatsPush─▶ front, unasked, at most every stats_push_interval_s (the
              front caches it for heartbeats); front ─StatsQuery─▶ core ─StatsReply─▶ front
@@ -76,17 +78,19 @@ class PrefillSubmit(_Message):
 
 
 @dataclass(slots=True)
-class DecodeSubmit(_Message):
+class StreamSubmit(_Message):
+    """A request whose tokens stream back (a decode or a colocated node)."""
+
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     sample_index: int
-    # Tokens the sample already generated elsewhere (a resume): their KV arrives with the
-    # prompt's, and they count as output.
+    # Tokens the sample already generated elsewhere (a resume): they count as output, and
+    # their KV arrives with the prompt's (decode) or is computed with it (colocated).
     resumed_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_json(cls, body: dict[str, Any]) -> DecodeSubmit:
+    def from_json(cls, body: dict[str, Any]) -> StreamSubmit:
         return cls(**{**body, "params": _params(body["params"])})
 
 
@@ -199,12 +203,12 @@ class StatsPush(_Message):
         return cls(stats=_stats(body["stats"]))
 
 
-Message = (PrefillSubmit | DecodeSubmit | Abort | StatsQuery | Shutdown | CoreStarted | CoreFailed
+Message = (PrefillSubmit | StreamSubmit | Abort | StatsQuery | Shutdown | CoreStarted | CoreFailed
            | Ready | FirstToken | Tokens | RequestFailed | StatsReply | StatsPush)
 
 _TYPES: dict[str, type[_Message]] = {
     cls.__name__: cls
-    for cls in (PrefillSubmit, DecodeSubmit, Abort, StatsQuery, Shutdown, CoreStarted, CoreFailed,
+    for cls in (PrefillSubmit, StreamSubmit, Abort, StatsQuery, Shutdown, CoreStarted, CoreFailed,
                 Ready, FirstToken, Tokens, RequestFailed, StatsReply, StatsPush)
 }
 

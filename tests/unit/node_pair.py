@@ -18,7 +18,7 @@ from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import InProcessFabric, InProcessTransport, KVCacheSpec
-from pdserve.node.messages import DecodeSubmit, FirstToken, Message, PrefillSubmit, Ready, RequestFailed, Tokens
+from pdserve.node.messages import StreamSubmit, FirstToken, Message, PrefillSubmit, Ready, RequestFailed, Tokens
 from pdserve.prefill_node.core import PrefillCore
 from pdserve.prefill_node.exporter import KVExporter
 from pdserve.prefill_node.peers import PeerConnections
@@ -69,7 +69,7 @@ class Pair:
 
     # -- playing the router ---------------------------------------------------------
     def reserve(self, req_id: str, prompt: list[int], params: SamplingParams) -> Ready | RequestFailed:
-        self.decode.handle(DecodeSubmit(req_id, prompt, params, 0))
+        self.decode.handle(StreamSubmit(req_id, prompt, params, 0))
         reply = self.d_out.pop()
         assert isinstance(reply, (Ready, RequestFailed)) and reply.req_id == req_id
         return reply

@@ -21,7 +21,7 @@ from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.config import NodeConfig, parse_node_args
 from pdserve.node.errors import ErrorCode
-from pdserve.node.messages import Abort, DecodeSubmit, Message, RequestFailed, Tokens
+from pdserve.node.messages import Abort, StreamSubmit, Message, RequestFailed, Tokens
 from pdserve.node.stats import QueueBounds
 
 from ..integration.reference import assert_matches, greedy_references
@@ -56,7 +56,7 @@ class Node:
     def submit_params(self, req_id: str, tokens: list[int], params: SamplingParams,
                       resumed: list[int] | None = None) -> RequestFailed | None:
         """The handler's immediate answer: a refusal, or None (admitted, nothing emitted yet)."""
-        self.core.handle(DecodeSubmit(req_id, tokens, params, 0, resumed_token_ids=resumed or []))
+        self.core.handle(StreamSubmit(req_id, tokens, params, 0, resumed_token_ids=resumed or []))
         if not self.out:
             return None
         reply = self.out.pop()

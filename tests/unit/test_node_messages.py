@@ -13,7 +13,7 @@ from pdserve.node.config import NodeConfig, add_node_args, config_from_args, par
 from pdserve.node.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto, stats_to_proto
 from pdserve.node.errors import ErrorCode, grpc_status
 from pdserve.node.kv_done import DoneStatus, KVDone
-from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, DecodeSubmit, FirstToken, Logprobs, MessageError,
+from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, StreamSubmit, FirstToken, Logprobs, MessageError,
                                    PrefillSubmit, Ready, RequestFailed, Shutdown, StatsData, StatsQuery, StatsReply,
                                    Tokens, decode, encode)
 from pdserve.proto import pdserve_pb2
@@ -24,9 +24,9 @@ LOGPROBS = Logprobs(-0.25, [7, 9], [-0.25, -1.5])
 
 MESSAGES = [
     PrefillSubmit("r1", [1, 2, 3], PARAMS, 1, '{"transport": "ucx"}', [4, 5]),
-    DecodeSubmit("r2", [9], SamplingParams(), 0),
+    StreamSubmit("r2", [9], SamplingParams(), 0),
     PrefillSubmit("r1b", [1, 2], PARAMS, 0, "{}", [4], [17, 18]),  # a resume
-    DecodeSubmit("r2b", [9], SamplingParams(), 2, [5, 6, 7]),
+    StreamSubmit("r2b", [9], SamplingParams(), 2, [5, 6, 7]),
     Abort("r3"),
     StatsQuery(7),
     Shutdown(),
