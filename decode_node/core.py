@@ -28,12 +28,13 @@ from __future__ import annotations
 import logging
 import time
 
-from pdserve.decode_node.reservations import Arrival, ReservationTable
+from pdserve.decode_node.reservations import ReservationTable
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.kv_transfer import KVDescriptor, KVTransport
 from pdserve.node.config import NodeConfig
 from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.handoff import HandoffState
 from pdserve.node.kv_done import KVDone
 from pdserve.node.messages import Abort, StreamSubmit, Logprobs, Message, Ready, RequestFailed, Tokens
 from pdserve.node.stats import UNBOUNDED, QueueBounds
@@ -95,10 +96,10 @@ class DecodeCore:
             if self.table.cancel(req_id):  # the sender is broken: fail and free (nothing more of it lands)
                 self.to_front(RequestFailed(req_id, ErrorCode.UNAVAILABLE, f"bad KV done message: {exc}"))
             return
-        arrival, out = self.table.arrive(req_id, done)
-        if arrival is Arrival.ABORTED:
+        state, out = self.table.arrive(req_id, done)
+        if state is HandoffState.FAILED:
             self.to_front(RequestFailed(req_id, ErrorCode.UNAVAILABLE, "the prefill node gave up on this request"))
-        elif arrival is Arrival.ADMITTED and out is not None:
+        elif state is HandoffState.SUCCESS and out is not None:
             self._stream(out, [])  # token 1 is the router's already; only its finish matters here
 
     def _stream(self, out: EngineCoreOutput, token_ids: list[int]) -> None:
