@@ -1,13 +1,14 @@
 """The decode node's part of the engine core: reserve, import, decode, stream.
 
 `make_handler` builds it in the engine-core process (the front names it in its `CorePart`,
-decode_node/server.py).
+decode_node/server.py). A request's life here (its hand-off states: reservations.py):
 
     StreamSubmit ─▶ reserve blocks ─▶ Ready{descriptor, block ids} | RequestFailed
-        (RESOURCE_EXHAUSTED at once: too few free blocks, or the queue bounds — reservations
-        waiting for their KV plus preempted requests — are full)
+        (RESOURCE_EXHAUSTED at once: too few free blocks, prompt + max_tokens need more
+        blocks than this node has, or the queue bounds — reservations waiting for their
+        KV plus preempted requests — are full)
     done message (transport.poll_done) ─▶ admit with token 1 (or end at once if token 1
-        already stops it: Tokens{[], finish_reason})
+        already stops it: Tokens{[], finish_reason}); an aborted one ─▶ RequestFailed(UNAVAILABLE)
     each step ─▶ Tokens{[token], [logprobs]} per request, the last with finish_reason
     Abort ─▶ free a reservation (its write permit revoked first), or abort the running
         request (blocks freed)
@@ -16,7 +17,7 @@ decode_node/server.py).
 The core hands the table's `WritePermits` to the transport, so a push lands only in
 blocks its request still holds: that is what lets a cancelled reservation free at once.
 
-The colocated policy is the decode policy: requests only reach the scheduler with their
+The engine runs the colocated policy: requests only reach the scheduler with their
 prompt's KV present and token 1 known, so it just decodes.
 
 Must never: schedule a request before its done message, or stream token 1 (the
@@ -36,7 +37,7 @@ from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.handoff import HandoffState
 from pdserve.node.kv_done import KVDone
-from pdserve.node.messages import Abort, StreamSubmit, Logprobs, Message, Ready, RequestFailed, Tokens
+from pdserve.node.messages import Abort, Logprobs, Message, Ready, RequestFailed, StreamSubmit, Tokens
 from pdserve.node.stats import UNBOUNDED, QueueBounds
 
 logger = logging.getLogger(__name__)

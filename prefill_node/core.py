@@ -1,12 +1,12 @@
 """The prefill node's part of the engine core: admit prefills, export their KV.
 
 `make_handler` builds it in the engine-core process (the front names it in its `CorePart`,
-prefill_node/server.py).
-`PrefillCore.handle` checks a `PrefillSubmit` against the decode node's descriptor
-(its block ids must name exactly one reserved block per prompt block, inside its
-cache) and against the queue bounds (RESOURCE_EXHAUSTED at once when full), adds the
-request to the engine (prefill-only policy) and hands it to the exporter; everything
-after that is the exporter's.
+prefill_node/server.py). `PrefillCore.handle` checks a `PrefillSubmit` against the
+decode node's descriptor (its block ids must name exactly one reserved block per prompt
+block, inside its cache: INVALID_ARGUMENT otherwise) and against the queue bounds
+(RESOURCE_EXHAUSTED at once when full), adds the request to the engine (prefill-only
+policy: RESOURCE_EXHAUSTED if its KV can never fit here) and hands it to the exporter;
+everything after that, the hand-off of its KV to the decode node, is the exporter's.
 
 Must never: answer a request itself once the exporter has it, or free blocks.
 """
