@@ -34,7 +34,8 @@ logger = logging.getLogger(__name__)
 
 
 class PrefillCore:
-    def __init__(self, engine: EngineCore, exporter: KVExporter, to_front: ToFront, bounds: QueueBounds = UNBOUNDED) -> None:
+    def __init__(self, engine: EngineCore, exporter: KVExporter, to_front: ToFront,
+                 bounds: QueueBounds = UNBOUNDED) -> None:
         self.engine = engine
         self.exporter = exporter
         self.to_front = to_front
