@@ -1,12 +1,14 @@
 """The decode node's part of the engine core: reserve, import, decode, stream.
 
-`make_policy` / `make_handler` are the hooks the core process calls (node/core.py).
+`make_handler` builds it in the engine-core process (the front names it in its `CorePart`,
+decode_node/server.py). A request's life here (its hand-off states: reservations.py):
 
-    DecodeSubmit ─▶ reserve blocks ─▶ Ready{descriptor, block ids} | RequestFailed
-        (RESOURCE_EXHAUSTED at once: too few free blocks, or the queue bounds — reservations
-        waiting for their KV plus preempted requests — are full)
+    StreamSubmit ─▶ reserve blocks ─▶ Ready{descriptor, block ids} | RequestFailed
+        (RESOURCE_EXHAUSTED at once: too few free blocks, prompt + max_tokens need more
+        blocks than this node has, or the queue bounds — reservations waiting for their
+        KV plus preempted requests — are full)
     done message (transport.poll_done) ─▶ admit with token 1 (or end at once if token 1
-        already stops it: Tokens{[], finish_reason})
+        already stops it: Tokens{[], finish_reason}); an aborted one ─▶ RequestFailed(UNAVAILABLE)
     each step ─▶ Tokens{[token], [logprobs]} per request, the last with finish_reason
     Abort ─▶ free a reservation (its write permit revoked first), or abort the running
         request (blocks freed)
@@ -15,7 +17,7 @@
 The core hands the table's `WritePermits` to the transport, so a push lands only in
 blocks its request still holds: that is what lets a cancelled reservation free at once.
 
-The colocated policy is the decode policy: requests only reach the scheduler with their
+The engine runs the colocated policy: requests only reach the scheduler with their
 prompt's KV present and token 1 known, so it just decodes.
 
 Must never: schedule a request before its done message, or stream token 1 (the
@@ -27,16 +29,15 @@ from __future__ import annotations
 import logging
 import time
 
-from pdserve.decode_node.reservations import Arrival, ReservationTable
+from pdserve.decode_node.reservations import ReservationTable
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
-from pdserve.engine.policy import SchedulingPolicy
-from pdserve.engine.request import FinishReason, Request
 from pdserve.kv_transfer import KVDescriptor, KVTransport
 from pdserve.node.config import NodeConfig
-from pdserve.node.core_loop import Emit
+from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.handoff import HandoffState
 from pdserve.node.kv_done import KVDone
-from pdserve.node.messages import Abort, DecodeSubmit, Logprobs, Message, Ready, RequestFailed, Tokens
+from pdserve.node.messages import Abort, Logprobs, Message, Ready, RequestFailed, StreamSubmit, Tokens
 from pdserve.node.stats import UNBOUNDED, QueueBounds
 
 logger = logging.getLogger(__name__)
@@ -44,29 +45,28 @@ logger = logging.getLogger(__name__)
 
 class DecodeCore:
     def __init__(self, engine: EngineCore, transport: KVTransport, table: ReservationTable, descriptor: str,
-                 emit: Emit, bounds: QueueBounds = UNBOUNDED) -> None:
+                 to_front: ToFront, bounds: QueueBounds = UNBOUNDED) -> None:
         self.engine = engine
         self.transport = transport
         self.table = table
         self.descriptor = descriptor
-        self.emit = emit
+        self.to_front = to_front
         self.bounds = bounds
-        self._admitted: dict[str, Request] = {}
         transport.guard_writes(table.permits)
 
     def handle(self, msg: Message) -> None:
-        if isinstance(msg, DecodeSubmit):
+        if isinstance(msg, StreamSubmit):
             try:
                 # Only the waiting count: a decode node's tokens to compute are one per running request.
                 self.bounds.check(self.table.num_reserved + len(self.engine.scheduler.waiting), 0, 0)
                 block_ids = self.table.reserve(msg.req_id, msg.prompt_token_ids, msg.params, msg.sample_index,
                                                time.monotonic(), msg.resumed_token_ids)
             except NodeError as exc:
-                self.emit(RequestFailed(msg.req_id, exc.code, exc.message))
+                self.to_front(RequestFailed(msg.req_id, exc.code, exc.message))
                 return
-            self.emit(Ready(msg.req_id, self.descriptor, block_ids))
+            self.to_front(Ready(msg.req_id, self.descriptor, block_ids))
         elif isinstance(msg, Abort):
-            if not self.table.cancel(msg.req_id) and self._admitted.pop(msg.req_id, None) is not None:
+            if not self.table.cancel(msg.req_id):  # not waiting for its KV: running, or already over
                 self.engine.abort(msg.req_id)
         else:
             logger.warning("decode core ignores %s", type(msg).__name__)
@@ -79,15 +79,15 @@ class DecodeCore:
         for req_id, payload in self.transport.poll_done():
             self._arrive(req_id, payload)
         for req_id in self.table.expire(now):
-            self.emit(RequestFailed(req_id, ErrorCode.DEADLINE_EXCEEDED,
+            self.to_front(RequestFailed(req_id, ErrorCode.DEADLINE_EXCEEDED,
                                     f"the prompt's KV did not arrive within the {self.table.lease_s}s lease"))
 
     def wants_fast_poll(self) -> bool:
         # Done messages wake the loop (the transport's callback); leases are coarse.
         return False
 
-    def reserved_blocks(self) -> int:
-        return self.table.num_blocks
+    def num_blocks_outside_scheduler(self) -> int:
+        return self.table.num_reserved_blocks
 
     def _arrive(self, req_id: str, payload: bytes) -> None:
         try:
@@ -95,34 +95,24 @@ class DecodeCore:
         except ValueError as exc:
             logger.error("request %s: %s", req_id, exc)
             if self.table.cancel(req_id):  # the sender is broken: fail and free (nothing more of it lands)
-                self.emit(RequestFailed(req_id, ErrorCode.UNAVAILABLE, f"bad KV done message: {exc}"))
+                self.to_front(RequestFailed(req_id, ErrorCode.UNAVAILABLE, f"bad KV done message: {exc}"))
             return
-        request = self.table.reserved_request(req_id)
-        arrival, out = self.table.arrive(req_id, done)
-        if arrival is Arrival.ABORTED:
-            self.emit(RequestFailed(req_id, ErrorCode.UNAVAILABLE, "the prefill node gave up on this request"))
-        elif arrival is Arrival.ADMITTED and out is not None and request is not None:
-            self._admitted[req_id] = request
+        state, out = self.table.arrive(req_id, done)
+        if state is HandoffState.FAILED:
+            self.to_front(RequestFailed(req_id, ErrorCode.UNAVAILABLE, "the prefill node gave up on this request"))
+        elif state is HandoffState.SUCCESS and out is not None:
             self._stream(out, [])  # token 1 is the router's already; only its finish matters here
 
     def _stream(self, out: EngineCoreOutput, token_ids: list[int]) -> None:
-        request = self._admitted.get(out.req_id)
         reason = out.finish_reason
         if reason is None and not token_ids:
             return
-        if reason is not None:
-            self._admitted.pop(out.req_id, None)
-        stop_token_id = request.stop_token_id if request is not None and reason is FinishReason.STOP else None
-        self.emit(Tokens(out.req_id, token_ids, [Logprobs.of(out.logprobs)] if token_ids else [],
-                         reason.value if reason is not None else None, stop_token_id))
-
-
-def make_policy(config: NodeConfig) -> SchedulingPolicy:
-    return SchedulingPolicy()
+        self.to_front(Tokens(out.req_id, token_ids, [Logprobs.of(out.logprobs)] if token_ids else [],
+                         reason.value if reason is not None else None, out.stop_token_id))
 
 
 def make_handler(config: NodeConfig, engine: EngineCore, transport: KVTransport, descriptor: KVDescriptor,
-                 emit: Emit) -> DecodeCore:
+                 to_front: ToFront) -> DecodeCore:
     table = ReservationTable(engine, config.lease_s, config.retired_id_s)
     bounds = QueueBounds(config.max_waiting_requests, config.max_queued_tokens)
-    return DecodeCore(engine, transport, table, descriptor.to_bytes().decode(), emit, bounds)
+    return DecodeCore(engine, transport, table, descriptor.to_bytes().decode(), to_front, bounds)

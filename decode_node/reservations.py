@@ -1,15 +1,15 @@
 """The decode node's reservation table: blocks held for prompts whose KV is on its way.
 
-A request's life through it:
+A request's life through it, in the hand-off states of node/handoff.py (`_end` is the
+one place a reservation leaves WAITING_FOR_INPUT, and its permit is revoked there first):
 
-    reserve ─▶ RESERVED: the engine request exists (not scheduled) and holds
+    reserve ─▶ WAITING_FOR_INPUT: the engine request exists (not scheduled) and holds
        │        ceil((prompt + resumed tokens) / block_size) blocks; their write permit
        │        is granted before their ids leave this node (Ready)
-       ├─ done{ok, token 1} ─▶ permit revoked; admitted: prompt computed, token 1
-       │                       appended, blocks published, scheduled
-       │                       (EngineCore.add_prefilled) ─▶ gone
-       ├─ done{aborted} ─▶ the prefill node gave up: permit revoked, blocks freed ─▶ gone
-       ├─ cancel ─────────▶ permit revoked, blocks freed at once ─▶ RETIRED
+       ├─ done{ok, token 1} ─▶ SUCCESS: admitted (prompt computed, token 1 appended,
+       │                       blocks published, scheduled: EngineCore.add_prefilled) ─▶ gone
+       ├─ done{aborted} ─▶ FAILED: the prefill node gave up; blocks freed ─▶ gone
+       ├─ cancel ─────────▶ FAILED: blocks freed at once ─▶ RETIRED
        └─ lease_s passes ─▶ the same, and the stream fails DEADLINE_EXCEEDED
 
 Why a cancelled reservation's blocks are freed at once although a prefill node may
@@ -40,15 +40,16 @@ cache before its bytes arrived.
 
 from __future__ import annotations
 
-import enum
 from collections.abc import Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.engine_core import EngineCore, EngineCoreOutput, RequestRejected
+from pdserve.engine.admission import RequestRejected
+from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import WritePermits
-from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.errors import ErrorCode, NodeError, rejection_error
+from pdserve.node.handoff import DECODE_MOVES, HandoffState, OnMove
 from pdserve.node.kv_done import DoneStatus, KVDone
 
 
@@ -58,25 +59,21 @@ class Reservation:
     block_ids: list[int]
     reserved_at: float
     deadline: float  # the stream fails here if the KV has not arrived
-
-
-class Arrival(enum.Enum):
-    ADMITTED = "admitted"  # scheduled; `output` is token 1 (its finish_reason may be set)
-    ABORTED = "aborted"  # the prefill node gave up: the blocks are free, the stream must fail
-    UNKNOWN = "unknown"  # no such reservation (cancelled, expired, or never made): nothing to do
+    state: HandoffState = DECODE_MOVES.first
 
 
 class ReservationTable:
-    def __init__(self, engine: EngineCore, lease_s: float, retired_id_s: float) -> None:
+    def __init__(self, engine: EngineCore, lease_s: float, retired_id_s: float, on_move: OnMove | None = None) -> None:
         self.engine = engine
         self.lease_s = lease_s
         self.retired_id_s = retired_id_s
+        self.on_move = on_move
         self.permits = WritePermits()  # the decode core hands these to its transport
         self._reserved: dict[str, Reservation] = {}
         self._retired: dict[str, float] = {}  # req_id -> refused as a new reservation until then
 
     @property
-    def num_blocks(self) -> int:
+    def num_reserved_blocks(self) -> int:
         """Blocks held for KV that has not arrived."""
         return sum(len(r.block_ids) for r in self._reserved.values())
 
@@ -103,7 +100,7 @@ class ReservationTable:
         try:
             request = self.engine.new_request(req_id, prompt_token_ids, params, sample_index, resumed_token_ids)
         except RequestRejected as exc:
-            raise NodeError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+            raise rejection_error(exc) from exc
         # No prefix lookup: every block receives the prefill node's bytes (prompt and
         # resumed tokens alike: a resume's prefill computes both).
         block_ids = self.engine.kv.allocate_slots(request, request.num_tokens)
@@ -112,43 +109,65 @@ class ReservationTable:
             needed = self.engine.kv.blocks_needed(request.num_tokens)
             raise NodeError(ErrorCode.RESOURCE_EXHAUSTED, f"the prompt needs {needed} KV blocks; "
                                                           f"{self.engine.kv.num_free_blocks} are free")
-        self._reserved[req_id] = Reservation(request, block_ids, now, now + self.lease_s)
+        reservation = Reservation(request, block_ids, now, now + self.lease_s)
+        self._reserved[req_id] = reservation
         self._retired.pop(req_id, None)
         self.permits.grant(req_id, block_ids)
+        if self.on_move is not None:
+            self.on_move(req_id, reservation.state)
         return block_ids
 
-    def arrive(self, req_id: str, done: KVDone) -> tuple[Arrival, EngineCoreOutput | None]:
-        """The prefill node's done message for `req_id`: every byte before it has landed."""
-        reservation = self._reserved.pop(req_id, None)
+    def arrive(self, req_id: str, done: KVDone) -> tuple[HandoffState | None, EngineCoreOutput | None]:
+        """The prefill node's done message for `req_id`: every byte before it has landed.
+
+        (SUCCESS, token 1's output: its finish_reason may be set), (FAILED, None: the prefill
+        node gave up; the stream must fail), or (None, None): no such reservation (cancelled,
+        expired, or never made), nothing to do.
+        """
+        reservation = self._reserved.get(req_id)
         if reservation is None:
-            return Arrival.UNKNOWN, None
-        # Nothing may land after the done message: the blocks are the request's own from now on.
-        self.permits.revoke(req_id)
+            return None, None
         if done.status is DoneStatus.ABORTED:
-            self.engine.kv.pool.free(reversed(self.engine.detach(req_id)))
-            return Arrival.ABORTED, None
-        return Arrival.ADMITTED, self.engine.add_prefilled(reservation.request, done.token_id)
+            self._end(reservation, HandoffState.FAILED)
+            return HandoffState.FAILED, None
+        self._end(reservation, HandoffState.SUCCESS)
+        return HandoffState.SUCCESS, self.engine.add_prefilled(reservation.request, done.token_id)
 
     def cancel(self, req_id: str) -> bool:
         """The stream went away before the KV arrived: free the blocks. False if not reserved."""
-        reservation = self._reserved.pop(req_id, None)
+        reservation = self._reserved.get(req_id)
         if reservation is None:
             return False
-        self._release(reservation)
+        self._end(reservation, HandoffState.FAILED)
+        self._retire(reservation)
         return True
 
     def expire(self, now: float) -> list[str]:
         """Free reservations past their lease (their ids: fail those streams); forget old retired ids."""
         expired = [r for r in self._reserved.values() if now >= r.deadline]
         for reservation in expired:
-            del self._reserved[reservation.request.req_id]
-            self._release(reservation)
+            self._end(reservation, HandoffState.FAILED)
+            self._retire(reservation)
         for req_id in [k for k, until in self._retired.items() if now >= until]:
             del self._retired[req_id]
         return [r.request.req_id for r in expired]
 
-    def _release(self, reservation: Reservation) -> None:
+    def _end(self, reservation: Reservation, state: HandoffState) -> None:
+        """The one place a reservation changes state (it leaves the table): SUCCESS hands its
+        blocks to the request it was made for, FAILED frees them."""
         req_id = reservation.request.req_id
-        self.permits.revoke(req_id)  # first: once it returns, no push writes these blocks
-        self.engine.kv.pool.free(reversed(self.engine.detach(req_id)))
-        self._retired[req_id] = reservation.reserved_at + self.retired_id_s
+        DECODE_MOVES.check(req_id, reservation.state, state)
+        del self._reserved[req_id]
+        # First: once it returns no push writes these blocks, whether they are freed now or
+        # are the admitted request's own from now on (nothing may land after the done message).
+        self.permits.revoke(req_id)
+        reservation.state = state
+        if self.on_move is not None:
+            self.on_move(req_id, state)
+        if state is HandoffState.FAILED:
+            self.engine.kv.pool.free(reversed(self.engine.detach(req_id)))
+
+    def _retire(self, reservation: Reservation) -> None:
+        """A cancelled or expired reservation's sender may still be writing: its id waits out
+        `retired_id_s` (a prefill node's aborted done message is its last word: no need)."""
+        self._retired[reservation.request.req_id] = reservation.reserved_at + self.retired_id_s

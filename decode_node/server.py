@@ -4,6 +4,7 @@
 blocks for the prompt (or the call fails RESOURCE_EXHAUSTED at once), then `tokens`
 events for tokens 2..n, the last with finish_reason. Cancelling the call aborts the
 request in the core (a reservation whose KV has not arrived is freed there at once).
+The service is node/servicers.py's `StreamServicer`, the colocated node's too.
 
 Must never: run model code, or choose a status code outside node/errors.py.
 """
@@ -11,40 +12,26 @@ Must never: run model code, or choose a status code outside node/errors.py.
 from __future__ import annotations
 
 import sys
-from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.engine.policy import ColocatedPolicy
 from pdserve.node.client import CoreClient
-from pdserve.node.core import CoreHooks
-from pdserve.node.errors import NodeError, abort_rpc
-from pdserve.node.server import answer_stats, decode_submit, run_node, stream_events
-from pdserve.proto import node_pb2, node_pb2_grpc
+from pdserve.node.core_part import CorePart
+from pdserve.node.server import run_node
+from pdserve.node.servicers import StreamServicer
+from pdserve.proto import node_pb2_grpc
 
-
-class DecodeServicer(node_pb2_grpc.DecodeNodeServicer):
-    def __init__(self, client: CoreClient) -> None:
-        self.client = client
-
-    async def Decode(self, request: node_pb2.DecodeRequest,
-                     context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.DecodeEvent]:
-        try:
-            submit = decode_submit(request)
-        except NodeError as exc:
-            await abort_rpc(context, exc)
-        async for event in stream_events(self.client, context, submit):
-            yield event
-
-    async def GetStats(self, request: node_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
-        return await answer_stats(self.client, context)
+# Requests join the scheduler prefilled, with token 1: the colocated rules only decode them.
+CORE = CorePart(ColocatedPolicy, "pdserve.decode_node.core:make_handler")
 
 
 def _add_servicer(server: grpc.aio.Server, client: CoreClient) -> None:
-    node_pb2_grpc.add_DecodeNodeServicer_to_server(DecodeServicer(client), server)
+    node_pb2_grpc.add_DecodeNodeServicer_to_server(StreamServicer(client), server)
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_node(argv, "decode", CoreHooks("pdserve.decode_node.core"), _add_servicer)
+    return run_node(argv, "decode", CORE, _add_servicer)
 
 
 if __name__ == "__main__":

@@ -117,10 +117,6 @@ class BlockPool:
         block.block_hash = block_hash
         self._cached[block_hash] = block
 
-    def reset_prefix_cache(self) -> None:
-        for block in list(self._cached.values()):
-            self._evict(block)
-
     def _evict(self, block: KVBlock) -> None:
         if block.block_hash is None:
             return

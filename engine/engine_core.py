@@ -1,8 +1,15 @@
 """The engine core: one step is schedule → run → update.
 
-Owns the scheduler, the KV cache manager and the model runner of one node. Token-level
-stopping (eos, stop token ids, max_tokens, the model's length) happens here; text-level
-stopping (stop strings) belongs to whoever detokenizes, which then calls `abort`.
+Owns the scheduler, the KV cache manager and the model runner of one node, and the
+node kind's `SchedulingPolicy`. Token-level stopping (eos, stop token ids, max_tokens,
+the model's length) happens here; text-level stopping (stop strings) belongs to whoever
+detokenizes, which then calls `abort`.
+
+Every sampled token becomes one `EngineCoreOutput`. A request leaves the engine through
+one of them — finished (`finish_reason`, and `stop_token_id` when a stop token ended it)
+or, under a policy that hands requests off (a prefill node), at its first token with
+its blocks still held (`handoff_blocks`) — or through `abort` (blocks freed) or
+`detach` (blocks returned to the caller, still held).
 """
 
 from __future__ import annotations
@@ -13,12 +20,13 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.admission import KVCapacityExceeded, RequestRejected
 from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.model_runner import ModelRunner, SampledToken, kv_block_bytes
-from pdserve.engine.policy import SchedulingPolicy
+from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
@@ -31,13 +39,20 @@ class EngineCoreOutput:
     req_id: str
     new_token_id: int
     logprobs: TokenLogprobs | None
+    # Set once the request ended here; never for a hand-off (the request goes on elsewhere).
     finish_reason: FinishReason | None
     num_prompt_tokens: int
     num_cached_tokens: int
+    # The entry of the request's stop_token_ids that ended it (finish_reason STOP), if one did.
+    stop_token_id: int | None = None
+    # Handed off after this token: the request's blocks in position order, still referenced.
+    # The receiver owns them now and frees them with `kv.pool.free` once nothing reads them.
+    handoff_blocks: list[KVBlock] | None = None
 
-
-class RequestRejected(ValueError):
-    """A request this engine can never serve; the message names the field at fault."""
+    @property
+    def is_last(self) -> bool:
+        """Is this the request's last output here (it finished, or was handed off)?"""
+        return self.finish_reason is not None or self.handoff_blocks is not None
 
 
 class EngineCore:
@@ -53,7 +68,8 @@ class EngineCore:
             1, config.kv_cache_bytes // kv_block_bytes(self.loaded, config.block_size, config.torch_dtype)
         )
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
-        self.scheduler = Scheduler(self.kv, policy or SchedulingPolicy(), config.max_num_batched_tokens, config.max_num_seqs)
+        self.policy = policy or ColocatedPolicy()
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
         self.runner = ModelRunner(self.loaded, self.kv, num_blocks, config.torch_dtype, config.attention_backend)
         self._requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
@@ -107,20 +123,22 @@ class EngineCore:
         request.num_computed_tokens = request.num_tokens
         self.kv.cache_computed_blocks(request)
         out = self._accept_token(request, first_token_id, None)
-        if out.finish_reason is None:
+        if not out.is_last:
             self.scheduler.add(request)
         return out
 
     def detach(self, req_id: str) -> list[KVBlock]:
-        """Forget a never-scheduled request; its blocks go to the caller, still held.
+        """Forget a request, scheduled or not; its blocks go to the caller, still held.
 
-        The caller frees them with `kv.pool.free` once nothing can write into them any
-        more (a decode node's reserved blocks may still be receiving a prefill's KV).
+        The caller frees them with `kv.pool.free` once nothing can touch them any more: a
+        decode node's reserved blocks may still be receiving a prefill's KV, an aborted
+        prefill's blocks may still be read by its pushes.
         """
-        request = self._check_unscheduled(req_id)
-        del self._requests[req_id]
+        request = self._requests.get(req_id)
+        if request is None:
+            raise KeyError(f"unknown request {req_id!r}")
         request.finish(FinishReason.ABORT)
-        return self.kv.take_blocks(request)
+        return self._leave(request)
 
     def _check_unscheduled(self, req_id: str) -> Request:
         request = self._requests.get(req_id)
@@ -154,30 +172,31 @@ class EngineCore:
 
     def _accept_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> EngineCoreOutput:
         request.append_output_token(token_id)
-        reason = self._finish_reason(request, token_id)
-        if reason is not None:
-            request.finish(reason)
-            self.scheduler.finish(request)
-            del self._requests[request.req_id]
-        return EngineCoreOutput(
-            request.req_id,
-            token_id,
-            logprobs,
-            reason,
-            request.num_prompt_tokens,
-            request.num_cached_tokens,
-        )
-
-    def _finish_reason(self, request: Request, token_id: int) -> FinishReason | None:
-        reason = token_finish_reason(
+        out = EngineCoreOutput(request.req_id, token_id, logprobs, None, request.num_prompt_tokens,
+                               request.num_cached_tokens)
+        if self.policy.hands_off_after_first_token():
+            # Whether this token stops the request is for the engine that continues it to say.
+            request.hand_off()
+            out.handoff_blocks = self._leave(request)
+            return out
+        out.finish_reason = token_finish_reason(
             token_id, request.num_output_tokens, request.num_tokens, request.params,
             self.loaded.eos_token_ids, self.max_model_len,
         )
-        if reason is FinishReason.STOP and token_id in request.params.stop_token_ids:
-            request.stop_token_id = token_id
-        if reason is None and self.scheduler.policy.finishes_after_first_token():
-            return FinishReason.LENGTH
-        return reason
+        if out.finish_reason is None:
+            return out
+        if out.finish_reason is FinishReason.STOP and token_id in request.params.stop_token_ids:
+            out.stop_token_id = token_id
+        request.finish(out.finish_reason)
+        self.scheduler.finish(request)
+        del self._requests[request.req_id]
+        return out
+
+    def _leave(self, request: Request) -> list[KVBlock]:
+        """Take a request out of this engine; its blocks go to the caller, still held."""
+        del self._requests[request.req_id]
+        self.scheduler.remove(request)
+        return self.kv.take_blocks(request)
 
     def _validate(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                   resumed_token_ids: Sequence[int]) -> None:
@@ -190,7 +209,6 @@ class EngineCore:
             bad = next((t for t in ids if not 0 <= t < vocab), None)
             if bad is not None:
                 raise RequestRejected(f"{name} contains {bad}, outside the vocabulary [0, {vocab})")
-        total = len(prompt_token_ids) + params.max_tokens
         if len(prompt_token_ids) >= self.max_model_len:
             raise RequestRejected(
                 f"prompt_token_ids has {len(prompt_token_ids)} tokens; the model holds {self.max_model_len}"
@@ -203,9 +221,10 @@ class EngineCore:
             raise RequestRejected(f"prompt_token_ids + resumed_token_ids have "
                                   f"{len(prompt_token_ids) + len(resumed_token_ids)} tokens; the model holds "
                                   f"{self.max_model_len}")
-        max_tokens = min(total, self.max_model_len)
-        if self.kv.blocks_needed(max_tokens) > self.num_blocks:
-            raise RequestRejected(
-                f"prompt_token_ids + max_tokens need {self.kv.blocks_needed(max_tokens)} KV blocks; "
-                f"this engine has {self.num_blocks}"
-            )
+        self._check_kv_fits(len(prompt_token_ids), params.max_tokens)
+
+    def _check_kv_fits(self, num_prompt_tokens: int, max_tokens: int) -> None:
+        """The one capacity rule: can this request's KV ever fit this engine's cache?"""
+        blocks_needed = self.kv.blocks_needed(min(num_prompt_tokens + max_tokens, self.max_model_len))
+        if blocks_needed > self.num_blocks:
+            raise KVCapacityExceeded(blocks_needed, self.num_blocks)

@@ -1,7 +1,9 @@
-"""A request's state inside one engine: its tokens, progress and how it ended.
+"""A request's state inside one engine: its tokens, progress and how it left.
 
 The engine core owns these objects; the scheduler moves them between its waiting and
-running queues and the KV cache manager keys blocks by `req_id`.
+running queues and the KV cache manager keys blocks by `req_id`. A request leaves an
+engine FINISHED (with a `FinishReason` its caller sees) or HANDED_OFF: a prefill node's
+engine lets go of it at its first token, its KV still held, and it goes on elsewhere.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    HANDED_OFF = "handed_off"  # left at its first token with its KV; not finished, so no FinishReason
 
 
 class FinishReason(enum.Enum):
@@ -41,7 +44,6 @@ class Request:
     num_preemptions: int = 0
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
-    stop_token_id: int | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
@@ -59,10 +61,6 @@ class Request:
     def num_output_tokens(self) -> int:
         return len(self.output_token_ids)
 
-    @property
-    def is_finished(self) -> bool:
-        return self.status is RequestStatus.FINISHED
-
     def append_output_token(self, token_id: int) -> None:
         self.token_ids.append(token_id)
         self.output_token_ids.append(token_id)
@@ -70,3 +68,6 @@ class Request:
     def finish(self, reason: FinishReason) -> None:
         self.status = RequestStatus.FINISHED
         self.finish_reason = reason
+
+    def hand_off(self) -> None:
+        self.status = RequestStatus.HANDED_OFF

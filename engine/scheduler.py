@@ -1,8 +1,10 @@
 """The iteration-level scheduler: which requests run this step, and how many tokens each.
 
 Lifecycle of a request through it:
-  add() → waiting ─(blocks + budget)→ running ─(finished)→ removed by finish()
+  add() → waiting ─(blocks + budget)→ running ─(finished)→ finish(): removed, blocks freed
                  ↖──── preempted (blocks freed, recompute later) ────┘
+  remove() takes a request out of either queue and leaves its blocks to the caller
+  (a hand-off, or a request detached with its blocks still held).
 Each step spends at most `max_num_batched_tokens` tokens on at most `max_num_seqs`
 requests. A request that cannot get blocks preempts the latest arrival (recompute),
 so earlier requests always make progress. The scheduler never runs the model.
@@ -15,7 +17,6 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.policy import SchedulingPolicy
 from pdserve.engine.request import Request, RequestStatus
 
 
@@ -49,12 +50,10 @@ class Scheduler:
     def __init__(
         self,
         kv: KVCacheManager,
-        policy: SchedulingPolicy,
         max_num_batched_tokens: int,
         max_num_seqs: int,
     ) -> None:
         self.kv = kv
-        self.policy = policy
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -81,12 +80,16 @@ class Scheduler:
             self.kv.cache_computed_blocks(s.request)
 
     def finish(self, request: Request) -> None:
-        """Remove a finished request from whichever queue holds it; the policy releases its blocks."""
+        """Remove a finished request from whichever queue holds it and free its blocks."""
+        self.remove(request)
+        self.kv.free(request)
+
+    def remove(self, request: Request) -> None:
+        """Take a request out of whichever queue holds it (if any); its blocks stay held."""
         if request in self.running:
             self.running.remove(request)
         elif request in self.waiting:
             self.waiting.remove(request)
-        self.policy.release_blocks(request, self.kv)
 
     def _schedule_running(self, out: SchedulerOutput, budget: int) -> int:
         i = 0

@@ -1,8 +1,10 @@
 """KV-cache transfer between prefill and decode ranks.
 
 Owns the transport interface (`KVTransport`), its value types, the head-overlap plan and
-two implementations: `InProcessTransport` (unit tests) and `UcxTransport` (ucxx; imported
-lazily so that importing this package never starts UCX).
+two implementations: `InProcessTransport` (unit tests) and `UcxTransport` (ucxx).
+
+Every name below is imported on first use (PEP 562), so importing this package, or its
+torch-free `counters` module from a node's front, loads neither torch nor UCX.
 
 Must never: pickle network data, or block the engine's step loop on the network.
 """
@@ -10,22 +12,38 @@ Must never: pickle network data, or block the engine's step loop on the network.
 from __future__ import annotations
 
 import importlib
-# Each name, loaded from its module on first use: a node's front reads `KVTransferConfig`
-# without importing torch (base, inprocess) or UCX (ucx).
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from .base import (KV_LAYOUT_VERSION, FingerprintMismatch, HeadOverlap, KVCacheSpec, KVDescriptor,
+                       KVTransferError, KVTransport, TransferHandle, TransferState, WritePermits,
+                       plan_head_overlap)
+    from .config import KVTransferConfig
+    from .counters import TransferStats
+    from .inprocess import InProcessFabric, InProcessTransport
+    from .ucx import UcxTransport
+
+# name -> the module of this package that defines it
 _HOMES = {
-    "config": ("KVTransferConfig",),
-    "base": ("KV_LAYOUT_VERSION", "FingerprintMismatch", "HeadOverlap", "KVCacheSpec", "KVDescriptor",
-             "KVTransferError", "KVTransport", "TransferHandle", "TransferState", "TransferStats",
-             "WritePermits", "plan_head_overlap"),
-    "inprocess": ("InProcessFabric", "InProcessTransport"),
-    "ucx": ("UcxTransport",),
+    **dict.fromkeys(("KV_LAYOUT_VERSION", "FingerprintMismatch", "HeadOverlap", "KVCacheSpec", "KVDescriptor",
+                     "KVTransferError", "KVTransport", "TransferHandle", "TransferState", "WritePermits",
+                     "plan_head_overlap"), ".base"),
+    "KVTransferConfig": ".config",
+    "TransferStats": ".counters",
+    "InProcessFabric": ".inprocess",
+    "InProcessTransport": ".inprocess",
+    "UcxTransport": ".ucx",
 }
-_MODULE_OF = {name: module for module, names in _HOMES.items() for name in names}
-__all__ = sorted(_MODULE_OF)
+
+__all__ = [
+    "KV_LAYOUT_VERSION", "FingerprintMismatch", "HeadOverlap", "InProcessFabric", "InProcessTransport",
+    "KVCacheSpec", "KVDescriptor", "KVTransferConfig", "KVTransferError", "KVTransport", "TransferHandle",
+    "TransferState", "TransferStats", "UcxTransport", "WritePermits", "plan_head_overlap",
+]
 
 
 def __getattr__(name: str) -> object:
-    module = _MODULE_OF.get(name)
-    if module is None:
+    home = _HOMES.get(name)
+    if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
-    return getattr(importlib.import_module(f".{module}", __name__), name)
+    return getattr(importlib.import_module(home, __name__), name)

@@ -1,9 +1,9 @@
 """The transport seam: what a KV cache looks like to a transfer, and what moving it means.
 
 Owns the value types every transport shares (`KVCacheSpec` and its fingerprint,
-`KVDescriptor`, `TransferState`, `TransferHandle`, `TransferStats`), the receiver's
-`WritePermits`, the head-range planning rule (`plan_head_overlap`) and the `KVTransport`
-interface.
+`KVDescriptor`, `TransferState`, `TransferHandle`; the counters are `TransferStats` of
+counters.py), the receiver's `WritePermits`, the head-range planning rule
+(`plan_head_overlap`) and the `KVTransport` interface.
 
 A push's life, on the sending side:
 
@@ -26,9 +26,11 @@ import threading
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
-from dataclasses import asdict, dataclass, field, replace
+from dataclasses import asdict, dataclass, field
 
 import torch
+
+from .counters import TransferStats
 
 KV_LAYOUT_VERSION = 1  # [num_blocks, num_kv_heads, block_size, head_dim], heads-major
 
@@ -181,33 +183,6 @@ class TransferState(enum.Enum):
     TRANSFERRING = "transferring"
     SUCCESS = "success"
     FAILED = "failed"
-
-
-@dataclass(slots=True)
-class TransferStats:
-    """Counters of completed work; `latency_s` sums push()-to-ack time of successes."""
-
-    bytes: int = 0
-    blocks: int = 0
-    transfers: int = 0
-    failures: int = 0
-    latency_s: float = 0.0
-
-    def record_success(self, nbytes: int, num_blocks: int, latency_s: float) -> None:
-        self.bytes += nbytes
-        self.blocks += num_blocks
-        self.transfers += 1
-        self.latency_s += latency_s
-
-    def record_failure(self) -> None:
-        self.failures += 1
-
-    def snapshot(self) -> TransferStats:
-        return replace(self)
-
-    @property
-    def mean_latency_s(self) -> float:
-        return self.latency_s / self.transfers if self.transfers else 0.0
 
 
 @dataclass(eq=False)

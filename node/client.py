@@ -30,7 +30,8 @@ import zmq
 import zmq.asyncio
 
 from pdserve.node.config import NodeConfig
-from pdserve.node.core import CoreAddresses, CoreHooks, start_core
+from pdserve.node.core import CoreAddresses, start_core
+from pdserve.node.core_part import CorePart
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, FirstToken, Message, Ready, RequestFailed, Shutdown,
                                    StatsData, StatsPush, StatsQuery, StatsReply, Tokens, decode, encode)
@@ -41,10 +42,9 @@ WATCH_INTERVAL_S = 0.5  # how often the front checks that its core process is al
 
 
 class CoreClient:
-    def __init__(self, config: NodeConfig, hooks: CoreHooks) -> None:
+    def __init__(self, config: NodeConfig, part: CorePart) -> None:
         self.config = config
-        self.hooks = hooks
-        self.kv_descriptor = ""  # the core's KVDescriptor JSON, once started
+        self.part = part
         self.dead = asyncio.Event()
         self._dir = tempfile.mkdtemp(prefix=f"pdserve-{config.kind}-")
         self._addresses = CoreAddresses.in_dir(self._dir)
@@ -64,13 +64,12 @@ class CoreClient:
         """Spawn the core and wait for it to load the model and register its KV cache."""
         self._out.bind(self._addresses.to_core)
         self._in.bind(self._addresses.from_core)
-        self._process = start_core(self.config, self._addresses, self.hooks)
+        self._process = start_core(self.config, self._addresses, self.part)
         first = await self._first_message()
         if isinstance(first, CoreFailed):
             raise NodeError(ErrorCode.INTERNAL, f"engine core failed to start: {first.message}")
         if not isinstance(first, CoreStarted):
             raise NodeError(ErrorCode.INTERNAL, f"engine core said {type(first).__name__} before CoreStarted")
-        self.kv_descriptor = first.kv_descriptor
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     async def _first_message(self) -> Message:

@@ -1,10 +1,11 @@
 """The engine-core process of a node: engine + KV transport (if its kind moves KV) + the step loop.
 
-Runs only in the child that node/core.py spawns. `core_main` imports the node kind's
-core module (`CoreHooks.module`: its scheduling policy and its `CoreHandler`), builds
-the `EngineCore`, registers the engine's KV caches with a `UcxTransport` (spec from the
-loaded model; not for a kind whose `CoreHooks.uses_kv_transport` is False), logs the
-cpus and torch threads it runs on, says `CoreStarted` (or `CoreFailed`), then loops:
+Runs only in the child that node/core.py spawns. `core_main` gets the node kind's
+`CorePart` (node/core_part.py): it imports the kind's handler factory, builds the
+`EngineCore` with the kind's policy, registers the engine's KV caches with a
+`UcxTransport` (spec from the loaded model; not for a kind whose part says
+`uses_kv_transport=False`), builds the kind's `CoreHandler`, logs the cpus and torch
+threads it runs on, says `CoreStarted` (or `CoreFailed`), then loops:
 
     drain front messages (non-blocking; a short poll timeout only when there is no work)
     step the engine when it has work       → handler.after_step(outputs)
@@ -20,50 +21,25 @@ connected off the loop), pickle a message, or outlive its front.
 
 from __future__ import annotations
 
-import importlib
 import logging
 import os
 import signal
 import time
-from collections.abc import Callable
 from pathlib import Path
-from types import ModuleType
-from typing import Protocol
 
 import zmq
 
-from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
+from pdserve.engine.engine_core import EngineCore
 from pdserve.kv_transfer import KVCacheSpec, KVDescriptor, KVTransport
 from pdserve.node.affinity import format_cpu_list
 from pdserve.node.config import NodeConfig
-from pdserve.node.core import CoreAddresses, CoreHooks
+from pdserve.node.core import CoreAddresses
+from pdserve.node.core_part import CoreHandler, CorePart, ToFront
 from pdserve.node.messages import (CoreFailed, CoreStarted, Message, MessageError, Shutdown, StatsData, StatsPush,
                                    StatsQuery, StatsReply, decode, encode)
 from pdserve.node.stats import build_stats
 
 logger = logging.getLogger(__name__)
-
-Emit = Callable[[Message], None]
-
-
-class CoreHandler(Protocol):
-    """What differs between a prefill core and a decode core."""
-
-    def handle(self, msg: Message) -> None:
-        """A request-level message from the front (submit / abort)."""
-
-    def after_step(self, outputs: list[EngineCoreOutput]) -> None:
-        """The engine just stepped (possibly sampling nothing)."""
-
-    def poll(self, now: float) -> None:
-        """Advance transfers, take done messages, enforce leases."""
-
-    def wants_fast_poll(self) -> bool:
-        """Is something outstanding that only polling advances, and soon (push acknowledgements)?"""
-
-    def reserved_blocks(self) -> int:
-        """Blocks held outside the scheduler (reservations, blocks being sent)."""
-
 
 def kv_cache_spec(config: NodeConfig, engine: EngineCore) -> KVCacheSpec:
     """The fingerprint names the model by its folder's name, so nodes on machines with
@@ -85,7 +61,7 @@ class StopFlag:
         self.is_set = True
 
 
-def core_main(config: NodeConfig, addresses: CoreAddresses, hooks: CoreHooks, front_pid: int) -> None:
+def core_main(config: NodeConfig, addresses: CoreAddresses, part: CorePart, front_pid: int) -> None:
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {config.kind}-core %(levelname)s %(message)s")
     # The front owns shutdown: Ctrl-C reaches the whole process group and the front answers
     # it with Shutdown. SIGTERM (a group kill) ends the loop cleanly, transport closed.
@@ -99,18 +75,17 @@ def core_main(config: NodeConfig, addresses: CoreAddresses, hooks: CoreHooks, fr
     outbox.setsockopt(zmq.SNDHWM, 0)  # never block the loop on a slow front
     outbox.connect(addresses.from_core)
 
-    def emit(msg: Message) -> None:
+    def to_front(msg: Message) -> None:
         outbox.send(encode(msg))
 
     transport: KVTransport | None = None
     exit_code = 0
     try:
-        engine, transport, handler = _build(config, importlib.import_module(hooks.module), hooks.uses_kv_transport,
-                                            emit)
-        _CoreLoop(config, engine, transport, handler, inbox, emit, front_pid, stop).run()
+        engine, transport, handler = _build(config, part, to_front)
+        _CoreLoop(config, engine, transport, handler, inbox, to_front, front_pid, stop).run()
     except Exception as exc:  # startup or loop failure: tell the front, then exit
         logger.exception("engine core failed")
-        emit(CoreFailed(f"{type(exc).__name__}: {exc}"))
+        to_front(CoreFailed(f"{type(exc).__name__}: {exc}"))
         exit_code = 1
     finally:
         start = time.monotonic()
@@ -126,22 +101,21 @@ def core_main(config: NodeConfig, addresses: CoreAddresses, hooks: CoreHooks, fr
     os._exit(exit_code)
 
 
-def _build(config: NodeConfig, kind: ModuleType, uses_kv_transport: bool,
-           emit: Emit) -> tuple[EngineCore, KVTransport | None, CoreHandler]:
+def _build(config: NodeConfig, part: CorePart, to_front: ToFront) -> tuple[EngineCore, KVTransport | None, CoreHandler]:
     import torch
     from transformers.utils import logging as hf_logging
 
     # No progress bars in a server's log; their tqdm lock would also be a named semaphore
     # in this spawned process that `os._exit` leaves for the resource tracker to reap.
     hf_logging.disable_progress_bar()
-    engine = EngineCore(config.engine, kind.make_policy(config))
+    make_handler = part.load_handler_factory()  # before the model loads: a bad part fails fast
+    engine = EngineCore(config.engine, part.policy())
     # What the node really runs on (tests and operators read this line; cores as devices).
     logger.info("engine core on cpus %s with %d torch threads", format_cpu_list(os.sched_getaffinity(0)),
                 torch.get_num_threads())
-    transport, descriptor = _start_transport(config, engine) if uses_kv_transport else (None, None)
-    handler = kind.make_handler(config, engine, transport, descriptor, emit)
-    kv_descriptor = descriptor.to_bytes().decode() if descriptor is not None else ""
-    emit(CoreStarted(kv_descriptor=kv_descriptor, num_blocks=engine.num_blocks))
+    transport, descriptor = _start_transport(config, engine) if part.uses_kv_transport else (None, None)
+    handler = make_handler(config, engine, transport, descriptor, to_front)
+    to_front(CoreStarted())
     return engine, transport, handler
 
 
@@ -155,13 +129,13 @@ def _start_transport(config: NodeConfig, engine: EngineCore) -> tuple[KVTranspor
 
 class _CoreLoop:
     def __init__(self, config: NodeConfig, engine: EngineCore, transport: KVTransport | None, handler: CoreHandler,
-                 inbox: zmq.Socket, emit: Emit, front_pid: int, stop: StopFlag) -> None:
+                 inbox: zmq.Socket, to_front: ToFront, front_pid: int, stop: StopFlag) -> None:
         self.config = config
         self.engine = engine
         self.transport = transport
         self.handler = handler
         self.inbox = inbox
-        self.emit = emit
+        self.to_front = to_front
         self.front_pid = front_pid
         self.stop = stop
         # The transport's thread wakes an idle loop the moment a done message lands.
@@ -219,7 +193,7 @@ class _CoreLoop:
             if isinstance(msg, Shutdown):
                 return False
             if isinstance(msg, StatsQuery):
-                self.emit(StatsReply(msg.query_id, self._snapshot()))
+                self.to_front(StatsReply(msg.query_id, self._snapshot()))
                 continue
             self.handler.handle(msg)
 
@@ -235,13 +209,13 @@ class _CoreLoop:
         self._stalled = self.engine.has_unfinished() and not self.engine.scheduler.running
 
     def _snapshot(self) -> StatsData:
-        return build_stats(self.config.kind, self.engine, self.transport, self.handler.reserved_blocks())
+        return build_stats(self.config.kind, self.engine, self.transport, self.handler.num_blocks_outside_scheduler())
 
     def _push_stats(self, now: float) -> None:
         if now - self._stats_pushed_at < self.config.stats_push_interval_s:
             return
         self._stats_pushed_at = now
-        self.emit(StatsPush(self._snapshot()))
+        self.to_front(StatsPush(self._snapshot()))
 
     def _wake(self) -> None:
         try:

@@ -5,9 +5,11 @@ name. Every message is a dataclass of JSON-native fields; the few nested values
 (sampling params, logprobs, error codes, stats) are rebuilt by their class's
 `from_json`. A request's life over these messages:
 
-    prefill: front ─PrefillSubmit─▶ core ─FirstToken | RequestFailed─▶ front
-    decode:  front ─DecodeSubmit─▶ core ─Ready─▶ front, then ─Tokens…(last: finish_reason)─▶
-             or ─RequestFailed─▶ at any point
+    prefill:   front ─PrefillSubmit─▶ core ─FirstToken | RequestFailed─▶ front
+    decode:    front ─StreamSubmit─▶ core ─Ready─▶ front, then ─Tokens…(last: finish_reason)─▶
+               or ─RequestFailed─▶ at any point
+    colocated: front ─StreamSubmit─▶ core ─Tokens…(last: finish_reason)─▶ front,
+               or ─RequestFailed─▶ at any point
     either:  front ─Abort─▶ core (the caller went away; no answer)
     stats:   core ─StatsPush─▶ front, unasked, at most every stats_push_interval_s (the
              front caches it for heartbeats); front ─StatsQuery─▶ core ─StatsReply─▶ front
@@ -23,6 +25,7 @@ from dataclasses import dataclass, field, fields, is_dataclass
 from typing import Any
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer.counters import TransferStats
 from pdserve.node.errors import ErrorCode
 
 
@@ -75,17 +78,19 @@ class PrefillSubmit(_Message):
 
 
 @dataclass(slots=True)
-class DecodeSubmit(_Message):
+class StreamSubmit(_Message):
+    """A request whose tokens stream back (a decode or a colocated node)."""
+
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
     sample_index: int
-    # Tokens the sample already generated elsewhere (a resume): their KV arrives with the
-    # prompt's, and they count as output.
+    # Tokens the sample already generated elsewhere (a resume): they count as output, and
+    # their KV arrives with the prompt's (decode) or is computed with it (colocated).
     resumed_token_ids: list[int] = field(default_factory=list)
 
     @classmethod
-    def from_json(cls, body: dict[str, Any]) -> DecodeSubmit:
+    def from_json(cls, body: dict[str, Any]) -> StreamSubmit:
         return cls(**{**body, "params": _params(body["params"])})
 
 
@@ -107,8 +112,7 @@ class Shutdown(_Message):
 # -- core -> front -------------------------------------------------------------------
 @dataclass(slots=True)
 class CoreStarted(_Message):
-    kv_descriptor: str
-    num_blocks: int
+    """The core has loaded the model and registered its KV cache: it serves from now on."""
 
 
 @dataclass(slots=True)
@@ -163,24 +167,17 @@ class RequestFailed(_Message):
 
 
 @dataclass(slots=True)
-class TransferCounters:
-    bytes: int = 0
-    blocks: int = 0
-    transfers: int = 0
-    failures: int = 0
-    latency_s: float = 0.0
-
-
-@dataclass(slots=True)
 class StatsData:
     kind: str
     num_blocks: int
     used_blocks: int
+    # Named as NodeStats names it: blocks held outside the scheduler (a decode node's
+    # reservations awaiting KV, a prefill node's blocks awaiting push acknowledgements).
     reserved_blocks: int
     num_waiting: int
     num_running: int
     queued_prefill_tokens: int
-    kv_transfer: TransferCounters = field(default_factory=TransferCounters)
+    kv_transfer: TransferStats = field(default_factory=TransferStats)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
 
@@ -206,12 +203,12 @@ class StatsPush(_Message):
         return cls(stats=_stats(body["stats"]))
 
 
-Message = (PrefillSubmit | DecodeSubmit | Abort | StatsQuery | Shutdown | CoreStarted | CoreFailed
+Message = (PrefillSubmit | StreamSubmit | Abort | StatsQuery | Shutdown | CoreStarted | CoreFailed
            | Ready | FirstToken | Tokens | RequestFailed | StatsReply | StatsPush)
 
 _TYPES: dict[str, type[_Message]] = {
     cls.__name__: cls
-    for cls in (PrefillSubmit, DecodeSubmit, Abort, StatsQuery, Shutdown, CoreStarted, CoreFailed,
+    for cls in (PrefillSubmit, StreamSubmit, Abort, StatsQuery, Shutdown, CoreStarted, CoreFailed,
                 Ready, FirstToken, Tokens, RequestFailed, StatsReply, StatsPush)
 }
 
@@ -247,7 +244,7 @@ def _params(body: dict[str, Any]) -> SamplingParams:
 
 
 def _stats(body: dict[str, Any]) -> StatsData:
-    return StatsData(**{**body, "kv_transfer": TransferCounters(**body["kv_transfer"])})
+    return StatsData(**{**body, "kv_transfer": TransferStats(**body["kv_transfer"])})
 
 
 def _logprobs(body: dict[str, Any] | None) -> Logprobs | None:

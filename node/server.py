@@ -1,6 +1,6 @@
 """Running one node: core process + gRPC front + registration, until a signal.
 
-`run_node(argv, kind, hooks, add_servicer)` is the body of `pdserve prefill|decode|colocated`:
+`run_node(argv, kind, part, add_servicer)` is the body of `pdserve prefill|decode|colocated`:
 parse the flags, pin the process to `--cpus` (node/affinity.py), start the engine core (and wait for its model and KV cache), serve
 gRPC on `host:port` (port 0: the OS picks; the line `pdserve <kind> node listening on
 HOST:PORT` on stdout says which), serve Prometheus `/metrics` when `--metrics-port` is
@@ -19,31 +19,27 @@ import os
 import signal
 import sys
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import grpc
 import uvloop
 
 from pdserve.common.auth import server_interceptors, server_options
-from pdserve.engine.sampling_params import SamplingParams
 from pdserve.common.metrics_endpoint import MetricsEndpoint
 from pdserve.node.affinity import pin_to_cpus
 from pdserve.node.client import CoreClient
 from pdserve.node.config import NodeConfig, parse_node_args
-from pdserve.node.convert import params_from_proto, stats_to_proto, tokens_to_proto
-from pdserve.node.core import CoreHooks
-from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
-from pdserve.node.messages import DecodeSubmit, Ready, RequestFailed, Tokens
+from pdserve.node.core_part import CorePart
+from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.metrics import serve_node_metrics
 from pdserve.node.registration import run_registration
-from pdserve.proto import node_pb2
 
 logger = logging.getLogger(__name__)
 
 AddServicer = Callable[[grpc.aio.Server, CoreClient], None]
 
 
-def run_node(argv: list[str] | None, kind: str, hooks: CoreHooks, add_servicer: AddServicer) -> int:
+def run_node(argv: list[str] | None, kind: str, part: CorePart, add_servicer: AddServicer) -> int:
     config = parse_node_args(argv, kind, os.environ)
     try:
         pin_to_cpus(config.cpus)  # first: every thread and child of this process inherits it
@@ -51,11 +47,11 @@ def run_node(argv: list[str] | None, kind: str, hooks: CoreHooks, add_servicer: 
         print(f"pdserve {kind}: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind}-node %(levelname)s %(message)s")
-    return uvloop.run(serve_node(config, hooks, add_servicer))
+    return uvloop.run(serve_node(config, part, add_servicer))
 
 
-async def serve_node(config: NodeConfig, hooks: CoreHooks, add_servicer: AddServicer) -> int:
-    client = CoreClient(config, hooks)
+async def serve_node(config: NodeConfig, part: CorePart, add_servicer: AddServicer) -> int:
+    client = CoreClient(config, part)
     server: grpc.aio.Server | None = None
     registration: asyncio.Task | None = None
     metrics: MetricsEndpoint | None = None
@@ -114,62 +110,3 @@ async def _until_stopped(client: CoreClient) -> None:
     finally:
         for waiter in waiters:
             waiter.cancel()
-
-
-def request_params(request: node_pb2.DecodeRequest | node_pb2.PrefillRequest) -> SamplingParams:
-    """The request's id checked and its sampling params converted; bad ones are INVALID_ARGUMENT."""
-    if not request.request_id:
-        raise NodeError(ErrorCode.INVALID_ARGUMENT, "request_id must not be empty")
-    try:
-        return params_from_proto(request.sampling_params, request.seed)
-    except ValueError as exc:
-        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"sampling_params: {exc}") from exc
-
-
-def decode_submit(request: node_pb2.DecodeRequest) -> DecodeSubmit:
-    """What the core gets for a decode or colocated node's request (params checked as above)."""
-    params = request_params(request)
-    return DecodeSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
-                        sample_index=request.sample_index, resumed_token_ids=list(request.resumed_token_ids))
-
-
-async def stream_events(client: CoreClient, context: grpc.aio.ServicerContext,
-                        submit: DecodeSubmit) -> AsyncIterator[node_pb2.DecodeEvent]:
-    """A decode or colocated request's core messages as `DecodeEvent`s, until its last token.
-
-    A `RequestFailed` aborts the call with its code; a call that ends before the last
-    token (cancel, deadline, a client gone) aborts the request in the core.
-    """
-    try:
-        queue = client.open_stream(submit.req_id)
-    except NodeError as exc:
-        await abort_rpc(context, exc)
-    ended = False
-    try:
-        client.send(submit)
-        while not ended:
-            msg = await queue.get()
-            if isinstance(msg, RequestFailed):
-                ended = True
-                await abort_rpc(context, NodeError(msg.code, msg.message))
-            if isinstance(msg, Ready):
-                yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_descriptor=msg.kv_descriptor.encode(),
-                                                                block_ids=msg.block_ids))
-            elif isinstance(msg, Tokens):
-                ended = msg.finish_reason is not None
-                yield node_pb2.DecodeEvent(tokens=tokens_to_proto(msg))
-            else:
-                ended = True
-                await abort_rpc(context, NodeError(ErrorCode.INTERNAL, f"unexpected {type(msg).__name__}"))
-    finally:
-        client.close_stream(submit.req_id)
-        if not ended:
-            client.abort(submit.req_id)
-
-
-async def answer_stats(client: CoreClient, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
-    """Both node kinds' GetStats: a snapshot from the engine core."""
-    try:
-        return stats_to_proto(await client.stats())
-    except NodeError as exc:
-        await abort_rpc(context, exc)

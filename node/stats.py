@@ -20,7 +20,7 @@ from dataclasses import dataclass
 from pdserve.engine.engine_core import EngineCore
 from pdserve.kv_transfer import KVTransport, TransferStats
 from pdserve.node.errors import ErrorCode, NodeError
-from pdserve.node.messages import StatsData, TransferCounters
+from pdserve.node.messages import StatsData
 
 
 def queued_tokens(engine: EngineCore) -> int:
@@ -29,10 +29,13 @@ def queued_tokens(engine: EngineCore) -> int:
     return sum(r.num_tokens - r.num_computed_tokens for r in (*scheduler.waiting, *scheduler.running))
 
 
-def build_stats(kind: str, engine: EngineCore, transport: KVTransport | None, reserved_blocks: int) -> StatsData:
+def build_stats(kind: str, engine: EngineCore, transport: KVTransport | None,
+                num_blocks_outside_scheduler: int) -> StatsData:
     """A prefill node counts what it sent, a decode node what it received, a node without a
     transport (colocated) nothing. Queued tokens are the work a new prompt waits behind:
-    prefill and colocated nodes compute prompts, a decode node never does."""
+    prefill and colocated nodes compute prompts, a decode node never does. Blocks held
+    outside the scheduler (a decode node's reservations, a prefill node's blocks awaiting
+    push acknowledgements) are reported as `reserved_blocks`."""
     scheduler = engine.scheduler
     if transport is None:
         transfer = TransferStats()
@@ -43,19 +46,14 @@ def build_stats(kind: str, engine: EngineCore, transport: KVTransport | None, re
         kind=kind,
         num_blocks=pool.num_blocks,
         used_blocks=pool.num_used_blocks,
-        reserved_blocks=reserved_blocks,
+        reserved_blocks=num_blocks_outside_scheduler,
         num_waiting=len(scheduler.waiting),
         num_running=len(scheduler.running),
         queued_prefill_tokens=queued_tokens(engine) if kind != "decode" else 0,
-        kv_transfer=_counters(transfer),
+        kv_transfer=transfer,
         prefix_cache_queries=pool.stats.queries,
         prefix_cache_hits=pool.stats.hits,
     )
-
-
-def _counters(stats: TransferStats) -> TransferCounters:
-    return TransferCounters(bytes=stats.bytes, blocks=stats.blocks, transfers=stats.transfers,
-                            failures=stats.failures, latency_s=stats.latency_s)
 
 
 @dataclass(frozen=True)

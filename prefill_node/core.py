@@ -1,11 +1,12 @@
 """The prefill node's part of the engine core: admit prefills, export their KV.
 
-`make_policy` / `make_handler` are the hooks the core process calls (node/core.py).
-`PrefillCore.handle` checks a `PrefillSubmit` against the decode node's descriptor
-(its block ids must name exactly one reserved block per prompt block, inside its
-cache) and against the queue bounds (RESOURCE_EXHAUSTED at once when full), adds the
-request to the engine (prefill-only policy) and hands it to the exporter; everything
-after that is the exporter's.
+`make_handler` builds it in the engine-core process (the front names it in its `CorePart`,
+prefill_node/server.py). `PrefillCore.handle` checks a `PrefillSubmit` against the
+decode node's descriptor (its block ids must name exactly one reserved block per prompt
+block, inside its cache: INVALID_ARGUMENT otherwise) and against the queue bounds
+(RESOURCE_EXHAUSTED at once when full), adds the request to the engine (prefill-only
+policy: RESOURCE_EXHAUSTED if its KV can never fit here) and hands it to the exporter;
+everything after that, the hand-off of its KV to the decode node, is the exporter's.
 
 Must never: answer a request itself once the exporter has it, or free blocks.
 """
@@ -17,27 +18,27 @@ import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from pdserve.engine.engine_core import EngineCore, EngineCoreOutput, RequestRejected
-from pdserve.engine.policy import SchedulingPolicy
+from pdserve.engine.admission import RequestRejected
+from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import KVDescriptor, KVTransport
 from pdserve.node.config import NodeConfig
-from pdserve.node.core_loop import Emit
-from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.core_part import ToFront
+from pdserve.node.errors import ErrorCode, NodeError, rejection_error
 from pdserve.node.messages import Abort, Message, PrefillSubmit, RequestFailed
 from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
 from pdserve.prefill_node.exporter import KVExporter
 from pdserve.prefill_node.peers import PeerConnections
-from pdserve.prefill_node.policy import PrefillPolicy
 
 logger = logging.getLogger(__name__)
 
 
 class PrefillCore:
-    def __init__(self, engine: EngineCore, exporter: KVExporter, emit: Emit, bounds: QueueBounds = UNBOUNDED) -> None:
+    def __init__(self, engine: EngineCore, exporter: KVExporter, to_front: ToFront,
+                 bounds: QueueBounds = UNBOUNDED) -> None:
         self.engine = engine
         self.exporter = exporter
-        self.emit = emit
+        self.to_front = to_front
         self.bounds = bounds
 
     def handle(self, msg: Message) -> None:
@@ -45,7 +46,7 @@ class PrefillCore:
             try:
                 self._submit(msg)
             except NodeError as exc:
-                self.emit(RequestFailed(msg.req_id, exc.code, exc.message))
+                self.to_front(RequestFailed(msg.req_id, exc.code, exc.message))
         elif isinstance(msg, Abort):
             self.exporter.abort(msg.req_id)
         else:
@@ -64,7 +65,7 @@ class PrefillCore:
                                               prefill_params(msg.params, len(msg.resumed_token_ids)),
                                               msg.sample_index, msg.resumed_token_ids)
         except RequestRejected as exc:
-            raise NodeError(ErrorCode.INVALID_ARGUMENT, str(exc)) from exc
+            raise rejection_error(exc) from exc
         self.exporter.track(request, descriptor, msg.dst_block_ids, time.monotonic())
 
     def after_step(self, outputs: list[EngineCoreOutput]) -> None:
@@ -76,8 +77,8 @@ class PrefillCore:
     def wants_fast_poll(self) -> bool:
         return self.exporter.has_pending()  # push acks arrive without waking the loop
 
-    def reserved_blocks(self) -> int:
-        return self.exporter.held_blocks()
+    def num_blocks_outside_scheduler(self) -> int:
+        return self.exporter.num_held_blocks()
 
 
 def prefill_params(params: SamplingParams, num_resumed: int = 0) -> SamplingParams:
@@ -110,16 +111,11 @@ def _check_dst_blocks(msg: PrefillSubmit, descriptor: KVDescriptor, num_needed: 
                                                     f"[0, {descriptor.num_blocks})")
 
 
-def make_policy(config: NodeConfig) -> SchedulingPolicy:
-    return PrefillPolicy()
-
-
 def make_handler(config: NodeConfig, engine: EngineCore, transport: KVTransport, descriptor: KVDescriptor,
-                 emit: Emit) -> PrefillCore:
-    policy = engine.scheduler.policy
-    if not isinstance(policy, PrefillPolicy):
-        raise TypeError(f"a prefill core needs the PrefillPolicy, got {type(policy).__name__}")
+                 to_front: ToFront) -> PrefillCore:
+    if not engine.policy.hands_off_after_first_token():  # the exporter takes requests at token 1
+        raise TypeError(f"a prefill core needs a hand-off policy, got {type(engine.policy).__name__}")
     # One worker: connecting to a new decode node never stalls the step loop.
     peers = PeerConnections(transport, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-kv-connect"))
-    exporter = KVExporter(engine, policy, transport, peers, config.lease_s, emit)
-    return PrefillCore(engine, exporter, emit, QueueBounds(config.max_waiting_requests, config.max_queued_tokens))
+    exporter = KVExporter(engine, transport, peers, config.lease_s, to_front)
+    return PrefillCore(engine, exporter, to_front, QueueBounds(config.max_waiting_requests, config.max_queued_tokens))

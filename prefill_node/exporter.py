@@ -1,50 +1,50 @@
 """The KV exporter of a prefill node: moves each request's KV into its decode node's blocks.
 
-One request's export (the core drives it: `track`, `after_step`, `abort`, `poll`):
+One request's export, in the hand-off states of node/handoff.py (the core drives it:
+`track`, `after_step`, `abort`, `poll`; `_move` is the one place that changes a state):
 
-    track ─▶ PREFILLING ── after every engine step, push the blocks that became full
-               │            since the last push (src: this node's block ids, dst: the
-               │            decode node's reserved ids at the same positions)
-               ▼ token 1 sampled (the prefill policy hands over the request's blocks)
-             SENDING ───── push the rest (incl. the partial last block), then
-               │            send_done(token 1 + logprobs), queued behind the pushes
-               ▼ every handle SUCCESS
-             free this node's blocks, FirstToken ─▶ gone
+    track ─▶ BOOTSTRAPPING ──── the connection to the decode node is being made (off the
+               │                 step loop); the engine computes the prompt meanwhile
+               ▼ connected
+             WAITING_FOR_INPUT ─ after every engine step, push the blocks that became full
+               │                 since the last push (src: this node's block ids, dst: the
+               │                 decode node's reserved ids at the same positions)
+               ▼ token 1 sampled: the engine hands the request off, its blocks in the output;
+               │ the rest is pushed (incl. the partial last block), then
+               │ send_done(token 1 + logprobs), queued behind the pushes
+             TRANSFERRING ────── waiting for every push and the done message to be acknowledged
+               ▼ all acknowledged
+             SUCCESS ─────────── FirstToken to the front, this node's blocks freed ─▶ gone
 
-    connect failure, a FAILED handle, the lease, or abort ─▶ ABORTING: the engine drops
-    the request, the decode node gets an "aborted" done message (behind the pushes, so
-    it knows nothing more will land), the RPC fails (FAILED_PRECONDITION for mismatched
-    KV caches, UNAVAILABLE otherwise; nothing when the caller itself cancelled), and the
-    blocks are freed once no push can still be reading them ─▶ gone
+    a failed connection, a FAILED push, the lease, or the caller's abort while the engine
+    still has the request ─▶ FAILED: the engine lets go of the request (its blocks come
+    here, still held), the decode node gets an "aborted" done message once connected
+    (behind the pushes, so it knows nothing more will land), the RPC fails
+    (FAILED_PRECONDITION for mismatched KV caches, UNAVAILABLE otherwise; nothing when the
+    caller itself went away), and the blocks are freed once no push can still read them
+    ─▶ gone. An abort after token 1 only silences the answer: the transfer completes.
 
 A preempted request (recompute) starts pushing again from block 0; pushes on one
 connection land in order, so the recomputed bytes overwrite anything stale.
 
-Must never: free a block a push may still read, block on the network, or answer an
-RPC twice.
+Must never: free a block a push may still read, or free one twice; block on the network;
+answer an RPC twice.
 """
 
 from __future__ import annotations
 
-import enum
 from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
-from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.request import Request
 from pdserve.kv_transfer import KVDescriptor, KVTransferError, KVTransport, TransferHandle, TransferState
-from pdserve.node.core_loop import Emit
+from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.handoff import PREFILL_MOVES, HandoffState, OnMove
 from pdserve.node.kv_done import DoneStatus, KVDone
 from pdserve.node.messages import FirstToken, Logprobs, RequestFailed
 from pdserve.prefill_node.peers import PeerConnections
-from pdserve.prefill_node.policy import PrefillPolicy
-
-
-class ExportPhase(enum.Enum):
-    PREFILLING = "prefilling"
-    SENDING = "sending"
-    ABORTING = "aborting"
 
 
 @dataclass(slots=True, eq=False)
@@ -54,23 +54,25 @@ class Export:
     dst_block_ids: list[int]
     arrived_at: float
     deadline: float
-    phase: ExportPhase = ExportPhase.PREFILLING
-    peer_id: str | None = None  # the transport's name for the peer, once connected
-    peer_failed: bool = False  # the connection could not be made: nothing was ever sent
+    state: HandoffState = PREFILL_MOVES.first
+    peer_id: str | None = None  # the transport's name for the decode node, once connected
+    peer_error: NodeError | None = None  # the connection failed: nothing was ever sent
     num_pushed: int = 0  # leading blocks pushed (or being pushed)
     preemptions_seen: int = 0
-    handles: list[TransferHandle] = field(default_factory=list)
+    handles: list[TransferHandle] = field(default_factory=list)  # pushes and the done message, none failed
     blocks: list[KVBlock] | None = None  # held here once the engine let go of the request
-    first: EngineCoreOutput | None = None
+    first: EngineCoreOutput | None = None  # token 1, once the engine handed the request off
     first_at: float = 0.0
-    flushed: bool = False  # the rest pushed and the done message queued
-    abort_sent: bool = False
-    transfer_failed: bool = False  # a push failed: the connection is broken and was forgotten
-    reply: bool = True  # False once the RPC is answered or its caller went away
+    answer_caller: bool = True  # False once the RPC is answered or its caller went away
 
     @property
     def req_id(self) -> str:
         return self.request.req_id
+
+    @property
+    def peer_resolved(self) -> bool:
+        """Has the connection attempt ended (connected, or failed)?"""
+        return self.peer_id is not None or self.peer_error is not None
 
 
 def plan_push(num_pushed: int, num_ready: int, src_block_ids: list[int],
@@ -83,14 +85,14 @@ def plan_push(num_pushed: int, num_ready: int, src_block_ids: list[int],
 
 
 class KVExporter:
-    def __init__(self, engine: EngineCore, policy: PrefillPolicy, transport: KVTransport, peers: PeerConnections,
-                 lease_s: float, emit: Emit) -> None:
+    def __init__(self, engine: EngineCore, transport: KVTransport, peers: PeerConnections, lease_s: float,
+                 to_front: ToFront, on_move: OnMove | None = None) -> None:
         self.engine = engine
-        self.policy = policy
         self.transport = transport
         self.peers = peers
         self.lease_s = lease_s
-        self.emit = emit
+        self.to_front = to_front
+        self.on_move = on_move
         self.block_size = engine.kv.block_size
         self._exports: dict[str, Export] = {}
 
@@ -100,64 +102,80 @@ class KVExporter:
     def is_tracking(self, req_id: str) -> bool:
         return req_id in self._exports
 
-    def held_blocks(self) -> int:
-        """Blocks of finished or aborted requests still held for their pushes."""
+    def num_held_blocks(self) -> int:
+        """Blocks of handed-off or aborted requests still held for their pushes."""
         return sum(len(e.blocks) for e in self._exports.values() if e.blocks)
 
     def track(self, request: Request, descriptor: KVDescriptor, dst_block_ids: list[int], now: float) -> None:
-        key = self.peers.request(descriptor)
-        self._exports[request.req_id] = Export(request, key, list(dst_block_ids), now, now + self.lease_s)
+        export = Export(request, self.peers.request(descriptor), list(dst_block_ids), now, now + self.lease_s)
+        self._exports[request.req_id] = export
+        if self.on_move is not None:
+            self.on_move(request.req_id, export.state)
 
     def after_step(self, outputs: list[EngineCoreOutput], now: float) -> None:
-        self._take_released()
         for out in outputs:
             export = self._exports.get(out.req_id)
-            if export is not None and export.phase is ExportPhase.PREFILLING:
-                export.first, export.first_at, export.phase = out, now, ExportPhase.SENDING
+            if export is None:  # not exported (cannot happen through the core): free at once
+                self.engine.kv.pool.free(reversed(out.handoff_blocks or []))
+                continue
+            export.first, export.first_at, export.blocks = out, now, out.handoff_blocks
         for export in list(self._exports.values()):
             self._advance(export)
 
     def abort(self, req_id: str) -> None:
-        """The caller went away: stop the request (blocks are freed once pushes end)."""
+        """The caller went away: stop computing the request (its blocks are freed once pushes end)."""
         export = self._exports.get(req_id)
         if export is None:
             return
-        export.reply = False
-        if export.phase is ExportPhase.PREFILLING:
+        export.answer_caller = False
+        if export.blocks is None:  # still in the engine; after token 1 the transfer just completes
             self._fail(export, None)
 
     def poll(self, now: float) -> None:
-        self._take_released()
         for export in list(self._exports.values()):
             self._advance(export)
             self._check(export, now)
         self.peers.prune_failed()
 
+    # -- the one place a state changes ---------------------------------------------------
+    def _move(self, export: Export, state: HandoffState) -> None:
+        PREFILL_MOVES.check(export.req_id, export.state, state)
+        export.state = state
+        if self.on_move is not None:
+            self.on_move(export.req_id, state)
+
     # -- pushing -----------------------------------------------------------------------
     def _advance(self, export: Export) -> None:
-        if export.peer_id is None and not self._resolve_peer(export):
+        if not export.peer_resolved:
+            self._connect(export)
+        if export.state is not HandoffState.WAITING_FOR_INPUT:
             return
-        if export.phase is ExportPhase.PREFILLING:
-            request = export.request
-            if request.num_preemptions != export.preemptions_seen:
-                export.preemptions_seen, export.num_pushed = request.num_preemptions, 0
-            num_full = request.num_computed_tokens // self.block_size
-            self._push(export, self.engine.kv.block_ids(export.req_id), num_full)
-        elif export.phase is ExportPhase.SENDING and not export.flushed:
+        if export.first is None:
+            self._push_computed(export)
+        else:
             self._flush(export)
-        elif export.phase is ExportPhase.ABORTING:
-            self._send_abort(export)
 
-    def _resolve_peer(self, export: Export) -> bool:
+    def _connect(self, export: Export) -> None:
         peer_id, error = self.peers.state(export.peer_key)
         if error is not None:
-            export.peer_failed = True
+            export.peer_error = error
             self._fail(export, error)
-        export.peer_id = peer_id
-        return peer_id is not None
+        elif peer_id is not None:
+            export.peer_id = peer_id
+            if export.state is HandoffState.FAILED:  # it failed while connecting: tell the decode node now
+                self._send_abort(export)
+            else:
+                self._move(export, HandoffState.WAITING_FOR_INPUT)
+
+    def _push_computed(self, export: Export) -> None:
+        request = export.request
+        if request.num_preemptions != export.preemptions_seen:
+            export.preemptions_seen, export.num_pushed = request.num_preemptions, 0
+        num_full = request.num_computed_tokens // self.block_size
+        self._push(export, self.engine.kv.block_ids(export.req_id), num_full)
 
     def _flush(self, export: Export) -> None:
-        assert export.blocks is not None and export.first is not None  # set together with SENDING
+        assert export.blocks is not None and export.first is not None  # set together by the hand-off
         if not self._push(export, [b.block_id for b in export.blocks], len(export.dst_block_ids)):
             return
         done = KVDone(DoneStatus.OK, export.first.new_token_id, Logprobs.of(export.first.logprobs))
@@ -166,7 +184,7 @@ class KVExporter:
         except (KVTransferError, ValueError) as exc:
             self._fail(export, NodeError(ErrorCode.UNAVAILABLE, f"cannot send the KV done message: {exc}"))
             return
-        export.flushed = True
+        self._move(export, HandoffState.TRANSFERRING)
 
     def _push(self, export: Export, src_block_ids: list[int], num_ready: int) -> bool:
         try:
@@ -180,9 +198,6 @@ class KVExporter:
         return True
 
     def _send_abort(self, export: Export) -> None:
-        if export.abort_sent or export.peer_id is None:
-            return
-        export.abort_sent = True
         try:
             self.transport.send_done(export.req_id, KVDone(DoneStatus.ABORTED).to_bytes(), peer=export.peer_id)
         except (KVTransferError, ValueError):
@@ -190,41 +205,43 @@ class KVExporter:
 
     # -- ending ------------------------------------------------------------------------
     def _fail(self, export: Export, error: NodeError | None) -> None:
-        if export.phase is ExportPhase.ABORTING:
+        if export.state is HandoffState.FAILED:
             return
-        if export.phase is ExportPhase.PREFILLING:
-            self.engine.abort(export.req_id)
-            self._take_released()
-        export.phase = ExportPhase.ABORTING
-        if error is not None and export.reply:
-            self.emit(RequestFailed(export.req_id, error.code, error.message))
-        export.reply = False
-        self._send_abort(export)
+        if export.blocks is None:
+            export.blocks = self.engine.detach(export.req_id)  # held: pushes may still read them
+        self._move(export, HandoffState.FAILED)
+        if error is not None and export.answer_caller:
+            self.to_front(RequestFailed(export.req_id, error.code, error.message))
+        export.answer_caller = False
+        if export.peer_id is not None:  # else `_connect` tells the decode node once connected
+            self._send_abort(export)
 
     def _check(self, export: Export, now: float) -> None:
-        failed = next((h for h in export.handles if h.poll() is TransferState.FAILED), None)
-        if failed is not None and not export.transfer_failed:
-            # Even when the lease already aborted the export: a broken connection is forgotten,
-            # or every later request to that decode node would fail on it.
-            export.transfer_failed = True
+        failed = [h for h in export.handles if h.poll() is TransferState.FAILED]
+        if failed:
+            # Each failed handle is seen once: the broken connection is forgotten once, even when
+            # the lease already failed the export, or every later request to that decode node
+            # would fail on it; a connection made afresh in the meantime stays.
+            export.handles = [h for h in export.handles if h not in failed]
             self.peers.forget(export.peer_key)
             self._fail(export, NodeError(ErrorCode.UNAVAILABLE, f"KV transfer to {export.peer_key} failed: "
-                                                                f"{failed.error}"))
-        elif now > export.deadline and export.phase is not ExportPhase.ABORTING:
+                                                                f"{failed[0].error}"))
+        elif now > export.deadline and export.state is not HandoffState.FAILED:
             self._fail(export, NodeError(ErrorCode.UNAVAILABLE, f"the decode node did not acknowledge the KV "
                                                                 f"within the {self.lease_s}s lease"))
-        if not all(h.done for h in export.handles) or export.blocks is None:
+        if not all(h.done for h in export.handles):
             return
-        if export.phase is ExportPhase.SENDING and export.flushed:
+        if export.state is HandoffState.TRANSFERRING:
             self._succeed(export)
-        elif export.phase is ExportPhase.ABORTING and (export.abort_sent or export.peer_failed):
+        elif export.state is HandoffState.FAILED and export.peer_resolved:
             self._release(export)
 
     def _succeed(self, export: Export) -> None:
-        assert export.first is not None
+        assert export.first is not None  # TRANSFERRING follows the hand-off
+        self._move(export, HandoffState.SUCCESS)
         finished = [h.finished_at for h in export.handles if h.finished_at is not None]
-        if export.reply:
-            self.emit(FirstToken(
+        if export.answer_caller:
+            self.to_front(FirstToken(
                 req_id=export.req_id,
                 token_id=export.first.new_token_id,
                 logprobs=Logprobs.of(export.first.logprobs),
@@ -236,16 +253,7 @@ class KVExporter:
         self._release(export)
 
     def _release(self, export: Export) -> None:
+        """The one place an export's blocks are freed: it leaves the table with them."""
         del self._exports[export.req_id]
         if export.blocks:
             self.engine.kv.pool.free(reversed(export.blocks))
-
-    def _take_released(self) -> None:
-        for request, blocks in self.policy.drain_released():
-            export = self._exports.get(request.req_id)
-            if export is None:  # not exported (cannot happen through the core): free at once
-                self.engine.kv.pool.free(reversed(blocks))
-                continue
-            export.blocks = blocks
-            if request.finish_reason is FinishReason.ABORT and export.phase is ExportPhase.PREFILLING:
-                export.phase = ExportPhase.ABORTING

@@ -1,32 +1,16 @@
-"""The prefill-only scheduling policy.
+"""The prefill-only scheduling policy: a request leaves the engine at its first token.
 
-A request ends at its first sampled token, and its blocks are not freed then: they
-are handed to the KV exporter (through `drain_released`), which frees them once every
-push reading them has finished. Must never: free a block itself.
+The engine hands the request off instead of finishing it: the step's output for that
+token carries the request's blocks, still referenced (`EngineCoreOutput.handoff_blocks`),
+and the KV exporter frees them once every push reading them has finished. Whether token
+1 stops the request is for the decode node to say. Must never: free a block, or hold one.
 """
 
 from __future__ import annotations
 
-from pdserve.engine.block_pool import KVBlock
-from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.policy import SchedulingPolicy
-from pdserve.engine.request import Request
 
 
 class PrefillPolicy(SchedulingPolicy):
-    name = "prefill"
-
-    def __init__(self) -> None:
-        self._released: list[tuple[Request, list[KVBlock]]] = []
-
-    def finishes_after_first_token(self) -> bool:
+    def hands_off_after_first_token(self) -> bool:
         return True
-
-    def release_blocks(self, request: Request, kv: KVCacheManager) -> None:
-        """Detach the blocks (still referenced) and queue them for the exporter."""
-        self._released.append((request, kv.take_blocks(request)))
-
-    def drain_released(self) -> list[tuple[Request, list[KVBlock]]]:
-        """Requests that ended since the last call, with the blocks they held, in order."""
-        released, self._released = self._released, []
-        return released

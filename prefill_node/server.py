@@ -15,17 +15,18 @@ import grpc
 
 from pdserve.node.client import CoreClient
 from pdserve.node.convert import logprobs_to_proto
-from pdserve.node.core import CoreHooks
+from pdserve.node.core_part import CorePart
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import FirstToken, PrefillSubmit, RequestFailed
-from pdserve.node.server import answer_stats, request_params, run_node
+from pdserve.node.server import run_node
+from pdserve.node.servicers import NodeServicer, request_params
+from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.proto import node_pb2, node_pb2_grpc
 
+CORE = CorePart(PrefillPolicy, "pdserve.prefill_node.core:make_handler")
 
-class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
-    def __init__(self, client: CoreClient) -> None:
-        self.client = client
 
+class PrefillServicer(NodeServicer):
     async def Prefill(self, request: node_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> node_pb2.PrefillResponse:
         try:
@@ -47,9 +48,6 @@ class PrefillServicer(node_pb2_grpc.PrefillNodeServicer):
             self.client.close_stream(submit.req_id)
             if not answered:
                 self.client.abort(submit.req_id)
-
-    async def GetStats(self, request: node_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
-        return await answer_stats(self.client, context)
 
 
 def _submit(request: node_pb2.PrefillRequest) -> PrefillSubmit:
@@ -78,7 +76,7 @@ def _add_servicer(server: grpc.aio.Server, client: CoreClient) -> None:
 
 
 def main(argv: list[str] | None = None) -> int:
-    return run_node(argv, "prefill", CoreHooks("pdserve.prefill_node.core"), _add_servicer)
+    return run_node(argv, "prefill", CORE, _add_servicer)
 
 
 if __name__ == "__main__":

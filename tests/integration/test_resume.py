@@ -19,7 +19,7 @@ from pdserve.engine.engine_core import EngineCore, RequestRejected
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.node.messages import DecodeSubmit, FirstToken, PrefillSubmit, Ready
+from pdserve.node.messages import StreamSubmit, FirstToken, PrefillSubmit, Ready
 
 from tests.integration.reference import assert_matches, greedy_references
 from tests.unit.node_pair import BLOCK_SIZE, Pair
@@ -41,7 +41,7 @@ def run_resumed(model, req_id: str, prompt: list[int], params: SamplingParams, r
                 sample_index: int = 0) -> list[int]:
     """Every token after `resumed` that a fresh prefill + decode pair produces."""
     pair = Pair(*model)
-    pair.decode.handle(DecodeSubmit(req_id, prompt, params, sample_index, resumed))
+    pair.decode.handle(StreamSubmit(req_id, prompt, params, sample_index, resumed))
     ready = pair.d_out.pop()
     assert isinstance(ready, Ready), ready
     assert len(ready.block_ids) == -(-(len(prompt) + len(resumed)) // BLOCK_SIZE)

@@ -3,22 +3,29 @@
 The same handler objects the node processes run (PrefillCore with its KVExporter,
 DecodeCore with its ReservationTable), driven step by step by the test instead of the
 core loop, on tiny real engines sharing one loaded model. Nothing here spawns or sleeps.
+Every hand-off state each side enters is recorded (`p_moves`, `d_moves`), and so is
+every block reference each pool hands out and takes back (`p_ledger`, `d_ledger`).
 """
 
 from __future__ import annotations
 
 import time
+from collections import Counter, defaultdict
+from collections.abc import Callable, Iterable
+from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
 from pdserve.decode_node.core import DecodeCore
 from pdserve.decode_node.reservations import ReservationTable
+from pdserve.engine.block_pool import BlockPool, KVBlock
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.model_loader import LoadedModel
-from pdserve.engine.policy import SchedulingPolicy
+from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import InProcessFabric, InProcessTransport, KVCacheSpec
-from pdserve.node.messages import DecodeSubmit, FirstToken, Message, PrefillSubmit, Ready, RequestFailed, Tokens
+from pdserve.node.handoff import HandoffState
+from pdserve.node.messages import StreamSubmit, FirstToken, Message, PrefillSubmit, Ready, RequestFailed, Tokens
 from pdserve.prefill_node.core import PrefillCore
 from pdserve.prefill_node.exporter import KVExporter
 from pdserve.prefill_node.peers import PeerConnections
@@ -41,6 +48,59 @@ def block_bytes(loaded: LoadedModel) -> int:
     return 2 * loaded.num_layers * loaded.num_kv_heads * BLOCK_SIZE * loaded.head_dim * 4
 
 
+class BlockLedger:
+    """Counts, per block id, the references a pool hands out (allocate, touch) and takes back (free).
+
+    The pool itself refuses a free past zero; `balanced()` adds that every reference taken
+    was given back: each block freed exactly as often as it was taken, none left held.
+    """
+
+    def __init__(self, pool: BlockPool) -> None:
+        self.taken: Counter[int] = Counter()
+        self.dropped: Counter[int] = Counter()
+        allocate, touch, free = pool.allocate, pool.touch, pool.free
+
+        def counting_allocate(num: int) -> list[KVBlock] | None:
+            blocks = allocate(num)
+            self.taken.update(b.block_id for b in blocks or ())
+            return blocks
+
+        def counting_touch(blocks: Iterable[KVBlock]) -> None:
+            blocks = list(blocks)
+            self.taken.update(b.block_id for b in blocks)
+            touch(blocks)
+
+        def counting_free(blocks: Iterable[KVBlock]) -> None:
+            blocks = list(blocks)
+            self.dropped.update(b.block_id for b in blocks)
+            free(blocks)
+
+        pool.allocate, pool.touch, pool.free = counting_allocate, counting_touch, counting_free
+
+    def balanced(self) -> bool:
+        return self.taken == self.dropped
+
+
+class ManualExecutor(Executor):
+    """Connects only when the test says so: a prefill node's connection still being made."""
+
+    def __init__(self) -> None:
+        self._pending: list[tuple[Future, Callable[[], object]]] = []
+
+    def submit(self, fn, /, *args, **kwargs) -> Future:
+        future: Future = Future()
+        self._pending.append((future, lambda: fn(*args, **kwargs)))
+        return future
+
+    def run_pending(self) -> None:
+        pending, self._pending = self._pending, []
+        for future, call in pending:
+            try:
+                future.set_result(call())
+            except Exception as exc:  # reported through the future, like a worker thread's failure
+                future.set_exception(exc)
+
+
 @dataclass
 class Pair:
     model_dir: str
@@ -49,29 +109,32 @@ class Pair:
     d_blocks: int = 64
     lease_s: float = 30.0
     d_model_name: str = "tiny"  # another name: a fingerprint mismatch
+    connector: Executor | None = None  # None: P connects at once (on the test's thread)
     p_out: list[Message] = field(default_factory=list)
     d_out: list[Message] = field(default_factory=list)
+    p_moves: defaultdict[str, list[HandoffState]] = field(default_factory=lambda: defaultdict(list))
+    d_moves: defaultdict[str, list[HandoffState]] = field(default_factory=lambda: defaultdict(list))
 
     def __post_init__(self) -> None:
         self.fabric = InProcessFabric()
         self.p_engine = EngineCore(engine_config(self.model_dir, self.p_blocks), PrefillPolicy(), self.loaded)
-        self.d_engine = EngineCore(engine_config(self.model_dir, self.d_blocks), SchedulingPolicy(), self.loaded)
+        self.d_engine = EngineCore(engine_config(self.model_dir, self.d_blocks), ColocatedPolicy(), self.loaded)
+        self.p_ledger, self.d_ledger = BlockLedger(self.p_engine.kv.pool), BlockLedger(self.d_engine.kv.pool)
         self.p_tx = InProcessTransport("p", self.fabric)
         self.d_tx = InProcessTransport("d", self.fabric)
         runner_p, runner_d = self.p_engine.runner, self.d_engine.runner
         self.p_tx.register(runner_p.k_caches, runner_p.v_caches, cache_spec(self.loaded))
         d_desc = self.d_tx.register(runner_d.k_caches, runner_d.v_caches, cache_spec(self.loaded, self.d_model_name))
-        policy = self.p_engine.scheduler.policy
-        assert isinstance(policy, PrefillPolicy)
-        self.exporter = KVExporter(self.p_engine, policy, self.p_tx, PeerConnections(self.p_tx), self.lease_s,
-                                   self.p_out.append)
+        self.exporter = KVExporter(self.p_engine, self.p_tx, PeerConnections(self.p_tx, self.connector), self.lease_s,
+                                   self.p_out.append, lambda req_id, state: self.p_moves[req_id].append(state))
         self.prefill = PrefillCore(self.p_engine, self.exporter, self.p_out.append)
-        self.table = ReservationTable(self.d_engine, self.lease_s, 3 * self.lease_s)
+        self.table = ReservationTable(self.d_engine, self.lease_s, 3 * self.lease_s,
+                                      lambda req_id, state: self.d_moves[req_id].append(state))
         self.decode = DecodeCore(self.d_engine, self.d_tx, self.table, d_desc.to_bytes().decode(), self.d_out.append)
 
     # -- playing the router ---------------------------------------------------------
     def reserve(self, req_id: str, prompt: list[int], params: SamplingParams) -> Ready | RequestFailed:
-        self.decode.handle(DecodeSubmit(req_id, prompt, params, 0))
+        self.decode.handle(StreamSubmit(req_id, prompt, params, 0))
         reply = self.d_out.pop()
         assert isinstance(reply, (Ready, RequestFailed)) and reply.req_id == req_id
         return reply
@@ -120,3 +183,7 @@ class Pair:
 
     def used_blocks(self) -> tuple[int, int]:
         return self.p_engine.kv.num_used_blocks, self.d_engine.kv.num_used_blocks
+
+    def all_blocks_returned(self) -> bool:
+        """Zero blocks held on either side, each reference freed exactly once."""
+        return self.used_blocks() == (0, 0) and self.p_ledger.balanced() and self.d_ledger.balanced()

@@ -22,7 +22,7 @@ from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.config import NodeConfig, parse_node_args
 from pdserve.node.errors import ErrorCode
-from pdserve.node.messages import Abort, DecodeSubmit, Message, RequestFailed, Tokens
+from pdserve.node.messages import Abort, StreamSubmit, Message, RequestFailed, Tokens
 from pdserve.node.stats import QueueBounds
 
 from ..integration.reference import assert_matches, greedy_references
@@ -52,8 +52,12 @@ class Node:
         self.core = ColocatedCore(self.engine, self.out.append, bounds)
 
     def submit(self, req_id: str, tokens: list[int], resumed: list[int] | None = None) -> RequestFailed | None:
+        return self.submit_params(req_id, tokens, GREEDY, resumed)
+
+    def submit_params(self, req_id: str, tokens: list[int], params: SamplingParams,
+                      resumed: list[int] | None = None) -> RequestFailed | None:
         """The handler's immediate answer: a refusal, or None (admitted, nothing emitted yet)."""
-        self.core.handle(DecodeSubmit(req_id, tokens, GREEDY, 0, resumed_token_ids=resumed or []))
+        self.core.handle(StreamSubmit(req_id, tokens, params, 0, resumed_token_ids=resumed or []))
         if not self.out:
             return None
         reply = self.out.pop()
@@ -120,6 +124,16 @@ def test_a_prompt_longer_than_the_token_bound_waits_for_an_idle_node(model):
     assert node.submit("short", prompt(2, 1)) is None
     assert sorted(node.run()) == ["short"]
     assert node.used_blocks() == 0
+
+
+def test_kv_that_can_never_fit_this_node_is_refused_resource_exhausted_before_the_engine_sees_it(model):
+    node = Node(model, QueueBounds(max_waiting_requests=100, max_queued_tokens=10_000))
+    too_long = NUM_BLOCKS * 4  # blocks of 4 tokens: prompt + max_tokens need one block more than the node has
+    reply = node.submit_params("too-long", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=too_long - 2))
+    assert refusal(reply) == (ErrorCode.RESOURCE_EXHAUSTED,
+                              f"prompt + max_tokens need {NUM_BLOCKS + 1} KV blocks; this node has {NUM_BLOCKS}")
+    assert not node.engine.has_unfinished() and node.used_blocks() == 0
+    assert refusal(node.submit("bad", [10**6]))[0] is ErrorCode.INVALID_ARGUMENT  # bad input stays bad input
 
 
 def test_an_aborted_request_leaves_the_queue_and_frees_its_blocks(model):

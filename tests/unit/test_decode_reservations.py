@@ -1,22 +1,24 @@
-"""The decode node's reservation table: exact blocks, admission, write permits, leases."""
+"""The decode node's reservation table: exact blocks, admission, write permits, leases, hand-off states."""
 
 from __future__ import annotations
 
 import threading
+from collections import defaultdict
 
 import pytest
 import torch
 
-from pdserve.decode_node.reservations import Arrival, ReservationTable
+from pdserve.decode_node.reservations import ReservationTable
 from pdserve.engine.engine_core import EngineCore
 from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
-from pdserve.engine.policy import SchedulingPolicy
+from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.handoff import HandoffState
 from pdserve.node.kv_done import DoneStatus, KVDone
 from pdserve.node.messages import Abort, Ready
-from tests.unit.node_pair import Pair, engine_config
+from tests.unit.node_pair import BlockLedger, Pair, engine_config
 
 PARAMS = SamplingParams(temperature=0.0, max_tokens=4, ignore_eos=True)
 LEASE_S, QUARANTINE_S = 10.0, 30.0
@@ -30,10 +32,15 @@ def model(tmp_path_factory):
 
 
 @pytest.fixture
-def table(model):
+def moves():
+    return defaultdict(list)
+
+
+@pytest.fixture
+def table(model, moves):
     model_dir, loaded = model
-    engine = EngineCore(engine_config(model_dir, num_blocks=8), SchedulingPolicy(), loaded)
-    return ReservationTable(engine, LEASE_S, QUARANTINE_S)
+    engine = EngineCore(engine_config(model_dir, num_blocks=8), ColocatedPolicy(), loaded)
+    return ReservationTable(engine, LEASE_S, QUARANTINE_S, lambda req_id, state: moves[req_id].append(state))
 
 
 def used(table: ReservationTable) -> int:
@@ -47,9 +54,31 @@ def fail_if_written() -> None:
 def test_reserve_takes_ceil_prompt_over_block_size_blocks_in_order(table):
     assert table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0) == [0, 1, 2]  # 9 tokens, blocks of 4
     assert table.reserve("b", [5, 6, 7, 8], PARAMS, 0, now=0.0) == [3]
-    assert table.num_blocks == 4 and used(table) == 4
+    assert table.num_reserved_blocks == 4 and used(table) == 4
     # Reserved, not scheduled: the scheduler never sees a request before its KV.
     assert not table.engine.has_unfinished()
+
+
+def test_every_ending_is_one_move_out_of_waiting_for_input_and_frees_each_block_once(table, moves):
+    ledger = BlockLedger(table.engine.kv.pool)
+    for req_id in ("ok", "aborted", "cancelled", "expired"):
+        table.reserve(req_id, [1, 2, 3, 4, 5], PARAMS, 0, now=0.0 if req_id == "expired" else 1.0)
+    assert {r: m for r, m in moves.items()} == dict.fromkeys(("ok", "aborted", "cancelled", "expired"),
+                                                                [HandoffState.WAITING_FOR_INPUT])
+    assert table.arrive("ok", OK)[0] is HandoffState.SUCCESS
+    assert table.arrive("aborted", KVDone(DoneStatus.ABORTED))[0] is HandoffState.FAILED
+    assert table.cancel("cancelled")
+    assert table.expire(now=LEASE_S) == ["expired"]
+    waiting, ok, failed = HandoffState.WAITING_FOR_INPUT, HandoffState.SUCCESS, HandoffState.FAILED
+    expected = {"ok": [waiting, ok], "aborted": [waiting, failed], "cancelled": [waiting, failed],
+                "expired": [waiting, failed]}
+    assert dict(moves) == expected
+    # Nothing more moves: a late done message, a second cancel, a cancel of the admitted request.
+    assert table.arrive("cancelled", OK) == (None, None) and not table.cancel("expired") and not table.cancel("ok")
+    assert dict(moves) == expected and not table.has_pending()
+    assert used(table) == 2  # only the admitted request's blocks, now the scheduler's
+    table.engine.abort("ok")
+    assert used(table) == 0 and ledger.balanced() and ledger.taken.total() == 8
 
 
 def test_short_of_blocks_is_resource_exhausted_and_leaks_nothing(table):
@@ -57,8 +86,19 @@ def test_short_of_blocks_is_resource_exhausted_and_leaks_nothing(table):
     with pytest.raises(NodeError) as info:
         table.reserve("b", list(range(1, 13)), PARAMS, 0, now=0.0)  # needs 3
     assert info.value.code is ErrorCode.RESOURCE_EXHAUSTED
-    assert used(table) == 6 and table.num_blocks == 6
+    assert used(table) == 6 and table.num_reserved_blocks == 6
     assert table.reserve("b", [1, 2, 3], PARAMS, 0, now=0.0) == [6]  # the id is free again
+
+
+def test_kv_that_can_never_fit_this_node_is_resource_exhausted(table):
+    # 9 prompt tokens + max_tokens 24 need 9 blocks of 4; the node has 8 in all. Another
+    # decode node may be bigger: the router tries it (RESOURCE_EXHAUSTED, not INVALID_ARGUMENT).
+    with pytest.raises(NodeError) as info:
+        table.reserve("a", list(range(1, 10)), SamplingParams(max_tokens=24), 0, now=0.0)
+    assert (info.value.code, info.value.message) == (ErrorCode.RESOURCE_EXHAUSTED,
+                                                     "prompt + max_tokens need 9 KV blocks; this node has 8")
+    assert used(table) == 0 and not table.has_pending()
+    assert table.reserve("a", list(range(1, 10)), SamplingParams(max_tokens=23), 0, now=0.0) == [0, 1, 2]
 
 
 def test_invalid_request_is_invalid_argument(table):
@@ -71,18 +111,18 @@ def test_invalid_request_is_invalid_argument(table):
 def test_arrival_admits_with_token_one_and_publishes_the_prompt_blocks(table):
     prompt = list(range(1, 10))
     table.reserve("a", prompt, PARAMS, 0, now=0.0)
-    arrival, out = table.arrive("a", OK)
-    assert arrival is Arrival.ADMITTED and out.finish_reason is None and out.new_token_id == 42
+    state, out = table.arrive("a", OK)
+    assert state is HandoffState.SUCCESS and out.finish_reason is None and out.new_token_id == 42
     request = table.engine.scheduler.waiting[0]
     assert request.num_computed_tokens == len(prompt) and request.output_token_ids == [42]
     assert table.engine.kv.pool.num_cached_blocks == 2  # the two full prompt blocks
-    assert table.num_blocks == 0 and not table.has_pending()
+    assert table.num_reserved_blocks == 0 and not table.has_pending()
 
 
 def test_token_one_can_end_the_request_at_once(table):
     table.reserve("a", [1, 2, 3, 4, 5], SamplingParams(max_tokens=4, stop_token_ids=[42]), 0, now=0.0)
-    arrival, out = table.arrive("a", OK)
-    assert arrival is Arrival.ADMITTED and out.finish_reason.value == "stop"
+    state, out = table.arrive("a", OK)
+    assert state is HandoffState.SUCCESS and out.finish_reason.value == "stop" and out.stop_token_id == 42
     assert used(table) == 0 and not table.engine.has_unfinished()
 
 
@@ -97,9 +137,9 @@ def test_arrival_revokes_the_write_permit(table):
 def test_cancel_frees_at_once_and_revokes_the_write_permit(table):
     block_ids = table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
     assert table.cancel("a")
-    assert used(table) == 0 and table.num_blocks == 0 and not table.has_pending()
+    assert used(table) == 0 and table.num_reserved_blocks == 0 and not table.has_pending()
     assert not table.permits.place("a", block_ids, fail_if_written)
-    assert table.arrive("a", OK) == (Arrival.UNKNOWN, None)  # its done message changes nothing
+    assert table.arrive("a", OK) == (None, None)  # its done message changes nothing
     assert used(table) == 0 and not table.engine.has_unfinished()
     assert not table.cancel("a")  # idempotent
 
@@ -171,7 +211,7 @@ def test_lease_expiry_fails_the_stream_and_frees_at_once(table):
 
 def test_aborted_done_frees_a_live_reservation(table):
     block_ids = table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
-    assert table.arrive("a", KVDone(DoneStatus.ABORTED)) == (Arrival.ABORTED, None)
+    assert table.arrive("a", KVDone(DoneStatus.ABORTED)) == (HandoffState.FAILED, None)
     assert used(table) == 0 and not table.engine.has_unfinished()
     assert not table.permits.place("a", block_ids, fail_if_written)
 

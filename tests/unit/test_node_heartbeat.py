@@ -14,14 +14,15 @@ import grpc
 
 from pdserve.engine.config import EngineConfig
 from pdserve.node.config import NodeConfig
-from pdserve.node.messages import StatsData, StatsPush, TransferCounters, decode, encode
+from pdserve.kv_transfer import TransferStats
+from pdserve.node.messages import StatsData, StatsPush, decode, encode
 from pdserve.node.registration import run_registration
 from pdserve.proto import node_pb2, node_pb2_grpc
 from tests.unit.router_fakes import run
 
 
 def snapshot(used: int) -> StatsData:
-    return StatsData("prefill", 64, used, 1, 2, 3, 40, TransferCounters(10, 1, 1, 0, 0.5), 6, 2)
+    return StatsData("prefill", 64, used, 1, 2, 3, 40, TransferStats(10, 1, 1, 0, 0.5), 6, 2)
 
 
 def test_stats_push_round_trips():

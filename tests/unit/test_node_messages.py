@@ -9,13 +9,14 @@ import pytest
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.kv_transfer import TransferStats
 from pdserve.node.config import NodeConfig, add_node_args, config_from_args, parse_node_args
 from pdserve.node.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto, stats_to_proto
 from pdserve.node.errors import ErrorCode, grpc_status
 from pdserve.node.kv_done import DoneStatus, KVDone
-from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, DecodeSubmit, FirstToken, Logprobs, MessageError,
+from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, StreamSubmit, FirstToken, Logprobs, MessageError,
                                    PrefillSubmit, Ready, RequestFailed, Shutdown, StatsData, StatsQuery, StatsReply,
-                                   Tokens, TransferCounters, decode, encode)
+                                   Tokens, decode, encode)
 from pdserve.proto import pdserve_pb2
 
 PARAMS = SamplingParams(temperature=0.7, top_k=5, seed=-3, max_tokens=9, stop=("x", "yz"),
@@ -24,13 +25,13 @@ LOGPROBS = Logprobs(-0.25, [7, 9], [-0.25, -1.5])
 
 MESSAGES = [
     PrefillSubmit("r1", [1, 2, 3], PARAMS, 1, '{"transport": "ucx"}', [4, 5]),
-    DecodeSubmit("r2", [9], SamplingParams(), 0),
+    StreamSubmit("r2", [9], SamplingParams(), 0),
     PrefillSubmit("r1b", [1, 2], PARAMS, 0, "{}", [4], [17, 18]),  # a resume
-    DecodeSubmit("r2b", [9], SamplingParams(), 2, [5, 6, 7]),
+    StreamSubmit("r2b", [9], SamplingParams(), 2, [5, 6, 7]),
     Abort("r3"),
     StatsQuery(7),
     Shutdown(),
-    CoreStarted('{"a": 1}', 128),
+    CoreStarted(),
     CoreFailed("boom"),
     Ready("r4", "{}", [0, 1, 2]),
     FirstToken("r5", 11, LOGPROBS, 16, 0.5, 0.01, 12288),
@@ -38,7 +39,7 @@ MESSAGES = [
     Tokens("r7", [1, 2], [LOGPROBS, None], "length", None),
     Tokens("r8", [], [], "stop", 3),
     RequestFailed("r9", ErrorCode.RESOURCE_EXHAUSTED, "short of blocks"),
-    StatsReply(3, StatsData("decode", 10, 4, 2, 1, 3, 0, TransferCounters(100, 2, 1, 0, 0.25), 8, 4)),
+    StatsReply(3, StatsData("decode", 10, 4, 2, 1, 3, 0, TransferStats(100, 2, 1, 0, 0.25), 8, 4)),
 ]
 
 

@@ -9,14 +9,15 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.node.errors import ErrorCode, NodeError
-from pdserve.node.messages import StatsData, TransferCounters
+from pdserve.kv_transfer import TransferStats
+from pdserve.node.messages import StatsData
 from pdserve.node.metrics import NodeStatsCollector, serve_node_metrics
 
 
 def snapshot(used_blocks: int = 3, queries: int = 8, hits: int = 2) -> StatsData:
     return StatsData(kind="prefill", num_blocks=64, used_blocks=used_blocks, reserved_blocks=1, num_waiting=4,
                      num_running=5, queued_prefill_tokens=40,
-                     kv_transfer=TransferCounters(bytes=4096, blocks=2, transfers=1, failures=0, latency_s=0.25),
+                     kv_transfer=TransferStats(bytes=4096, blocks=2, transfers=1, failures=0, latency_s=0.25),
                      prefix_cache_queries=queries, prefix_cache_hits=hits)
 
 

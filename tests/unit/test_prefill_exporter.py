@@ -1,7 +1,9 @@
 """The prefill node's KV exporter: push planning, chunk-by-chunk pushes, every ending.
 
 A real tiny prefill engine and decode engine in one process, joined by the in-process
-transport (tests/unit/node_pair.py); the test plays the router and the core loops.
+transport (tests/unit/node_pair.py); the test plays the router and the core loops. Each
+ending is checked as the exact hand-off states both sides went through, and as every
+block reference freed exactly once with none left.
 """
 
 from __future__ import annotations
@@ -15,11 +17,14 @@ from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.errors import ErrorCode
+from pdserve.node.handoff import DECODE_MOVES, PREFILL_MOVES, HandoffState, IllegalMove
 from pdserve.node.messages import Abort, Ready
 from pdserve.prefill_node.exporter import plan_push
-from tests.unit.node_pair import BLOCK_SIZE, Pair, block_bytes
+from tests.unit.node_pair import BLOCK_SIZE, ManualExecutor, Pair, block_bytes
 
 GREEDY = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+BOOT, WAIT, SENDING, OK, FAILED = (HandoffState.BOOTSTRAPPING, HandoffState.WAITING_FOR_INPUT,
+                                   HandoffState.TRANSFERRING, HandoffState.SUCCESS, HandoffState.FAILED)
 
 
 @pytest.fixture(scope="module")
@@ -49,6 +54,26 @@ def test_plan_push_refuses_impossible_ranges(args):
         plan_push(*args)
 
 
+# -- the state tables ----------------------------------------------------------------
+def test_each_side_allows_exactly_its_moves():
+    legal = {(side.side, old, new) for side in (PREFILL_MOVES, DECODE_MOVES) for old in HandoffState
+             for new in HandoffState if _allowed(side, old, new)}
+    assert legal == {("prefill", BOOT, WAIT), ("prefill", BOOT, FAILED), ("prefill", WAIT, SENDING),
+                     ("prefill", WAIT, FAILED), ("prefill", SENDING, OK), ("prefill", SENDING, FAILED),
+                     ("decode", WAIT, OK), ("decode", WAIT, FAILED)}
+    assert (PREFILL_MOVES.first, DECODE_MOVES.first) == (BOOT, WAIT)
+    with pytest.raises(IllegalMove, match="prefill request 'r': success -> failed"):
+        PREFILL_MOVES.check("r", OK, FAILED)
+
+
+def _allowed(side, old, new) -> bool:
+    try:
+        side.check("r", old, new)
+    except IllegalMove:
+        return False
+    return True
+
+
 # -- the happy path ------------------------------------------------------------------
 def test_blocks_are_pushed_as_chunks_finish(model):
     pair = Pair(*model)
@@ -60,6 +85,8 @@ def test_blocks_are_pushed_as_chunks_finish(model):
     pair.run()
     assert pair.p_tx.stats().transfers >= 4  # 30 tokens in chunks of 8: one push per chunk
     assert pair.d_tx.recv_stats().blocks == blocks(30)
+    assert pair.p_moves["r"] == [BOOT, WAIT, SENDING, OK] and pair.d_moves["r"] == [WAIT, OK]
+    assert pair.all_blocks_returned()
 
 
 def colocated_tokens(model_dir, loaded, requests: dict[str, tuple[list[int], SamplingParams]]) -> dict[str, list[int]]:
@@ -94,7 +121,8 @@ def test_disaggregated_tokens_match_colocated(model, params):
         assert got == expected[req_id], req_id
         assert events[-1].finish_reason == "length"
         assert firsts[req_id].kv_transfer_bytes == blocks(n) * block_bytes(loaded)
-    assert pair.used_blocks() == (0, 0)
+    assert pair.all_blocks_returned()
+    assert all(pair.p_moves[r] == [BOOT, WAIT, SENDING, OK] and pair.d_moves[r] == [WAIT, OK] for r in requests)
     assert pair.d_tx.recv_stats().bytes == sum(blocks(n) for n in lengths) * block_bytes(loaded)
     assert pair.p_tx.stats().bytes == pair.d_tx.recv_stats().bytes
 
@@ -121,7 +149,9 @@ def test_fingerprint_mismatch_fails_with_failed_precondition_naming_the_field(mo
     assert pair.p_engine.kv.num_used_blocks == 0 and not pair.exporter.has_pending()
     # A cancelled reservation is freed at once: its write permit is revoked first.
     pair.decode.handle(Abort("r"))
-    assert pair.table.num_blocks == 0 and pair.d_engine.kv.num_used_blocks == 0
+    assert pair.table.num_reserved_blocks == 0 and pair.d_engine.kv.num_used_blocks == 0
+    assert pair.p_moves["r"] == [BOOT, FAILED] and pair.d_moves["r"] == [WAIT, FAILED]
+    assert pair.all_blocks_returned()
 
 
 def test_a_failed_transfer_fails_the_rpc_unavailable_and_frees_the_blocks(model):
@@ -134,6 +164,7 @@ def test_a_failed_transfer_fails_the_rpc_unavailable_and_frees_the_blocks(model)
     assert pair.failures("p")["r"].code is ErrorCode.UNAVAILABLE
     assert not pair.first_tokens()
     assert pair.p_engine.kv.num_used_blocks == 0 and not pair.exporter.has_pending()
+    assert pair.p_moves["r"] == [BOOT, WAIT, FAILED] and pair.p_ledger.balanced()
 
 
 def test_abort_mid_prefill_frees_after_pushes_and_tells_the_decode_node(model):
@@ -147,6 +178,8 @@ def test_abort_mid_prefill_frees_after_pushes_and_tells_the_decode_node(model):
     # The decode node's stream was still open: the aborted done message ends it at once.
     assert pair.failures("d")["r"].code is ErrorCode.UNAVAILABLE
     assert pair.d_engine.kv.num_used_blocks == 0 and not pair.table.has_pending()
+    assert pair.p_moves["r"] == [BOOT, WAIT, FAILED] and pair.d_moves["r"] == [WAIT, FAILED]
+    assert pair.all_blocks_returned()
 
 
 def test_a_cancelled_reservation_is_freed_at_once_and_its_late_pushes_are_dropped(model):
@@ -156,11 +189,12 @@ def test_a_cancelled_reservation_is_freed_at_once_and_its_late_pushes_are_droppe
     pair.tick()  # the first push has landed
     assert pair.d_tx.recv_stats().transfers == 1
     pair.decode.handle(Abort("r"))  # the router cancels the decode stream first
-    assert pair.table.num_blocks == 0 and pair.d_engine.kv.num_used_blocks == 0
+    assert pair.table.num_reserved_blocks == 0 and pair.d_engine.kv.num_used_blocks == 0
     pair.run()  # P finishes: D drops its pushes (they still succeed) and ignores its done message
     assert "r" in pair.first_tokens() and not pair.failures("p")
     assert pair.d_tx.recv_stats().transfers == 1  # only the push placed before the cancel
-    assert pair.used_blocks() == (0, 0)
+    assert pair.p_moves["r"] == [BOOT, WAIT, SENDING, OK] and pair.d_moves["r"] == [WAIT, FAILED]
+    assert pair.all_blocks_returned()
 
 
 def test_lease_fails_an_unacknowledged_prefill(model):
@@ -172,6 +206,77 @@ def test_lease_fails_an_unacknowledged_prefill(model):
     assert failed.code is ErrorCode.UNAVAILABLE and "lease" in failed.message
     pair.run()
     assert pair.p_engine.kv.num_used_blocks == 0
+    assert pair.p_moves["r"] == [BOOT, WAIT, FAILED] and pair.d_moves["r"] == [WAIT, FAILED]
+    assert pair.all_blocks_returned()
+
+
+def short_prompt_in_flight(pair: Pair) -> None:
+    """A 3-token prompt: one step computes it and samples token 1, so P is TRANSFERRING at once."""
+    pair.submit("r", prompt(3), GREEDY)
+    pair.tick()
+    assert pair.p_moves["r"] == [BOOT, WAIT, SENDING] and pair.p_tx.pending() > 0
+
+
+def test_a_failed_transfer_after_token_one_fails_and_frees_once(model):
+    pair = Pair(*model)
+    short_prompt_in_flight(pair)
+    pair.fabric.kill("d")
+    for _ in range(5):
+        pair.tick()
+    assert pair.failures("p")["r"].code is ErrorCode.UNAVAILABLE and not pair.first_tokens()
+    assert pair.p_moves["r"] == [BOOT, WAIT, SENDING, FAILED]
+    assert pair.p_engine.kv.num_used_blocks == 0 and pair.p_ledger.balanced() and not pair.exporter.has_pending()
+
+
+def test_the_lease_fails_a_transfer_after_token_one(model):
+    pair = Pair(*model, lease_s=5.0)
+    short_prompt_in_flight(pair)
+    pair.prefill.poll(1e12)  # far past the lease, the pushes still in flight
+    assert "lease" in pair.failures("p")["r"].message
+    pair.run()
+    assert pair.p_moves["r"] == [BOOT, WAIT, SENDING, FAILED]
+    # The done message was already queued behind the pushes, the aborted one behind it: the
+    # decode node admits the request (the router, told the prefill failed, cancels that stream).
+    assert pair.d_moves["r"] == [WAIT, OK]
+    assert pair.all_blocks_returned()
+
+
+def test_an_abort_after_token_one_only_silences_the_answer(model):
+    pair = Pair(*model)
+    short_prompt_in_flight(pair)
+    pair.prefill.handle(Abort("r"))
+    pair.run()
+    assert not pair.p_out  # neither FirstToken nor a failure: the caller is gone
+    assert pair.p_moves["r"] == [BOOT, WAIT, SENDING, OK] and pair.d_moves["r"] == [WAIT, OK]
+    assert pair.all_blocks_returned()
+
+
+# -- while the connection to the decode node is being made ---------------------------
+def test_token_one_before_the_connection_waits_for_it_then_transfers(model):
+    connector = ManualExecutor()
+    pair = Pair(*model, connector=connector)
+    pair.submit("r", prompt(3), GREEDY)
+    pair.tick()  # the prompt is computed and handed off; nothing can be pushed yet
+    assert pair.p_moves["r"] == [BOOT] and pair.exporter.num_held_blocks() == 1
+    connector.run_pending()
+    pair.run()
+    assert pair.p_moves["r"] == [BOOT, WAIT, SENDING, OK] and pair.d_moves["r"] == [WAIT, OK]
+    assert "r" in pair.first_tokens() and pair.all_blocks_returned()
+
+
+def test_an_abort_while_connecting_tells_the_decode_node_once_connected(model):
+    connector = ManualExecutor()
+    pair = Pair(*model, connector=connector)
+    pair.submit("r", prompt(30), GREEDY)
+    pair.tick()
+    pair.prefill.handle(Abort("r"))
+    assert pair.p_moves["r"] == [BOOT, FAILED] and pair.exporter.has_pending()  # the decode node is owed a word
+    pair.tick()
+    assert pair.d_moves["r"] == [WAIT]
+    connector.run_pending()
+    pair.run()
+    assert pair.d_moves["r"] == [WAIT, FAILED] and pair.failures("d")["r"].code is ErrorCode.UNAVAILABLE
+    assert not pair.p_out and pair.all_blocks_returned()
 
 
 def test_bad_destination_blocks_are_invalid_argument(model):
@@ -192,6 +297,15 @@ def test_prefill_capacity_is_checked_for_the_prompt_only(model):
     assert not pair.failures("p") and "long" in pair.first_tokens()
     assert sum(len(e.token_ids) for e in pair.decoded("long")) == 99
     assert pair.used_blocks() == (0, 0)
+
+
+def test_a_prompt_that_can_never_fit_this_prefill_node_is_resource_exhausted(model):
+    pair = Pair(*model, p_blocks=2, d_blocks=64)  # P holds 8 tokens; prompt + token 1 need 11
+    pair.submit("long", prompt(10), GREEDY)
+    failed = pair.failures("p")["long"]
+    assert (failed.code, failed.message) == (ErrorCode.RESOURCE_EXHAUSTED,
+                                             "prompt + max_tokens need 3 KV blocks; this node has 2")
+    assert pair.p_engine.kv.num_used_blocks == 0 and not pair.exporter.has_pending()
 
 
 def test_a_request_id_is_taken_until_its_export_ends(model):

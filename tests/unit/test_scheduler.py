@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.policy import SchedulingPolicy
 from pdserve.engine.request import Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -11,7 +10,7 @@ from pdserve.engine.scheduler import Scheduler
 
 def make_scheduler(num_blocks=16, block_size=4, budget=8, max_seqs=4, caching=True) -> Scheduler:
     kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, SchedulingPolicy(), budget, max_seqs)
+    return Scheduler(kv, budget, max_seqs)
 
 
 def make_request(req_id: str, num_prompt: int, arrival: int, first_token: int = 0) -> Request:

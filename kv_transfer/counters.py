@@ -1,0 +1,39 @@
+"""What a transport counts: `TransferStats`, the one type for KV transfer counters.
+
+A transport keeps one for what it sent and one for what it received and placed; a node
+reports the side that describes its work (node/stats.py) in its stats snapshot, which
+the front relays to the router and to `/metrics` as this same type.
+
+Must never: import torch or a network library (a node's front imports this module).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, replace
+
+
+@dataclass(slots=True)
+class TransferStats:
+    """Counters of completed work; `latency_s` sums push()-to-ack time of successes."""
+
+    bytes: int = 0
+    blocks: int = 0
+    transfers: int = 0
+    failures: int = 0
+    latency_s: float = 0.0
+
+    def record_success(self, nbytes: int, num_blocks: int, latency_s: float) -> None:
+        self.bytes += nbytes
+        self.blocks += num_blocks
+        self.transfers += 1
+        self.latency_s += latency_s
+
+    def record_failure(self) -> None:
+        self.failures += 1
+
+    def snapshot(self) -> TransferStats:
+        return replace(self)
+
+    @property
+    def mean_latency_s(self) -> float:
+        return self.latency_s / self.transfers if self.transfers else 0.0

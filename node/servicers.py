@@ -1,0 +1,110 @@
+"""The gRPC servicers the node kinds share, and the checks every node request goes through.
+
+`NodeServicer` answers `GetStats` for every kind (a snapshot from the engine core, or
+its latest pushed one when the core is mid-step). `StreamServicer` is the whole service
+of the two kinds whose requests stream tokens back: a decode node's `Decode` and a
+colocated node's `Generate` take the same `DecodeRequest` and answer the same
+`DecodeEvent` stream (a decode node starts it with `ready`; a colocated node has no
+KV to receive and streams token 1 too). A request's life through it:
+
+    DecodeRequest ─▶ checked (request_id, sampling params: INVALID_ARGUMENT) ─▶ StreamSubmit ─▶ core
+    core ─Ready─▶ ready event;  ─Tokens─▶ tokens event (the last with finish_reason ends the call)
+    core ─RequestFailed─▶ the call fails with its code
+    the call ends early (cancel, deadline, client gone) ─▶ Abort ─▶ core
+
+Must never: run model code, or choose a status code outside node/errors.py.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+
+import grpc
+
+from pdserve.engine.sampling_params import SamplingParams
+from pdserve.node.client import CoreClient
+from pdserve.node.convert import params_from_proto, stats_to_proto, tokens_to_proto
+from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
+from pdserve.node.messages import Ready, RequestFailed, StreamSubmit, Tokens
+from pdserve.proto import node_pb2
+
+
+class NodeServicer:
+    """What every node kind's service answers alike."""
+
+    def __init__(self, client: CoreClient) -> None:
+        self.client = client
+
+    async def GetStats(self, request: node_pb2.StatsRequest, context: grpc.aio.ServicerContext) -> node_pb2.NodeStats:
+        try:
+            return stats_to_proto(await self.client.stats())
+        except NodeError as exc:
+            await abort_rpc(context, exc)
+
+
+class StreamServicer(NodeServicer):
+    """`DecodeNode` and `ColocatedNode` alike: one streamed request per call."""
+
+    async def stream(self, request: node_pb2.DecodeRequest,
+                     context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.DecodeEvent]:
+        try:
+            submit = stream_submit(request)
+        except NodeError as exc:
+            await abort_rpc(context, exc)
+        async for event in _stream_events(self.client, context, submit):
+            yield event
+
+    # The two services' names for the same call (grpc looks the handler up by name).
+    Decode = stream
+    Generate = stream
+
+
+def request_params(request: node_pb2.DecodeRequest | node_pb2.PrefillRequest) -> SamplingParams:
+    """The request's id checked and its sampling params converted; bad ones are INVALID_ARGUMENT."""
+    if not request.request_id:
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, "request_id must not be empty")
+    try:
+        return params_from_proto(request.sampling_params, request.seed)
+    except ValueError as exc:
+        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"sampling_params: {exc}") from exc
+
+
+def stream_submit(request: node_pb2.DecodeRequest) -> StreamSubmit:
+    """What the core gets for a decode or colocated node's request (params checked as above)."""
+    params = request_params(request)
+    return StreamSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
+                        sample_index=request.sample_index, resumed_token_ids=list(request.resumed_token_ids))
+
+
+async def _stream_events(client: CoreClient, context: grpc.aio.ServicerContext,
+                         submit: StreamSubmit) -> AsyncIterator[node_pb2.DecodeEvent]:
+    """A decode or colocated request's core messages as `DecodeEvent`s, until its last token.
+
+    A `RequestFailed` aborts the call with its code; a call that ends before the last
+    token (cancel, deadline, a client gone) aborts the request in the core.
+    """
+    try:
+        queue = client.open_stream(submit.req_id)
+    except NodeError as exc:
+        await abort_rpc(context, exc)
+    ended = False
+    try:
+        client.send(submit)
+        while not ended:
+            msg = await queue.get()
+            if isinstance(msg, RequestFailed):
+                ended = True
+                await abort_rpc(context, NodeError(msg.code, msg.message))
+            if isinstance(msg, Ready):
+                yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_descriptor=msg.kv_descriptor.encode(),
+                                                                block_ids=msg.block_ids))
+            elif isinstance(msg, Tokens):
+                ended = msg.finish_reason is not None
+                yield node_pb2.DecodeEvent(tokens=tokens_to_proto(msg))
+            else:
+                ended = True
+                await abort_rpc(context, NodeError(ErrorCode.INTERNAL, f"unexpected {type(msg).__name__}"))
+    finally:
+        client.close_stream(submit.req_id)
+        if not ended:
+            client.abort(submit.req_id)
