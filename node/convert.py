@@ -1,8 +1,7 @@
 """Conversions between the node protos and the core messages' types.
 
 Owns: a core's `Tokens` -> `DecodeTokens`, `StatsData` -> `NodeStats`. Sampling params,
-finish reasons and logprobs convert as they do for the router, in pdserve.proto.convert;
-this module re-exports the three a node front uses, so its callers keep one import.
+finish reasons and logprobs convert as they do for the router, in pdserve.proto.convert.
 
 Must never: decide a status code (errors.py does) or touch the network.
 """
@@ -11,9 +10,7 @@ from __future__ import annotations
 
 from pdserve.node.messages import StatsData, Tokens
 from pdserve.proto import node_pb2
-from pdserve.proto.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto
-
-__all__ = ["finish_reason_to_proto", "logprobs_to_proto", "params_from_proto", "stats_to_proto", "tokens_to_proto"]
+from pdserve.proto.convert import finish_reason_to_proto, logprobs_to_proto
 
 
 def tokens_to_proto(msg: Tokens) -> node_pb2.DecodeTokens:

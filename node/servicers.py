@@ -23,7 +23,8 @@ import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.client import CoreClient
-from pdserve.node.convert import params_from_proto, stats_to_proto, tokens_to_proto
+from pdserve.node.convert import stats_to_proto, tokens_to_proto
+from pdserve.proto.convert import params_from_proto
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import Ready, RequestFailed, StreamSubmit, Tokens
 from pdserve.proto import node_pb2

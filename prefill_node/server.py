@@ -14,7 +14,7 @@ import sys
 import grpc
 
 from pdserve.node.client import CoreClient
-from pdserve.node.convert import logprobs_to_proto
+from pdserve.proto.convert import logprobs_to_proto
 from pdserve.node.core_part import CorePart
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import FirstToken, PrefillSubmit, RequestFailed
