@@ -35,6 +35,7 @@ from pdserve.node.affinity import format_cpu_list
 from pdserve.node.config import NodeConfig
 from pdserve.node.core import CoreAddresses
 from pdserve.node.core_part import CoreHandler, CorePart, ToFront
+from pdserve.node.fault_drills import slow_every_step
 from pdserve.node.messages import (CoreFailed, CoreStarted, Message, MessageError, Shutdown, StatsData, StatsPush,
                                    StatsQuery, StatsReply, decode, encode)
 from pdserve.node.stats import build_stats
@@ -110,6 +111,7 @@ def _build(config: NodeConfig, part: CorePart, to_front: ToFront) -> tuple[Engin
     hf_logging.disable_progress_bar()
     make_handler = part.load_handler_factory()  # before the model loads: a bad part fails fast
     engine = EngineCore(config.engine, part.policy())
+    slow_every_step(engine, config.debug_step_delay_s)  # fault drills only; a no-op by default
     # What the node really runs on (tests and operators read this line; cores as devices).
     logger.info("engine core on cpus %s with %d torch threads", format_cpu_list(os.sched_getaffinity(0)),
                 torch.get_num_threads())
@@ -203,8 +205,6 @@ class _CoreLoop:
             return
         outputs = self.engine.step()
         self.handler.after_step(outputs)
-        if self.config.debug_step_delay_s:
-            time.sleep(self.config.debug_step_delay_s)  # a slow node on purpose (fault drills, tests)
         # Waiting requests that no free block can admit: poll gently until blocks free up.
         self._stalled = self.engine.has_unfinished() and not self.engine.scheduler.running
 
