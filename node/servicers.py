@@ -3,11 +3,11 @@
 `NodeServicer` answers `GetStats` for every kind (a snapshot from the engine core, or
 its latest pushed one when the core is mid-step). `StreamServicer` is the whole service
 of the two kinds whose requests stream tokens back: a decode node's `Decode` and a
-colocated node's `Generate` take the same `DecodeRequest` and answer the same
+colocated node's `Generate` take the same `SampleRequest` and answer the same
 `DecodeEvent` stream (a decode node starts it with `ready`; a colocated node has no
 KV to receive and streams token 1 too). A request's life through it:
 
-    DecodeRequest ─▶ checked (request_id, sampling params: INVALID_ARGUMENT) ─▶ StreamSubmit ─▶ core
+    SampleRequest ─▶ checked (request_id, sampling params: INVALID_ARGUMENT) ─▶ StreamSubmit ─▶ core
     core ─Ready─▶ ready event;  ─Tokens─▶ tokens event (the last with finish_reason ends the call)
     core ─RequestFailed─▶ the call fails with its code
     the call ends early (cancel, deadline, client gone) ─▶ Abort ─▶ core
@@ -46,7 +46,7 @@ class NodeServicer:
 class StreamServicer(NodeServicer):
     """`DecodeNode` and `ColocatedNode` alike: one streamed request per call."""
 
-    async def stream(self, request: node_pb2.DecodeRequest,
+    async def stream(self, request: node_pb2.SampleRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.DecodeEvent]:
         try:
             submit = stream_submit(request)
@@ -60,7 +60,7 @@ class StreamServicer(NodeServicer):
     Generate = stream
 
 
-def request_params(request: node_pb2.DecodeRequest | node_pb2.PrefillRequest) -> SamplingParams:
+def request_params(request: node_pb2.SampleRequest | node_pb2.PrefillRequest) -> SamplingParams:
     """The request's id checked and its sampling params converted; bad ones are INVALID_ARGUMENT."""
     if not request.request_id:
         raise NodeError(ErrorCode.INVALID_ARGUMENT, "request_id must not be empty")
@@ -70,7 +70,7 @@ def request_params(request: node_pb2.DecodeRequest | node_pb2.PrefillRequest) ->
         raise NodeError(ErrorCode.INVALID_ARGUMENT, f"sampling_params: {exc}") from exc
 
 
-def stream_submit(request: node_pb2.DecodeRequest) -> StreamSubmit:
+def stream_submit(request: node_pb2.SampleRequest) -> StreamSubmit:
     """What the core gets for a decode or colocated node's request (params checked as above)."""
     params = request_params(request)
     return StreamSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,

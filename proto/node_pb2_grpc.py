@@ -36,7 +36,7 @@ class DecodeNodeStub:
         """
         self.Decode = channel.unary_stream(
                 '/pdserve.node.v1.DecodeNode/Decode',
-                request_serializer=node__pb2.DecodeRequest.SerializeToString,
+                request_serializer=node__pb2.SampleRequest.SerializeToString,
                 response_deserializer=node__pb2.DecodeEvent.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
@@ -69,7 +69,7 @@ def add_DecodeNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Decode': grpc.unary_stream_rpc_method_handler(
                     servicer.Decode,
-                    request_deserializer=node__pb2.DecodeRequest.FromString,
+                    request_deserializer=node__pb2.SampleRequest.FromString,
                     response_serializer=node__pb2.DecodeEvent.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
@@ -103,7 +103,7 @@ class DecodeNode:
             request,
             target,
             '/pdserve.node.v1.DecodeNode/Decode',
-            node__pb2.DecodeRequest.SerializeToString,
+            node__pb2.SampleRequest.SerializeToString,
             node__pb2.DecodeEvent.FromString,
             options,
             channel_credentials,
@@ -273,7 +273,7 @@ class ColocatedNodeStub:
         """
         self.Generate = channel.unary_stream(
                 '/pdserve.node.v1.ColocatedNode/Generate',
-                request_serializer=node__pb2.DecodeRequest.SerializeToString,
+                request_serializer=node__pb2.SampleRequest.SerializeToString,
                 response_deserializer=node__pb2.DecodeEvent.FromString,
                 _registered_method=True)
         self.GetStats = channel.unary_unary(
@@ -308,7 +308,7 @@ def add_ColocatedNodeServicer_to_server(servicer, server):
     rpc_method_handlers = {
             'Generate': grpc.unary_stream_rpc_method_handler(
                     servicer.Generate,
-                    request_deserializer=node__pb2.DecodeRequest.FromString,
+                    request_deserializer=node__pb2.SampleRequest.FromString,
                     response_serializer=node__pb2.DecodeEvent.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
@@ -344,7 +344,7 @@ class ColocatedNode:
             request,
             target,
             '/pdserve.node.v1.ColocatedNode/Generate',
-            node__pb2.DecodeRequest.SerializeToString,
+            node__pb2.SampleRequest.SerializeToString,
             node__pb2.DecodeEvent.FromString,
             options,
             channel_credentials,

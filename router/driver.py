@@ -194,9 +194,9 @@ class SampleDriver:
             raise NodeFailed(f"{node} sent {event.WhichOneof('event')} before {opening.name}")
         return event
 
-    def _node_request(self, req_id: str, resumed: list[int]) -> node_pb2.DecodeRequest:
+    def _node_request(self, req_id: str, resumed: list[int]) -> node_pb2.SampleRequest:
         request = self.spec.request
-        return node_pb2.DecodeRequest(
+        return node_pb2.SampleRequest(
             request_id=req_id,
             prompt_token_ids=request.prompt_token_ids,
             sampling_params=self.node_params(),

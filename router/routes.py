@@ -117,7 +117,7 @@ class Route(ABC):
         """The stream's opening event arrived (nothing to count by default)."""
 
     @abstractmethod
-    def open(self, channel: grpc.aio.Channel, request: node_pb2.DecodeRequest,
+    def open(self, channel: grpc.aio.Channel, request: node_pb2.SampleRequest,
              timeout_s: float | None) -> grpc.aio.UnaryStreamCall:
         """Start the node call whose events the driver relays."""
 
@@ -154,7 +154,7 @@ class ColocatedRoute(Route):
     def opened(self, candidate: Candidate, load: Load) -> None:
         self._placement.prefilled(candidate, load.num_tokens)  # token 1 is out: the prompt left its queue
 
-    def open(self, channel: grpc.aio.Channel, request: node_pb2.DecodeRequest,
+    def open(self, channel: grpc.aio.Channel, request: node_pb2.SampleRequest,
              timeout_s: float | None) -> grpc.aio.UnaryStreamCall:
         return node_pb2_grpc.ColocatedNodeStub(channel).Generate(request, timeout=timeout_s)
 
@@ -184,7 +184,7 @@ class DisaggregatedRoute(Route):
     def withdraw(self, candidate: Candidate, load: Load) -> None:
         self._decode.reserve(candidate, -load.num_blocks)
 
-    def open(self, channel: grpc.aio.Channel, request: node_pb2.DecodeRequest,
+    def open(self, channel: grpc.aio.Channel, request: node_pb2.SampleRequest,
              timeout_s: float | None) -> grpc.aio.UnaryStreamCall:
         return node_pb2_grpc.DecodeNodeStub(channel).Decode(request, timeout=timeout_s)
 

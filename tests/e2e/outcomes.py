@@ -74,9 +74,9 @@ def greedy_params(max_tokens: int) -> pdserve_pb2.SamplingParams:
     return pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-def decode_request(seed: int, req_id: str, tokens: list[int], max_tokens: int) -> node_pb2.DecodeRequest:
-    """A greedy DecodeRequest as the router would send it, for tests that play the router."""
-    return node_pb2.DecodeRequest(request_id=req_id, prompt_token_ids=tokens, sampling_params=greedy_params(max_tokens),
+def decode_request(seed: int, req_id: str, tokens: list[int], max_tokens: int) -> node_pb2.SampleRequest:
+    """A greedy SampleRequest as the router would send it, for tests that play the router."""
+    return node_pb2.SampleRequest(request_id=req_id, prompt_token_ids=tokens, sampling_params=greedy_params(max_tokens),
                                   seed=seed)
 
 

@@ -136,7 +136,7 @@ def test_node_services_need_the_token(cluster):
                 _stats(stub_type, address, metadata)
             assert _refused(err) == UNAUTHENTICATED
     # A stream that would reserve blocks on the decode node never starts.
-    request = node_pb2.DecodeRequest(request_id="intruder", prompt_token_ids=PROMPT, seed=1,
+    request = node_pb2.SampleRequest(request_id="intruder", prompt_token_ids=PROMPT, seed=1,
                                      sampling_params=pdserve_pb2.SamplingParams(max_tokens=4))
     with grpc.insecure_channel(decode) as channel, pytest.raises(grpc.RpcError) as err:
         list(node_pb2_grpc.DecodeNodeStub(channel).Decode(request, timeout=10))

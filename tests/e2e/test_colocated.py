@@ -99,7 +99,7 @@ def test_a_node_refuses_at_once_what_it_can_never_hold(cluster):
     """RESOURCE_EXHAUSTED (not queued forever): the router would try a node with more blocks."""
     too_long = NUM_BLOCKS * BLOCK_SIZE  # prompt + max_tokens need more blocks than the node has
     params = pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=too_long, ignore_eos=True)
-    request = node_pb2.DecodeRequest(request_id="too-long", prompt_token_ids=[5, 6, 7], sampling_params=params,
+    request = node_pb2.SampleRequest(request_id="too-long", prompt_token_ids=[5, 6, 7], sampling_params=params,
                                      seed=1)
     with grpc.insecure_channel(cluster.colocated[0]) as channel, pytest.raises(grpc.RpcError) as err:
         list(node_pb2_grpc.ColocatedNodeStub(channel).Generate(request, timeout=30))

@@ -140,7 +140,7 @@ async def play_router(channels, req_id: str, prompt: list[int], max_tokens: int)
     decode = node_pb2_grpc.DecodeNodeStub(channels["decode"])
     prefill = node_pb2_grpc.PrefillNodeStub(channels["prefill"])
     params = sampling(max_tokens)
-    call = decode.Decode(node_pb2.DecodeRequest(request_id=req_id, prompt_token_ids=prompt, sampling_params=params,
+    call = decode.Decode(node_pb2.SampleRequest(request_id=req_id, prompt_token_ids=prompt, sampling_params=params,
                                                 seed=SEED), timeout=RPC_TIMEOUT_S)
     first = await call.read()
     assert first.WhichOneof("event") == "ready"
@@ -218,7 +218,7 @@ def test_cancelling_a_decode_stream_frees_its_blocks_within_a_second(nodes):
         decode = node_pb2_grpc.DecodeNodeStub(channels["decode"])
         prefill = node_pb2_grpc.PrefillNodeStub(channels["prefill"])
         params = sampling(1000)
-        call = decode.Decode(node_pb2.DecodeRequest(request_id="cancel-me", prompt_token_ids=prompt,
+        call = decode.Decode(node_pb2.SampleRequest(request_id="cancel-me", prompt_token_ids=prompt,
                                                     sampling_params=params, seed=SEED), timeout=RPC_TIMEOUT_S)
         ready = (await call.read()).ready
         await prefill.Prefill(node_pb2.PrefillRequest(
@@ -245,7 +245,7 @@ def test_a_reservation_cancelled_before_its_kv_is_freed_at_once_and_a_late_prefi
         decode = node_pb2_grpc.DecodeNodeStub(channels["decode"])
         prefill = node_pb2_grpc.PrefillNodeStub(channels["prefill"])
         params = sampling(8)
-        call = decode.Decode(node_pb2.DecodeRequest(request_id="early-cancel", prompt_token_ids=prompt,
+        call = decode.Decode(node_pb2.SampleRequest(request_id="early-cancel", prompt_token_ids=prompt,
                                                     sampling_params=params, seed=SEED), timeout=RPC_TIMEOUT_S)
         ready = (await call.read()).ready
         call.cancel()  # before any KV: freed at once; the prefill below writes nothing

@@ -95,7 +95,7 @@ def params(max_tokens: int) -> pdserve_pb2.SamplingParams:
 
 
 def decode_call(stub, req_id: str, tokens: list[int], max_tokens: int):
-    return stub.Decode(node_pb2.DecodeRequest(request_id=req_id, prompt_token_ids=tokens,
+    return stub.Decode(node_pb2.SampleRequest(request_id=req_id, prompt_token_ids=tokens,
                                               sampling_params=params(max_tokens), seed=SEED), timeout=60)
 
 

@@ -55,7 +55,7 @@ class Script:
 class Calls:
     """Shared by all fakes of one test: what they saw."""
 
-    decode_requests: list[node_pb2.DecodeRequest] = field(default_factory=list)
+    decode_requests: list[node_pb2.SampleRequest] = field(default_factory=list)
     prefill_requests: list[node_pb2.PrefillRequest] = field(default_factory=list)
     cancelled: set[tuple[str, str]] = field(default_factory=set)  # (kind, request_id)
     kv_done: defaultdict[str, asyncio.Event] = field(default_factory=lambda: defaultdict(asyncio.Event))
@@ -82,7 +82,7 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
         self.refuse = script.refuse_decode  # per node, so a test can make one node full
         self.fail_after_events = script.fail_decode_after_events  # per node, so one node can die
         self.fail_before_ready = False  # per node: UNAVAILABLE before READY (a core that just died)
-        self.requests: list[node_pb2.DecodeRequest] = []
+        self.requests: list[node_pb2.SampleRequest] = []
 
     async def Decode(self, request, context):
         self.calls.decode_requests.append(request)
@@ -102,7 +102,7 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
             if self.script.hang_after_events:
                 await asyncio.Event().wait()
 
-    def _events(self, request: node_pb2.DecodeRequest) -> list[node_pb2.DecodeTokens]:
+    def _events(self, request: node_pb2.SampleRequest) -> list[node_pb2.DecodeTokens]:
         resumed = list(request.resumed_token_ids)
         if resumed and self.script.resumed_events is not None:
             return self.script.resumed_events(resumed)

@@ -52,7 +52,7 @@ class FakeColocated(node_pb2_grpc.ColocatedNodeServicer):
     refuse: bool = False
     die_after: int | None = None  # tokens streamed before the node "dies" (UNAVAILABLE)
     hang: bool = False  # keep the stream open after the last event
-    requests: list[node_pb2.DecodeRequest] = field(default_factory=list)
+    requests: list[node_pb2.SampleRequest] = field(default_factory=list)
     cancelled: list[str] = field(default_factory=list)
 
     @property
