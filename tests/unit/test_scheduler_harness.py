@@ -133,9 +133,9 @@ class SchedLoop:
         self.check()
 
     def step(self, sample: Sample = always(7)) -> SchedulerOutput:
-        running_before = list(self.scheduler.running)
+        running_before, waiting_before = list(self.scheduler.running), list(self.scheduler.waiting)
         out = self.scheduler.schedule()
-        self._check_output(out, running_before)
+        self._check_output(out, running_before, waiting_before)
         samplers = [s.request for s in out.scheduled if s.samples]
         for s in out.scheduled:
             self._write_kv(s.request, s.num_scheduled_tokens)
@@ -199,7 +199,8 @@ class SchedLoop:
 
     # -- invariants -------------------------------------------------------------------------
 
-    def _check_output(self, out: SchedulerOutput, running_before: list[Request]) -> None:
+    def _check_output(self, out: SchedulerOutput, running_before: list[Request],
+                      waiting_before: list[Request]) -> None:
         sched = self.scheduler
         scheduled = [s.request for s in out.scheduled]
         assert len(set(map(id, scheduled))) == len(scheduled), "a request scheduled twice"
@@ -207,10 +208,13 @@ class SchedLoop:
         assert out.num_batched_tokens <= sched.max_num_batched_tokens
         assert len(sched.running) <= sched.max_num_seqs
         assert not any(r in scheduled for r in out.preempted), "a victim was scheduled this step"
-        # Running requests first, in arrival order; then admissions, in waiting order.
+        # Running requests first, in arrival order; then admissions: the head of the waiting
+        # queue, in its order (first come, first served: nobody overtakes).
         num_old = sum(1 for r in scheduled if r in running_before)
         assert all(r in running_before for r in scheduled[:num_old])
         assert [r.arrival_index for r in scheduled[:num_old]] == sorted(r.arrival_index for r in scheduled[:num_old])
+        admitted = scheduled[num_old:]
+        assert admitted == waiting_before[: len(admitted)]
         if out.preempted:
             assert num_old == len(scheduled), "a waiting request was admitted in a step that preempted"
         for s in out.scheduled:
