@@ -3,7 +3,7 @@
 Greedy float32 output of every streamed request is token-identical to transformers;
 token 1 comes from the prefill node; the KV bytes that crossed the transport equal the
 prompts' blocks exactly; every node ends with zero blocks in use; cancelling a stream
-frees every block within a second.
+frees every block before a shorter stream beside it ends.
 """
 
 from __future__ import annotations
@@ -111,29 +111,53 @@ def test_generate_cli_json(small_cluster, workload):
     assert [s.used_blocks for s in small_cluster.wait_all_blocks_free(timeout_s=5)] == [0, 0]
 
 
-def test_cancel_mid_stream_frees_every_block_within_a_second(small_cluster, workload):
+def greedy_request(prompt: list[int], max_tokens: int) -> pdserve_pb2.GenerateRequest:
+    return pdserve_pb2.GenerateRequest(
+        token_ids=pdserve_pb2.TokenIds(ids=prompt),
+        sampling_params=pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
+    )
+
+
+def decode_stats_when(cluster, predicate, timeout_s: float = 60.0):
+    """Poll the decode node's stats until `predicate` holds; those stats."""
+    deadline = time.monotonic() + timeout_s
+    while not predicate(stats := next(s for s in cluster.stats() if s.kind == "decode")):
+        assert time.monotonic() < deadline, f"decode node never reached the state: {stats}"
+        time.sleep(0.02)
+    return stats
+
+
+async def read_into(call, tokens: list[int]) -> None:
+    """Append the stream's tokens as they come, until it ends."""
+    while (response := await call.read()) is not grpc.aio.EOF:
+        tokens += response.token_ids
+
+
+def test_cancel_mid_stream_frees_every_block_before_a_shorter_stream_beside_it_ends(small_cluster, workload):
+    # The cancelled stream has 1800 tokens to generate; `beside` joins it with 500. Both decode
+    # one token per step, so had the cancel freed nothing, the cancelled one would outlive `beside`.
     prompts, _ = workload
 
     async def cancel_after_three():
         async with grpc.aio.insecure_channel(small_cluster.router) as channel:
             stub = pdserve_pb2_grpc.GenerationStub(channel)
-            request = pdserve_pb2.GenerateRequest(
-                token_ids=pdserve_pb2.TokenIds(ids=prompts[15]),
-                sampling_params=pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=1000, ignore_eos=True),
-            )
-            call = stub.Generate(request, timeout=120)
-            seen = 0
-            async for _ in call:
-                seen += 1
-                if seen == 3:
-                    call.cancel()
-                    break
-            return seen
+            call = stub.Generate(greedy_request(prompts[15], 1800), timeout=120)
+            seen = [await call.read() for _ in range(3)]
+            beside = stub.Generate(greedy_request(prompts[0], 500), timeout=120)
+            beside_tokens = list((await beside.read()).token_ids)
+            reading = asyncio.create_task(read_into(beside, beside_tokens))
+            call.cancel()
+            alone = await asyncio.to_thread(decode_stats_when, small_cluster,
+                                            lambda s: s.num_running + s.num_waiting < 2)
+            beside_was_running = not reading.done()
+            await reading
+            return seen, alone, beside_was_running, len(beside_tokens)
 
-    assert asyncio.run(cancel_after_three()) == 3
-    cancelled_at = time.monotonic()
-    stats = small_cluster.wait_all_blocks_free(timeout_s=1.0)
-    assert [s.used_blocks for s in stats] == [0, 0], f"blocks still held {time.monotonic() - cancelled_at:.2f}s after cancel"
+    seen, alone, beside_was_running, num_beside = asyncio.run(cancel_after_three())
+    assert all(r.finish_reason == pdserve_pb2.FINISH_REASON_UNSPECIFIED for r in seen)
+    assert (alone.num_running, alone.num_waiting) == (1, 0) and beside_was_running
+    assert num_beside == 500  # `beside` ran to its end
+    assert [s.used_blocks for s in small_cluster.wait_all_blocks_free(timeout_s=5)] == [0, 0]
 
 
 def test_seeded_sampling_with_n_and_logprobs_matches_the_offline_engine(small_cluster, model_dir, workload):

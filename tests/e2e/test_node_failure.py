@@ -100,6 +100,17 @@ def busy_node(cluster: FaultCluster, kind: str) -> str:
     raise AssertionError(f"no {kind} node is busy: {[cluster.stats(n) for n in names]}")
 
 
+def mid_prefill(cluster: FaultCluster, num_chunks_done: int) -> str | None:
+    """The prefill node that has computed at least `num_chunks_done` chunks of the long
+    prompt and not all of them yet, if there is one."""
+    chunk = SETTINGS.max_num_batched_tokens
+    for name in (n for n in cluster.live_nodes() if n.startswith("prefill")):
+        stats = cluster.stats(name)
+        if stats.num_running and 0 < stats.queued_prefill_tokens <= LONG_PROMPT - num_chunks_done * chunk:
+            return name
+    return None
+
+
 def assert_no_blocks_held(cluster: FaultCluster) -> None:
     held = cluster.wait_no_blocks(BLOCKS_FREED_S)
     assert all(h == (0, 0) for h in held.values()), f"blocks still held (used, reserved): {held}"
@@ -148,8 +159,15 @@ def test_prefill_node_killed_mid_prefill_is_retried_on_the_other(cluster, model_
 
     async def scenario() -> tuple[Stream, str]:
         stream = Stream(cluster.router, greedy(ids, 12))
-        await asyncio.sleep(0.5)  # a few of its 20 chunks are computed
-        victim = busy_node(cluster, "prefill")
+        found: dict[str, str] = {}
+
+        def prefilling() -> bool:
+            if "victim" not in found and (name := mid_prefill(cluster, num_chunks_done=3)) is not None:
+                found["victim"] = name
+            return "victim" in found
+
+        await stream.until(prefilling)
+        victim = found["victim"]
         cluster.kill(victim)
         return await stream.done(), victim
 

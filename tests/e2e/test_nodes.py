@@ -4,8 +4,8 @@ The test plays the router: Decode → READY{descriptor, block ids} → Prefill(d
 block ids) → token 1 from the Prefill response, tokens 2..n from the Decode stream.
 It checks what the router relies on: greedy tokens identical to transformers, both
 nodes ending with zero blocks in use, exact KV byte counts on both sides, and a
-cancelled Decode stream freeing its blocks within a second. The nodes are pointed at a
-router address where nothing listens: they must keep retrying quietly.
+cancelled Decode stream freeing its blocks before a shorter stream beside it ends. The
+nodes are pointed at a router address where nothing listens: they must keep retrying quietly.
 """
 
 from __future__ import annotations
@@ -165,15 +165,21 @@ async def get_stats(channels) -> dict[str, node_pb2.NodeStats]:
             for kind, ch in channels.items()}
 
 
-async def wait_idle(channels, within_s: float) -> tuple[dict[str, node_pb2.NodeStats], float]:
-    start = time.monotonic()
-    while True:
-        stats = await get_stats(channels)
-        if all(s.used_blocks == 0 and s.reserved_blocks == 0 for s in stats.values()):
-            return stats, time.monotonic() - start
-        if time.monotonic() - start > within_s:
-            return stats, time.monotonic() - start
-        await asyncio.sleep(0.02)
+async def wait_until(channels, predicate, timeout_s: float) -> dict[str, node_pb2.NodeStats]:
+    """Poll both nodes' stats until `predicate(stats)` holds or timeout_s passes; the last stats."""
+    async with asyncio.timeout(timeout_s):
+        while not predicate(stats := await get_stats(channels)):
+            await asyncio.sleep(0.02)
+    return stats
+
+
+async def wait_idle(channels, timeout_s: float = 10.0) -> dict[str, node_pb2.NodeStats]:
+    """Both nodes' stats once neither holds a used or reserved block (or the last ones at timeout_s)."""
+    try:
+        return await wait_until(channels, lambda stats: all(s.used_blocks == 0 and s.reserved_blocks == 0
+                                                            for s in stats.values()), timeout_s)
+    except TimeoutError:
+        return await get_stats(channels)
 
 
 def run_async(nodes, body):
@@ -197,7 +203,7 @@ def test_concurrent_requests_are_token_exact_and_free_every_block(nodes, model_d
         before = await get_stats(channels)
         outputs = await asyncio.gather(*(play_router(channels, f"req-{i}", p, n)
                                          for i, (p, n) in enumerate(zip(all_prompts, MAX_TOKENS))))
-        after, _ = await wait_idle(channels, within_s=5.0)
+        after = await wait_idle(channels)
         return before, outputs, after
 
     before, outputs, after = run_async(nodes, body)
@@ -211,31 +217,52 @@ def test_concurrent_requests_are_token_exact_and_free_every_block(nodes, model_d
     assert after["prefill"].kv_transfer.failures == 0
 
 
-def test_cancelling_a_decode_stream_frees_its_blocks_within_a_second(nodes):
-    prompt = prompts()[-1]
+async def start_stream(channels, req_id: str, prompt: list[int], max_tokens: int):
+    """Reserve, prefill and open the Decode stream of one request; the open call."""
+    decode = node_pb2_grpc.DecodeNodeStub(channels["decode"])
+    prefill = node_pb2_grpc.PrefillNodeStub(channels["prefill"])
+    params = sampling(max_tokens)
+    call = decode.Decode(node_pb2.SampleRequest(request_id=req_id, prompt_token_ids=prompt,
+                                                sampling_params=params, seed=SEED), timeout=RPC_TIMEOUT_S)
+    ready = (await call.read()).ready
+    await prefill.Prefill(node_pb2.PrefillRequest(
+        request_id=req_id, prompt_token_ids=prompt, sampling_params=params, seed=SEED,
+        decode_kv_descriptor=ready.kv_descriptor, decode_block_ids=ready.block_ids), timeout=RPC_TIMEOUT_S)
+    return call
+
+
+async def read_tokens(call, tokens: list[int]) -> None:
+    """Append the stream's decoded tokens as they come, until it ends."""
+    while (event := await call.read()) is not grpc.aio.EOF:
+        tokens += event.tokens.token_ids
+
+
+def test_cancelling_a_decode_stream_frees_its_blocks_before_a_shorter_stream_beside_it_ends(nodes):
+    # `cancel-me` has 1900 tokens to generate; `beside` joins it with 500. Both decode one
+    # token per step, so had the cancel freed nothing, `cancel-me` would outlive `beside`.
+    prompt, short = prompts()[-1], prompts()[1]
 
     async def body(channels):
-        decode = node_pb2_grpc.DecodeNodeStub(channels["decode"])
-        prefill = node_pb2_grpc.PrefillNodeStub(channels["prefill"])
-        params = sampling(1000)
-        call = decode.Decode(node_pb2.SampleRequest(request_id="cancel-me", prompt_token_ids=prompt,
-                                                    sampling_params=params, seed=SEED), timeout=RPC_TIMEOUT_S)
-        ready = (await call.read()).ready
-        await prefill.Prefill(node_pb2.PrefillRequest(
-            request_id="cancel-me", prompt_token_ids=prompt, sampling_params=params, seed=SEED,
-            decode_kv_descriptor=ready.kv_descriptor, decode_block_ids=ready.block_ids), timeout=RPC_TIMEOUT_S)
+        call = await start_stream(channels, "cancel-me", prompt, 1900)
         for _ in range(3):
             event = await call.read()
             assert event.tokens.finish_reason == pdserve_pb2.FINISH_REASON_UNSPECIFIED
+        beside = await start_stream(channels, "beside", short, 500)
+        beside_tokens = list((await beside.read()).tokens.token_ids)
+        reading = asyncio.create_task(read_tokens(beside, beside_tokens))
         busy = (await get_stats(channels))["decode"]
         call.cancel()
-        stats, elapsed = await wait_idle(channels, within_s=1.0)
-        return busy, stats, elapsed
+        alone = (await wait_until(channels, lambda stats: stats["decode"].num_running
+                                  + stats["decode"].num_waiting < 2, 60.0))["decode"]
+        beside_was_running = not reading.done()
+        await reading
+        return busy, alone, beside_was_running, len(beside_tokens), await wait_idle(channels)
 
-    busy, stats, elapsed = run_async(nodes, body)
-    assert busy.used_blocks > 0 and busy.num_running == 1
-    assert stats["decode"].used_blocks == 0 and stats["decode"].num_running == 0, stats["decode"]
-    assert elapsed <= 1.0
+    busy, alone, beside_was_running, num_beside, idle = run_async(nodes, body)
+    assert busy.num_running == 2 and busy.used_blocks > 0
+    assert (alone.num_running, alone.num_waiting) == (1, 0) and beside_was_running
+    assert num_beside == 500 - 1  # `beside` ran to its end (token 1 came from the prefill node)
+    assert idle["decode"].used_blocks == 0 and idle["decode"].num_running == 0, idle["decode"]
 
 
 def test_a_reservation_cancelled_before_its_kv_is_freed_at_once_and_a_late_prefill_lands_nowhere(nodes):
@@ -249,12 +276,12 @@ def test_a_reservation_cancelled_before_its_kv_is_freed_at_once_and_a_late_prefi
                                                     sampling_params=params, seed=SEED), timeout=RPC_TIMEOUT_S)
         ready = (await call.read()).ready
         call.cancel()  # before any KV: freed at once; the prefill below writes nothing
-        await asyncio.sleep(0.2)
-        cancelled = (await get_stats(channels))["decode"]
+        # Freed before the Prefill is sent, and by the cancel: the poll gives up long before the 20 s lease.
+        cancelled = (await wait_idle(channels))["decode"]
         await prefill.Prefill(node_pb2.PrefillRequest(
             request_id="early-cancel", prompt_token_ids=prompt, sampling_params=params, seed=SEED,
             decode_kv_descriptor=ready.kv_descriptor, decode_block_ids=ready.block_ids), timeout=RPC_TIMEOUT_S)
-        stats, _ = await wait_idle(channels, within_s=2.0)
+        stats = await wait_idle(channels)
         return len(ready.block_ids), cancelled, stats
 
     num_blocks, cancelled, stats = run_async(nodes, body)

@@ -1,99 +1,97 @@
-"""Scheduler: token budget, chunked prefill, decodes first, preemption of the latest arrival."""
+"""Scheduler: the token budget, chunked prefill, max_num_seqs, running requests first,
+first-come-first-served admission and prefix hits at admission, with exact block ids.
+
+Preemption lives in test_scheduler_preemption.py, the policies' release paths and aborts
+in test_scheduler_policies.py, random sequences in test_scheduler_properties.py. Every
+step goes through SchedLoop, which checks the block and queue invariants after it.
+"""
 
 from __future__ import annotations
 
-from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
+from tests.unit.test_scheduler_harness import SchedLoop, colocated, free_queue, ref_counts
 
 
-def make_scheduler(num_blocks=16, block_size=4, budget=8, max_seqs=4, caching=True) -> Scheduler:
-    kv = KVCacheManager(num_blocks, block_size, caching)
-    return Scheduler(kv, budget, max_seqs)
-
-
-def make_request(req_id: str, num_prompt: int, arrival: int, first_token: int = 0) -> Request:
-    tokens = [first_token + i for i in range(num_prompt)]
-    return Request(req_id, tokens, SamplingParams(max_tokens=8), arrival, seed=0)
-
-
-def run_step(sched: Scheduler, sampled_token: int = 7) -> dict[str, int]:
-    out = sched.schedule()
-    sched.update_after_step(out)
-    for s in out.scheduled:
-        if s.request.num_computed_tokens == s.request.num_tokens:
-            s.request.append_output_token(sampled_token)
-    return {s.request.req_id: s.num_scheduled_tokens for s in out.scheduled}
+def tokens(first: int, count: int) -> list[int]:
+    return list(range(first, first + count))
 
 
 def test_long_prompt_is_chunked_by_the_budget():
-    sched = make_scheduler(budget=8)
-    sched.add(make_request("a", 20, 0))
-    assert run_step(sched) == {"a": 8}
-    assert run_step(sched) == {"a": 8}
-    assert run_step(sched) == {"a": 4}  # last chunk samples the first token
-    assert run_step(sched) == {"a": 1}  # then decodes
+    loop = SchedLoop(colocated(), budget=8)
+    loop.add("a", tokens(0, 20))
+    assert loop.step_ids() == [("a", 8)]
+    assert loop.held("a") == [0, 1]
+    assert loop.step_ids() == [("a", 8)]
+    assert loop.held("a") == [0, 1, 2, 3]
+    assert loop.step_ids() == [("a", 4)]  # the last chunk samples the first token
+    assert loop.held("a") == [0, 1, 2, 3, 4]
+    assert loop.step_ids() == [("a", 1)]  # then decodes; token 21 opens block 5
+    assert loop.held("a") == [0, 1, 2, 3, 4, 5]
 
 
 def test_running_decodes_go_first_and_prefill_fills_the_rest():
-    sched = make_scheduler(budget=8)
-    sched.add(make_request("a", 3, 0))
-    run_step(sched)  # a's prompt done, a is now decoding
-    sched.add(make_request("b", 30, 1, first_token=100))
-    out = sched.schedule()
-    assert [(s.request.req_id, s.num_scheduled_tokens) for s in out.scheduled] == [("a", 1), ("b", 7)]
+    loop = SchedLoop(colocated(), budget=8)
+    loop.add("a", tokens(0, 3))
+    loop.step()  # a's prompt done, a is now decoding
+    loop.add("b", tokens(100, 30))
+    assert loop.step_ids() == [("a", 1), ("b", 7)]
 
 
 def test_max_num_seqs_bounds_running():
-    sched = make_scheduler(budget=16, max_seqs=2)
+    loop = SchedLoop(colocated(), budget=16, max_seqs=2)
     for i in range(3):
-        sched.add(make_request(f"r{i}", 2, i, first_token=10 * i))
-    assert set(run_step(sched)) == {"r0", "r1"}
-    assert len(sched.waiting) == 1
+        loop.add(f"r{i}", tokens(10 * i, 2))
+    assert loop.step_ids() == [("r0", 2), ("r1", 2)]
+    assert [r.req_id for r in loop.scheduler.waiting] == ["r2"]
 
 
-def test_preemption_victim_is_the_latest_arrival_and_frees_its_blocks():
-    # 4 blocks of 4 tokens; two requests of 8 prompt tokens take 2 blocks each.
-    sched = make_scheduler(num_blocks=4, block_size=4, budget=16, caching=False)
-    first, second = make_request("a", 8, 0), make_request("b", 8, 1, first_token=50)
-    sched.add(first)
-    sched.add(second)
-    run_step(sched)  # both prefilled: 9 tokens each now, 2 blocks each, pool full
-    out = sched.schedule()  # a needs a third block for token 9: b is preempted
-    assert [r.req_id for r in out.preempted] == ["b"]
-    assert [s.request.req_id for s in out.scheduled] == ["a"]
-    assert second.status is RequestStatus.WAITING and second.num_computed_tokens == 0
-    assert sched.kv.block_ids("b") == []
-    assert sched.num_preemptions == 1
-    assert sched.waiting[0] is second
+def test_chunks_share_the_budget_in_arrival_order_and_max_num_seqs_caps_admission():
+    loop = SchedLoop(colocated(), num_blocks=16, block_size=4, budget=8, max_seqs=2)
+    loop.add("a", tokens(0, 10), max_tokens=2)
+    loop.add("b", tokens(100, 3))
+    loop.add("c", tokens(200, 2))
+    assert loop.step_ids() == [("a", 8)]  # a's first chunk spends the whole budget
+    # a's last chunk, then b's whole prompt; 3 tokens of budget are left but c would be
+    # a third running request.
+    assert loop.step_ids() == [("a", 2), ("b", 3)]
+    assert (loop.held("a"), loop.held("b")) == ([0, 1, 2], [3])
+    assert loop.step_ids() == [("a", 1), ("b", 1)]  # a samples its second token and ends
+    assert free_queue(loop.kv) == tokens(4, 12) + [2, 1, 0]  # a's blocks, tail first, at the back
+    assert loop.step_ids() == [("b", 1), ("c", 2)]
+    assert (loop.held("b"), loop.held("c")) == ([3, 4], [5])  # never-used blocks go out first
 
 
-def test_request_preempting_itself_waits_at_the_front():
-    sched = make_scheduler(num_blocks=2, block_size=4, budget=16, caching=False)
-    only = make_request("a", 8, 0)
-    sched.add(only)
-    run_step(sched)  # 9 tokens now: needs a third block that does not exist
-    out = sched.schedule()
-    assert out.preempted == [only] and out.scheduled == []
-    assert sched.waiting[0] is only and sched.kv.num_used_blocks == 0
-
-
-def test_finish_frees_blocks():
-    sched = make_scheduler(budget=16)
-    req = make_request("a", 9, 0)
-    sched.add(req)
-    run_step(sched)
-    assert sched.kv.num_used_blocks == 3
-    sched.finish(req)
-    assert sched.kv.num_used_blocks == 0 and not sched.has_unfinished()
+def test_waiting_requests_are_admitted_first_come_first_served():
+    loop = SchedLoop(colocated(), num_blocks=5, block_size=4, budget=32)
+    loop.add("a", tokens(0, 12))
+    loop.step()
+    loop.add("b", tokens(100, 8))  # needs 2 blocks
+    loop.add("c", tokens(200, 2))  # needs 1 block
+    assert loop.step_ids() == [("a", 1)]  # a takes block 3; b does not fit in the one left
+    assert free_queue(loop.kv) == [4]
+    assert [r.req_id for r in loop.scheduler.waiting] == ["b", "c"]  # c fits but does not overtake b
 
 
 def test_prefix_hit_skips_cached_tokens():
-    sched = make_scheduler(budget=32)
-    sched.add(make_request("a", 12, 0))
-    run_step(sched)
-    sched.add(make_request("b", 12, 1))  # same tokens as a
-    out = sched.schedule()
-    (b,) = [s for s in out.scheduled if s.request.req_id == "b"]
-    assert b.num_scheduled_tokens == 4 and b.request.num_cached_tokens == 8
+    loop = SchedLoop(colocated(), budget=32)
+    a = loop.add("a", tokens(0, 12))
+    loop.step()
+    assert loop.held("a") == [0, 1, 2]
+    b = loop.add("b", tokens(0, 12))  # same tokens as a
+    # 12 tokens are 3 full blocks, but b's last token must be computed: it hits 2 blocks.
+    # a's decode goes first and takes block 3.
+    assert loop.step_ids() == [("a", 1), ("b", 4)]
+    assert loop.held("a") == [0, 1, 2, 3] and loop.held("b") == [0, 1, 4]
+    assert ref_counts(loop.kv, [0, 1, 2, 3, 4]) == [2, 2, 1, 1, 1]
+    assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
+
+
+def test_prefix_hit_lets_a_chunk_start_after_the_cached_blocks():
+    loop = SchedLoop(colocated(), budget=8)
+    loop.add("a", tokens(0, 16))
+    loop.step()
+    loop.step()  # a's 16 tokens are 4 cached blocks
+    loop.add("b", tokens(0, 16) + tokens(50, 12))
+    # b hits 16 tokens and spends the 7 tokens a's decode leaves on its own.
+    assert loop.step_ids() == [("a", 1), ("b", 7)]
+    assert loop.held("b") == [0, 1, 2, 3, 5, 6]
+    assert loop.step_ids() == [("a", 1), ("b", 5)]
