@@ -127,8 +127,8 @@ def test_chaos_kill_and_restart_a_decode_and_a_prefill_node(model_dir, tmp_path)
     hung = [i for i, o in enumerate(outcomes) if not o.done]
     wrong = sorted(set(range(NUM_REQUESTS)) - set(completed) - set(failed) - set(hung))
     leaked = sum(used + reserved for used, reserved in held.values())
-    resumes = router_log.count(": resume after ")
-    retries = router_log.count(": retry after ")
+    resumes = router_log.count(": resume on ")
+    retries = router_log.count(": retry on ")
     print(f"\nchaos: total={NUM_REQUESTS} completed={len(completed)} failed={len(failed)} hung={len(hung)} "
           f"wrong={len(wrong)} leaked_blocks={leaked} resumes={resumes} retries={retries}")
     for i in failed:
