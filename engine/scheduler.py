@@ -7,7 +7,9 @@ Lifecycle of a request through it:
   (a hand-off, or a request detached with its blocks still held).
 Each step spends at most `max_num_batched_tokens` tokens on at most `max_num_seqs`
 requests. A request that cannot get blocks preempts the latest arrival (recompute),
-so earlier requests always make progress. The scheduler never runs the model.
+so earlier requests always make progress; when nothing runs and the waiting head cannot
+get blocks, the latest waiting request holding blocks gives them up (a decode node's
+prefilled requests wait holding their KV). The scheduler never runs the model.
 """
 
 from __future__ import annotations
@@ -114,6 +116,8 @@ class Scheduler:
             num_done = req.num_computed_tokens + (hit.num_tokens if hit else 0)
             num_new = min(req.num_tokens - num_done, budget)
             if self.kv.allocate_slots(req, num_new, hit) is None:
+                if not self.running:
+                    self._preempt_waiting_holder(req, out)
                 break
             self.waiting.popleft()
             if hit:
@@ -123,6 +127,21 @@ class Scheduler:
             bisect.insort(self.running, req, key=lambda r: r.arrival_index)
             out.scheduled.append(ScheduledRequest(req, num_new))
             budget -= num_new
+
+    def _preempt_waiting_holder(self, head: Request, out: SchedulerOutput) -> None:
+        """Nothing runs, so no block will come free by itself, yet the head cannot get its
+        blocks: waiting requests hold them (a decode node's prefilled requests wait holding
+        their prompt's KV). The latest of those gives its blocks up (recompute later); the
+        head is admitted next step."""
+        holders = [r for r in self.waiting if r is not head and self.kv.block_ids(r.req_id)]
+        if not holders:
+            return  # the head alone cannot fit the pool: the engine's capacity check refuses that
+        victim = max(holders, key=lambda r: r.arrival_index)
+        self.kv.free(victim)
+        victim.num_computed_tokens = 0
+        victim.num_preemptions += 1
+        self.num_preemptions += 1
+        out.preempted.append(victim)
 
     def _preempt(self, victim: Request, out: SchedulerOutput) -> None:
         self.running.remove(victim)

@@ -6,7 +6,6 @@ and queue invariants after every step.
 
 from __future__ import annotations
 
-import pytest
 
 from pdserve.engine.request import RequestStatus
 from tests.unit.test_scheduler_harness import SchedLoop, colocated, free_queue, ref_counts
@@ -162,12 +161,10 @@ def test_victim_is_never_a_request_already_scheduled_in_the_step():
     assert loop.held("x") == [0, 1, 4] and loop.held("y") == [2, 3]
 
 
-DEADLOCK = ("a decode node's prefilled request waits holding its prompt blocks; when the waiting "
-            "head cannot get its blocks and nothing is running, nobody is preempted and the node "
-            "schedules nothing ever again (scheduler._schedule_waiting breaks at the head)")
+# A decode node's prefilled requests wait holding their prompt blocks: when the waiting head
+# cannot get its blocks and nothing runs, the latest waiting holder gives its blocks up.
 
 
-@pytest.mark.xfail(strict=True, reason=DEADLOCK)
 def test_prefilled_requests_that_fill_the_pool_still_run():
     # Each prompt is 2 full blocks and each request fits the 4-block pool on its own
     # (8 + 8 tokens); together their reservations fill it, and token 1 needs a third block.
@@ -176,10 +173,13 @@ def test_prefilled_requests_that_fill_the_pool_still_run():
     loop.reserve("w2", tokens(50, 8), max_tokens=8)
     loop.arrive("w1")
     loop.arrive("w2")
+    out = loop.step()  # w1 needs a third block and nothing runs: w2 gives its two up
+    assert [r.req_id for r in out.preempted] == ["w2"] and not out.scheduled
+    assert loop.held("w2") == [] and loop.kv.num_free_blocks == 2
+    assert loop.step_ids() == [("w1", 1)]  # admitted, no other block taken from anyone
     loop.run_to_completion()
 
 
-@pytest.mark.xfail(strict=True, reason=DEADLOCK)
 def test_request_preempted_ahead_of_a_prefilled_one_still_runs():
     loop = SchedLoop(colocated(), num_blocks=4, block_size=4, budget=16)
     loop.reserve("r", tokens(0, 4), max_tokens=12)
