@@ -76,9 +76,13 @@ class BlockPool:
             if block is None:
                 break
             found.append(block)
-        self.stats.queries += len(block_hashes)
-        self.stats.hits += len(found)
         return found
+
+    def record_lookup(self, num_queried: int, num_found: int) -> None:
+        """Count one admitted request's lookup (a request that waits is looked up again
+        each step; only the lookup that admits it counts)."""
+        self.stats.queries += num_queried
+        self.stats.hits += num_found
 
     def allocate(self, num: int) -> list[KVBlock] | None:
         """Take `num` free blocks (LRU first), evicting any prefix they cached; None if short."""

@@ -17,6 +17,7 @@ from pdserve.engine.request import Request
 class PrefixHit:
     blocks: list[KVBlock]
     num_tokens: int
+    num_queried: int = 0  # blocks looked up (for the prefix-cache stats, counted on admission)
 
 
 class KVCacheManager:
@@ -49,7 +50,7 @@ class KVCacheManager:
         max_blocks = (request.num_tokens - 1) // self.block_size
         hashes = self._block_hashes(request)[:max_blocks]
         blocks = self.pool.lookup(hashes)
-        return PrefixHit(blocks, len(blocks) * self.block_size)
+        return PrefixHit(blocks, len(blocks) * self.block_size, len(hashes))
 
     def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
         """Hold enough blocks for `num_new_tokens` more tokens; the new block ids, or None."""
@@ -61,6 +62,8 @@ class KVCacheManager:
         num_hits_free = sum(1 for b in hit_blocks if b.ref_count == 0)
         if max(num_needed, 0) + num_hits_free > self.pool.num_free_blocks:
             return None
+        if hit is not None:
+            self.pool.record_lookup(hit.num_queried, len(hit_blocks))
         self.pool.touch(hit_blocks)
         held.extend(hit_blocks)
         new_blocks = self.pool.allocate(max(num_needed, 0)) or []

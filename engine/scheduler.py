@@ -122,7 +122,8 @@ class Scheduler:
             self.waiting.popleft()
             if hit:
                 req.num_computed_tokens += hit.num_tokens
-                req.num_cached_tokens = max(req.num_cached_tokens, hit.num_tokens)
+                # Prompt tokens only: after a preemption the hit may cover generated ones too.
+                req.num_cached_tokens = max(req.num_cached_tokens, min(hit.num_tokens, req.num_prompt_tokens))
             req.status = RequestStatus.RUNNING
             bisect.insort(self.running, req, key=lambda r: r.arrival_index)
             out.scheduled.append(ScheduledRequest(req, num_new))

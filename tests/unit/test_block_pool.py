@@ -64,7 +64,11 @@ def test_prefix_hit_stops_one_token_short_and_counts():
     assert kv.find_prefix_hit(longer).num_tokens == 12
     other = make_request("d", [99] + list(range(1, 12)))
     assert kv.find_prefix_hit(other).num_tokens == 0
-    assert kv.pool.stats.hits == 2 + 3
+    # Looking counts nothing: only the lookup that admits a request does (one that waits is
+    # looked up again every step).
+    assert (kv.pool.stats.queries, kv.pool.stats.hits) == (0, 0)
+    assert kv.allocate_slots(same, 4, hit) == [3]
+    assert (kv.pool.stats.queries, kv.pool.stats.hits) == (2, 2)
 
 
 def test_shared_prefix_blocks_are_reference_counted():
