@@ -166,6 +166,10 @@ class ClusterSupervisor:
         if exited is not None:
             raise exited
 
+    def returncode(self, name: str) -> int | None:
+        """How child `name` ended (negative: the signal that ended it); None while it runs."""
+        return next(c.proc.poll() for c in self._children if c.spec.name == name)
+
     def tail(self, name: str) -> list[str]:
         """The last output lines of child `name` (KeyError if there is none)."""
         for child in self._children:

@@ -62,9 +62,15 @@ def test_heartbeats_carry_the_latest_snapshot_and_wait_for_the_first_one():
         port = server.add_insecure_port("127.0.0.1:0")
         await server.start()
         config = NodeConfig(EngineConfig("/m"), router=f"127.0.0.1:{port}", node_id="p0", heartbeat_interval_s=0.02)
-        task = asyncio.create_task(run_registration(config, "127.0.0.1:7000", lambda: latest[0]))
+        asked = [0]
+
+        def latest_snapshot() -> StatsData | None:
+            asked[0] += 1
+            return latest[0]
+
+        task = asyncio.create_task(run_registration(config, "127.0.0.1:7000", latest_snapshot))
         try:
-            await asyncio.sleep(0.2)
+            await until(lambda: asked[0] >= 3)  # it looked for a snapshot three times, found none
             before_first = (len(registry.registrations), len(registry.heartbeats))
             latest[0] = snapshot(3)
             await until(lambda: len(registry.heartbeats) >= 2)
