@@ -42,6 +42,7 @@ import grpc
 from pdserve.proto import node_pb2, pdserve_pb2
 from pdserve.proto.convert import params_to_proto
 from pdserve.router.errors import DeadlineExceeded, NodeFailed, NoNodeAvailable, Overloaded, from_node_error
+from pdserve.router.liveness import NodeGone, unless_gone
 from pdserve.router.placement import Candidate
 from pdserve.router.recovery import NODE_LOST_CODES, NodeLost, RecoveryBudget, attempt_ids
 from pdserve.router.registry import NodeEntry, NodeKind
@@ -182,7 +183,9 @@ class SampleDriver:
         opening, node = self._route.opening, f"{self._route.kind.value} node {entry.address}"
         timeout = None if opening.timeout_s is None else self.bounded(opening.timeout_s)
         try:
-            event = await asyncio.wait_for(call.read(), timeout)
+            event = await asyncio.wait_for(unless_gone(call.read(), [entry]), timeout)
+        except NodeGone as exc:
+            raise NodeFailed(str(exc)) from exc
         except TimeoutError as exc:
             remaining = self.remaining()
             if remaining is not None and remaining <= 0:
@@ -227,7 +230,10 @@ class SampleDriver:
         # Lost once the client has tokens: a resume; before any: a retry.
         decoding = bool(self.relay.streamed_token_ids)
         try:
-            event = await leg.call.read()
+            event = await unless_gone(leg.call.read(), [leg.entry])
+        except NodeGone as gone:
+            # Frozen or replaced: it answers nothing, so no probe; never asked again for this sample.
+            raise NodeLost(NodeFailed(str(gone)), probe=[], decoding=decoding, exclude=[leg.entry]) from gone
         except grpc.aio.AioRpcError as exc:
             failure = from_node_error(self._route.kind.value, leg.entry.address, exc)
             if exc.code() not in NODE_LOST_CODES:

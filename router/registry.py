@@ -23,7 +23,7 @@ import logging
 import math
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -63,6 +63,11 @@ class NodeEntry:
     stats_seq: int = 0
     last_seen: float = -math.inf
     suspect: bool = False  # failed a call and a probe; cleared by its next stats
+    # Set when this entry stops standing for a serving process: dropped (silent past the
+    # heartbeat timeout), replaced by a new registration, or a static node gone silent.
+    # Every call in flight on it moves elsewhere (router/liveness.py).
+    gone: asyncio.Event = field(default_factory=asyncio.Event)
+    gone_reason: str = ""
 
     def candidate(self) -> Candidate:
         stats = self.stats or node_pb2.NodeStats()
@@ -97,6 +102,7 @@ class NodeRegistry:
         replaced = [e for e in self._nodes.values() if e.node_id == node_id or e.address == address]
         for other in replaced:
             del self._nodes[other.node_id]
+            _mark_gone(other, f"{other.address} registered again (a new process)")
         static = any(e.static and e.address == address for e in replaced)  # keep polling it if it goes quiet
         entry = NodeEntry(node_id, kind, address, static, last_seen=self._clock())
         # A fresh stats number, so placement forgets what it counted against the old entry.
@@ -141,14 +147,18 @@ class NodeRegistry:
         return self._nodes.get(node_id)
 
     def expire(self) -> list[NodeEntry]:
-        """Drop registered nodes silent for longer than the heartbeat timeout."""
+        """Drop registered nodes silent for longer than the heartbeat timeout (a static node
+        stays, to be polled, but its calls in flight move on too)."""
         now = self._clock()
-        silent = [e for e in self._nodes.values() if not e.static and now - e.last_seen > self._timeout_s]
+        silent = [e for e in self._nodes.values() if now - e.last_seen > self._timeout_s and not e.gone.is_set()]
         for entry in silent:
-            log.warning("dropping %s node %s at %s: silent for %.1fs", entry.kind.value, entry.node_id,
-                        entry.address, now - entry.last_seen)
+            reason = f"{entry.address} was silent for {now - entry.last_seen:.1f}s (no heartbeat or stats)"
+            _mark_gone(entry, reason)
+            if entry.static:
+                continue
+            log.warning("dropping %s node %s: %s", entry.kind.value, entry.node_id, reason)
             self._drop(entry)
-        return silent
+        return [e for e in silent if not e.static]
 
     def channel(self, entry: NodeEntry) -> grpc.aio.Channel:
         channel = self._channels.get(entry.address)
@@ -177,6 +187,8 @@ class NodeRegistry:
             self._update(entry, stats)
 
     def _update(self, entry: NodeEntry, stats: node_pb2.NodeStats) -> None:
+        if entry.gone.is_set():  # a static node heard from again: calls made from now on may wait on it
+            entry.gone, entry.gone_reason = asyncio.Event(), ""
         entry.stats = stats
         entry.stats_seq += 1
         entry.last_seen = self._clock()
@@ -196,3 +208,8 @@ class NodeRegistry:
         task = asyncio.get_running_loop().create_task(channel.close(grace=self._close_grace_s))
         self._closing.add(task)
         task.add_done_callback(self._closing.discard)
+
+
+def _mark_gone(entry: NodeEntry, reason: str) -> None:
+    entry.gone_reason = reason
+    entry.gone.set()

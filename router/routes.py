@@ -39,7 +39,8 @@ from typing import Protocol
 import grpc
 
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
-from pdserve.router.errors import NoNodeAvailable, Overloaded, RouterError, from_node_error
+from pdserve.router.errors import NodeFailed, NoNodeAvailable, Overloaded, RouterError, from_node_error
+from pdserve.router.liveness import NodeGone, unless_gone
 from pdserve.router.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
 from pdserve.router.recovery import NODE_LOST_CODES, NodeLost
 from pdserve.router.registry import NodeEntry, NodeKind
@@ -213,6 +214,9 @@ class DisaggregatedRoute(Route):
             entry = next(e for e in live if e.node_id == candidate.node_id)
             try:
                 return await self._call_prefill(sample, leg, entry, candidate, len(tokens))
+            except NodeGone as gone:
+                # The prefill node froze, or the decode node it fills did: either way, a new attempt.
+                raise NodeLost(NodeFailed(str(gone)), probe=[], decoding=False, exclude=[gone.entry]) from gone
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full[entry.node_id] = entry.address
@@ -228,7 +232,7 @@ class DisaggregatedRoute(Route):
         stub = node_pb2_grpc.PrefillNodeStub(sample.state.registry.channel(entry))
         call = stub.Prefill(_prefill_request(sample, leg), timeout=sample.bounded(self._prefill_timeout_s))
         try:
-            return await call
+            return await unless_gone(call, [entry, leg.entry])
         finally:
             call.cancel()  # no-op once answered
             self._prefill.finished(candidate, num_tokens)

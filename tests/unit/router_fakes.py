@@ -117,11 +117,12 @@ class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
         self.script, self.calls, self.stats = script, calls, stats
         self.fail = script.fail_prefill  # per node, so one node can die
         self.refuse = False  # per node: RESOURCE_EXHAUSTED, a full queue
+        self.hang = script.hang_prefill  # per node: a Prefill that never answers (a frozen node)
 
     async def Prefill(self, request, context):
         self.calls.prefill_requests.append(request)
         with self.calls.watch("prefill", request.request_id):
-            if self.script.hang_prefill:
+            if self.hang:
                 await asyncio.Event().wait()
         if self.refuse:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake prefill: queue full")

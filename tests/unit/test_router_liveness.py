@@ -1,0 +1,120 @@
+"""No request waits on a silent node: a frozen node's samples move once the registry drops it.
+
+A frozen fake node keeps its streams open and answers nothing more (its heartbeats stop,
+its stream hangs), the way a SIGSTOPped process does. The real router (short heartbeat
+timeout) drops it and the sample goes on elsewhere: exact tokens, no gap, no duplicate.
+"""
+
+from __future__ import annotations
+
+import asyncio
+
+import pytest
+
+from pdserve.proto import node_pb2
+from pdserve.router.liveness import NodeGone, unless_gone
+from pdserve.router.registry import NodeEntry, NodeKind, NodeRegistry
+from tests.unit.router_fakes import fake_nodes, run, tiny_router_model
+from tests.unit.router_fakes import running_router as router
+from tests.unit.test_router_fake_nodes import collect, resumable, text_request
+
+FAST_DROP = dict(heartbeat_timeout_s=0.5, maintenance_interval_s=0.05)
+
+
+@pytest.fixture(scope="module")
+def model(tmp_path_factory):
+    return tiny_router_model(tmp_path_factory.mktemp("router-model"))
+
+
+@pytest.fixture(scope="module")
+def output_ids(model) -> list[int]:
+    return model[1].tokenizer.encode(" the quick brown fox jumps over")
+
+
+def test_a_frozen_decode_node_mid_stream_is_resumed_on_another(model, output_ids):
+    script = resumable(output_ids, hang_after_events=True)
+    script.decode_events = lambda index: [node_pb2.DecodeTokens(token_ids=[output_ids[1]])]
+
+    async def scenario():
+        async with router(model, **FAST_DROP) as address, fake_nodes(address, script, decode=2) as (calls, nodes):
+            frozen = nodes[1]  # d0: ranked first (a tie in free blocks goes by id)
+            so_far: list = []
+            client = asyncio.create_task(collect(address, text_request(max_tokens=len(output_ids)), so_far))
+            async with asyncio.timeout(30):
+                while sum(len(r.token_ids) for r in so_far) < 2:
+                    await asyncio.sleep(0.01)
+            await frozen.stop_heartbeats()  # its stream already hangs: now it is silent too
+            received, error = await asyncio.wait_for(client, 30)
+            cancelled = await asyncio.wait_for(calls.wait_cancelled("decode", calls.decode_requests[0].request_id), 30)
+            return received, error, calls, cancelled
+
+    received, error, calls, _ = run(scenario())
+    assert error is None
+    assert [t for r in received for t in r.token_ids] == output_ids  # no gap, no duplicate
+    resumed = [r for r in calls.decode_requests if r.resumed_token_ids]
+    assert [list(r.resumed_token_ids) for r in resumed] == [output_ids[:2]]
+    assert resumed[0].request_id.endswith("~1")
+
+
+def test_a_frozen_prefill_node_is_retried_on_another(model, output_ids):
+    script = resumable(output_ids)
+
+    async def scenario():
+        async with router(model, **FAST_DROP) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
+            frozen = nodes[0]
+            frozen.servicer.hang = True  # answers no Prefill
+            await frozen.stop_heartbeats()
+            received, error = await asyncio.wait_for(collect(address, text_request(max_tokens=len(output_ids))), 30)
+            return received, error, calls
+
+    received, error, calls = run(scenario())
+    assert error is None
+    assert [t for r in received for t in r.token_ids] == output_ids
+
+
+# -- the seam itself ------------------------------------------------------------------------
+
+
+def test_unless_gone_returns_the_result_while_every_node_is_there():
+    entry = NodeEntry("d0", NodeKind.DECODE, "127.0.0.1:1", static=False)
+
+    async def scenario():
+        return await unless_gone(asyncio.sleep(0, result="event"), [entry])
+
+    assert run(scenario()) == "event"
+
+
+def test_unless_gone_ends_a_silent_wait_when_the_registry_drops_its_node():
+    now = [0.0]
+    registry = NodeRegistry(heartbeat_timeout_s=5.0, channel_close_grace_s=0.1, clock=lambda: now[0])
+
+    async def scenario():
+        entry = registry.register(NodeKind.DECODE, "127.0.0.1:1", "d0")
+        forever = asyncio.Event()
+        waiting = asyncio.create_task(unless_gone(forever.wait(), [entry]))
+        await asyncio.sleep(0)
+        now[0] = 5.5  # silent past the timeout
+        assert registry.expire() == [entry]
+        try:
+            await asyncio.wait_for(waiting, 5)
+        except NodeGone as gone:
+            return gone
+        return None
+
+    gone = run(scenario())
+    assert gone is not None and gone.entry.node_id == "d0"
+    assert str(gone) == "decode node d0 is gone: 127.0.0.1:1 was silent for 5.5s (no heartbeat or stats)"
+
+
+def test_a_node_registering_again_ends_the_waits_on_its_old_process():
+    registry = NodeRegistry(heartbeat_timeout_s=5.0, channel_close_grace_s=0.1)
+
+    async def scenario():
+        old = registry.register(NodeKind.DECODE, "127.0.0.1:1", "d0")
+        registry.register(NodeKind.DECODE, "127.0.0.1:1", "d0")  # restarted on the same address
+        try:
+            await unless_gone(asyncio.Event().wait(), [old])
+        except NodeGone as gone:
+            return str(gone)
+
+    assert run(scenario()) == "decode node d0 is gone: 127.0.0.1:1 registered again (a new process)"
