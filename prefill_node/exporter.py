@@ -11,10 +11,11 @@ One request's export, in the hand-off states of node/handoff.py (the core drives
                │                 decode node's reserved ids at the same positions)
                ▼ token 1 sampled: the engine hands the request off, its blocks in the output;
                │ the rest is pushed (incl. the partial last block), then
-               │ send_done(token 1 + logprobs), queued behind the pushes
+               │ send_done(token 1 + logprobs), queued behind the pushes, and FirstToken
+               │ goes to the front at once: token 1 leaves while the transfer completes
              TRANSFERRING ────── waiting for every push and the done message to be acknowledged
                ▼ all acknowledged
-             SUCCESS ─────────── FirstToken to the front, this node's blocks freed ─▶ gone
+             SUCCESS ─────────── this node's blocks freed ─▶ gone
 
     a failed connection, a FAILED push, the lease, or the caller's abort while the engine
     still has the request ─▶ FAILED: the engine lets go of the request (its blocks come
@@ -22,7 +23,9 @@ One request's export, in the hand-off states of node/handoff.py (the core drives
     (behind the pushes, so it knows nothing more will land), the RPC fails
     (FAILED_PRECONDITION for mismatched KV caches, UNAVAILABLE otherwise; nothing when the
     caller itself went away), and the blocks are freed once no push can still read them
-    ─▶ gone. An abort after token 1 only silences the answer: the transfer completes.
+    ─▶ gone. After token 1 the RPC has been answered: a failure then reaches the client
+    through the decode node (the aborted done message fails its stream, and the router
+    resumes the sample elsewhere); an abort then lets the transfer complete.
 
 A preempted request (recompute) starts pushing again from block 0; pushes on one
 connection land in order, so the recomputed bytes overwrite anything stale.
@@ -120,7 +123,7 @@ class KVExporter:
                 continue
             export.first, export.first_at, export.blocks = out, now, out.handoff_blocks
         for export in list(self._exports.values()):
-            self._advance(export)
+            self._advance(export, now)
 
     def abort(self, req_id: str) -> None:
         """The caller went away: stop computing the request (its blocks are freed once pushes end)."""
@@ -133,7 +136,7 @@ class KVExporter:
 
     def poll(self, now: float) -> None:
         for export in list(self._exports.values()):
-            self._advance(export)
+            self._advance(export, now)
             self._check(export, now)
         self.peers.prune_failed()
 
@@ -145,7 +148,7 @@ class KVExporter:
             self.on_move(export.req_id, state)
 
     # -- pushing -----------------------------------------------------------------------
-    def _advance(self, export: Export) -> None:
+    def _advance(self, export: Export, now: float) -> None:
         if not export.peer_resolved:
             self._connect(export)
         if export.state is not HandoffState.WAITING_FOR_INPUT:
@@ -153,7 +156,7 @@ class KVExporter:
         if export.first is None:
             self._push_computed(export)
         else:
-            self._flush(export)
+            self._flush(export, now)
 
     def _connect(self, export: Export) -> None:
         peer_id, error = self.peers.state(export.peer_key)
@@ -174,7 +177,7 @@ class KVExporter:
         num_full = request.num_computed_tokens // self.block_size
         self._push(export, self.engine.kv.block_ids(export.req_id), num_full)
 
-    def _flush(self, export: Export) -> None:
+    def _flush(self, export: Export, now: float) -> None:
         assert export.blocks is not None and export.first is not None  # set together by the hand-off
         if not self._push(export, [b.block_id for b in export.blocks], len(export.dst_block_ids)):
             return
@@ -185,6 +188,7 @@ class KVExporter:
             self._fail(export, NodeError(ErrorCode.UNAVAILABLE, f"cannot send the KV done message: {exc}"))
             return
         self._move(export, HandoffState.TRANSFERRING)
+        self._answer(export, now)
 
     def _push(self, export: Export, src_block_ids: list[int], num_ready: int) -> bool:
         try:
@@ -236,20 +240,24 @@ class KVExporter:
         elif export.state is HandoffState.FAILED and export.peer_resolved:
             self._release(export)
 
-    def _succeed(self, export: Export) -> None:
+    def _answer(self, export: Export, now: float) -> None:
+        """Token 1 to the front, as soon as the whole transfer is queued behind it."""
         assert export.first is not None  # TRANSFERRING follows the hand-off
+        if not export.answer_caller:
+            return
+        export.answer_caller = False
+        self.to_front(FirstToken(
+            req_id=export.req_id,
+            token_id=export.first.new_token_id,
+            logprobs=Logprobs.of(export.first.logprobs),
+            num_cached_tokens=export.first.num_cached_tokens,
+            prefill_s=export.first_at - export.arrived_at,
+            kv_transfer_s=now - export.first_at,  # how long token 1 waited on the transfer (its connection)
+            kv_transfer_bytes=sum(h.nbytes for h in export.handles),  # every push is queued by now
+        ))
+
+    def _succeed(self, export: Export) -> None:
         self._move(export, HandoffState.SUCCESS)
-        finished = [h.finished_at for h in export.handles if h.finished_at is not None]
-        if export.answer_caller:
-            self.to_front(FirstToken(
-                req_id=export.req_id,
-                token_id=export.first.new_token_id,
-                logprobs=Logprobs.of(export.first.logprobs),
-                num_cached_tokens=export.first.num_cached_tokens,
-                prefill_s=export.first_at - export.arrived_at,
-                kv_transfer_s=max(0.0, max(finished, default=export.first_at) - export.first_at),
-                kv_transfer_bytes=sum(h.nbytes for h in export.handles),
-            ))
         self._release(export)
 
     def _release(self, export: Export) -> None:

@@ -1,8 +1,9 @@
 """The prefill node's gRPC front (`PrefillNode` service) and `pdserve prefill`'s `main`.
 
 `Prefill(req)` hands the request to the engine core (which runs the prompt and pushes
-its KV into the decode node's reserved blocks) and answers token 1 once every push and
-the done message are acknowledged. Cancelling the call aborts the request in the core.
+its KV into the decode node's reserved blocks) and answers token 1 as soon as it is
+sampled and the rest of the transfer is queued behind it (the KV follows token 1; a
+transfer that fails afterwards fails the decode node's stream, and the router resumes). Cancelling the call aborts the request in the core.
 
 Must never: run model code, or choose a status code outside node/errors.py.
 """

@@ -230,10 +230,11 @@ class SampleDriver:
         # Lost once the client has tokens: a resume; before any: a retry.
         decoding = bool(self.relay.streamed_token_ids)
         try:
-            event = await unless_gone(leg.call.read(), [leg.entry])
+            event = await unless_gone(leg.call.read(), [leg.entry, *leg.feeders])
         except NodeGone as gone:
-            # Frozen or replaced: it answers nothing, so no probe; never asked again for this sample.
-            raise NodeLost(NodeFailed(str(gone)), probe=[], decoding=decoding, exclude=[leg.entry]) from gone
+            # Frozen or replaced (the stream's node, or the prefill node still sending it KV): it
+            # answers nothing, so no probe; never asked again for this sample.
+            raise NodeLost(NodeFailed(str(gone)), probe=[], decoding=decoding, exclude=[gone.entry]) from gone
         except grpc.aio.AioRpcError as exc:
             failure = from_node_error(self._route.kind.value, leg.entry.address, exc)
             if exc.code() not in NODE_LOST_CODES:
@@ -241,6 +242,8 @@ class SampleDriver:
             raise self._route.stream_lost(leg, failure, decoding) from exc
         if event is grpc.aio.EOF:
             raise self._route.stream_lost(leg, NodeFailed(f"{node} ended the stream unfinished"), decoding)
+        if event.WhichOneof("event") == "tokens":
+            leg.feeders.clear()  # the KV has landed: the stream no longer depends on its sender
         return event
 
     async def _await_end(self, call: grpc.aio.UnaryStreamCall) -> None:

@@ -33,7 +33,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Protocol
 
 import grpc
@@ -74,6 +74,9 @@ class Leg:
     call: grpc.aio.UnaryStreamCall
     entry: NodeEntry
     first: node_pb2.DecodeEvent
+    # Nodes still feeding the stream's node (a prefill node whose KV may still be on its
+    # way after token 1): the stream waits on them too, until its first tokens event.
+    feeders: list[NodeEntry] = field(default_factory=list)
 
 
 class SampleView(Protocol):
@@ -194,7 +197,8 @@ class DisaggregatedRoute(Route):
         return NodeLost(error, probe=[leg.entry], decoding=decoding)
 
     async def lead_in(self, sample: SampleView, leg: Leg) -> bool:
-        """The prefill leg: the next token into the decode node's blocks, relayed at once."""
+        """The prefill leg: the next token into the decode node's blocks, relayed at once
+        (the prefill node answers when it samples it; the rest of its KV may still be moving)."""
         prefill = await self._run_prefill(sample, leg)
         sample.relay.prefill.add(prefill)
         logprobs = prefill.logprobs if prefill.HasField("logprobs") else None
@@ -213,7 +217,9 @@ class DisaggregatedRoute(Route):
             candidate = self._prefill.choose([e.candidate() for e in live], tokens)
             entry = next(e for e in live if e.node_id == candidate.node_id)
             try:
-                return await self._call_prefill(sample, leg, entry, candidate, len(tokens))
+                response = await self._call_prefill(sample, leg, entry, candidate, len(tokens))
+                leg.feeders.append(entry)
+                return response
             except NodeGone as gone:
                 # The prefill node froze, or the decode node it fills did: either way, a new attempt.
                 raise NodeLost(NodeFailed(str(gone)), probe=[], decoding=False, exclude=[gone.entry]) from gone

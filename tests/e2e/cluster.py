@@ -181,6 +181,13 @@ class FaultCluster:
     def kill(self, name: str) -> None:
         self._killed[name] = self._process.kill(name, signal.SIGKILL)
 
+    def freeze(self, name: str) -> None:
+        """SIGSTOP the node's process group: it holds its calls open and answers nothing."""
+        self._process.kill(name, signal.SIGSTOP)
+
+    def thaw(self, name: str) -> None:
+        self._process.kill(name, signal.SIGCONT)
+
     def restart(self, name: str) -> None:
         """Until the launcher has started the killed node again (it registers on its own)."""
         self._process.wait_restarted(name, self._killed.pop(name), timeout_s=START_TIMEOUT_S)

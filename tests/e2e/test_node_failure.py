@@ -211,5 +211,57 @@ def test_no_decode_node_left_is_unavailable_promptly_and_a_restart_serves(cluste
     assert_no_blocks_held(cluster)
 
 
+def test_a_frozen_decode_node_moves_its_streams_and_rejoins_when_it_wakes(cluster, model_dir):
+    ids = [prompt(30, seed=20 + i) for i in range(4)]
+    refs = greedy_references(model_dir, ids, [LONG_STREAM] * 4)
+
+    async def scenario() -> tuple[list[Stream], str]:
+        # A client deadline far beyond the heartbeat timeout: a stream that waited on the
+        # frozen node would end DEADLINE_EXCEEDED, and the test would see it.
+        streams = [Stream(cluster.router, greedy(p, LONG_STREAM), timeout_s=600) for p in ids]
+        await streams[0].until(lambda: len(streams[0].tokens) >= 10)
+        victim = busy_node(cluster, "decode")
+        cluster.freeze(victim)
+        try:
+            return [await s.done() for s in streams], victim
+        finally:
+            cluster.thaw(victim)
+
+    streams, victim = asyncio.run(scenario())
+    assert [s.error for s in streams] == [None] * 4
+    assert_matches([s.tokens for s in streams], refs)  # moved: no gap, no duplicate
+    cluster.wait_serving(2, 2, timeout_s=120)  # awake: it registered again
+    assert_no_blocks_held(cluster)  # and freed what its cancelled streams held
+
+
+def test_a_frozen_prefill_node_moves_its_prefills(cluster, model_dir):
+    ids = prompt(LONG_PROMPT, seed=30)
+    ref = greedy_references(model_dir, [ids], [12])
+
+    async def scenario() -> Stream:
+        stream = Stream(cluster.router, greedy(ids, 12), timeout_s=600)
+        victim = await _prefilling_node(cluster)
+        cluster.freeze(victim)
+        try:
+            return await stream.done()
+        finally:
+            cluster.thaw(victim)
+
+    stream = asyncio.run(scenario())
+    assert stream.error is None, stream.error
+    assert_matches([stream.tokens], ref)
+    cluster.wait_serving(2, 2, timeout_s=120)
+    assert_no_blocks_held(cluster)
+
+
+async def _prefilling_node(cluster: FaultCluster) -> str:
+    """The prefill node with the prompt part-way computed."""
+    deadline = time.monotonic() + 60
+    while (name := mid_prefill(cluster, num_chunks_done=3)) is None:
+        assert time.monotonic() < deadline, "no prefill node started the prompt"
+        await asyncio.sleep(0.05)
+    return name
+
+
 async def _one(router: str, request: pdserve_pb2.GenerateRequest) -> Stream:
     return await Stream(router, request).done()

@@ -117,18 +117,20 @@ class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
         self.script, self.calls, self.stats = script, calls, stats
         self.fail = script.fail_prefill  # per node, so one node can die
         self.refuse = False  # per node: RESOURCE_EXHAUSTED, a full queue
-        self.hang = script.hang_prefill  # per node: a Prefill that never answers (a frozen node)
+        self.hang = False  # per node: a Prefill that never answers (a frozen node)
+        self.withhold_kv = False  # per node: token 1 answered, the KV never lands (it froze mid-transfer)
 
     async def Prefill(self, request, context):
         self.calls.prefill_requests.append(request)
         with self.calls.watch("prefill", request.request_id):
-            if self.hang:
+            if self.hang or self.script.hang_prefill:
                 await asyncio.Event().wait()
         if self.refuse:
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake prefill: queue full")
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake prefill: connection reset")
-        self.calls.kv_done[request.request_id].set()
+        if not self.withhold_kv:
+            self.calls.kv_done[request.request_id].set()
         resumed = list(request.resumed_token_ids)
         first = self.script.first_token(request.sample_index)
         if resumed and self.script.resumed_first_token is not None:

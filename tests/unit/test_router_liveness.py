@@ -72,6 +72,31 @@ def test_a_frozen_prefill_node_is_retried_on_another(model, output_ids):
     assert [t for r in received for t in r.token_ids] == output_ids
 
 
+def test_a_prefill_node_gone_after_token_one_before_its_kv_landed_is_resumed(model, output_ids):
+    # Token 1 leaves the prefill node when it is sampled; the rest of its KV may still be on its
+    # way. p0 answers token 1 and then goes silent with the KV undelivered: the decode stream
+    # would wait for it until the reservation's lease, so the sample resumes once p0 is dropped.
+    script = resumable(output_ids)
+
+    async def scenario():
+        async with router(model, **FAST_DROP) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
+            nodes[0].servicer.withhold_kv = True
+            nodes[1].servicer.refuse = True  # the first attempt goes to p0
+            client = asyncio.create_task(collect(address, text_request(max_tokens=len(output_ids))))
+            async with asyncio.timeout(30):
+                while not calls.prefill_requests:
+                    await asyncio.sleep(0.01)
+            nodes[1].servicer.refuse = False
+            await nodes[0].stop_heartbeats()
+            return await asyncio.wait_for(client, 30), calls
+
+    (received, error), calls = run(scenario())
+    assert error is None
+    assert [t for r in received for t in r.token_ids] == output_ids  # token 1 once, then the rest
+    assert [list(r.resumed_token_ids) for r in calls.prefill_requests if r.resumed_token_ids] == \
+        [output_ids[:1]]
+
+
 # -- the seam itself ------------------------------------------------------------------------
 
 
