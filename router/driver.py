@@ -237,6 +237,9 @@ class SampleDriver:
             raise NodeLost(NodeFailed(str(gone)), probe=[], decoding=decoding, exclude=[gone.entry]) from gone
         except grpc.aio.AioRpcError as exc:
             failure = from_node_error(self._route.kind.value, leg.entry.address, exc)
+            if self._kv_never_came(leg, exc):
+                # Token 1 left its prefill node before the KV: the transfer failed after it.
+                raise NodeLost(failure, probe=list(leg.feeders), decoding=decoding) from exc
             if exc.code() not in NODE_LOST_CODES:
                 raise failure from exc
             raise self._route.stream_lost(leg, failure, decoding) from exc
@@ -245,6 +248,13 @@ class SampleDriver:
         if event.WhichOneof("event") == "tokens":
             leg.feeders.clear()  # the KV has landed: the stream no longer depends on its sender
         return event
+
+    def _kv_never_came(self, leg: Leg, exc: grpc.aio.AioRpcError) -> bool:
+        """The stream's node gave up waiting for KV (its reservation's lease) while the
+        client's own deadline still runs: a lost transfer, not the client's timeout."""
+        remaining = self.remaining()
+        return (exc.code() is grpc.StatusCode.DEADLINE_EXCEEDED and bool(leg.feeders)
+                and (remaining is None or remaining > 0))
 
     async def _await_end(self, call: grpc.aio.UnaryStreamCall) -> None:
         # The node's last event is in; let its stream close by itself rather than cancel it.

@@ -195,6 +195,10 @@ class FaultCluster:
     def wait_serving(self, num_prefill: int, num_decode: int, timeout_s: float) -> None:
         self._process.wait_serving(num_prefill, num_decode, timeout_s=timeout_s)
 
+    def pids(self) -> dict[str, int]:
+        """Every child's pid (its process group) as the launcher last wrote them."""
+        return {name: child.pid for name, child in self._process.refresh().children.items()}
+
     def live_nodes(self) -> list[str]:
         state = self._process.refresh()
         return [name for name, child in state.children.items()

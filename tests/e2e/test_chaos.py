@@ -1,25 +1,28 @@
-"""Chaos: a fixed number of streamed greedy requests while nodes are SIGKILLed and restarted.
+"""Chaos under `pdserve cluster --prefill 2 --decode 2`: nodes killed, frozen and the router killed.
 
-Router + 2 prefill + 2 decode processes on 127.0.0.1 (tiny float32 Llama, short lease
-and heartbeat timeout). Two waves of requests, each launched open-loop (one every
-`LAUNCH_GAP_S`, prompts and lengths varied, a generous client deadline):
+Router + 2 prefill + 2 decode processes started by the launcher (tiny float32 Llama, short
+lease and heartbeat timeout). Five waves of streamed greedy requests, each launched
+open-loop (one every `LAUNCH_GAP_S`, prompts and lengths varied, a generous deadline),
+each with one fault mid-wave:
 
-    wave 1 ─ kill the busiest decode node mid-wave ─ restart it, wait until it registers
-    wave 2 ─ kill the busiest prefill node mid-wave ─ restart it, wait until it registers
+    kill the busiest decode node     the launcher restarts it; the test waits for 2P2D again
+    kill the busiest prefill node    likewise
+    freeze the busiest decode node   SIGSTOP until the router has dropped it, then SIGCONT
+    freeze the busiest prefill node  likewise
+    kill the router                  the launcher restarts it; nodes register again
 
-Every request must end exactly once, in one of two ways: completed with exactly the
-transformers greedy tokens, or failed with a clear status (UNAVAILABLE,
-RESOURCE_EXHAUSTED or DEADLINE_EXCEEDED, and a message). The test prints and asserts
-completed + failed == total, hung == 0 (each request is bounded by its deadline), and
-leaked blocks == 0 (every live node ends with zero used and zero reserved blocks). It
-also asserts that the decode kill was survived by resuming (the router logged resumes)
-and that most requests completed.
+Every stream of a node wave must end with exactly the transformers greedy tokens; in the
+router wave, exactly those or UNAVAILABLE. A stream that ends by its deadline counts as
+hung: nothing may wait on a dead or frozen node. Afterwards every node holds zero used
+and zero reserved blocks, the cluster serves an exact request, and once the launcher is
+stopped (Ctrl-C) no process of the cluster is left.
 """
 
 from __future__ import annotations
 
 import asyncio
 import importlib.util
+import os
 import random
 from dataclasses import dataclass
 
@@ -34,13 +37,13 @@ from tests.integration.reference import NEAR_TIE, greedy_references
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
 
-NUM_REQUESTS = 40  # two waves of 20
+WAVE = 16  # requests per wave, most of them in flight when its fault lands
 LAUNCH_GAP_S = 0.2
-KILL_AFTER_S = 1.5  # into a wave: most of its requests are in flight
-DEADLINE_S = 180.0
-CLEAR_FAILURES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.DEADLINE_EXCEEDED}
-SETTINGS = FaultSettings(max_num_batched_tokens=32, lease_s=2.0, heartbeat_timeout_s=3.0,
+FAULT_AFTER = 8  # requests launched before the wave's fault
+DEADLINE_S = 240.0
+SETTINGS = FaultSettings(num_blocks=1024, max_num_batched_tokens=32, lease_s=2.0, heartbeat_timeout_s=3.0,
                          prefill_step_delay_s=0.02, decode_step_delay_s=0.03)
+WAVES = (("kill", "decode"), ("kill", "prefill"), ("freeze", "decode"), ("freeze", "prefill"), ("kill", "router"))
 
 
 @dataclass
@@ -57,8 +60,9 @@ def model_dir(tmp_path_factory) -> str:
 
 def workload(model_dir: str):
     rng = random.Random(5)
-    lengths = [rng.randrange(1, 160) for _ in range(NUM_REQUESTS)]
-    max_tokens = [rng.randrange(8, 64) for _ in range(NUM_REQUESTS)]
+    total = WAVE * len(WAVES)
+    lengths = [rng.randrange(1, 160) for _ in range(total)]
+    max_tokens = [rng.randrange(8, 64) for _ in range(total)]
     prompts = [[rng.randrange(1, 900) for _ in range(n)] for n in lengths]
     return prompts, max_tokens, greedy_references(model_dir, prompts, max_tokens)
 
@@ -76,25 +80,48 @@ async def stream(stub, ids: list[int], max_tokens: int, outcome: Outcome) -> Non
 
 
 def busiest(cluster: FaultCluster, kind: str) -> str:
+    if kind == "router":
+        return "router"
     names = [n for n in cluster.live_nodes() if n.startswith(kind)]
     stats = {n: cluster.stats(n) for n in names}
     load = {n: s.num_running + s.num_waiting + s.reserved_blocks for n, s in stats.items()}
     return max(names, key=lambda n: (load[n], n))
 
 
-async def wave(stub, cluster: FaultCluster, kind: str, requests, outcomes: list[Outcome]) -> str:
-    """Launch the wave open-loop, kill the busiest node of `kind` mid-wave, restart it."""
-    tasks = []
-    for ids, max_tokens, outcome in zip(*requests, outcomes):
-        tasks.append(asyncio.create_task(stream(stub, ids, max_tokens, outcome)))
-        await asyncio.sleep(LAUNCH_GAP_S)
-        if len(tasks) == int(KILL_AFTER_S / LAUNCH_GAP_S):
-            victim = await asyncio.to_thread(busiest, cluster, kind)
-            cluster.kill(victim)
-            print(f"killed {victim} with {len(tasks)} requests launched")
-    cluster.restart(victim)
-    await asyncio.to_thread(cluster.wait_serving, 2, 2, 240.0)
-    await asyncio.wait(tasks, timeout=DEADLINE_S + 10)
+def strike(cluster: FaultCluster, fault: str, victim: str) -> None:
+    if fault == "kill":
+        cluster.kill(victim)
+        return
+    cluster.freeze(victim)
+    try:  # frozen until the router has dropped it: its streams must have moved on by then
+        counts = (1, 2) if victim.startswith("prefill") else (2, 1)
+        cluster.wait_serving(*counts, timeout_s=60.0)
+    finally:
+        cluster.thaw(victim)
+
+
+def recover(cluster: FaultCluster, fault: str, victim: str) -> None:
+    if fault == "kill":
+        cluster.restart(victim)  # the launcher starts it again; this waits for that
+    cluster.wait_serving(2, 2, timeout_s=240.0)  # and it registered (again)
+
+
+async def wave(cluster: FaultCluster, fault: str, kind: str, requests, outcomes: list[Outcome]) -> str:
+    """Launch the wave open-loop, strike the busiest `kind` mid-wave, wait for its streams,
+    then for the cluster to be whole again."""
+    async with grpc.aio.insecure_channel(cluster.router) as channel:
+        stub = pdserve_pb2_grpc.GenerationStub(channel)
+        tasks = []
+        for i, (ids, max_tokens, outcome) in enumerate(zip(*requests, outcomes)):
+            if i == FAULT_AFTER:
+                victim = await asyncio.to_thread(busiest, cluster, kind)
+                striking = asyncio.create_task(asyncio.to_thread(strike, cluster, fault, victim))
+                print(f"{fault} {victim} with {len(tasks)} requests launched")
+            tasks.append(asyncio.create_task(stream(stub, ids, max_tokens, outcome)))
+            await asyncio.sleep(LAUNCH_GAP_S)
+        await striking
+        await asyncio.wait(tasks, timeout=DEADLINE_S + 10)
+    await asyncio.to_thread(recover, cluster, fault, victim)
     return victim
 
 
@@ -105,40 +132,57 @@ def matches(got: list[int], ref) -> bool:
     return ref.top2_gaps[mismatch] < NEAR_TIE  # the only tolerated divergence
 
 
-def test_chaos_kill_and_restart_a_decode_and_a_prefill_node(model_dir, tmp_path):
+def test_chaos_kill_and_freeze_each_kind_then_the_router(model_dir, tmp_path):
     prompts, max_tokens, refs = workload(model_dir)
-    outcomes = [Outcome([]) for _ in range(NUM_REQUESTS)]
-    half = NUM_REQUESTS // 2
+    outcomes = [Outcome([]) for _ in prompts]
     with FaultCluster(model_dir, tmp_path, 2, 2, SETTINGS) as cluster:
 
         async def run() -> None:
-            async with grpc.aio.insecure_channel(cluster.router) as channel:
-                stub = pdserve_pb2_grpc.GenerationStub(channel)
-                await wave(stub, cluster, "decode", (prompts[:half], max_tokens[:half]), outcomes[:half])
-                await wave(stub, cluster, "prefill", (prompts[half:], max_tokens[half:]), outcomes[half:])
+            for w, (fault, kind) in enumerate(WAVES):
+                part = slice(w * WAVE, (w + 1) * WAVE)
+                await wave(cluster, fault, kind, (prompts[part], max_tokens[part]), outcomes[part])
 
         asyncio.run(run())
         held = cluster.wait_no_blocks(timeout_s=20.0)
-        router_log = cluster.log("router")
+        router_log = "\n".join(cluster.log(name) for name in ("router",))
+        after = asyncio.run(_one_exact(cluster.router, prompts[0], max_tokens[0]))
+        pids = cluster.pids()
+    left = [name for name, pid in pids.items() if _alive(pid)]
 
+    router_wave = range(WAVE * (len(WAVES) - 1), WAVE * len(WAVES))
     completed = [i for i, o in enumerate(outcomes) if o.done and o.error is None and matches(o.tokens, refs[i])]
-    failed = [i for i, o in enumerate(outcomes)
-              if o.done and o.error is not None and o.error.code() in CLEAR_FAILURES and o.error.details()]
-    hung = [i for i, o in enumerate(outcomes) if not o.done]
-    wrong = sorted(set(range(NUM_REQUESTS)) - set(completed) - set(failed) - set(hung))
+    unavailable = [i for i in router_wave
+                   if outcomes[i].done and outcomes[i].error is not None
+                   and outcomes[i].error.code() is grpc.StatusCode.UNAVAILABLE]
+    hung = [i for i, o in enumerate(outcomes)
+            if not o.done or (o.error is not None and o.error.code() is grpc.StatusCode.DEADLINE_EXCEEDED)]
+    wrong = sorted(set(range(len(outcomes))) - set(completed) - set(unavailable) - set(hung))
     leaked = sum(used + reserved for used, reserved in held.values())
     resumes = router_log.count(": resume on ")
-    retries = router_log.count(": retry on ")
-    print(f"\nchaos: total={NUM_REQUESTS} completed={len(completed)} failed={len(failed)} hung={len(hung)} "
-          f"wrong={len(wrong)} leaked_blocks={leaked} resumes={resumes} retries={retries}")
-    for i in failed:
-        print(f"  request {i} failed: {outcomes[i].error.code().name}: {outcomes[i].error.details()}")
-    for i in wrong:
+    print(f"\nchaos: total={len(outcomes)} completed={len(completed)} unavailable(router wave)={len(unavailable)} "
+          f"hung={len(hung)} wrong={len(wrong)} leaked_blocks={leaked} resumes={resumes}")
+    for i in wrong + hung:
         o = outcomes[i]
-        print(f"  request {i} WRONG: error={o.error and (o.error.code(), o.error.details())} "
+        print(f"  request {i}: error={o.error and (o.error.code(), o.error.details())} "
               f"tokens={o.tokens[:8]}... ref={refs[i].token_ids[:8]}...")
-    assert len(completed) + len(failed) == NUM_REQUESTS, f"wrong: {wrong}, hung: {hung}"
-    assert hung == [] and wrong == []
+    assert hung == [] and wrong == [], f"wrong: {wrong}, hung: {hung}"
     assert leaked == 0, held
-    assert resumes >= 1, "no request was resumed after the decode node was killed"
-    assert len(completed) >= NUM_REQUESTS // 2
+    assert resumes >= 1, "no request was resumed after a decode node was lost"
+    assert after == refs[0].token_ids or matches(after, refs[0])  # the cluster serves afterwards
+    assert left == [], f"processes left after the launcher stopped: {left}"
+
+
+async def _one_exact(router: str, ids: list[int], max_tokens: int) -> list[int]:
+    outcome = Outcome([])
+    async with grpc.aio.insecure_channel(router) as channel:
+        await stream(pdserve_pb2_grpc.GenerationStub(channel), ids, max_tokens, outcome)
+    assert outcome.error is None, outcome.error
+    return outcome.tokens
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    return True

@@ -84,7 +84,12 @@ def test_disaggregated_greedy_is_token_exact(model_dir, workload, num_prefill, n
         expected = sum(-(-len(p) // BLOCK_SIZE) for p in prompts) * block_bytes
         sent = sum(s.kv_transfer.bytes for s in stats if s.kind == "prefill")
         received = sum(s.kv_transfer.bytes for s in stats if s.kind == "decode")
-        assert sent == received == expected
+        assert sent == expected
+        # Token 1 leaves the prefill node before its KV: a request that token 1 ends (max_tokens
+        # 1) has its decode reservation cancelled at once, and what of its KV was still on the
+        # way is dropped there. Every other request's KV landed whole.
+        one_token = sum(-(-len(p) // BLOCK_SIZE) for p, n in zip(prompts, NEW_TOKENS) if n == 1) * block_bytes
+        assert expected - one_token <= received <= expected
         if num_decode > 1:
             assert all(s.kv_transfer.transfers > 0 for s in stats), "every node took part"
 
@@ -144,7 +149,9 @@ def test_cancel_mid_stream_frees_every_block_before_a_shorter_stream_beside_it_e
             call = stub.Generate(greedy_request(prompts[15], 1800), timeout=120)
             seen = [await call.read() for _ in range(3)]
             beside = stub.Generate(greedy_request(prompts[0], 500), timeout=120)
-            beside_tokens = list((await beside.read()).token_ids)
+            beside_tokens: list[int] = []
+            while len(beside_tokens) < 2:  # token 2 is the decode node's: `beside` runs there now
+                beside_tokens += (await beside.read()).token_ids
             reading = asyncio.create_task(read_into(beside, beside_tokens))
             call.cancel()
             alone = await asyncio.to_thread(decode_stats_when, small_cluster,

@@ -82,6 +82,7 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
         self.refuse = script.refuse_decode  # per node, so a test can make one node full
         self.fail_after_events = script.fail_decode_after_events  # per node, so one node can die
         self.fail_before_ready = False  # per node: UNAVAILABLE before READY (a core that just died)
+        self.lease_s: float | None = None  # per node: DEADLINE_EXCEEDED when the KV is this late
         self.requests: list[node_pb2.SampleRequest] = []
 
     async def Decode(self, request, context):
@@ -93,7 +94,10 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
             if self.fail_before_ready:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode: engine core died")
             yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_descriptor=FAKE_DESCRIPTOR, block_ids=[7, 3, 5]))
-            await self.calls.kv_done[request.request_id].wait()
+            try:
+                await asyncio.wait_for(self.calls.kv_done[request.request_id].wait(), self.lease_s)
+            except TimeoutError:
+                await context.abort(grpc.StatusCode.DEADLINE_EXCEEDED, "fake decode: the KV did not arrive in the lease")
             for tokens in self._events(request):
                 await asyncio.sleep(0.01)
                 yield node_pb2.DecodeEvent(tokens=tokens)
@@ -129,7 +133,9 @@ class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
             await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake prefill: queue full")
         if self.fail:
             await context.abort(grpc.StatusCode.UNAVAILABLE, "fake prefill: connection reset")
-        if not self.withhold_kv:
+        if self.withhold_kv:
+            self.withhold_kv = False  # once: the next request's KV lands
+        else:
             self.calls.kv_done[request.request_id].set()
         resumed = list(request.resumed_token_ids)
         first = self.script.first_token(request.sample_index)

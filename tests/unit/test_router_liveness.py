@@ -97,6 +97,26 @@ def test_a_prefill_node_gone_after_token_one_before_its_kv_landed_is_resumed(mod
         [output_ids[:1]]
 
 
+def test_kv_that_never_lands_after_token_one_is_a_lost_transfer_not_the_clients_deadline(model, output_ids):
+    # p0 stays healthy but its transfer fails after token 1 (the KV never lands): the decode
+    # node's reservation lease ends the stream DEADLINE_EXCEEDED. The client's deadline is far
+    # away, so the router resumes the sample (token 1 already streamed) instead of failing it.
+    script = resumable(output_ids)
+
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
+            nodes[0].servicer.withhold_kv = True
+            nodes[2].servicer.lease_s = 0.3
+            received, error = await asyncio.wait_for(
+                collect(address, text_request(max_tokens=len(output_ids))), 30)
+            return received, error, calls
+
+    received, error, calls = run(scenario())
+    assert error is None
+    assert [t for r in received for t in r.token_ids] == output_ids
+    assert [list(r.resumed_token_ids) for r in calls.decode_requests] == [[], output_ids[:1]]
+
+
 # -- the seam itself ------------------------------------------------------------------------
 
 
