@@ -118,6 +118,9 @@ class CoreStarted(_Message):
 @dataclass(slots=True)
 class CoreFailed(_Message):
     message: str
+    # The core refused its configuration (a model folder or dtype it cannot serve): `message`
+    # is the whole story, one line naming the flag, and the node exits as for a usage error.
+    refused: bool = False
 
 
 @dataclass(slots=True)

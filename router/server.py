@@ -28,6 +28,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.common.auth import add_auth_args, server_interceptors, server_options, token_from_cli
 from pdserve.common.config_flags import add_config_args, values_from_args
 from pdserve.common.metrics_endpoint import MetricsEndpoint
+from pdserve.common.refusal import Refused
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.admission import Admission, AdmissionLimits
 from pdserve.router.config import RequestLimits, RouterConfig
@@ -253,7 +254,11 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args, os.environ)
     except ValueError as exc:
         parser.error(str(exc))
-    return uvloop.run(serve(config))
+    try:
+        return uvloop.run(serve(config))
+    except Refused as exc:  # a model folder no node could serve: one line, nothing bound
+        print(f"pdserve router: {exc.cli_message()}", file=sys.stderr, flush=True)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

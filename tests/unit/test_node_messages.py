@@ -34,6 +34,7 @@ MESSAGES = [
     Shutdown(),
     CoreStarted(),
     CoreFailed("boom"),
+    CoreFailed("--model /m: no config.json there", refused=True),
     Ready("r4", "{}", [0, 1, 2]),
     FirstToken("r5", 11, LOGPROBS, 16, 0.5, 0.01, 12288),
     FirstToken("r6", 12, None, 0, 0.5, 0.0, 0),
