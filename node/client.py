@@ -61,6 +61,7 @@ class CoreClient:
         self._latest_stats: StatsData | None = None
         self._query_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
+        self.fingerprint: dict[str, object] = {}  # the core's KV fingerprint, once started
 
     async def start(self) -> None:
         """Spawn the core and wait for it to load the model and register its KV cache."""
@@ -74,6 +75,7 @@ class CoreClient:
             raise NodeError(ErrorCode.INTERNAL, f"engine core failed to start: {first.message}")
         if not isinstance(first, CoreStarted):
             raise NodeError(ErrorCode.INTERNAL, f"engine core said {type(first).__name__} before CoreStarted")
+        self.fingerprint = first.fingerprint
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     async def _first_message(self) -> Message:

@@ -5,7 +5,8 @@ Runs only in the child that node/core.py spawns. `core_main` gets the node kind'
 `EngineCore` with the kind's policy, registers the engine's KV caches with a
 `UcxTransport` (spec from the loaded model; not for a kind whose part says
 `uses_kv_transport=False`), builds the kind's `CoreHandler`, logs the cpus and torch
-threads it runs on, says `CoreStarted` (or `CoreFailed`; `refused=True` and no traceback for a model folder the engine refuses, whose
+threads it runs on, says `CoreStarted` with the KV fingerprint every kind registers with
+(or `CoreFailed`; `refused=True` and no traceback for a model folder the engine refuses, whose
 one line the front prints), then loops:
 
     drain front messages (non-blocking; a short poll timeout only when there is no work)
@@ -120,17 +121,18 @@ def _build(config: NodeConfig, part: CorePart, to_front: ToFront) -> tuple[Engin
     # What the node really runs on (tests and operators read this line; cores as devices).
     logger.info("engine core on cpus %s with %d torch threads", format_cpu_list(os.sched_getaffinity(0)),
                 torch.get_num_threads())
-    transport, descriptor = _start_transport(config, engine) if part.uses_kv_transport else (None, None)
+    spec = kv_cache_spec(config, engine)  # every kind registers with it, KV transport or not
+    transport, descriptor = _start_transport(config, engine, spec) if part.uses_kv_transport else (None, None)
     handler = make_handler(config, engine, transport, descriptor, to_front)
-    to_front(CoreStarted())
+    to_front(CoreStarted(spec.fingerprint()))
     return engine, transport, handler
 
 
-def _start_transport(config: NodeConfig, engine: EngineCore) -> tuple[KVTransport, KVDescriptor]:
+def _start_transport(config: NodeConfig, engine: EngineCore, spec: KVCacheSpec) -> tuple[KVTransport, KVDescriptor]:
     from pdserve.kv_transfer import UcxTransport  # starts UCX: only ever in the core process
 
     transport = UcxTransport(config.transfer)
-    descriptor = transport.register(engine.runner.k_caches, engine.runner.v_caches, kv_cache_spec(config, engine))
+    descriptor = transport.register(engine.runner.k_caches, engine.runner.v_caches, spec)
     return transport, descriptor
 
 

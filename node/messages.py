@@ -114,6 +114,8 @@ class Shutdown(_Message):
 class CoreStarted(_Message):
     """The core has loaded the model and registered its KV cache: it serves from now on."""
 
+    fingerprint: dict[str, Any]  # KVCacheSpec.fingerprint(): what the node registers with the router
+
 
 @dataclass(slots=True)
 class CoreFailed(_Message):

@@ -3,8 +3,9 @@
 Owns loading the tokenizer and config from a model directory, after the engine's own check of
 the folder (engine/model_folder.py: the router refuses at start exactly the folders a node
 would); the EOS ids are the engine's own union (engine/model_facts.py), so router and nodes
-stop on the same tokens. It must never load weights or import the engine's model code: the
-router runs no model.
+stop on the same tokens; the KV shape the config implies is what a registering node's
+fingerprint must show (router/node_facts.py). It must never load weights or import the engine's
+model code: the router runs no model.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ from dataclasses import dataclass, field
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
-from pdserve.engine.model_facts import eos_token_ids
+from pdserve.engine.model_facts import eos_token_ids, head_dim, num_kv_heads
 from pdserve.engine.model_folder import model_name, open_model_folder
 
 
@@ -26,6 +27,9 @@ class RouterModel:
     max_model_len: int
     eos_token_ids: tuple[int, ...]
     dtype: str
+    num_layers: int
+    num_kv_heads: int
+    head_dim: int
 
 
 def load_router_model(model_dir: str | os.PathLike) -> RouterModel:
@@ -40,6 +44,9 @@ def load_router_model(model_dir: str | os.PathLike) -> RouterModel:
         max_model_len=text.max_position_embeddings,
         eos_token_ids=eos_token_ids(folder.path, folder.config, folder.tokenizer.eos_token_id),
         dtype=_dtype_name(text.to_dict()),
+        num_layers=text.num_hidden_layers,
+        num_kv_heads=num_kv_heads(text),
+        head_dim=head_dim(text),
     )
 
 

@@ -35,6 +35,7 @@ from pdserve.router.config import RequestLimits, RouterConfig
 from pdserve.router.errors import InvalidRequest, RouterError, status_of
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model import RouterModel, load_router_model
+from pdserve.router.node_facts import RouterFacts
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.placement import DecodePlacement, PrefillPlacement
 from pdserve.router.registry import NodeKind, NodeRegistry, node_channel_factory
@@ -110,15 +111,19 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
 class RegistryServicer(node_pb2_grpc.RegistryServicer):
     def __init__(self, state: RouterState) -> None:
         self._state = state
+        self._facts = RouterFacts.of(state.model, state.config.block_size)
 
     async def Register(self, request, context):
         try:
             kind = _node_kind(request.kind)
             if not request.address:
                 raise InvalidRequest("address", "address must be HOST:PORT of the node's gRPC server")
+            if not request.HasField("fingerprint"):
+                raise InvalidRequest("fingerprint", "fingerprint is required: the model, dtype, block size and "
+                                                    "KV layout the node runs")
+            self._state.registry.admit(kind, request.address, request.node_id, request.fingerprint, self._facts)
         except RouterError as exc:
             await _abort(context, exc)
-        self._state.registry.register(kind, request.address, request.node_id)
         return node_pb2.RegisterResponse(heartbeat_interval_ms=self._state.config.heartbeat_interval_ms)
 
     async def Heartbeat(self, request, context):

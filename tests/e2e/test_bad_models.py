@@ -2,7 +2,9 @@
 
 Real processes (`python -m pdserve ...`): the router, each node kind and `pdserve cluster`
 refuse a bad model folder with one line naming it and exit 2 before serving anything (the
-launcher fails the launch with that line at once). The bad folders are built locally
+launcher fails the launch with that line at once); a node whose block size differs from the
+router's is refused at registration, exits 78 with the router's line instead of registering
+again, and the router serves on with the node it has. The bad folders are built locally
 (tests/unit/test_model_checks.py), nothing is downloaded.
 """
 
@@ -10,17 +12,21 @@ from __future__ import annotations
 
 import subprocess
 import sys
+import time
 from pathlib import Path
 
+import grpc
 import pytest
 import torch
 
-from pdserve.common.refusal import EXIT_USAGE
+from pdserve.common.refusal import EXIT_REFUSED, EXIT_USAGE
 from pdserve.model_factory import make_model
-from tests.e2e.cluster import HOST
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from tests.e2e.cluster import HOST, free_port
 from tests.unit.test_model_checks import masked_lm, no_tokenizer, sliding_window
 
 START_TIMEOUT_S = 240.0  # processes importing torch and loading a model on a shared 2-core box
+RPC_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
@@ -70,3 +76,66 @@ def test_the_cluster_launch_fails_at_once_with_the_routers_line(good, tmp_path):
     line = f"pdserve router: --model {folder}: BertForMaskedLM is not a causal language model (...ForCausalLM)"
     assert done.returncode == 1
     assert f"pdserve cluster failed: router exited with code {EXIT_USAGE}\n  | {line}\n" in done.stdout
+
+
+class Process:
+    """A `python -m pdserve ...` child with its output in files (read while it runs)."""
+
+    def __init__(self, name: str, args: list[str], log_dir: Path) -> None:
+        self.out, self.err = log_dir / f"{name}.out", log_dir / f"{name}.err"
+        with open(self.out, "w") as out, open(self.err, "w") as err:
+            self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdout=out, stderr=err,
+                                         stdin=subprocess.DEVNULL, start_new_session=True)
+
+    def wait_for(self, text: str) -> None:
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while text not in self.out.read_text() and self.proc.poll() is None and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert text in self.out.read_text(), self.err.read_text()[-4000:]
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+        self.proc.wait(timeout=60)
+
+
+def generate(router: str) -> list[int]:
+    params = pdserve_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    with grpc.insecure_channel(router) as channel:
+        stub = pdserve_pb2_grpc.GenerationStub(channel)
+        responses = stub.Generate(pdserve_pb2.GenerateRequest(text="hello world", sampling_params=params),
+                                  timeout=RPC_TIMEOUT_S)
+        return [token for response in responses for token in response.token_ids]
+
+
+def health(router: str) -> pdserve_pb2.HealthResponse:
+    with grpc.insecure_channel(router) as channel:
+        return pdserve_pb2_grpc.GenerationStub(channel).Health(pdserve_pb2.HealthRequest(), timeout=RPC_TIMEOUT_S)
+
+
+def test_a_node_with_another_block_size_is_refused_and_the_router_serves_on(good, tmp_path):
+    router_address = f"{HOST}:{free_port()}"
+    node_flags = ["--model", str(good), "--port", "0", "--router", router_address, "--dtype", "float32",
+                  "--num-blocks", "64", "--threads", "1"]
+    router = Process("router", ["router", "--model", str(good), "--port", router_address.rsplit(":", 1)[1],
+                                "--block-size", "8", "--heartbeat-timeout-s", "30"], tmp_path)
+    processes = [router]
+    try:
+        router.wait_for("listening on")
+        processes.append(same := Process("same", ["colocated", *node_flags, "--block-size", "8"], tmp_path))
+        processes.append(other := Process("other", ["colocated", *node_flags, "--block-size", "16"], tmp_path))
+        assert other.proc.wait(timeout=START_TIMEOUT_S) == EXIT_REFUSED
+        line = f"pdserve colocated: the router at {router_address} refused this node: " \
+               "block_size: this node has 16, the router 8"
+        assert last_line(other.err.read_text()) == line
+        same.wait_for("listening on")
+        deadline = time.monotonic() + START_TIMEOUT_S
+        while health(router_address).colocated_nodes < 1 and time.monotonic() < deadline:
+            time.sleep(0.1)
+        assert len(generate(router_address)) == 4
+        assert health(router_address).colocated_nodes == 1
+        assert "WARNING refused colocated node" in router.err.read_text()
+        assert "block_size: this node has 16, the router 8" in router.err.read_text()
+    finally:
+        for process in reversed(processes):
+            process.stop()
