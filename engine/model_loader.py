@@ -1,10 +1,12 @@
 """Load a causal LM from disk, on the native Llama-family forward or on transformers itself,
 either way wired to the engine's paged attention.
 
-Owns: reading a model directory (weights, config, tokenizer, generation config), choosing
-the implementation (`model_impl`), refusing configs the engine cannot serve exactly, and the
-shape facts the KV cache is sized from (`num_layers`, `num_kv_heads`, `head_dim`, ...). It
-never edits the files on disk and never reaches the network (`local_files_only`).
+Owns: reading a model directory (weights, config, tokenizer, generation config) once
+engine/model_folder.py has accepted it, choosing the implementation (`model_impl`; a forced
+`native` that cannot run the checkpoint is refused), and the shape facts the KV cache is sized
+from (`num_layers`, `num_kv_heads`, `head_dim`, ...). Every refusal is a `ModelRefused` raised
+before the weights load, except a transformers class that turns out not to take the engine's
+attention. It never edits the files on disk and never reaches the network (`local_files_only`).
 """
 
 from __future__ import annotations
@@ -16,12 +18,13 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
-from transformers import AutoConfig, AutoModelForCausalLM, AutoTokenizer, PretrainedConfig
+from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from pdserve.engine.attention import register_paged_attention
 from pdserve.engine.config import MODEL_IMPLS
-from pdserve.engine.model_facts import eos_token_ids, head_dim, num_kv_heads, optional
+from pdserve.engine.model_facts import eos_token_ids, head_dim, num_kv_heads
+from pdserve.engine.model_folder import ModelRefused, open_model_folder
 from pdserve.engine.models import CausalLM
 from pdserve.engine.models.hf import TransformersCausalLM
 from pdserve.engine.models.llama import load_native_llama, unsupported_reason
@@ -47,9 +50,8 @@ class LoadedModel:
 
 def load_model(model_dir: str | os.PathLike, dtype: torch.dtype | str, impl: str = "auto") -> LoadedModel:
     """Load weights, tokenizer and config with the chosen implementation (see choose_impl)."""
-    path = Path(model_dir)
-    config = AutoConfig.from_pretrained(path, local_files_only=True)
-    check_servable(config)
+    folder = open_model_folder(model_dir)
+    path, config, tokenizer = folder.path, folder.config, folder.tokenizer
     impl = choose_impl(path, config, impl)
     torch_dtype = _as_dtype(dtype)
     if impl == "native":
@@ -57,7 +59,6 @@ def load_model(model_dir: str | os.PathLike, dtype: torch.dtype | str, impl: str
     else:
         model = TransformersCausalLM(_load_transformers(path, torch_dtype))
     model.eval().requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     text = config.get_text_config()
     return LoadedModel(
         model=model,
@@ -79,7 +80,7 @@ def choose_impl(path: Path, config: PretrainedConfig, impl: str) -> str:
         raise ValueError(f"model_impl must be one of {MODEL_IMPLS}, got {impl!r}")
     reason = unsupported_reason(path, config)
     if impl == "native" and reason is not None:
-        raise ValueError(f"model_impl native cannot run {path}: {reason}")
+        raise ModelRefused("model_impl", impl, f"cannot run {path}: {reason}")
     if impl == "auto":
         impl = "transformers" if reason is not None else "native"
         log.info("model %s runs on the %s implementation%s", path.name, impl, f" ({reason})" if reason else "")
@@ -91,7 +92,8 @@ def _load_transformers(path: Path, dtype: torch.dtype) -> torch.nn.Module:
     try:
         model.set_attn_implementation(register_paged_attention())
     except (ValueError, NotImplementedError) as exc:
-        raise ValueError(f"{path}: model class {type(model).__name__} cannot use a custom attention: {exc}") from exc
+        raise ModelRefused("model", path, f"model class {type(model).__name__} cannot use the engine's attention: "
+                                          f"{exc}") from exc
     return model
 
 
@@ -107,28 +109,6 @@ def load_reference_model(model_dir: str | os.PathLike, dtype: torch.dtype | str)
         path, config=config, dtype=_as_dtype(dtype), attn_implementation=REFERENCE_ATTENTION, local_files_only=True
     )
     return model.eval().requires_grad_(False)
-
-
-def check_servable(config: PretrainedConfig) -> None:
-    """Raise ValueError naming the first feature the engine's attention cannot reproduce."""
-    name = config.model_type
-    if config.is_encoder_decoder:
-        raise ValueError(f"{name}: encoder-decoder models are not supported (decoder-only causal LMs only)")
-    text = config.get_text_config()
-    # transformers 5 lists each layer's attention kind; anything else than full
-    # attention (sliding, chunked, linear/recurrent) would silently differ.
-    layer_types = set(optional(text, "layer_types") or [])
-    if layer_types - {"full_attention"}:
-        raise ValueError(f"{name}: layer types {sorted(layer_types)} are not supported; only full attention is")
-    window = optional(text, "sliding_window")
-    window_enabled = optional(text, "use_sliding_window") is not False
-    if window is not None and window_enabled and window < text.max_position_embeddings:
-        raise ValueError(
-            f"{name}: sliding window {window} < max_position_embeddings {text.max_position_embeddings}; "
-            "the engine's attention has no sliding window"
-        )
-    if text.num_attention_heads % num_kv_heads(text):
-        raise ValueError(f"{name}: {text.num_attention_heads} heads is not a multiple of the KV heads")
 
 
 def _as_dtype(dtype: torch.dtype | str) -> torch.dtype:

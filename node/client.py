@@ -11,7 +11,8 @@ the heartbeat sends it without asking the core, and `stats()` answers it when a 
 busy in a long step does not reply in time.
 
 If the core dies, every open stream gets a `RequestFailed(INTERNAL)` and `dead` is set;
-the server then shuts the node down.
+the server then shuts the node down. A core that refuses its configuration at start (a model
+folder the engine cannot serve) makes `start` raise `Refused` with the core's one line.
 
 Must never: run model code, or leave the core process or the socket folder behind.
 """
@@ -29,6 +30,7 @@ from multiprocessing.process import BaseProcess
 import zmq
 import zmq.asyncio
 
+from pdserve.common.refusal import Refused
 from pdserve.node.config import NodeConfig
 from pdserve.node.core import CoreAddresses, start_core
 from pdserve.node.core_part import CorePart
@@ -59,6 +61,7 @@ class CoreClient:
         self._latest_stats: StatsData | None = None
         self._query_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
+        self.fingerprint: dict[str, object] = {}  # the core's KV fingerprint, once started
 
     async def start(self) -> None:
         """Spawn the core and wait for it to load the model and register its KV cache."""
@@ -66,10 +69,13 @@ class CoreClient:
         self._in.bind(self._addresses.from_core)
         self._process = start_core(self.config, self._addresses, self.part)
         first = await self._first_message()
+        if isinstance(first, CoreFailed) and first.refused:
+            raise Refused(first.message)
         if isinstance(first, CoreFailed):
             raise NodeError(ErrorCode.INTERNAL, f"engine core failed to start: {first.message}")
         if not isinstance(first, CoreStarted):
             raise NodeError(ErrorCode.INTERNAL, f"engine core said {type(first).__name__} before CoreStarted")
+        self.fingerprint = first.fingerprint
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     async def _first_message(self) -> Message:

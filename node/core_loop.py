@@ -5,7 +5,9 @@ Runs only in the child that node/core.py spawns. `core_main` gets the node kind'
 `EngineCore` with the kind's policy, registers the engine's KV caches with a
 `UcxTransport` (spec from the loaded model; not for a kind whose part says
 `uses_kv_transport=False`), builds the kind's `CoreHandler`, logs the cpus and torch
-threads it runs on, says `CoreStarted` (or `CoreFailed`), then loops:
+threads it runs on, says `CoreStarted` with the KV fingerprint every kind registers with
+(or `CoreFailed`; `refused=True` and no traceback for a model folder the engine refuses, whose
+one line the front prints), then loops:
 
     drain front messages (non-blocking; a short poll timeout only when there is no work)
     step the engine when it has work       → handler.after_step(outputs)
@@ -25,11 +27,12 @@ import logging
 import os
 import signal
 import time
-from pathlib import Path
 
 import zmq
 
+from pdserve.common.refusal import Refused
 from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.model_folder import model_name
 from pdserve.kv_transfer import KVCacheSpec, KVDescriptor, KVTransport
 from pdserve.node.affinity import format_cpu_list
 from pdserve.node.config import NodeConfig
@@ -43,11 +46,11 @@ from pdserve.node.stats import build_stats
 logger = logging.getLogger(__name__)
 
 def kv_cache_spec(config: NodeConfig, engine: EngineCore) -> KVCacheSpec:
-    """The fingerprint names the model by its folder's name, so nodes on machines with
-    different paths to the same model still match; the shape fields catch the rest. The dtype
-    is the engine's resolved one: `--dtype auto` may differ between machines."""
+    """The fingerprint names the model by its folder's name (`model_name`), so nodes on machines
+    with different paths to the same model still match; the shape fields catch the rest. The
+    dtype is the engine's resolved one: `--dtype auto` may differ between machines."""
     loaded = engine.loaded
-    return KVCacheSpec(model=Path(config.model).resolve().name, dtype=engine.config.dtype,
+    return KVCacheSpec(model=model_name(config.model), dtype=engine.config.dtype,
                        num_layers=loaded.num_layers, num_kv_heads=loaded.num_kv_heads,
                        head_dim=loaded.head_dim, block_size=engine.config.block_size)
 
@@ -84,6 +87,9 @@ def core_main(config: NodeConfig, addresses: CoreAddresses, part: CorePart, fron
     try:
         engine, transport, handler = _build(config, part, to_front)
         _CoreLoop(config, engine, transport, handler, inbox, to_front, front_pid, stop).run()
+    except Refused as exc:  # a configuration this node cannot serve: the front prints the one line
+        to_front(CoreFailed(exc.cli_message(), refused=True))
+        exit_code = exc.exit_code
     except Exception as exc:  # startup or loop failure: tell the front, then exit
         logger.exception("engine core failed")
         to_front(CoreFailed(f"{type(exc).__name__}: {exc}"))
@@ -115,17 +121,18 @@ def _build(config: NodeConfig, part: CorePart, to_front: ToFront) -> tuple[Engin
     # What the node really runs on (tests and operators read this line; cores as devices).
     logger.info("engine core on cpus %s with %d torch threads", format_cpu_list(os.sched_getaffinity(0)),
                 torch.get_num_threads())
-    transport, descriptor = _start_transport(config, engine) if part.uses_kv_transport else (None, None)
+    spec = kv_cache_spec(config, engine)  # every kind registers with it, KV transport or not
+    transport, descriptor = _start_transport(config, engine, spec) if part.uses_kv_transport else (None, None)
     handler = make_handler(config, engine, transport, descriptor, to_front)
-    to_front(CoreStarted())
+    to_front(CoreStarted(spec.fingerprint()))
     return engine, transport, handler
 
 
-def _start_transport(config: NodeConfig, engine: EngineCore) -> tuple[KVTransport, KVDescriptor]:
+def _start_transport(config: NodeConfig, engine: EngineCore, spec: KVCacheSpec) -> tuple[KVTransport, KVDescriptor]:
     from pdserve.kv_transfer import UcxTransport  # starts UCX: only ever in the core process
 
     transport = UcxTransport(config.transfer)
-    descriptor = transport.register(engine.runner.k_caches, engine.runner.v_caches, kv_cache_spec(config, engine))
+    descriptor = transport.register(engine.runner.k_caches, engine.runner.v_caches, spec)
     return transport, descriptor
 
 

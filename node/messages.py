@@ -114,10 +114,15 @@ class Shutdown(_Message):
 class CoreStarted(_Message):
     """The core has loaded the model and registered its KV cache: it serves from now on."""
 
+    fingerprint: dict[str, Any]  # KVCacheSpec.fingerprint(): what the node registers with the router
+
 
 @dataclass(slots=True)
 class CoreFailed(_Message):
     message: str
+    # The core refused its configuration (a model folder or dtype it cannot serve): `message`
+    # is the whole story, one line naming the flag, and the node exits as for a usage error.
+    refused: bool = False
 
 
 @dataclass(slots=True)

@@ -1,16 +1,20 @@
 """Registration with the router: Register once, then Heartbeat with NodeStats.
 
-The router's `Registry` learns the node's real `host:port`, kind and id, then gets a
+The router's `Registry` learns the node's real `host:port`, kind, id and fingerprint (the
+model, dtype, block size and KV layout its engine core runs), then gets a
 heartbeat every `heartbeat_interval_s` (or the interval the router asks for) carrying
 the node's `NodeStats`: the latest snapshot the engine core pushed, never a fresh query,
 so a core busy in a multi-second step cannot make a live node miss its heartbeats (a
 dead core is the front's to notice: it shuts the node down). The node registers once
 the core has sent its first snapshot. A heartbeat answered `known=false` (the router restarted or
 timed the node out) makes the node register again. While the router is unreachable the
-task keeps retrying quietly (debug logs, one info line per outage).
+task keeps retrying quietly (debug logs, one info line per outage). A router that refuses
+the node's fingerprint (FAILED_PRECONDITION: e.g. another block size than the router's) would
+refuse it again on every retry, so the task ends with `RegistrationRefused`, whose one line
+the node prints before it exits with `EXIT_REFUSED` (which the local launcher never restarts).
 
-Must never: stop retrying while the node is up, hold the node's startup hostage, or
-wait on the engine core.
+Must never: stop retrying an unreachable router while the node is up, hold the node's startup
+hostage, or wait on the engine core.
 """
 
 from __future__ import annotations
@@ -22,6 +26,7 @@ from collections.abc import Callable
 import grpc
 
 from pdserve.common.channels import reconnecting_channel
+from pdserve.common.refusal import EXIT_REFUSED, Refused
 from pdserve.node.config import NodeConfig
 from pdserve.node.convert import stats_to_proto
 from pdserve.node.messages import StatsData
@@ -32,13 +37,20 @@ logger = logging.getLogger(__name__)
 LatestStats = Callable[[], StatsData | None]
 
 
+class RegistrationRefused(Refused):
+    """The router refused this node's fingerprint; its message names each field and both values."""
+
+    exit_code = EXIT_REFUSED
+
+
 class _Registration:
     def __init__(self, config: NodeConfig, address: str, latest_stats: LatestStats,
-                 stub: node_pb2_grpc.RegistryStub) -> None:
+                 fingerprint: dict[str, object], stub: node_pb2_grpc.RegistryStub) -> None:
         self.config = config
         self.address = address
         self.node_id = config.resolved_node_id(address)
         self.latest_stats = latest_stats
+        self.fingerprint = node_pb2.NodeFingerprint(**fingerprint)
         self.stub = stub
         self.interval_s = config.heartbeat_interval_s
         self.registered = False
@@ -51,8 +63,7 @@ class _Registration:
             return
         timeout = self.config.registry_rpc_timeout_s
         if not self.registered:
-            request = node_pb2.RegisterRequest(kind=self.config.kind, address=self.address, node_id=self.node_id)
-            reply = await self.stub.Register(request, timeout=timeout)
+            reply = await self._register(timeout)
             self.interval_s = reply.heartbeat_interval_ms / 1000 or self.config.heartbeat_interval_s
             self.registered = True
             logger.info("registered %s node %s (%s) with the router at %s", self.config.kind, self.node_id,
@@ -65,6 +76,17 @@ class _Registration:
             logger.info("the router forgot node %s; registering again", self.node_id)
             self.registered = False
 
+    async def _register(self, timeout: float) -> node_pb2.RegisterResponse:
+        request = node_pb2.RegisterRequest(kind=self.config.kind, address=self.address, node_id=self.node_id,
+                                           fingerprint=self.fingerprint)
+        try:
+            return await self.stub.Register(request, timeout=timeout)
+        except grpc.aio.AioRpcError as exc:
+            if exc.code() is grpc.StatusCode.FAILED_PRECONDITION:
+                raise RegistrationRefused(f"the router at {self.config.router} refused this node: "
+                                          f"{exc.details()}") from exc
+            raise
+
     def failed(self, exc: Exception) -> None:
         self.registered = False
         if self.reachable:
@@ -74,11 +96,15 @@ class _Registration:
         self.reachable = False
 
 
-async def run_registration(config: NodeConfig, address: str, latest_stats: LatestStats) -> None:
-    """Runs until cancelled; `latest_stats` is the front's cached snapshot (`CoreClient.latest_stats`)."""
+async def run_registration(config: NodeConfig, address: str, latest_stats: LatestStats,
+                           fingerprint: dict[str, object]) -> None:
+    """Runs until cancelled, or until the router refuses the node (`RegistrationRefused`).
+    `latest_stats` is the front's cached snapshot (`CoreClient.latest_stats`), `fingerprint`
+    its core's KV fingerprint (`CoreClient.fingerprint`, KVCacheSpec.fingerprint())."""
     # Reconnects to a router that comes up late (or restarts) within about a second.
     async with reconnecting_channel(config.router, config.auth_token) as channel:
-        registration = _Registration(config, address, latest_stats, node_pb2_grpc.RegistryStub(channel))
+        registration = _Registration(config, address, latest_stats, fingerprint,
+                                     node_pb2_grpc.RegistryStub(channel))
         while True:
             try:
                 await registration.beat()

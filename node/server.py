@@ -5,7 +5,9 @@ parse the flags, pin the process to `--cpus` (node/affinity.py), start the engin
 gRPC on `host:port` (port 0: the OS picks; the line `pdserve <kind> node listening on
 HOST:PORT` on stdout says which), serve Prometheus `/metrics` when `--metrics-port` is
 set (node/metrics.py), register with the router and heartbeat, then on
-SIGINT/SIGTERM (or a dead core) stop the server, the core and the registration.
+SIGINT/SIGTERM (or a dead core) stop the server, the core and the registration. A refusal
+(`Refused`: the core cannot serve the model folder, or the router refused the node's
+fingerprint) stops the node the same way, then prints its one line and exits with its code.
 
 Must never: bind anything but the configured host (127.0.0.1 by default), or exit
 leaving the core process running.
@@ -26,6 +28,7 @@ import uvloop
 
 from pdserve.common.auth import server_interceptors, server_options
 from pdserve.common.metrics_endpoint import MetricsEndpoint
+from pdserve.common.refusal import Refused
 from pdserve.node.affinity import pin_to_cpus
 from pdserve.node.client import CoreClient
 from pdserve.node.config import NodeConfig, parse_node_args
@@ -47,7 +50,11 @@ def run_node(argv: list[str] | None, kind: str, part: CorePart, add_servicer: Ad
         print(f"pdserve {kind}: {exc}", file=sys.stderr)
         return 2
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind}-node %(levelname)s %(message)s")
-    return uvloop.run(serve_node(config, part, add_servicer))
+    try:
+        return uvloop.run(serve_node(config, part, add_servicer))
+    except Refused as exc:  # printed once everything has stopped, so it is the node's last line
+        print(f"pdserve {kind}: {exc.cli_message()}", file=sys.stderr, flush=True)
+        return exc.exit_code
 
 
 async def serve_node(config: NodeConfig, part: CorePart, add_servicer: AddServicer) -> int:
@@ -65,8 +72,11 @@ async def serve_node(config: NodeConfig, part: CorePart, add_servicer: AddServic
         metrics = _start_metrics(config, client)
         address = f"{config.host}:{port}"
         print(f"pdserve {config.kind} node listening on {address}", flush=True)
-        registration = asyncio.create_task(run_registration(config, address, client.latest_stats))
-        await _until_stopped(client)
+        registration = asyncio.create_task(run_registration(config, address, client.latest_stats,
+                                                            client.fingerprint))
+        await _until_stopped(client, registration)
+        if registration.done():
+            registration.result()  # it ends by itself only when the router refused the node: raises
         return 1 if client.dead.is_set() else 0
     except NodeError as exc:
         logger.error("%s", exc.message)
@@ -99,14 +109,14 @@ def _bind(server: grpc.aio.Server, config: NodeConfig) -> int:
         raise NodeError(ErrorCode.UNAVAILABLE, f"cannot listen on {config.host}:{config.port}: {exc}") from exc
 
 
-async def _until_stopped(client: CoreClient) -> None:
+async def _until_stopped(client: CoreClient, registration: asyncio.Task) -> None:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGINT, signal.SIGTERM):
         loop.add_signal_handler(sig, stop.set)
     waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(client.dead.wait())]
     try:
-        await asyncio.wait(waiters, return_when=asyncio.FIRST_COMPLETED)
+        await asyncio.wait([*waiters, registration], return_when=asyncio.FIRST_COMPLETED)
     finally:
         for waiter in waiters:
             waiter.cancel()

@@ -11,7 +11,9 @@ While serving, a child that exits is started again with the same command line (s
 port, same node id) after a backoff (`--restart-*`, cluster_supervisor.RestartPolicy): a
 node registers again and takes traffic, while the router resumes its streams on the
 others; a crash-looping node is given up on (said so), and the cluster serves on without
-it; a crash-looping router, or any exit under `--restart-mode never`, stops the cluster.
+it, as is at once a node that exits with a code the same command line would repeat (a usage
+error, or the router refusing its fingerprint: common/refusal.py); a crash-looping router, a
+router that exits so, or any exit under `--restart-mode never`, stops the cluster.
 A child that dies before the cluster first serves fails the launch with its last lines.
 Every exit path stops every child (SIGTERM, then SIGKILL of its process group after a
 grace period). `--state-file` keeps each child's pid and addresses for programs.
@@ -113,7 +115,10 @@ class _Keeper:
                 self._write_state()
 
     def _on_exit(self, exited: ChildExited, now: float) -> None:
-        """Schedule a restart, give up on a crash-looping node, or raise to stop the cluster."""
+        """Schedule a restart, give up on a crash-looping or refused node, or raise to stop the cluster."""
+        if self._policy.final(exited.returncode) and exited.name != "router":
+            self._give_up(exited, f"{exited}, which restarting cannot help")
+            return
         if not self._policy.wants(exited.returncode):
             raise exited
         recent = self._recent.setdefault(exited.name, deque())
@@ -123,14 +128,17 @@ class _Keeper:
             message = f"{exited} after {len(recent)} restarts in {self._policy.window_s:g}s"
             if exited.name == "router":
                 raise ClusterError(f"{message}; stopping the cluster")
-            self._say(f"giving up on {exited.name}: {message}; serving on without it")
-            for line in exited.tail:
-                print(f"  | {line}", file=self._out)
+            self._give_up(exited, message)
             return
         delay = self._policy.delay(len(recent))
         recent.append(now + delay)
         self._due[exited.name] = now + delay
         self._say(f"{exited}; starting it again in {delay:g}s")
+
+    def _give_up(self, exited: ChildExited, message: str) -> None:
+        self._say(f"giving up on {exited.name}: {message}; serving on without it")
+        for line in exited.tail:
+            print(f"  | {line}", file=self._out)
 
     def _say(self, line: str) -> None:
         print(f"pdserve cluster: {line}", file=self._out, flush=True)

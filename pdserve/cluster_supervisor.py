@@ -32,6 +32,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TextIO
 
+from pdserve.common.refusal import FINAL_EXIT_CODES
+
 READER_JOIN_S = 1.0  # how long to wait for a reader to drain an exited child's pipe
 RESTART_MODES = ("on-failure", "always", "never")
 
@@ -63,7 +65,19 @@ class RestartPolicy:
             raise ValueError("--restart-max-restarts must be >= 0 and --restart-window-s > 0")
 
     def wants(self, returncode: int) -> bool:
+        """Start a child that exited with `returncode` again? Never after an exit in
+        `FINAL_EXIT_CODES` (common/refusal.py), whatever the mode: 2, a usage error such as a model
+        folder no engine can serve, and 78 (EXIT_REFUSED), a node whose fingerprint the router
+        refused (another block size, dtype or model). The same command line would be refused again,
+        so restarting would only crash-loop until given up on (see `final`)."""
+        if returncode in FINAL_EXIT_CODES:
+            return False
         return self.mode == "always" or (self.mode == "on-failure" and returncode != 0)
+
+    def final(self, returncode: int) -> bool:
+        """An exit the same command line would repeat: the launcher gives up on such a node at
+        once (a router that exits so stops the cluster), unless `never` stops the cluster anyway."""
+        return self.mode != "never" and returncode in FINAL_EXIT_CODES
 
     def delay(self, recent_restarts: int) -> float:
         """Wait before restart number `recent_restarts + 1` of the window."""

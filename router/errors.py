@@ -45,6 +45,13 @@ class NodeFailed(RouterError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class NodeRefused(RouterError):
+    """A registering node whose model, block size, dtype or KV layout differ from the cluster's;
+    the message names each field and both values. Registering again would be refused again."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+
 class DeadlineExceeded(RouterError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

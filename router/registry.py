@@ -7,7 +7,10 @@ for `heartbeat_timeout_s` is not live: a registered one is dropped (it registers
 when its next heartbeat is answered known=false), a static one stays on the list and
 comes back when it answers again. A node that failed a request's call and then did not
 answer a `GetStats` probe is *suspect*: not live until its next stats arrive, so other
-requests stop trying it long before its heartbeat timeout. One gRPC channel per address
+requests stop trying it long before its heartbeat timeout. A registering node is admitted
+only if its fingerprint agrees with the router's facts and with the nodes already registered
+(router/node_facts.py); otherwise `NodeRefused` names every field that differs, and the refusal
+is logged. One gRPC channel per address
 is cached (reconnecting within a second, so a node restarted on its old address takes
 traffic as soon as it registers).
 
@@ -29,6 +32,8 @@ import grpc
 
 from pdserve.common.channels import reconnecting_channel
 from pdserve.proto import node_pb2, node_pb2_grpc
+from pdserve.router.errors import NodeRefused
+from pdserve.router.node_facts import RouterFacts, disagreements
 from pdserve.router.placement import Candidate
 
 log = logging.getLogger(__name__)
@@ -63,6 +68,7 @@ class NodeEntry:
     stats_seq: int = 0
     last_seen: float = -math.inf
     suspect: bool = False  # failed a call and a probe; cleared by its next stats
+    fingerprint: node_pb2.NodeFingerprint | None = None  # what it runs; None for a static node
     # Set when this entry stops standing for a serving process: dropped (silent past the
     # heartbeat timeout), replaced by a new registration, or a static node gone silent.
     # Every call in flight on it moves elsewhere (router/liveness.py).
@@ -96,15 +102,30 @@ class NodeRegistry:
         self._nodes[entry.node_id] = entry
         return entry
 
-    def register(self, kind: NodeKind, address: str, node_id: str) -> NodeEntry:
-        """A node announced itself; it replaces any entry with its id or its address."""
+    def admit(self, kind: NodeKind, address: str, node_id: str, fingerprint: node_pb2.NodeFingerprint,
+              router: RouterFacts) -> NodeEntry:
+        """`register`, once the node's fingerprint agrees with the router's facts and with every
+        other registered node's (the entries it replaces excepted); `NodeRefused` otherwise."""
+        node_id = node_id or f"{kind.value}-{address}"
+        others = [(e.node_id, e.fingerprint) for e in self._nodes.values()
+                  if e.fingerprint is not None and e.node_id != node_id and e.address != address]
+        lines = disagreements(fingerprint, router, others)
+        if lines:
+            log.warning("refused %s node %s at %s: %s", kind.value, node_id, address, "; ".join(lines))
+            raise NodeRefused("; ".join(lines))
+        return self.register(kind, address, node_id, fingerprint)
+
+    def register(self, kind: NodeKind, address: str, node_id: str,
+                 fingerprint: node_pb2.NodeFingerprint | None = None) -> NodeEntry:
+        """A node announced itself; it replaces any entry with its id or its address. Unchecked:
+        the Registry service goes through `admit`."""
         node_id = node_id or f"{kind.value}-{address}"
         replaced = [e for e in self._nodes.values() if e.node_id == node_id or e.address == address]
         for other in replaced:
             del self._nodes[other.node_id]
             _mark_gone(other, f"{other.address} registered again (a new process)")
         static = any(e.static and e.address == address for e in replaced)  # keep polling it if it goes quiet
-        entry = NodeEntry(node_id, kind, address, static, last_seen=self._clock())
+        entry = NodeEntry(node_id, kind, address, static, last_seen=self._clock(), fingerprint=fingerprint)
         # A fresh stats number, so placement forgets what it counted against the old entry.
         entry.stats_seq = max((e.stats_seq + 1 for e in replaced), default=0)
         self._nodes[node_id] = entry

@@ -28,12 +28,14 @@ from prometheus_client import CollectorRegistry
 from pdserve.common.auth import add_auth_args, server_interceptors, server_options, token_from_cli
 from pdserve.common.config_flags import add_config_args, values_from_args
 from pdserve.common.metrics_endpoint import MetricsEndpoint
+from pdserve.common.refusal import Refused
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.admission import Admission, AdmissionLimits
 from pdserve.router.config import RequestLimits, RouterConfig
 from pdserve.router.errors import InvalidRequest, RouterError, status_of
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model import RouterModel, load_router_model
+from pdserve.router.node_facts import RouterFacts
 from pdserve.router.orchestrator import Orchestrator
 from pdserve.router.placement import DecodePlacement, PrefillPlacement
 from pdserve.router.registry import NodeKind, NodeRegistry, node_channel_factory
@@ -109,15 +111,19 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
 class RegistryServicer(node_pb2_grpc.RegistryServicer):
     def __init__(self, state: RouterState) -> None:
         self._state = state
+        self._facts = RouterFacts.of(state.model, state.config.block_size)
 
     async def Register(self, request, context):
         try:
             kind = _node_kind(request.kind)
             if not request.address:
                 raise InvalidRequest("address", "address must be HOST:PORT of the node's gRPC server")
+            if not request.HasField("fingerprint"):
+                raise InvalidRequest("fingerprint", "fingerprint is required: the model, dtype, block size and "
+                                                    "KV layout the node runs")
+            self._state.registry.admit(kind, request.address, request.node_id, request.fingerprint, self._facts)
         except RouterError as exc:
             await _abort(context, exc)
-        self._state.registry.register(kind, request.address, request.node_id)
         return node_pb2.RegisterResponse(heartbeat_interval_ms=self._state.config.heartbeat_interval_ms)
 
     async def Heartbeat(self, request, context):
@@ -253,7 +259,11 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(args, os.environ)
     except ValueError as exc:
         parser.error(str(exc))
-    return uvloop.run(serve(config))
+    try:
+        return uvloop.run(serve(config))
+    except Refused as exc:  # a model folder no node could serve: one line, nothing bound
+        print(f"pdserve router: {exc.cli_message()}", file=sys.stderr, flush=True)
+        return exc.exit_code
 
 
 if __name__ == "__main__":

@@ -3,8 +3,9 @@
 Also the harness around them: the real router server in-process (`running_router`), a
 bounded event loop per test (`run`) and a collecting client (`generate`).
 
-Each fake registers with the router through the real `Registry` RPCs and heartbeats its
-stats, like a real node. The fake prefill "pushes KV" by setting an event the fake
+Each fake registers with the router through the real `Registry` RPCs (with the fingerprint
+of a node running the router's tiny model, `fingerprint_for`) and heartbeats its stats, like a
+real node. The fake prefill "pushes KV" by setting an event the fake
 decode waits on (what a real decode node does on the transfer's done message), so the
 decode stream only starts once the prefill has answered. Every call a fake receives,
 and every call the router cancels, is recorded for the tests to assert on.
@@ -156,6 +157,14 @@ class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
         return self.stats
 
 
+async def fingerprint_for(channel: grpc.aio.Channel) -> node_pb2.NodeFingerprint:
+    """What a float32 node running the router's model (the tiny llama of `tiny_router_model`:
+    3 layers, 2 KV heads of 16) registers with: the router's model name and block size."""
+    info = await pdserve_pb2_grpc.GenerationStub(channel).GetModelInfo(pdserve_pb2.GetModelInfoRequest())
+    return node_pb2.NodeFingerprint(model=info.model, dtype="float32", num_layers=3, num_kv_heads=2, head_dim=16,
+                                    block_size=info.block_size, layout_version=1)
+
+
 class FakeNode:
     """One fake node's server plus its registration and heartbeat loop."""
 
@@ -166,6 +175,7 @@ class FakeNode:
         self._server: grpc.aio.Server | None = None
         self._channel: grpc.aio.Channel | None = None
         self._task: asyncio.Task | None = None
+        self._register: node_pb2.RegisterRequest | None = None
 
     async def start(self, register: bool = True) -> None:
         """Serve; with register=False the router must know the node from its flags (static)."""
@@ -180,7 +190,9 @@ class FakeNode:
             return
         self._channel = grpc.aio.insecure_channel(self.router_address)
         registry = node_pb2_grpc.RegistryStub(self._channel)
-        await registry.Register(node_pb2.RegisterRequest(kind=self.kind, address=self.address, node_id=self.node_id))
+        self._register = node_pb2.RegisterRequest(kind=self.kind, address=self.address, node_id=self.node_id,
+                                                  fingerprint=await fingerprint_for(self._channel))
+        await registry.Register(self._register)
         self._task = asyncio.create_task(self._heartbeat(registry))
 
     async def stop_heartbeats(self) -> None:
@@ -195,9 +207,7 @@ class FakeNode:
             if self.heartbeats:
                 beat = node_pb2.HeartbeatRequest(node_id=self.node_id, stats=self.servicer.stats)
                 if not (await registry.Heartbeat(beat)).known:
-                    await registry.Register(
-                        node_pb2.RegisterRequest(kind=self.kind, address=self.address, node_id=self.node_id)
-                    )
+                    await registry.Register(self._register)
             await asyncio.sleep(HEARTBEAT_S)
 
     async def stop(self) -> None:

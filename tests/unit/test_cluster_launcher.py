@@ -426,6 +426,31 @@ def test_a_crashing_node_is_restarted_then_given_up_while_the_cluster_serves_on(
     assert _all_dead(supervisor.pids.values())
 
 
+@pytest.mark.parametrize("mode", ["on-failure", "always"])
+def test_a_refused_or_misused_child_is_never_restarted(mode):
+    policy = RestartPolicy(mode=mode)
+    assert [policy.wants(code) for code in (1, 2, 78, -9)] == [True, False, False, True]
+    assert [policy.final(code) for code in (1, 2, 78)] == [False, True, True]
+    assert not RestartPolicy(mode="never").final(78)  # `never` stops the cluster on any exit
+
+
+def test_a_node_the_router_refused_is_given_up_at_once_while_the_cluster_serves_on(supervisor):
+    out, stop = io.StringIO(), threading.Event()
+    refused = (PY, "-c", "import sys; print('pdserve decode: the router refused this node: block_size: this node "
+                         "has 16, the router 8', flush=True); sys.exit(78)")
+    plan = _plan([ChildSpec("prefill-0", SLEEPER), ChildSpec("decode-0", refused)])
+    config = dataclasses.replace(FAST, restart=QUICK_RESTARTS)
+    watcher = _stop_when(out, "giving up on decode-0", stop)
+    assert run_cluster(config, plan, supervisor, lambda: Verdict(True, "ok"), stop, out) == 0
+    watcher.join()
+    text = out.getvalue()
+    assert ("pdserve cluster: giving up on decode-0: decode-0 exited with code 78, which restarting cannot help; "
+            "serving on without it") in text
+    assert "  | pdserve decode: the router refused this node: block_size: this node has 16, the router 8" in text
+    assert "started again" not in text and "starting it again" not in text
+    assert _all_dead(supervisor.pids.values())
+
+
 def test_a_killed_node_comes_back_on_the_same_command_line_and_the_state_file_follows(supervisor, tmp_path):
     out, stop = io.StringIO(), threading.Event()
     state_file = tmp_path / "state.json"

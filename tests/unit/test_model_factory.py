@@ -22,7 +22,8 @@ from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, T5Con
 
 from pdserve.engine.attention import ATTENTION_NAME, ForwardContext
 from pdserve.model_factory import ARCHS, build_tokenizer, ensure_demo_model, make_config, make_model
-from pdserve.engine.model_loader import check_servable, load_model, load_reference_model
+from pdserve.engine.model_folder import check_servable
+from pdserve.engine.model_loader import load_model, load_reference_model
 from pdserve.engine.models.llama import NativeLlama
 from pdserve.kernels import AttentionMetadata, cpu_ext, paged_attention, paged_attention_reference
 
@@ -154,7 +155,7 @@ def test_auto_impl_is_native_for_the_llama_family_and_refuses_native_elsewhere(t
     assert load_model(tiny_dirs["qwen3"], torch.float32).impl == "native"
     edited = copy_with_config(tiny_dirs["llama"], tmp_path / "edited", **edit)
     assert load_model(edited, torch.float32).impl == "transformers"
-    with pytest.raises(ValueError, match=f"model_impl native cannot run .*{reason}"):
+    with pytest.raises(ValueError, match=f"^model_impl native: cannot run .*{reason}"):
         load_model(edited, torch.float32, "native")
 
 

@@ -21,6 +21,10 @@ from pdserve.proto import node_pb2, node_pb2_grpc
 from tests.unit.router_fakes import run
 
 
+FINGERPRINT = {"model": "m", "dtype": "float32", "num_layers": 3, "num_kv_heads": 2, "head_dim": 16,
+               "block_size": 16, "layout_version": 1}
+
+
 def snapshot(used: int) -> StatsData:
     return StatsData("prefill", 64, used, 1, 2, 3, 40, TransferStats(10, 1, 1, 0, 0.5), 6, 2)
 
@@ -68,7 +72,7 @@ def test_heartbeats_carry_the_latest_snapshot_and_wait_for_the_first_one():
             asked[0] += 1
             return latest[0]
 
-        task = asyncio.create_task(run_registration(config, "127.0.0.1:7000", latest_snapshot))
+        task = asyncio.create_task(run_registration(config, "127.0.0.1:7000", latest_snapshot, FINGERPRINT))
         try:
             await until(lambda: asked[0] >= 3)  # it looked for a snapshot three times, found none
             before_first = (len(registry.registrations), len(registry.heartbeats))
@@ -88,6 +92,7 @@ def test_heartbeats_carry_the_latest_snapshot_and_wait_for_the_first_one():
     assert before_first == (0, 0)
     first = registry.registrations[0]
     assert (first.kind, first.address, first.node_id) == ("prefill", "127.0.0.1:7000", "p0")
+    assert (first.fingerprint.model, first.fingerprint.block_size, first.fingerprint.head_dim) == ("m", 16, 16)
     beat = registry.heartbeats[0]
     assert beat.node_id == "p0"
     assert (beat.stats.used_blocks, beat.stats.reserved_blocks, beat.stats.queued_prefill_tokens) == (3, 1, 40)

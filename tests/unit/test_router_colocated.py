@@ -18,7 +18,7 @@ import grpc
 import pytest
 
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
-from tests.unit.router_fakes import HEARTBEAT_S, generate, run, tiny_router_model
+from tests.unit.router_fakes import HEARTBEAT_S, fingerprint_for, generate, run, tiny_router_model
 from tests.unit.router_fakes import running_router as router
 
 LENGTH = pdserve_pb2.FINISH_REASON_LENGTH
@@ -97,7 +97,8 @@ class Node:
         await self._server.start()
         self._channel = grpc.aio.insecure_channel(self.router_address)
         registry = node_pb2_grpc.RegistryStub(self._channel)
-        await registry.Register(node_pb2.RegisterRequest(kind="colocated", address=address, node_id=self.node_id))
+        await registry.Register(node_pb2.RegisterRequest(kind="colocated", address=address, node_id=self.node_id,
+                                                         fingerprint=await fingerprint_for(self._channel)))
         await registry.Heartbeat(node_pb2.HeartbeatRequest(node_id=self.node_id, stats=self.servicer.stats))
         self._task = asyncio.create_task(self._heartbeat(registry))
 
