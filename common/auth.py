@@ -114,8 +114,9 @@ def server_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
     """Options of every pdserve gRPC server: gRPC itself refuses a larger request with
-    RESOURCE_EXHAUSTED before any pdserve code reads it."""
-    return [("grpc.max_receive_message_length", max_message_bytes)]
+    RESOURCE_EXHAUSTED before any pdserve code reads it; and no SO_REUSEPORT (gRPC's
+    default), so a second server on a port in use fails to bind instead of sharing it."""
+    return [("grpc.max_receive_message_length", max_message_bytes), ("grpc.so_reuseport", 0)]
 
 
 _REFUSAL = f"missing or wrong auth token: send metadata '{METADATA_KEY}: {SCHEME}<token>'"

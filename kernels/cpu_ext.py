@@ -1,10 +1,12 @@
 """The C++ CPU kernels (kernels/csrc: paged attention, cache write, the native model's layer
 ops, GEMV and the whole layer stack): built once per machine at first use, then loaded.
 
-Owns compiling and loading the extension and the answer to "is it active?". The build
-goes under the pdserve cache dir (`$PDSERVE_CACHE`, else ~/.cache/pdserve), in a folder
-keyed by the CPU's instruction set and the torch/Python versions, because it is compiled
-with -march=native: a cache dir shared with another kind of machine gets its own build.
+Owns compiling and loading the extension and the answer to "is it active?". A process
+that is about to compile says so first, once, on stderr (`build_needed`; not when it only
+loads an earlier build). The build goes under the pdserve cache dir (`$PDSERVE_CACHE`, else
+~/.cache/pdserve), in a folder keyed by the CPU's instruction set and the torch/Python
+versions, because it is compiled with -march=native: a cache dir shared with another kind
+of machine gets its own build.
 If the build fails (no compiler, no ninja, ...) we log one warning and report the
 extension unavailable; callers then use their torch paths, which compute the same thing.
 `PDSERVE_CPU_EXT=0` forces the torch paths (for comparisons and debugging).
@@ -20,7 +22,7 @@ import os
 import platform
 import sys
 import threading
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -31,6 +33,7 @@ from pdserve.common.paths import default_cache_dir
 log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PDSERVE_CPU_EXT"
+NAME = "pdserve_cpu_kernels"  # the extension, and its library's file name in the build dir
 SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
@@ -73,15 +76,15 @@ def _build() -> CpuOps | None:
     from torch.utils import cpp_extension
 
     build_dir = _build_dir()
-    if not (build_dir / "pdserve_cpu_kernels.so").is_file():
-        # A node's first start is otherwise silent for the minute the compiler takes.
-        print(f"pdserve: building the C++ CPU kernels (once per machine, about a minute) in {build_dir}",
-              file=sys.stderr, flush=True)  # fmt: skip
+    if build_needed(build_dir):
+        # A node's first start is otherwise silent for the minute the compiler takes. On
+        # stderr, which is the node's log.
+        print(f"pdserve: building C++ kernels (once, about a minute) in {build_dir}", file=sys.stderr, flush=True)
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         # Registers the ops with the dispatcher (TORCH_LIBRARY): no Python module, no pybind.
         cpp_extension.load(
-            name="pdserve_cpu_kernels",
+            name=NAME,
             sources=[str(path) for path in SOURCES],
             extra_cflags=list(CFLAGS),
             extra_ldflags=list(LDFLAGS),
@@ -104,6 +107,19 @@ def _build() -> CpuOps | None:
         log.warning("pdserve C++ CPU kernels unavailable, using the torch paths: %s", _summary(exc))
         log.debug("C++ CPU kernels build failure", exc_info=True)
         return None
+
+
+def build_needed(build_dir: Path, sources: Sequence[Path] = SOURCES) -> bool:
+    """Whether loading the kernels from `build_dir` compiles them first, by the rules ninja
+    applies there: no library or build file yet, a source newer than the library, or a build
+    file naming other sources (a checkout elsewhere built into the same cache)."""
+    library, build_file = build_dir / f"{NAME}.so", build_dir / "build.ninja"
+    try:
+        built_at = library.stat().st_mtime
+        build_text = build_file.read_text(errors="replace")
+        return any(path.stat().st_mtime > built_at or str(path) not in build_text for path in sources)
+    except OSError:  # no library or build file yet
+        return True
 
 
 def _build_dir() -> Path:

@@ -22,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import os
 import shutil
 import tempfile
 import time
@@ -109,6 +110,17 @@ class CoreClient:
         """The RPC went away before its request ended: tell the core (never raises)."""
         if not self.dead.is_set():
             self._out.send(encode(Abort(req_id)), zmq.NOBLOCK)
+
+    def core_alive(self) -> bool:
+        """Whether the core process runs now; safe from any thread. It looks without reaping
+        (WNOWAIT), so it never races the watcher for the exit status, and it sees a death
+        before the watcher's next look."""
+        if self.dead.is_set() or self._process is None or self._process.pid is None:
+            return False
+        try:
+            return os.waitid(os.P_PID, self._process.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT) is None
+        except ChildProcessError:  # already reaped: it has exited
+            return False
 
     def latest_stats(self) -> StatsData | None:
         """The core's most recent snapshot, without asking it (None before the first one)."""

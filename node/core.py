@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import multiprocessing as mp
 import os
+import signal
 from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
@@ -41,6 +42,9 @@ def start_core(config: NodeConfig, addresses: CoreAddresses, part: CorePart) -> 
 
 
 def _core_entry(config: NodeConfig, addresses: CoreAddresses, part: CorePart, front_pid: int) -> None:
+    # Ctrl-C reaches the whole process group; the front answers it (Shutdown). Ignored from
+    # here, not only in the loop: a Ctrl-C while torch imports would print a traceback.
+    signal.signal(signal.SIGINT, signal.SIG_IGN)
     pin_to_cpus(config.cpus)  # before torch starts its thread pool
     from pdserve.node.core_loop import core_main  # torch, transformers, UCX: the child only
 

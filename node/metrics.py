@@ -1,16 +1,19 @@
-"""A node's Prometheus `/metrics`: its engine core's latest stats, whatever the node's kind.
+"""A node's Prometheus `/metrics` and `/health`: its engine core's latest stats and whether it
+serves, whatever the node's kind.
 
 Owns the collector that turns the core's latest `StatsData` into `pdserve_*` series at
-scrape time, and the endpoint serving them (`serve_node_metrics`). The shared node front
-(node/server.py) starts it, so every node kind has it. The snapshot is the one the core
-pushes to the front unasked (`CoreClient.latest_stats`, at most every
-`stats_push_interval_s`), so a scrape never queries the core.
+scrape time, `NodeHealth` (what `/health` answers: serving only while the node's gRPC
+server serves and its engine core process runs), and the endpoint serving both
+(`serve_node_metrics`). The shared node front (node/server.py) starts it, so every node
+kind has it. The snapshot is the one the core pushes to the front unasked
+(`CoreClient.latest_stats`, at most every `stats_push_interval_s`), so a scrape never
+queries the core.
 
 Scrapes run on the HTTP server's thread, the front on its event loop. Reading the
-latest snapshot is one reference read of an object the loop replaces whole and never
-mutates, so it is safe from that thread. Must never: await or call into the
-`CoreClient`'s asyncio side from the scrape thread, or count anything itself (counters
-are the core's cumulative totals, exported as they are).
+latest snapshot (or the health's phase) is one reference read of an object the loop
+replaces whole and never mutates, so it is safe from that thread. Must never: await or
+call into the `CoreClient`'s asyncio side from the scrape thread, or count anything
+itself (counters are the core's cumulative totals, exported as they are).
 """
 
 from __future__ import annotations
@@ -21,11 +24,13 @@ from prometheus_client import CollectorRegistry
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
 from prometheus_client.registry import Collector
 
-from pdserve.common.metrics_endpoint import MetricsEndpoint
-from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.common.lifecycle import ServerPhase
+from pdserve.common.metrics_endpoint import Health, HealthCheck, MetricsEndpoint
+from pdserve.common.ports import Listen, unavailable
 from pdserve.node.messages import StatsData
 
 LatestStats = Callable[[], StatsData | None]
+CoreAlive = Callable[[], bool]  # safe from any thread
 
 
 def _hit_rate(stats: StatsData) -> float:
@@ -78,11 +83,40 @@ class NodeStatsCollector(Collector):
             yield CounterMetricFamily(name, help_text, value=value_of(stats))
 
 
-def serve_node_metrics(host: str, port: int, latest_stats: LatestStats) -> MetricsEndpoint:
-    """Serve the node's series on http://host:port/metrics (0: the OS picks; see `.url`)."""
+class NodeHealth:
+    """A node's `/health`: serving once its gRPC server serves, while its engine core runs,
+    until it stops. The front moves the phase; the endpoint's thread asks."""
+
+    def __init__(self, kind: str, core_alive: CoreAlive) -> None:
+        self._kind = kind
+        self._core_alive = core_alive
+        self._phase = ServerPhase.STARTING
+        self._address = ""
+
+    def serving(self, address: str) -> None:
+        self._address = address
+        self._phase = ServerPhase.SERVING
+
+    def stopping(self) -> None:
+        self._phase = ServerPhase.STOPPING
+
+    def __call__(self) -> Health:
+        phase = self._phase
+        if phase is ServerPhase.STARTING:
+            return Health(False, f"{self._kind} node starting: its engine core is loading the model")
+        if phase is ServerPhase.STOPPING:
+            return Health(False, f"{self._kind} node stopping")
+        if not self._core_alive():
+            return Health(False, f"{self._kind} node on {self._address}: its engine core is down")
+        return Health(True, f"{self._kind} node on {self._address}, engine core running")
+
+
+def serve_node_metrics(host: str, port: int, latest_stats: LatestStats, health: HealthCheck) -> MetricsEndpoint:
+    """Serve the node's series on http://host:port/metrics and `health` on /health (0: the OS
+    picks; see `.url`). Raises PortUnavailable naming `--metrics-port` when it cannot bind."""
     registry = CollectorRegistry()
     registry.register(NodeStatsCollector(latest_stats))
     try:
-        return MetricsEndpoint.start(host, port, registry)
+        return MetricsEndpoint.start(host, port, registry, health)
     except OSError as exc:
-        raise NodeError(ErrorCode.UNAVAILABLE, f"cannot serve metrics on {host}:{port}: {exc}") from exc
+        raise unavailable(Listen("--metrics-port", host, port), exc) from exc

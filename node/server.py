@@ -1,11 +1,15 @@
 """Running one node: core process + gRPC front + registration, until a signal.
 
 `run_node(argv, kind, part, add_servicer)` is the body of `pdserve prefill|decode|colocated`:
-parse the flags, pin the process to `--cpus` (node/affinity.py), start the engine core (and wait for its model and KV cache), serve
-gRPC on `host:port` (port 0: the OS picks; the line `pdserve <kind> node listening on
-HOST:PORT` on stdout says which), serve Prometheus `/metrics` when `--metrics-port` is
-set (node/metrics.py), register with the router and heartbeat, then on
-SIGINT/SIGTERM (or a dead core) stop the server, the core and the registration. A refusal
+parse the flags, check that its ports are free (`--port`, `--metrics-port`, `--kv-port`: a busy
+one is one line naming the flag, exit status 2, before anything slow), pin the process to
+`--cpus` (node/affinity.py), serve Prometheus `/metrics` and `/health` when `--metrics-port`
+is set (node/metrics.py; from the start, so /health answers 503 while the model loads), bind
+gRPC on `host:port`, start the engine core (and wait for its model and KV cache), serve gRPC
+(port 0: the OS picks; the line `pdserve <kind> node listening on HOST:PORT` on stdout says
+which), register with the router and heartbeat, then on SIGINT/SIGTERM (or a dead core) stop
+the server, the core and the registration, and the metrics endpoint last. Exit status: 130
+after Ctrl-C, 0 after SIGTERM, 1 when the core died or failed to start. A refusal
 (`Refused`: the core cannot serve the model folder, or the router refused the node's
 fingerprint) stops the node the same way, then prints its one line and exits with its code.
 
@@ -18,7 +22,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import os
-import signal
 import sys
 import time
 from collections.abc import Callable
@@ -27,14 +30,16 @@ import grpc
 import uvloop
 
 from pdserve.common.auth import server_interceptors, server_options
+from pdserve.common.lifecycle import ExitStatus, StopSignals
 from pdserve.common.metrics_endpoint import MetricsEndpoint
+from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.common.refusal import Refused
 from pdserve.node.affinity import pin_to_cpus
 from pdserve.node.client import CoreClient
 from pdserve.node.config import NodeConfig, parse_node_args
 from pdserve.node.core_part import CorePart
-from pdserve.node.errors import ErrorCode, NodeError
-from pdserve.node.metrics import serve_node_metrics
+from pdserve.node.errors import NodeError
+from pdserve.node.metrics import NodeHealth, serve_node_metrics
 from pdserve.node.registration import run_registration
 
 logger = logging.getLogger(__name__)
@@ -45,59 +50,84 @@ AddServicer = Callable[[grpc.aio.Server, CoreClient], None]
 def run_node(argv: list[str] | None, kind: str, part: CorePart, add_servicer: AddServicer) -> int:
     config = parse_node_args(argv, kind, os.environ)
     try:
+        for listen in _listens(config, part):  # before anything slow: a busy port fails at once
+            check_free(listen)
         pin_to_cpus(config.cpus)  # first: every thread and child of this process inherits it
-    except ValueError as exc:
-        print(f"pdserve {kind}: {exc}", file=sys.stderr)
-        return 2
+    except (PortUnavailable, ValueError) as exc:  # ValueError: --cpus names a core not usable here
+        return _usage_error(kind, exc)
     logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind}-node %(levelname)s %(message)s")
     try:
         return uvloop.run(serve_node(config, part, add_servicer))
+    except PortUnavailable as exc:  # taken between the check and the bind
+        return _usage_error(kind, exc)
     except Refused as exc:  # printed once everything has stopped, so it is the node's last line
         print(f"pdserve {kind}: {exc.cli_message()}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C while the engine core starts: serve_node has stopped it
+        return ExitStatus.INTERRUPTED
+
+
+def _usage_error(kind: str, exc: Exception) -> ExitStatus:
+    print(f"pdserve {kind}: {exc}", file=sys.stderr)
+    return ExitStatus.USAGE
 
 
 async def serve_node(config: NodeConfig, part: CorePart, add_servicer: AddServicer) -> int:
     client = CoreClient(config, part)
+    health = NodeHealth(config.kind, client.core_alive)
     server: grpc.aio.Server | None = None
     registration: asyncio.Task | None = None
     metrics: MetricsEndpoint | None = None
     try:
-        await client.start()
+        metrics = _start_metrics(config, client, health)
         server = grpc.aio.server(interceptors=server_interceptors(config.auth_token),
                                  options=server_options(config.max_message_bytes))
         add_servicer(server, client)
-        port = _bind(server, config)
+        port = _bind(server, config)  # before the core loads the model: the port is ours from here
+        await client.start()
         await server.start()
-        metrics = _start_metrics(config, client)
         address = f"{config.host}:{port}"
+        health.serving(address)
+        signals = StopSignals()
+        signals.install(asyncio.get_running_loop())
         print(f"pdserve {config.kind} node listening on {address}", flush=True)
         registration = asyncio.create_task(run_registration(config, address, client.latest_stats,
                                                             client.fingerprint))
-        await _until_stopped(client, registration)
+        await _until_stopped(signals, client, registration)
         if registration.done():
             registration.result()  # it ends by itself only when the router refused the node: raises
-        return 1 if client.dead.is_set() else 0
+        return ExitStatus.FAILED if client.dead.is_set() else signals.exit_status
     except NodeError as exc:
         logger.error("%s", exc.message)
-        return 1
+        return ExitStatus.FAILED
     finally:
+        health.stopping()
         start = time.monotonic()
         if registration is not None:
             registration.cancel()
-        if metrics is not None:
-            metrics.stop()
         if server is not None:
             await server.stop(config.grace_s)
         logger.info("gRPC server stopped in %.2fs", time.monotonic() - start)
         await client.close()
         logger.info("%s node stopped in %.2fs", config.kind, time.monotonic() - start)
+        if metrics is not None:  # last: /health answers "stopping" until the node is gone
+            metrics.stop()
 
 
-def _start_metrics(config: NodeConfig, client: CoreClient) -> MetricsEndpoint | None:
+def _listens(config: NodeConfig, part: CorePart) -> list[Listen]:
+    """The node's ports, named by their flags. The KV listener (ucxx) binds every interface."""
+    listens = [Listen("--port", config.host, config.port)]
+    if config.metrics_port is not None:
+        listens.append(Listen("--metrics-port", config.host, config.metrics_port))
+    if part.uses_kv_transport:
+        listens.append(Listen("--kv-port", "0.0.0.0", config.transfer.port))
+    return listens
+
+
+def _start_metrics(config: NodeConfig, client: CoreClient, health: NodeHealth) -> MetricsEndpoint | None:
     if config.metrics_port is None:
         return None
-    metrics = serve_node_metrics(config.host, config.metrics_port, client.latest_stats)
+    metrics = serve_node_metrics(config.host, config.metrics_port, client.latest_stats, health)
     print(f"pdserve {config.kind} node metrics on {metrics.url}", flush=True)
     return metrics
 
@@ -105,16 +135,12 @@ def _start_metrics(config: NodeConfig, client: CoreClient) -> MetricsEndpoint | 
 def _bind(server: grpc.aio.Server, config: NodeConfig) -> int:
     try:
         return server.add_insecure_port(f"{config.host}:{config.port}")
-    except RuntimeError as exc:
-        raise NodeError(ErrorCode.UNAVAILABLE, f"cannot listen on {config.host}:{config.port}: {exc}") from exc
+    except RuntimeError:  # gRPC says only that it failed
+        raise unavailable(Listen("--port", config.host, config.port)) from None
 
 
-async def _until_stopped(client: CoreClient, registration: asyncio.Task) -> None:
-    stop = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGINT, signal.SIGTERM):
-        loop.add_signal_handler(sig, stop.set)
-    waiters = [asyncio.create_task(stop.wait()), asyncio.create_task(client.dead.wait())]
+async def _until_stopped(signals: StopSignals, client: CoreClient, registration: asyncio.Task) -> None:
+    waiters = [asyncio.create_task(signals.event.wait()), asyncio.create_task(client.dead.wait())]
     try:
         await asyncio.wait([*waiters, registration], return_when=asyncio.FIRST_COMPLETED)
     finally:

@@ -4,6 +4,10 @@ The serving commands (router, prefill, decode, colocated, cluster, generate) bel
 modules: their whole argument list is handed to that module's `main(argv)`, imported
 only when the command runs, so `pdserve demo` never loads gRPC and a server's flags
 are documented by `pdserve <command> --help`.
+
+Every command ends the same way on Ctrl-C: exit status 130 and no traceback. The servers
+stop themselves on it (SIGINT is their stop signal); for the rest — `pdserve demo`, the
+benchmarks, any command still importing — the KeyboardInterrupt ends here.
 """
 
 from __future__ import annotations
@@ -12,6 +16,7 @@ import argparse
 import importlib
 import sys
 
+from pdserve.common.lifecycle import ExitStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.config import DTYPE_NAMES
 
@@ -45,7 +50,13 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
 
 
 def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
+    try:
+        return _main(sys.argv[1:] if argv is None else list(argv))
+    except KeyboardInterrupt:
+        return ExitStatus.INTERRUPTED
+
+
+def _main(argv: list[str]) -> int:
     # Before argparse: its REMAINDER cannot capture a rest that starts with an option.
     if argv and argv[0] in DELEGATED_COMMANDS:
         return _delegate(DELEGATED_COMMANDS[argv[0]][0], argv[1:])
@@ -55,7 +66,7 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     if not hasattr(args, "run"):
         parser.print_help()
-        return 2
+        return ExitStatus.USAGE
     return args.run(args) or 0
 
 
@@ -94,7 +105,7 @@ def _delegate(module_name: str, rest: list[str]) -> int:
         if err.name != module_name:  # a missing dependency inside it: show the real error
             raise
         print(f"pdserve: {module_name} is not part of this installation", file=sys.stderr)
-        return 2
+        return ExitStatus.USAGE
     return module.main(rest) or 0
 
 
@@ -120,8 +131,6 @@ def _demo(args) -> int:
         if event.delta.text:
             print(f"[{event.prompt_index}] {event.delta.text!r}")
     return 0
-
-
 
 
 if __name__ == "__main__":

@@ -16,7 +16,9 @@ error, or the router refusing its fingerprint: common/refusal.py); a crash-loopi
 router that exits so, or any exit under `--restart-mode never`, stops the cluster.
 A child that dies before the cluster first serves fails the launch with its last lines.
 Every exit path stops every child (SIGTERM, then SIGKILL of its process group after a
-grace period). `--state-file` keeps each child's pid and addresses for programs.
+grace period). `--state-file` keeps each child's pid and addresses for programs. Exit
+status: 130 after Ctrl-C, 0 after SIGTERM, 1 when the cluster failed, 2 for a bad flag or a
+busy `--port` / `--metrics-port` (one line naming it, checked before anything starts).
 
 Must never: run model code in the launcher (it only builds the demo model when none is
 given), bind anything but the configured host, or leave a child process behind.
@@ -42,6 +44,8 @@ from pdserve.cluster_plan import ClusterPlan, build_plan, check_cores, resolve_p
 from pdserve.cluster_state import ChildState, ClusterState, write_state
 from pdserve.cluster_supervisor import ChildExited, ClusterSupervisor
 from pdserve.common.auth import token_from_cli
+from pdserve.common.lifecycle import ExitStatus, status_after
+from pdserve.common.ports import Listen, PortUnavailable, check_free
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
 from pdserve.node.affinity import format_cpu_list
 
@@ -180,19 +184,33 @@ def _print_failure(message: str, tail: Sequence[str], out: TextIO) -> None:
 
 @dataclass
 class _StopSignals:
-    """SIGINT/SIGTERM set `stop` instead of raising; the previous handlers come back on exit."""
+    """SIGINT/SIGTERM set `stop` instead of raising, the first one is kept in `received`; the
+    previous handlers come back on exit."""
 
     stop: threading.Event
     previous: dict[int, object] = field(default_factory=dict)
+    received: int | None = None
 
     def __enter__(self) -> _StopSignals:
         for signum in (signal.SIGINT, signal.SIGTERM):
-            self.previous[signum] = signal.signal(signum, lambda *_: self.stop.set())
+            self.previous[signum] = signal.signal(signum, self._on_signal)
         return self
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self.previous.items():
             signal.signal(signum, handler)
+
+    def _on_signal(self, signum: int, _frame: object) -> None:
+        if self.received is None:
+            self.received = signum
+        self.stop.set()
+
+
+def _check_ports(config: ClusterConfig) -> None:
+    """The launcher's own ports (the nodes' are picked free): a busy one fails before anything starts."""
+    check_free(Listen("--port", config.host, config.port))
+    if config.metrics_port is not None:
+        check_free(Listen("--metrics-port", config.host, config.metrics_port))
 
 
 def _model_dir(config: ClusterConfig, python: str = sys.executable) -> str:
@@ -218,12 +236,13 @@ def main(argv: list[str] | None = None) -> int:
         config = config_from_args(argv)
         token = token_from_cli(config.auth_token_file, os.environ)  # the launcher's own probe
         check_cores(config, None)  # before the demo model is built: a typo fails at once
+        _check_ports(config)
         plan = build_plan(config, _model_dir(config), resolve_port(config.host, config.port))
-    except (ValueError, ClusterError) as err:
+    except (ValueError, ClusterError, PortUnavailable) as err:
         print(f"pdserve cluster: {err}", file=sys.stderr)
-        return 2
+        return ExitStatus.USAGE
     except KeyboardInterrupt:  # Ctrl-C while the demo model builds: nothing started yet
-        return 130
+        return ExitStatus.INTERRUPTED
     probe_config = HealthcheckConfig(timeout_s=config.probe_timeout_s, min_prefill=config.num_prefill,
                                      min_decode=config.num_decode, min_colocated=config.num_colocated,
                                      auth_token=token)
@@ -231,8 +250,9 @@ def main(argv: list[str] | None = None) -> int:
     if config.log_dir:
         print(f"logs in {config.log_dir}/<name>.log", flush=True)
     stop = threading.Event()
-    with _StopSignals(stop):
-        return run_cluster(config, plan, supervisor, lambda: check(plan.router_addr, "router", probe_config), stop)
+    with _StopSignals(stop) as signals:
+        status = run_cluster(config, plan, supervisor, lambda: check(plan.router_addr, "router", probe_config), stop)
+    return status_after(signals.received) if status == ExitStatus.OK else status
 
 
 if __name__ == "__main__":

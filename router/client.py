@@ -3,7 +3,8 @@
 Owns the command line of the client and the printing of a response stream (`--json`:
 one object at the end instead). With `--auth-token-file` (or `$PDSERVE_AUTH_TOKEN`) every
 call carries `authorization: Bearer <token>`. On a failed call it prints the gRPC status name and
-message to stderr and exits non-zero. It never talks to a node directly.
+message to stderr and exits 1; Ctrl-C cancels the stream (the router frees what the request
+held), ends the line and exits 130. It never talks to a node directly.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ import grpc
 import uvloop
 
 from pdserve.common.auth import add_auth_args, insecure_channel, token_or_usage_error
+from pdserve.common.lifecycle import ExitStatus
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.proto.convert import finish_reason_name
 
@@ -96,12 +98,12 @@ async def _run(args: argparse.Namespace, token: str | None) -> int:
         completion = await generate(args.addr, request, None if args.json else sys.stdout, args.timeout_s, token)
     except grpc.aio.AioRpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
-        return 1
+        return ExitStatus.FAILED
     if args.json:
         print(json.dumps(completion.as_dict()))
     else:
         print()
-    return 0
+    return ExitStatus.OK
 
 
 def _token_ids(text: str) -> list[int]:
@@ -136,7 +138,12 @@ def main(argv: list[str] | None = None) -> int:
     if (args.prompt is None) == (args.token_ids is None):
         parser.error("give exactly one of PROMPT and --token-ids")
     token = token_or_usage_error(parser, args.auth_token_file, os.environ)
-    return uvloop.run(_run(args, token))
+    try:
+        return uvloop.run(_run(args, token))
+    except KeyboardInterrupt:  # the run cancelled the call on its way out
+        if not args.json:
+            print()  # the streamed text ends its line, as a finished one does
+        return ExitStatus.INTERRUPTED
 
 
 def _logprobs_dict(lp: pdserve_pb2.TokenLogprobs) -> dict:

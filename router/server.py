@@ -2,9 +2,12 @@
 
 Owns the grpc.aio server, the servicers (thin: validate, hand to the orchestrator or
 the registry, turn a `RouterError` into a status via `errors.status_of`; `Generate`'s
-stream is observed by `RouterMetrics`), the optional `/metrics` endpoint, the registry
-maintenance loop, signal handling and `main(argv)` for `pdserve router`. It loads only
-the tokenizer and config of the model, never weights, and never runs model code.
+stream is observed by `RouterMetrics`), the optional `/metrics` + `/health` endpoint (200
+only while the gRPC server serves), the registry maintenance loop, signal handling and
+`main(argv)` for `pdserve router`: a port that cannot be had (`--port`, `--metrics-port`) is
+one line naming the flag and exit status 2; Ctrl-C stops gracefully with 130, SIGTERM with
+0. It loads only the tokenizer and config of the model, never weights, and never runs model
+code.
 
 Every service on the port sits behind the optional shared-secret token (common/auth.py),
 the Registry included: nodes and clients dial one address, and no node joins without the
@@ -17,7 +20,6 @@ import argparse
 import asyncio
 import logging
 import os
-import signal
 import sys
 from collections.abc import Mapping
 
@@ -27,7 +29,9 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.common.auth import add_auth_args, server_interceptors, server_options, token_from_cli
 from pdserve.common.config_flags import add_config_args, values_from_args
-from pdserve.common.metrics_endpoint import MetricsEndpoint
+from pdserve.common.lifecycle import ExitStatus, ServerPhase, StopSignals
+from pdserve.common.metrics_endpoint import Health, HealthCheck, MetricsEndpoint
+from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.common.refusal import Refused
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.admission import Admission, AdmissionLimits
@@ -163,12 +167,15 @@ class RouterServer:
         self._maintenance: asyncio.Task | None = None
         self._metrics_endpoint: MetricsEndpoint | None = None
         self.port: int | None = None
+        # Read by /health on the endpoint's thread: one reference, replaced whole.
+        self.phase = ServerPhase.STARTING
 
     async def start(self) -> int:
-        """Bind and serve; returns the bound port (the OS's pick when the config says 0)."""
+        """Bind and serve; returns the bound port (the OS's pick when the config says 0).
+
+        Raises PortUnavailable naming `--port` or `--metrics-port` when one cannot be bound."""
         if self.config.metrics_port is not None:
-            self._metrics_endpoint = MetricsEndpoint.start(self.config.host, self.config.metrics_port,
-                                                           self.metrics.registry)
+            self._metrics_endpoint = _start_endpoint(self.config, self.metrics.registry, self.health)
         server = grpc.aio.server(interceptors=server_interceptors(self.config.auth_token),
                                  options=server_options(self.config.max_message_bytes))
         validator = RequestValidator(self.state.model, self.config.max_n, limits=self.config.limits,
@@ -177,15 +184,21 @@ class RouterServer:
             GenerationServicer(self.state, validator, Orchestrator(self.state), self.admission, self.metrics), server
         )
         node_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.state), server)
-        self.port = server.add_insecure_port(self.config.address)
-        if self.port == 0:
-            raise OSError(f"could not bind the router to {self.config.address}")
+        self.port = _bind(server, self.config)
         await server.start()
         self._server = server
         self._maintenance = asyncio.create_task(self._maintain())
+        self.phase = ServerPhase.SERVING
         return self.port
 
+    def health(self) -> Health:
+        """What `/health` answers: serving only between a finished `start` and `stop`."""
+        if self.phase is not ServerPhase.SERVING:
+            return Health(False, f"router {self.phase.value}")
+        return Health(True, f"router on {self.config.host}:{self.port} (pdserve.Generation, pdserve.Registry)")
+
     async def stop(self, grace_s: float | None = None) -> None:
+        self.phase = ServerPhase.STOPPING
         if self._maintenance is not None:
             self._maintenance.cancel()
             await asyncio.gather(self._maintenance, return_exceptions=True)
@@ -205,6 +218,31 @@ class RouterServer:
             registry.expire()
             await registry.poll_static(self.config.stats_poll_timeout_s)
             await asyncio.sleep(self.config.maintenance_interval_s)
+
+
+def _listens(config: RouterConfig) -> list[Listen]:
+    """The router's ports, named by their flags."""
+    listens = [Listen("--port", config.host, config.port)]
+    if config.metrics_port is not None:
+        listens.append(Listen("--metrics-port", config.host, config.metrics_port))
+    return listens
+
+
+def _start_endpoint(config: RouterConfig, registry: CollectorRegistry, health: HealthCheck) -> MetricsEndpoint:
+    try:
+        return MetricsEndpoint.start(config.host, config.metrics_port, registry, health)
+    except OSError as err:
+        raise unavailable(Listen("--metrics-port", config.host, config.metrics_port), err) from err
+
+
+def _bind(server: grpc.aio.Server, config: RouterConfig) -> int:
+    try:
+        port = server.add_insecure_port(config.address)
+    except RuntimeError:  # gRPC says only that it failed
+        port = 0
+    if port == 0:
+        raise unavailable(Listen("--port", config.host, config.port))
+    return port
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -233,22 +271,24 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
 
 
 async def serve(config: RouterConfig) -> int:
-    """Run until SIGTERM or SIGINT, then stop gracefully."""
+    """Run until SIGTERM or SIGINT, then stop gracefully; the exit status says which."""
     server = RouterServer(config)
-    port = await server.start()
+    try:
+        port = await server.start()
+    except BaseException:
+        await server.stop(0)  # whatever did bind (the metrics endpoint) is let go
+        raise
+    signals = StopSignals()
+    signals.install(asyncio.get_running_loop())
     print(f"pdserve router listening on {config.host}:{port}", flush=True)
     if server.metrics_url is not None:
         print(f"pdserve router metrics on {server.metrics_url}", flush=True)
-    stopping = asyncio.Event()
-    loop = asyncio.get_running_loop()
-    for sig in (signal.SIGTERM, signal.SIGINT):
-        loop.add_signal_handler(sig, stopping.set)
     try:
-        await stopping.wait()
+        await signals.event.wait()
     finally:
         log.info("router stopping")
         await server.stop()
-    return 0
+    return signals.exit_status
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -260,10 +300,17 @@ def main(argv: list[str] | None = None) -> int:
     except ValueError as exc:
         parser.error(str(exc))
     try:
+        for listen in _listens(config):  # before the tokenizer loads: a busy port fails at once
+            check_free(listen)
         return uvloop.run(serve(config))
+    except PortUnavailable as err:
+        print(f"{parser.prog}: {err}", file=sys.stderr)
+        return ExitStatus.USAGE
     except Refused as exc:  # a model folder no node could serve: one line, nothing bound
         print(f"pdserve router: {exc.cli_message()}", file=sys.stderr, flush=True)
         return exc.exit_code
+    except KeyboardInterrupt:  # Ctrl-C before the signal handlers are in place
+        return ExitStatus.INTERRUPTED
 
 
 if __name__ == "__main__":

@@ -8,7 +8,8 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
-from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.common.metrics_endpoint import Health
+from pdserve.common.ports import PortUnavailable
 from pdserve.kv_transfer import TransferStats
 from pdserve.node.messages import StatsData
 from pdserve.node.metrics import NodeStatsCollector, serve_node_metrics
@@ -75,15 +76,16 @@ def test_counters_are_typed_counters() -> None:
 def test_endpoint_serves_over_http_and_stops() -> None:
     latest = Latest()
     latest.stats = snapshot()
-    endpoint = serve_node_metrics("127.0.0.1", 0, latest)
+    endpoint = serve_node_metrics("127.0.0.1", 0, latest, lambda: Health(True, "test"))
     try:
         assert endpoint.url == f"http://127.0.0.1:{endpoint.port}/metrics"
         with urllib.request.urlopen(endpoint.url, timeout=10) as response:
             text = response.read().decode()
         assert "pdserve_kv_transfer_bytes_total 4096.0" in text.splitlines()
-        with pytest.raises(NodeError) as taken:  # the port is in use: a node error, not a traceback
-            serve_node_metrics("127.0.0.1", endpoint.port, latest)
-        assert taken.value.code is ErrorCode.UNAVAILABLE
+        with pytest.raises(PortUnavailable) as taken:  # the port is in use: the flag's error, not a traceback
+            serve_node_metrics("127.0.0.1", endpoint.port, latest, lambda: Health(True, "test"))
+        assert str(taken.value) == (f"--metrics-port {endpoint.port}: 127.0.0.1:{endpoint.port} "
+                                    "is already in use")
     finally:
         endpoint.stop()
     with pytest.raises(OSError):
