@@ -174,7 +174,9 @@ def test_chaos_kill_and_freeze_each_kind_then_the_router(model_dir, tmp_path):
 
 async def _one_exact(router: str, ids: list[int], max_tokens: int) -> list[int]:
     outcome = Outcome([])
-    async with grpc.aio.insecure_channel(router) as channel:
+    # A channel of its own: gRPC shares connection state between a process's channels to one
+    # address, and the waves' channels saw the old router die (a reconnect backoff, not a refusal).
+    async with grpc.aio.insecure_channel(router, options=[("grpc.use_local_subchannel_pool", 1)]) as channel:
         await stream(pdserve_pb2_grpc.GenerationStub(channel), ids, max_tokens, outcome)
     assert outcome.error is None, outcome.error
     return outcome.tokens
