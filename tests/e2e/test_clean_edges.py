@@ -53,8 +53,12 @@ class Command:
         return self
 
     def __exit__(self, *exc: object) -> None:
-        if self.proc.poll() is None:
-            os.killpg(self.proc.pid, signal.SIGKILL)
+        if self.proc.poll() is None:  # a test that failed early: Ctrl-C first, so a launcher stops its children
+            os.killpg(self.proc.pid, signal.SIGINT)
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                os.killpg(self.proc.pid, signal.SIGKILL)
         self.proc.wait()
 
     @property
