@@ -1,9 +1,9 @@
 """Chaos under `pdserve cluster --prefill 2 --decode 2`: nodes killed, frozen and the router killed.
 
 Router + 2 prefill + 2 decode processes started by the launcher (tiny float32 Llama, short
-lease and heartbeat timeout). Five waves of streamed greedy requests, each launched
-open-loop (one every `LAUNCH_GAP_S`, prompts and lengths varied, a generous deadline),
-each with one fault mid-wave:
+lease and heartbeat timeout). Five waves of 16 concurrent streamed greedy requests
+(prompts and lengths varied, a generous deadline), each with one fault once its streams
+flow:
 
     kill the busiest decode node     the launcher restarts it; the test waits for 2P2D again
     kill the busiest prefill node    likewise
@@ -37,9 +37,7 @@ from tests.integration.reference import NEAR_TIE, greedy_references
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
 
-WAVE = 16  # requests per wave, most of them in flight when its fault lands
-LAUNCH_GAP_S = 0.2
-FAULT_AFTER = 8  # requests launched before the wave's fault
+WAVE = 16  # concurrent streams per wave, in flight when its fault lands
 DEADLINE_S = 240.0
 SETTINGS = FaultSettings(num_blocks=1024, max_num_batched_tokens=32, lease_s=2.0, heartbeat_timeout_s=3.0,
                          prefill_step_delay_s=0.02, decode_step_delay_s=0.03)
@@ -107,19 +105,19 @@ def recover(cluster: FaultCluster, fault: str, victim: str) -> None:
 
 
 async def wave(cluster: FaultCluster, fault: str, kind: str, requests, outcomes: list[Outcome]) -> str:
-    """Launch the wave open-loop, strike the busiest `kind` mid-wave, wait for its streams,
-    then for the cluster to be whole again."""
+    """Launch the wave's streams at once, strike the busiest `kind` once the first tokens flow
+    (every stream in flight), wait for its streams, then for the cluster to be whole again."""
     async with grpc.aio.insecure_channel(cluster.router) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
-        tasks = []
-        for i, (ids, max_tokens, outcome) in enumerate(zip(*requests, outcomes)):
-            if i == FAULT_AFTER:
-                victim = await asyncio.to_thread(busiest, cluster, kind)
-                striking = asyncio.create_task(asyncio.to_thread(strike, cluster, fault, victim))
-                print(f"{fault} {victim} with {len(tasks)} requests launched")
-            tasks.append(asyncio.create_task(stream(stub, ids, max_tokens, outcome)))
-            await asyncio.sleep(LAUNCH_GAP_S)
-        await striking
+        tasks = [asyncio.create_task(stream(stub, ids, max_tokens, outcome))
+                 for ids, max_tokens, outcome in zip(*requests, outcomes)]
+        async with asyncio.timeout(120):
+            while not any(o.tokens for o in outcomes):
+                await asyncio.sleep(0.02)
+        victim = await asyncio.to_thread(busiest, cluster, kind)
+        in_flight = sum(not o.done for o in outcomes)
+        print(f"{fault} {victim} with {in_flight} of {len(outcomes)} streams in flight")
+        await asyncio.to_thread(strike, cluster, fault, victim)
         await asyncio.wait(tasks, timeout=DEADLINE_S + 10)
     await asyncio.to_thread(recover, cluster, fault, victim)
     return victim
