@@ -4,7 +4,9 @@ Owns the exit statuses every command shares (`ExitStatus`), the phases of a serv
 (`ServerPhase`: what its `/health` reports while it is not serving), and `StopSignals`, which
 turns SIGINT and SIGTERM into one asyncio event and remembers which came first: Ctrl-C ends a
 command with 130 (128 + SIGINT, what a shell reports for a command Ctrl-C ended), SIGTERM — a
-supervisor's stop — with 0.
+supervisor's stop — with 0. A process a supervisor started (`PARENT_PID_ENV` names the
+supervisor) also stops when that supervisor is gone, even killed outright: nothing is left
+behind a launcher that could not stop its children itself.
 
 Must never: exit the process, print, or install a handler outside `StopSignals.install`.
 """
@@ -13,7 +15,13 @@ from __future__ import annotations
 
 import asyncio
 import enum
+import os
 import signal
+from collections.abc import Callable, Mapping
+
+# Set by a supervisor in its children's environment: the pid they stop without.
+PARENT_PID_ENV = "PDSERVE_PARENT_PID"
+PARENT_CHECK_S = 1.0  # how often a supervised process looks for its supervisor
 
 
 class ExitStatus(enum.IntEnum):
@@ -29,6 +37,12 @@ class ServerPhase(enum.Enum):
     STOPPING = "stopping"
 
 
+def supervisor_of(environ: Mapping[str, str]) -> int | None:
+    """The pid of the supervisor that started this process, if one did."""
+    value = environ.get(PARENT_PID_ENV, "")
+    return int(value) if value.isdigit() else None
+
+
 def status_after(signum: int | None) -> ExitStatus:
     """How a command that ran until a stop signal ends (None: it ended on its own)."""
     return ExitStatus.INTERRUPTED if signum == signal.SIGINT else ExitStatus.OK
@@ -41,9 +55,21 @@ class StopSignals:
         self.event = asyncio.Event()
         self.received: int | None = None
 
-    def install(self, loop: asyncio.AbstractEventLoop) -> None:
+    def install(self, loop: asyncio.AbstractEventLoop, supervisor_pid: int | None = None,
+                parent_pid: Callable[[], int] = os.getppid) -> None:
+        """Stop on SIGINT/SIGTERM; and, given `supervisor_pid`, once this process's parent is
+        no longer that supervisor (it died: the process was handed to another parent), as SIGTERM."""
         for signum in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(signum, self._on_signal, signum)
+        if supervisor_pid is not None:
+            self._watch_parent(loop, supervisor_pid, parent_pid)
+
+    def _watch_parent(self, loop: asyncio.AbstractEventLoop, supervisor_pid: int,
+                      parent_pid: Callable[[], int]) -> None:
+        if parent_pid() != supervisor_pid:
+            self._on_signal(signal.SIGTERM)
+            return
+        loop.call_later(PARENT_CHECK_S, self._watch_parent, loop, supervisor_pid, parent_pid)
 
     @property
     def exit_status(self) -> ExitStatus:

@@ -30,7 +30,7 @@ import grpc
 import uvloop
 
 from pdserve.common.auth import server_interceptors, server_options
-from pdserve.common.lifecycle import ExitStatus, StopSignals
+from pdserve.common.lifecycle import ExitStatus, StopSignals, supervisor_of
 from pdserve.common.metrics_endpoint import MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.common.refusal import Refused
@@ -89,7 +89,7 @@ async def serve_node(config: NodeConfig, part: CorePart, add_servicer: AddServic
         address = f"{config.host}:{port}"
         health.serving(address)
         signals = StopSignals()
-        signals.install(asyncio.get_running_loop())
+        signals.install(asyncio.get_running_loop(), supervisor_of(os.environ))
         print(f"pdserve {config.kind} node listening on {address}", flush=True)
         registration = asyncio.create_task(run_registration(config, address, client.latest_stats,
                                                             client.fingerprint))

@@ -44,7 +44,7 @@ from pdserve.cluster_plan import ClusterPlan, build_plan, check_cores, resolve_p
 from pdserve.cluster_state import ChildState, ClusterState, write_state
 from pdserve.cluster_supervisor import ChildExited, ClusterSupervisor
 from pdserve.common.auth import token_from_cli
-from pdserve.common.lifecycle import ExitStatus, status_after
+from pdserve.common.lifecycle import PARENT_CHECK_S, ExitStatus, status_after, supervisor_of
 from pdserve.common.ports import Listen, PortUnavailable, check_free
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
 from pdserve.node.affinity import format_cpu_list
@@ -188,13 +188,21 @@ class _StopSignals:
     previous handlers come back on exit."""
 
     stop: threading.Event
+    supervisor_pid: int | None = None  # a program that started this launcher: stop once it is gone
     previous: dict[int, object] = field(default_factory=dict)
     received: int | None = None
 
     def __enter__(self) -> _StopSignals:
         for signum in (signal.SIGINT, signal.SIGTERM):
             self.previous[signum] = signal.signal(signum, self._on_signal)
+        if self.supervisor_pid is not None:
+            threading.Thread(target=self._watch_parent, name="parent-watch", daemon=True).start()
         return self
+
+    def _watch_parent(self) -> None:
+        while not self.stop.wait(PARENT_CHECK_S):
+            if os.getppid() != self.supervisor_pid:
+                self._on_signal(signal.SIGTERM, None)
 
     def __exit__(self, *exc: object) -> None:
         for signum, handler in self.previous.items():
@@ -250,7 +258,7 @@ def main(argv: list[str] | None = None) -> int:
     if config.log_dir:
         print(f"logs in {config.log_dir}/<name>.log", flush=True)
     stop = threading.Event()
-    with _StopSignals(stop) as signals:
+    with _StopSignals(stop, supervisor_of(os.environ)) as signals:
         status = run_cluster(config, plan, supervisor, lambda: check(plan.router_addr, "router", probe_config), stop)
     return status_after(signals.received) if status == ExitStatus.OK else status
 

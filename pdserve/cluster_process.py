@@ -25,6 +25,7 @@ import grpc
 
 from pdserve.cluster_state import ClusterState, read_state
 from pdserve.common.auth import TOKEN_ENV, call_metadata
+from pdserve.common.lifecycle import PARENT_PID_ENV
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
 T = TypeVar("T")
@@ -56,7 +57,10 @@ class ClusterProcess:
         self._state_file.unlink(missing_ok=True)
         with open(self.workdir / "launcher.log", "a") as log:
             self._proc = subprocess.Popen(self._argv, stdout=log, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
-                                          env={**os.environ, TOKEN_ENV: self.auth_token or ""},
+                                          # PARENT_PID_ENV: the launcher (and so every child)
+                                          # stops by itself if this program dies without stopping it.
+                                          env={**os.environ, TOKEN_ENV: self.auth_token or "",
+                                               PARENT_PID_ENV: str(os.getpid())},
                                           start_new_session=True)
         try:
             self._state = self._wait(lambda: read_state(self._state_file), "to serve", self._ready_timeout_s)

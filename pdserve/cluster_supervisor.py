@@ -32,6 +32,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TextIO
 
+from pdserve.common.lifecycle import PARENT_PID_ENV
 from pdserve.common.refusal import FINAL_EXIT_CODES
 
 READER_JOIN_S = 1.0  # how long to wait for a reader to drain an exited child's pipe
@@ -131,7 +132,8 @@ class ClusterSupervisor:
         """Start `spec` in its own process group; returns its pid."""
         if any(c.spec.name == spec.name for c in self._children):
             raise ValueError(f"a child named {spec.name!r} is already supervised")
-        env = {**os.environ, "PYTHONUNBUFFERED": "1", **spec.env}
+        # PARENT_PID_ENV: a child stops by itself once this process is gone, even SIGKILLed.
+        env = {**os.environ, "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid()), **spec.env}
         proc = subprocess.Popen(spec.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
                                 stderr=subprocess.STDOUT, env=env, start_new_session=True)
         tail: deque[str] = deque(maxlen=self._tail_lines)

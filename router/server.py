@@ -29,7 +29,7 @@ from prometheus_client import CollectorRegistry
 
 from pdserve.common.auth import add_auth_args, server_interceptors, server_options, token_from_cli
 from pdserve.common.config_flags import add_config_args, values_from_args
-from pdserve.common.lifecycle import ExitStatus, ServerPhase, StopSignals
+from pdserve.common.lifecycle import ExitStatus, ServerPhase, StopSignals, supervisor_of
 from pdserve.common.metrics_endpoint import Health, HealthCheck, MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.common.refusal import Refused
@@ -279,7 +279,7 @@ async def serve(config: RouterConfig) -> int:
         await server.stop(0)  # whatever did bind (the metrics endpoint) is let go
         raise
     signals = StopSignals()
-    signals.install(asyncio.get_running_loop())
+    signals.install(asyncio.get_running_loop(), supervisor_of(os.environ))
     print(f"pdserve router listening on {config.host}:{port}", flush=True)
     if server.metrics_url is not None:
         print(f"pdserve router metrics on {server.metrics_url}", flush=True)

@@ -286,6 +286,22 @@ def test_ctrl_c_stops_the_cluster_and_every_child(model_dir, tmp_path):
     assert [name for name, pid in {**pids, **cores}.items() if alive(pid)] == []
 
 
+def test_a_launcher_killed_outright_leaves_no_child_behind(model_dir, tmp_path):
+    # SIGKILL cannot be caught: the launcher stops nothing. Its children see it gone and stop.
+    state_file = tmp_path / "state.json"
+    with Command("cluster", "--colocated", "1", "--model", model_dir, "--port", "0", "--state-file", str(state_file),
+                 "--dtype", "float32", "--colocated-args", " ".join(NODE_FLAGS[2:])) as launcher:
+        launcher.wait_for("stop with Ctrl-C")
+        pids = {name: child.pid for name, child in wait_for_state(state_file).children.items()}
+        cores = {name: core_pid(pid) for name, pid in pids.items() if name != "router"}
+        os.kill(launcher.proc.pid, signal.SIGKILL)  # the launcher alone, not its children's groups
+        launcher.proc.wait()
+        deadline = time.monotonic() + 60
+        while left := [name for name, pid in {**pids, **cores}.items() if alive(pid)]:
+            assert time.monotonic() < deadline, f"left behind: {left}"
+            time.sleep(POLL_S)
+
+
 def wait_for_state(path: Path, timeout_s: float = START_TIMEOUT_S):
     """The launcher writes its state file just after its ready banner: until it is there."""
     deadline = time.monotonic() + timeout_s

@@ -19,7 +19,7 @@ import urllib.request
 import pytest
 from prometheus_client import CollectorRegistry, Counter
 
-from pdserve.common.lifecycle import ExitStatus, StopSignals, status_after
+from pdserve.common.lifecycle import PARENT_PID_ENV, ExitStatus, StopSignals, status_after, supervisor_of
 from pdserve.common.metrics_endpoint import Health, MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.node.metrics import NodeHealth
@@ -105,6 +105,31 @@ def test_a_stop_signal_sets_the_event_and_says_how_to_exit(signum, status):
                 loop.remove_signal_handler(installed)
 
     assert run(scenario()) == (signum, status)
+
+
+def test_a_supervised_process_stops_once_its_supervisor_is_gone():
+    parent = [42]
+
+    async def scenario() -> tuple[bool, int | None, ExitStatus]:
+        loop = asyncio.get_running_loop()
+        signals = StopSignals()
+        signals.install(loop, supervisor_pid=42, parent_pid=lambda: parent[0])
+        try:
+            await asyncio.sleep(0)
+            still_running = not signals.event.is_set()
+            parent[0] = 1  # the supervisor died: the process was handed to init
+            await asyncio.wait_for(signals.event.wait(), 10)
+            return still_running, signals.received, signals.exit_status
+        finally:
+            for installed in (signal.SIGINT, signal.SIGTERM):
+                loop.remove_signal_handler(installed)
+
+    assert run(scenario()) == (True, signal.SIGTERM, ExitStatus.OK)
+
+
+def test_the_supervisor_pid_comes_from_the_environment_only_when_set():
+    assert supervisor_of({PARENT_PID_ENV: "1234"}) == 1234
+    assert supervisor_of({}) is None and supervisor_of({PARENT_PID_ENV: ""}) is None
 
 
 # -- /health on the metrics endpoint ---------------------------------------------------------
