@@ -109,8 +109,8 @@ def _threads_args(config: ClusterConfig, extra: Sequence[str], pinned: bool) -> 
 def resolve_port(host: str, port: int) -> int:
     """`port`, checked free on `host`; 0 → a free port the OS picks."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
-        # SO_REUSEADDR so a TIME_WAIT leftover does not count as busy; a live listener
-        # still does (gRPC servers set SO_REUSEPORT, which would otherwise share the port).
+        # SO_REUSEADDR so a TIME_WAIT leftover does not count as busy; a live listener still
+        # does (the same probe as common/ports.py's check_free, which also picks no port).
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             sock.bind((host, port))

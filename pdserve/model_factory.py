@@ -329,16 +329,3 @@ def ensure_cached_model(
     finally:
         shutil.rmtree(staging, ignore_errors=True)
     return final
-    root.mkdir(parents=True, exist_ok=True)
-    # Build aside and rename, so a concurrent or interrupted build never leaves a
-    # half-written directory at the final path.
-    staging = Path(tempfile.mkdtemp(prefix=".demo-build-", dir=root))
-    try:
-        make_model(staging, "llama", "small")
-        staging.rename(final)
-    except OSError:
-        if not (final / "config.json").is_file():
-            raise
-    finally:
-        shutil.rmtree(staging, ignore_errors=True)
-    return final
