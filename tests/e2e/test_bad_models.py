@@ -21,8 +21,9 @@ import torch
 
 from pdserve.common.refusal import EXIT_REFUSED, EXIT_USAGE
 from pdserve.model_factory import make_model
-from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.cluster import HOST, free_port
+from tests.integration.reference import assert_matches, greedy_references
 from tests.unit.test_model_checks import masked_lm, no_tokenizer, sliding_window
 
 START_TIMEOUT_S = 240.0  # processes importing torch and loading a model on a shared 2-core box
@@ -99,13 +100,26 @@ class Process:
         self.proc.wait(timeout=60)
 
 
+PROMPT = [5, 17, 42, 99, 7]
+
+
 def generate(router: str) -> list[int]:
     params = pdserve_pb2.SamplingParams(max_tokens=4, temperature=0.0, ignore_eos=True)
+    request = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=PROMPT), sampling_params=params)
     with grpc.insecure_channel(router) as channel:
-        stub = pdserve_pb2_grpc.GenerationStub(channel)
-        responses = stub.Generate(pdserve_pb2.GenerateRequest(text="hello world", sampling_params=params),
-                                  timeout=RPC_TIMEOUT_S)
+        responses = pdserve_pb2_grpc.GenerationStub(channel).Generate(request, timeout=RPC_TIMEOUT_S)
         return [token for response in responses for token in response.token_ids]
+
+
+def used_blocks_once_idle(node: str) -> int:
+    """The colocated node's used blocks, once it runs nothing (bounded poll)."""
+    deadline = time.monotonic() + RPC_TIMEOUT_S
+    with grpc.insecure_channel(node) as channel:
+        stub = node_pb2_grpc.ColocatedNodeStub(channel)
+        while (stats := stub.GetStats(node_pb2.StatsRequest(), timeout=RPC_TIMEOUT_S)).used_blocks and \
+                time.monotonic() < deadline:
+            time.sleep(0.05)
+    return stats.used_blocks
 
 
 def health(router: str) -> pdserve_pb2.HealthResponse:
@@ -132,8 +146,11 @@ def test_a_node_with_another_block_size_is_refused_and_the_router_serves_on(good
         deadline = time.monotonic() + START_TIMEOUT_S
         while health(router_address).colocated_nodes < 1 and time.monotonic() < deadline:
             time.sleep(0.1)
-        assert len(generate(router_address)) == 4
+        assert_matches([generate(router_address)], greedy_references(str(good), [PROMPT], [4]))
         assert health(router_address).colocated_nodes == 1
+        node_address = next(line for line in same.out.read_text().splitlines()
+                            if "node listening on " in line).rsplit(" ", 1)[-1]
+        assert used_blocks_once_idle(node_address) == 0
         assert "WARNING refused colocated node" in router.err.read_text()
         assert "block_size: this node has 16, the router 8" in router.err.read_text()
     finally:
