@@ -139,14 +139,15 @@ async def read_into(call, tokens: list[int]) -> None:
 
 
 def test_cancel_mid_stream_frees_every_block_before_a_shorter_stream_beside_it_ends(small_cluster, workload):
-    # The cancelled stream has 1800 tokens to generate; `beside` joins it with 500. Both decode
+    # The cancelled stream has 1000 tokens to generate; `beside` joins it with 500. Both decode
     # one token per step, so had the cancel freed nothing, the cancelled one would outlive `beside`.
+    # Together they fit the decode node's 256 blocks of 8 (150 + 63): no preemption muddles the count.
     prompts, _ = workload
 
     async def cancel_after_three():
         async with grpc.aio.insecure_channel(small_cluster.router) as channel:
             stub = pdserve_pb2_grpc.GenerationStub(channel)
-            call = stub.Generate(greedy_request(prompts[15], 1800), timeout=120)
+            call = stub.Generate(greedy_request(prompts[15], 1000), timeout=120)
             seen = [await call.read() for _ in range(3)]
             beside = stub.Generate(greedy_request(prompts[0], 500), timeout=120)
             beside_tokens: list[int] = []
