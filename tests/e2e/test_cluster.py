@@ -138,14 +138,23 @@ async def read_into(call, tokens: list[int]) -> None:
         tokens += response.token_ids
 
 
-def test_cancel_mid_stream_frees_every_block_before_a_shorter_stream_beside_it_ends(small_cluster, workload):
+@pytest.fixture(scope="module")
+def paced_cluster(model_dir):
+    """1P1D whose decode steps take at least 10 ms: `beside` below decodes for 5 s or more, time
+    enough to read the decode node's stats while it runs, whatever the machine's load."""
+    with running_cluster(model_dir, 1, 1, NodeSettings(block_size=BLOCK_SIZE),
+                         decode_args=("--debug-step-delay-s", "0.01")) as cluster:
+        yield cluster
+
+
+def test_cancel_mid_stream_frees_every_block_before_a_shorter_stream_beside_it_ends(paced_cluster, workload):
     # The cancelled stream has 1000 tokens to generate; `beside` joins it with 500. Both decode
     # one token per step, so had the cancel freed nothing, the cancelled one would outlive `beside`.
     # Together they fit the decode node's 256 blocks of 8 (150 + 63): no preemption muddles the count.
     prompts, _ = workload
 
     async def cancel_after_three():
-        async with grpc.aio.insecure_channel(small_cluster.router) as channel:
+        async with grpc.aio.insecure_channel(paced_cluster.router) as channel:
             stub = pdserve_pb2_grpc.GenerationStub(channel)
             call = stub.Generate(greedy_request(prompts[15], 1000), timeout=120)
             seen = [await call.read() for _ in range(3)]
@@ -155,8 +164,10 @@ def test_cancel_mid_stream_frees_every_block_before_a_shorter_stream_beside_it_e
                 beside_tokens += (await beside.read()).token_ids
             reading = asyncio.create_task(read_into(beside, beside_tokens))
             call.cancel()
-            alone = await asyncio.to_thread(decode_stats_when, small_cluster,
-                                            lambda s: s.num_running + s.num_waiting < 2)
+            # Exactly one: a snapshot the node pushed before `beside` (or even the cancelled
+            # stream) was admitted may still be the latest; it must not pass for "alone".
+            alone = await asyncio.to_thread(decode_stats_when, paced_cluster,
+                                            lambda s: s.num_running + s.num_waiting == 1)
             beside_was_running = not reading.done()
             await reading
             return seen, alone, beside_was_running, len(beside_tokens)
@@ -165,7 +176,7 @@ def test_cancel_mid_stream_frees_every_block_before_a_shorter_stream_beside_it_e
     assert all(r.finish_reason == pdserve_pb2.FINISH_REASON_UNSPECIFIED for r in seen)
     assert (alone.num_running, alone.num_waiting) == (1, 0) and beside_was_running
     assert num_beside == 500  # `beside` ran to its end
-    assert [s.used_blocks for s in small_cluster.wait_all_blocks_free(timeout_s=5)] == [0, 0]
+    assert [s.used_blocks for s in paced_cluster.wait_all_blocks_free(timeout_s=5)] == [0, 0]
 
 
 def test_seeded_sampling_with_n_and_logprobs_matches_the_offline_engine(small_cluster, model_dir, workload):
