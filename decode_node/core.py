@@ -31,12 +31,12 @@ import time
 
 from pdserve.decode_node.reservations import ReservationTable
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
-from pdserve.kv_transfer import KVDescriptor, KVTransport
 from pdserve.node.config import NodeConfig
 from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.handoff import HandoffState
 from pdserve.node.kv_done import KVDone
+from pdserve.node.kv_ranks import NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import Abort, Logprobs, Message, Ready, RequestFailed, StreamSubmit, Tokens
 from pdserve.node.stats import UNBOUNDED, QueueBounds
 
@@ -44,7 +44,7 @@ logger = logging.getLogger(__name__)
 
 
 class DecodeCore:
-    def __init__(self, engine: EngineCore, transport: KVTransport, table: ReservationTable, descriptor: str,
+    def __init__(self, engine: EngineCore, transport: RankedTransport, table: ReservationTable, descriptor: str,
                  to_front: ToFront, bounds: QueueBounds = UNBOUNDED) -> None:
         self.engine = engine
         self.transport = transport
@@ -111,8 +111,8 @@ class DecodeCore:
                          reason.value if reason is not None else None, out.stop_token_id))
 
 
-def make_handler(config: NodeConfig, engine: EngineCore, transport: KVTransport, descriptor: KVDescriptor,
-                 to_front: ToFront) -> DecodeCore:
+def make_handler(config: NodeConfig, engine: EngineCore, transport: RankedTransport,
+                 descriptor: NodeKVDescriptor, to_front: ToFront) -> DecodeCore:
     table = ReservationTable(engine, config.lease_s, config.retired_id_s)
     bounds = QueueBounds(config.max_waiting_requests, config.max_queued_tokens)
     return DecodeCore(engine, transport, table, descriptor.to_bytes().decode(), to_front, bounds)

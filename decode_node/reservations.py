@@ -60,6 +60,7 @@ class Reservation:
     reserved_at: float
     deadline: float  # the stream fails here if the KV has not arrived
     state: HandoffState = DECODE_MOVES.first
+    parts_arrived: int = 0  # done messages so far: one per rank pair of the two nodes (node/kv_ranks.py)
 
 
 class ReservationTable:
@@ -121,8 +122,9 @@ class ReservationTable:
         """The prefill node's done message for `req_id`: every byte before it has landed.
 
         (SUCCESS, token 1's output: its finish_reason may be set), (FAILED, None: the prefill
-        node gave up; the stream must fail), or (None, None): no such reservation (cancelled,
-        expired, or never made), nothing to do.
+        node gave up; the stream must fail), (WAITING_FOR_INPUT, None): another rank pair's copy
+        is still to come (tensor-parallel nodes send one per pair, each behind its own bytes), or
+        (None, None): no such reservation (cancelled, expired, or never made), nothing to do.
         """
         reservation = self._reserved.get(req_id)
         if reservation is None:
@@ -130,6 +132,9 @@ class ReservationTable:
         if done.status is DoneStatus.ABORTED:
             self._end(reservation, HandoffState.FAILED)
             return HandoffState.FAILED, None
+        reservation.parts_arrived += 1
+        if reservation.parts_arrived < done.parts:
+            return HandoffState.WAITING_FOR_INPUT, None
         self._end(reservation, HandoffState.SUCCESS)
         return HandoffState.SUCCESS, self.engine.add_prefilled(reservation.request, done.token_id)
 

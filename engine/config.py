@@ -43,6 +43,10 @@ class EngineConfig:
     num_threads: int | None = field(default=None, metadata={
         "aliases": ("--threads",), "help": "torch threads (default: torch's own choice)"})
     seed: int = field(default=0, metadata={"help": "seeds the per-request seeds drawn for requests that bring none"})
+    tensor_parallel_size: int = field(default=1, metadata={
+        "aliases": ("--tp",),
+        "help": "ranks one node runs the model on (processes, each on its share of --cpus), each with its "
+                "slice of the heads and MLP; at most the model's KV heads, or a multiple of them (native path)"})
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPE_NAMES, "dtype", f"must be one of {DTYPE_NAMES}, got {self.dtype!r}")
@@ -66,6 +70,7 @@ class EngineConfig:
         )
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
                  f"must be >= 1, got {self.num_threads}")
+        _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
 
     def resolved(self) -> EngineConfig:
         """This config with `dtype="auto"` replaced by this machine's choice (logged once)."""

@@ -26,6 +26,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.model_runner import ModelRunner, SampledToken, kv_block_bytes
+from pdserve.engine.parallel import StepFanout
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import TokenLogprobs
@@ -55,22 +56,34 @@ class EngineCoreOutput:
         return self.finish_reason is not None or self.handoff_blocks is not None
 
 
+def num_kv_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
+    """The cache's blocks: `num_blocks`, else what `kv_cache_bytes` holds of this rank's KV heads
+    (a rank's memory, as a GPU's is: every rank of a node computes the same count)."""
+    return config.num_blocks or max(1, config.kv_cache_bytes // kv_block_bytes(loaded, config.block_size,
+                                                                              config.torch_dtype))
+
+
 class EngineCore:
-    def __init__(self, config: EngineConfig, policy: SchedulingPolicy | None = None, loaded: LoadedModel | None = None):
+    def __init__(self, config: EngineConfig, policy: SchedulingPolicy | None = None, loaded: LoadedModel | None = None,
+                 fanout: StepFanout | None = None):
+        """`loaded`: a model already loaded (tests share one; a tensor-parallel node loads rank 0's
+        slice first); `fanout`: hands every step to the node's other ranks (node/tp_group.py)."""
         # Resolved once, here, so every reader (KV cache, fingerprint, logs) sees the same dtype.
         config = config.resolved()
+        if config.tensor_parallel_size > 1 and fanout is None:
+            raise ValueError("tensor_parallel_size > 1 runs on several processes: start the engine with "
+                             "pdserve.node.tp_group.start_engine (what LLM and every node do)")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
         self.loaded = loaded or load_model(config.model, config.torch_dtype, config.model_impl)
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
-        num_blocks = config.num_blocks or max(
-            1, config.kv_cache_bytes // kv_block_bytes(self.loaded, config.block_size, config.torch_dtype)
-        )
+        num_blocks = num_kv_blocks(config, self.loaded)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.policy = policy or ColocatedPolicy()
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
-        self.runner = ModelRunner(self.loaded, self.kv, num_blocks, config.torch_dtype, config.attention_backend)
+        self.runner = ModelRunner(self.loaded, self.kv, num_blocks, config.torch_dtype, config.attention_backend,
+                                  fanout)
         self._requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._arrivals = 0

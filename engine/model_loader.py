@@ -19,6 +19,7 @@ from pathlib import Path
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, PretrainedConfig
+from transformers.distributed import DistributedConfig
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from pdserve.engine.attention import register_paged_attention
@@ -28,6 +29,7 @@ from pdserve.engine.model_folder import ModelRefused, open_model_folder
 from pdserve.engine.models import CausalLM
 from pdserve.engine.models.hf import TransformersCausalLM
 from pdserve.engine.models.llama import load_native_llama, unsupported_reason
+from pdserve.engine.parallel import TPShard, split_reason
 
 log = logging.getLogger(__name__)
 
@@ -46,20 +48,34 @@ class LoadedModel:
     head_dim: int
     vocab_size: int  # rows of the lm_head (may exceed the tokenizer's vocab)
     max_model_len: int
+    shard: TPShard = TPShard()  # which rank of the node's tensor-parallel group this copy is
+    kv_heads: tuple[int, int] | None = None  # the global KV heads this rank caches; None: all
+
+    @property
+    def local_kv_heads(self) -> tuple[int, int]:
+        return self.kv_heads or (0, self.num_kv_heads)
+
+    @property
+    def num_local_kv_heads(self) -> int:
+        start, end = self.local_kv_heads
+        return end - start
 
 
-def load_model(model_dir: str | os.PathLike, dtype: torch.dtype | str, impl: str = "auto") -> LoadedModel:
-    """Load weights, tokenizer and config with the chosen implementation (see choose_impl)."""
+def load_model(model_dir: str | os.PathLike, dtype: torch.dtype | str, impl: str = "auto",
+               shard: TPShard = TPShard()) -> LoadedModel:
+    """Load weights, tokenizer and config with the chosen implementation (see choose_impl); on a
+    tensor-parallel rank (`shard`), only that rank's slice of the weights and KV heads."""
     folder = open_model_folder(model_dir)
     path, config, tokenizer = folder.path, folder.config, folder.tokenizer
     impl = choose_impl(path, config, impl)
+    text = config.get_text_config()
+    _check_split(text, impl, shard)
     torch_dtype = _as_dtype(dtype)
     if impl == "native":
-        model = load_native_llama(path, config, torch_dtype)
+        model = load_native_llama(path, config, torch_dtype, shard)
     else:
-        model = TransformersCausalLM(_load_transformers(path, torch_dtype))
+        model = TransformersCausalLM(_load_transformers(path, torch_dtype, shard))
     model.eval().requires_grad_(False)
-    text = config.get_text_config()
     return LoadedModel(
         model=model,
         impl=impl,
@@ -71,7 +87,23 @@ def load_model(model_dir: str | os.PathLike, dtype: torch.dtype | str, impl: str
         head_dim=head_dim(text),
         vocab_size=text.vocab_size,
         max_model_len=text.max_position_embeddings,
+        shard=shard,
+        kv_heads=shard.kv_heads(num_kv_heads(text)),
     )
+
+
+def check_tensor_parallel(model_dir: str | os.PathLike, impl: str, size: int) -> None:
+    """Refuse a folder, or a tensor-parallel size its shapes cannot split, before any rank starts."""
+    folder = open_model_folder(model_dir)
+    _check_split(folder.config.get_text_config(), choose_impl(folder.path, folder.config, impl), TPShard(0, size))
+
+
+def _check_split(text: PretrainedConfig, impl: str, shard: TPShard) -> None:
+    """Refuse, before any weight loads, a tensor-parallel size the model's shapes cannot split."""
+    reason = split_reason(shard.size, text.num_attention_heads, num_kv_heads(text),
+                          getattr(text, "intermediate_size", None), replicates_kv=impl == "native")
+    if reason is not None:
+        raise ModelRefused("tensor_parallel_size", shard.size, reason)
 
 
 def choose_impl(path: Path, config: PretrainedConfig, impl: str) -> str:
@@ -87,8 +119,13 @@ def choose_impl(path: Path, config: PretrainedConfig, impl: str) -> str:
     return impl
 
 
-def _load_transformers(path: Path, dtype: torch.dtype) -> torch.nn.Module:
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True)
+def _load_transformers(path: Path, dtype: torch.dtype, shard: TPShard) -> torch.nn.Module:
+    # transformers' own tensor-parallel plan for the architecture, on the process group the node's
+    # ranks already joined (node/tp_group.py); tp_size is explicit: without it transformers reads
+    # $WORLD_SIZE and, unset, silently loads the whole model on every rank. Each rank holds a
+    # contiguous block of the heads, as engine/parallel.py says; every rank gets the whole logits.
+    parallel = {} if shard.is_single else {"distributed_config": DistributedConfig(tp_size=shard.size)}
+    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **parallel)
     try:
         model.set_attn_implementation(register_paged_attention())
     except (ValueError, NotImplementedError) as exc:

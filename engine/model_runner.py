@@ -17,6 +17,7 @@ import torch
 from pdserve.engine.attention import ForwardContext
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel
+from pdserve.engine.parallel import StepFanout
 from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.kernels import cpu_ext, paged_attention, paged_attention_reference
@@ -42,17 +43,19 @@ class PackedBatch:
 
 
 def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
-    """Bytes of one block across all layers, K and V."""
-    per_layer = loaded.num_kv_heads * block_size * loaded.head_dim * dtype.itemsize
+    """Bytes of one block across all layers, K and V, of the KV heads this rank caches."""
+    per_layer = loaded.num_local_kv_heads * block_size * loaded.head_dim * dtype.itemsize
     return 2 * loaded.num_layers * per_layer
 
 
-class ModelRunner:
-    def __init__(self, loaded: LoadedModel, kv: KVCacheManager, num_blocks: int, dtype: torch.dtype, backend: str) -> None:
+class RankForward:
+    """One rank's KV caches and its forward over a packed batch: what every tensor-parallel rank
+    runs for a step (rank 0 inside the `ModelRunner`, the others in node/tp_worker.py)."""
+
+    def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 backend: str) -> None:
         self.loaded = loaded
-        self.kv = kv
-        self.block_size = kv.block_size
-        shape = (num_blocks, loaded.num_kv_heads, self.block_size, loaded.head_dim)
+        shape = (num_blocks, loaded.num_local_kv_heads, block_size, loaded.head_dim)
         self.k_caches = [zeroed_cache(shape, dtype) for _ in range(loaded.num_layers)]
         self.v_caches = [zeroed_cache(shape, dtype) for _ in range(loaded.num_layers)]
         self.backend = BACKENDS[backend]
@@ -60,13 +63,30 @@ class ModelRunner:
             # Build the C++ kernels now (once per machine, up to a minute) rather than
             # inside the first step, where a node's core would stop answering meanwhile.
             cpu_ext.ops()
+
+    @torch.inference_mode()
+    def __call__(self, batch: PackedBatch) -> torch.Tensor:  # [num_sampled, vocab] (rank 0)
+        ctx = ForwardContext(batch.metadata, self.k_caches, self.v_caches, self.backend)
+        return self.loaded.model(batch.input_ids, batch.positions, ctx, batch.logits_indices)
+
+
+class ModelRunner:
+    def __init__(self, loaded: LoadedModel, kv: KVCacheManager, num_blocks: int, dtype: torch.dtype, backend: str,
+                 fanout: StepFanout | None = None) -> None:
+        self.loaded = loaded
+        self.kv = kv
+        self.block_size = kv.block_size
+        self.forward = RankForward(loaded, num_blocks, self.block_size, dtype, backend)
+        self.k_caches, self.v_caches = self.forward.k_caches, self.forward.v_caches
+        self.fanout = fanout  # the node's other tensor-parallel ranks run every step with this one
         self.sampler = Sampler(loaded.eos_token_ids)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> list[SampledToken]:
         batch = self._pack(out.scheduled)
-        ctx = ForwardContext(batch.metadata, self.k_caches, self.v_caches, self.backend)
-        logits = self.loaded.model(batch.input_ids, batch.positions, ctx, batch.logits_indices)  # [num_sampled, vocab]
+        if self.fanout is not None:
+            self.fanout(batch)
+        logits = self.forward(batch)  # [num_sampled, vocab]
         if not batch.sampled:
             return []
         rows = [_sampling_row(s.request) for s in batch.sampled]

@@ -27,6 +27,7 @@ import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable, Sequence
 from dataclasses import asdict, dataclass, field
+from typing import Protocol
 
 import torch
 
@@ -236,6 +237,14 @@ class TransferHandle:
 DoneCallback = Callable[[str, bytes], None]
 
 
+class PermitFollower(Protocol):
+    """Mirrors a `WritePermits`: granted before the grant returns, revoked in order with it."""
+
+    def grant(self, req_id: str, block_ids: Sequence[int]) -> None: ...
+
+    def revoke(self, req_id: str) -> None: ...
+
+
 class WritePermits:
     """Which blocks a push for each request may write on the receiving rank (thread-safe).
 
@@ -249,15 +258,24 @@ class WritePermits:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._granted: dict[str, frozenset[int]] = {}
+        self._followers: list[PermitFollower] = []
+
+    def follow(self, follower: PermitFollower) -> None:
+        """Tell `follower` every grant and revoke from now on (a node's other ranks' permits)."""
+        self._followers.append(follower)
 
     def grant(self, req_id: str, block_ids: Sequence[int]) -> None:
         with self._lock:
             self._granted[req_id] = frozenset(block_ids)
+        for follower in self._followers:
+            follower.grant(req_id, block_ids)
 
     def revoke(self, req_id: str) -> None:
         """After this returns, `place` writes nothing for `req_id` (idempotent)."""
         with self._lock:
             self._granted.pop(req_id, None)
+        for follower in self._followers:
+            follower.revoke(req_id)
 
     def place(self, req_id: str, dst_block_ids: Sequence[int], write: Callable[[], None]) -> bool:
         """Run `write` if `req_id` holds every block in `dst_block_ids`; False: dropped."""

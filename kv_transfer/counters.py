@@ -37,3 +37,15 @@ class TransferStats:
     @property
     def mean_latency_s(self) -> float:
         return self.latency_s / self.transfers if self.transfers else 0.0
+
+
+def sum_stats(parts: list[TransferStats]) -> TransferStats:
+    """Counters of several transports as one (a node's ranks)."""
+    total = TransferStats()
+    for part in parts:
+        total.bytes += part.bytes
+        total.blocks += part.blocks
+        total.transfers += part.transfers
+        total.failures += part.failures
+        total.latency_s += part.latency_s
+    return total

@@ -8,6 +8,7 @@ Must never: decide a status code (errors.py does) or touch the network.
 
 from __future__ import annotations
 
+from pdserve.kv_transfer.counters import TransferStats
 from pdserve.node.messages import StatsData, Tokens
 from pdserve.proto import node_pb2
 from pdserve.proto.convert import finish_reason_to_proto, logprobs_to_proto
@@ -21,8 +22,12 @@ def tokens_to_proto(msg: Tokens) -> node_pb2.DecodeTokens:
                                  finish_reason=finish_reason_to_proto(msg.finish_reason), stop_token_id=stop_token_id)
 
 
+def _counters(kv: TransferStats) -> node_pb2.TransferCounters:
+    return node_pb2.TransferCounters(bytes=kv.bytes, blocks=kv.blocks, transfers=kv.transfers, failures=kv.failures,
+                                     latency_s=kv.latency_s)
+
+
 def stats_to_proto(stats: StatsData) -> node_pb2.NodeStats:
-    kv = stats.kv_transfer
     return node_pb2.NodeStats(
         kind=stats.kind,
         num_blocks=stats.num_blocks,
@@ -31,8 +36,9 @@ def stats_to_proto(stats: StatsData) -> node_pb2.NodeStats:
         num_waiting=stats.num_waiting,
         num_running=stats.num_running,
         queued_prefill_tokens=stats.queued_prefill_tokens,
-        kv_transfer=node_pb2.TransferCounters(bytes=kv.bytes, blocks=kv.blocks, transfers=kv.transfers,
-                                              failures=kv.failures, latency_s=kv.latency_s),
+        kv_transfer=_counters(stats.kv_transfer),
         prefix_cache_queries=stats.prefix_cache_queries,
         prefix_cache_hits=stats.prefix_cache_hits,
+        tensor_parallel_size=stats.tensor_parallel_size,
+        kv_transfer_ranks=[_counters(rank) for rank in stats.kv_transfer_ranks],
     )

@@ -32,28 +32,19 @@ import zmq
 
 from pdserve.common.refusal import Refused
 from pdserve.engine.engine_core import EngineCore
-from pdserve.engine.model_folder import model_name
-from pdserve.kv_transfer import KVCacheSpec, KVDescriptor, KVTransport
+from pdserve.kv_transfer import KVCacheSpec
 from pdserve.node.affinity import format_cpu_list
 from pdserve.node.config import NodeConfig
 from pdserve.node.core import CoreAddresses
 from pdserve.node.core_part import CoreHandler, CorePart, ToFront
 from pdserve.node.fault_drills import slow_every_step
+from pdserve.node.kv_ranks import LocalRank, RankedTransport, rank_cache_spec
 from pdserve.node.messages import (CoreFailed, CoreStarted, Message, MessageError, Shutdown, StatsData, StatsPush,
                                    StatsQuery, StatsReply, decode, encode)
 from pdserve.node.stats import build_stats
+from pdserve.node.tp_group import TPGroup, start_engine
 
 logger = logging.getLogger(__name__)
-
-def kv_cache_spec(config: NodeConfig, engine: EngineCore) -> KVCacheSpec:
-    """The fingerprint names the model by its folder's name (`model_name`), so nodes on machines
-    with different paths to the same model still match; the shape fields catch the rest. The
-    dtype is the engine's resolved one: `--dtype auto` may differ between machines."""
-    loaded = engine.loaded
-    return KVCacheSpec(model=model_name(config.model), dtype=engine.config.dtype,
-                       num_layers=loaded.num_layers, num_kv_heads=loaded.num_kv_heads,
-                       head_dim=loaded.head_dim, block_size=engine.config.block_size)
-
 
 class StopFlag:
     """Set by SIGTERM; the loop checks it every iteration and exits cleanly."""
@@ -82,22 +73,21 @@ def core_main(config: NodeConfig, addresses: CoreAddresses, part: CorePart, fron
     def to_front(msg: Message) -> None:
         outbox.send(encode(msg))
 
-    transport: KVTransport | None = None
+    owned = _Owned()
     exit_code = 0
     try:
-        engine, transport, handler = _build(config, part, to_front)
-        _CoreLoop(config, engine, transport, handler, inbox, to_front, front_pid, stop).run()
+        engine, handler = _build(config, part, to_front, owned)
+        _CoreLoop(config, engine, owned.transport, handler, inbox, to_front, front_pid, stop, owned.group).run()
     except Refused as exc:  # a configuration this node cannot serve: the front prints the one line
         to_front(CoreFailed(exc.cli_message(), refused=True))
         exit_code = exc.exit_code
-    except Exception as exc:  # startup or loop failure: tell the front, then exit
+    except Exception as exc:  # startup or loop failure (a worker rank that died among them): tell the front
         logger.exception("engine core failed")
         to_front(CoreFailed(f"{type(exc).__name__}: {exc}"))
         exit_code = 1
     finally:
         start = time.monotonic()
-        if transport is not None:
-            transport.close()
+        owned.close()
         inbox.close(linger=0)
         outbox.close(linger=1000)
         zctx.term()
@@ -108,7 +98,21 @@ def core_main(config: NodeConfig, addresses: CoreAddresses, part: CorePart, fron
     os._exit(exit_code)
 
 
-def _build(config: NodeConfig, part: CorePart, to_front: ToFront) -> tuple[EngineCore, KVTransport | None, CoreHandler]:
+class _Owned:
+    """What the core starts besides the engine, closed in reverse order however the core ends."""
+
+    def __init__(self) -> None:
+        self.group: TPGroup | None = None
+        self.transport: RankedTransport | None = None
+
+    def close(self) -> None:
+        if self.transport is not None:
+            self.transport.close()
+        if self.group is not None:
+            self.group.close()
+
+
+def _build(config: NodeConfig, part: CorePart, to_front: ToFront, owned: _Owned) -> tuple[EngineCore, CoreHandler]:
     import torch
     from transformers.utils import logging as hf_logging
 
@@ -116,29 +120,37 @@ def _build(config: NodeConfig, part: CorePart, to_front: ToFront) -> tuple[Engin
     # in this spawned process that `os._exit` leaves for the resource tracker to reap.
     hf_logging.disable_progress_bar()
     make_handler = part.load_handler_factory()  # before the model loads: a bad part fails fast
-    engine = EngineCore(config.engine, part.policy())
+    engine, owned.group = start_engine(config.engine, part.policy(), config.transfer if part.uses_kv_transport else None,
+                                       config.cpus, config.kind)
     slow_every_step(engine, config.debug_step_delay_s)  # fault drills only; a no-op by default
     # What the node really runs on (tests and operators read this line; cores as devices).
-    logger.info("engine core on cpus %s with %d torch threads", format_cpu_list(os.sched_getaffinity(0)),
-                torch.get_num_threads())
-    spec = kv_cache_spec(config, engine)  # every kind registers with it, KV transport or not
-    transport, descriptor = _start_transport(config, engine, spec) if part.uses_kv_transport else (None, None)
-    handler = make_handler(config, engine, transport, descriptor, to_front)
+    logger.info("engine core on cpus %s with %d torch threads (rank 0 of %d)",
+                format_cpu_list(os.sched_getaffinity(0)), torch.get_num_threads(), engine.loaded.shard.size)
+    spec = rank_cache_spec(engine.config, engine.loaded)  # every kind registers with it, KV transport or not
+    descriptor = None
+    if part.uses_kv_transport:
+        owned.transport = _start_transport(config, engine, spec, owned.group)
+        descriptor = owned.transport.descriptor()
+    handler = make_handler(config, engine, owned.transport, descriptor, to_front)
     to_front(CoreStarted(spec.fingerprint()))
-    return engine, transport, handler
+    return engine, handler
 
 
-def _start_transport(config: NodeConfig, engine: EngineCore, spec: KVCacheSpec) -> tuple[KVTransport, KVDescriptor]:
+def _start_transport(config: NodeConfig, engine: EngineCore, spec: KVCacheSpec,
+                     group: TPGroup | None) -> RankedTransport:
+    """Rank 0's own transport, beside the workers' (each registered its caches when it started)."""
     from pdserve.kv_transfer import UcxTransport  # starts UCX: only ever in the core process
 
-    transport = UcxTransport(config.transfer)
-    descriptor = transport.register(engine.runner.k_caches, engine.runner.v_caches, spec)
-    return transport, descriptor
+    local = UcxTransport(config.transfer)
+    local.register(engine.runner.k_caches, engine.runner.v_caches, spec)
+    workers = group.links() if group is not None else []
+    return RankedTransport([LocalRank(local), *workers], closers=[local])
 
 
 class _CoreLoop:
-    def __init__(self, config: NodeConfig, engine: EngineCore, transport: KVTransport | None, handler: CoreHandler,
-                 inbox: zmq.Socket, to_front: ToFront, front_pid: int, stop: StopFlag) -> None:
+    def __init__(self, config: NodeConfig, engine: EngineCore, transport: RankedTransport | None,
+                 handler: CoreHandler, inbox: zmq.Socket, to_front: ToFront, front_pid: int, stop: StopFlag,
+                 group: TPGroup | None = None) -> None:
         self.config = config
         self.engine = engine
         self.transport = transport
@@ -147,6 +159,7 @@ class _CoreLoop:
         self.to_front = to_front
         self.front_pid = front_pid
         self.stop = stop
+        self.group = group  # the node's other tensor-parallel ranks, if any
         # The transport's thread wakes an idle loop the moment a done message lands.
         self._wake_r, self._wake_w = os.pipe()
         os.set_blocking(self._wake_r, False)
@@ -169,6 +182,8 @@ class _CoreLoop:
                 if os.getppid() != self.front_pid:
                     logger.warning("front process is gone; engine core exits")
                     return
+                if self.group is not None:
+                    self.group.check_alive()  # WorkerDied: the node goes down now, not at the next step
         finally:
             if self.transport is not None:
                 self.transport.set_done_callback(None)

@@ -28,7 +28,7 @@ from pdserve.node.messages import Message
 if TYPE_CHECKING:
     from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
     from pdserve.engine.policy import SchedulingPolicy
-    from pdserve.kv_transfer import KVDescriptor, KVTransport
+    from pdserve.node.kv_ranks import NodeKVDescriptor, RankedTransport
     from pdserve.node.config import NodeConfig
 
 ToFront = Callable[[Message], None]
@@ -58,8 +58,8 @@ class CoreHandler(Protocol):
 class MakeHandler(Protocol):
     """A node kind's handler factory; transport and descriptor are None for a kind that moves no KV."""
 
-    def __call__(self, config: NodeConfig, engine: EngineCore, transport: KVTransport | None,
-                 descriptor: KVDescriptor | None, to_front: ToFront) -> CoreHandler: ...
+    def __call__(self, config: NodeConfig, engine: EngineCore, transport: RankedTransport | None,
+                 descriptor: NodeKVDescriptor | None, to_front: ToFront) -> CoreHandler: ...
 
 
 @dataclass(frozen=True)

@@ -185,6 +185,9 @@ class StatsData:
     kv_transfer: TransferStats = field(default_factory=TransferStats)
     prefix_cache_queries: int = 0
     prefix_cache_hits: int = 0
+    tensor_parallel_size: int = 1
+    # The same side as kv_transfer, per rank (rank order); kv_transfer is their sum.
+    kv_transfer_ranks: list[TransferStats] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -249,7 +252,8 @@ def _params(body: dict[str, Any]) -> SamplingParams:
 
 
 def _stats(body: dict[str, Any]) -> StatsData:
-    return StatsData(**{**body, "kv_transfer": TransferStats(**body["kv_transfer"])})
+    ranks = [TransferStats(**rank) for rank in body.get("kv_transfer_ranks", [])]
+    return StatsData(**{**body, "kv_transfer": TransferStats(**body["kv_transfer"]), "kv_transfer_ranks": ranks})
 
 
 def _logprobs(body: dict[str, Any] | None) -> Logprobs | None:

@@ -16,11 +16,15 @@ from __future__ import annotations
 
 import sys
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from pdserve.engine.engine_core import EngineCore
-from pdserve.kv_transfer import KVTransport, TransferStats
+from pdserve.kv_transfer.counters import sum_stats
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.messages import StatsData
+
+if TYPE_CHECKING:
+    from pdserve.node.kv_ranks import RankedTransport
 
 
 def queued_tokens(engine: EngineCore) -> int:
@@ -29,18 +33,19 @@ def queued_tokens(engine: EngineCore) -> int:
     return sum(r.num_tokens - r.num_computed_tokens for r in (*scheduler.waiting, *scheduler.running))
 
 
-def build_stats(kind: str, engine: EngineCore, transport: KVTransport | None,
+def build_stats(kind: str, engine: EngineCore, transport: RankedTransport | None,
                 num_blocks_outside_scheduler: int) -> StatsData:
     """A prefill node counts what it sent, a decode node what it received, a node without a
     transport (colocated) nothing. Queued tokens are the work a new prompt waits behind:
     prefill and colocated nodes compute prompts, a decode node never does. Blocks held
     outside the scheduler (a decode node's reservations, a prefill node's blocks awaiting
-    push acknowledgements) are reported as `reserved_blocks`."""
+    push acknowledgements) are reported as `reserved_blocks`; blocks are counted once per node (rank 0's
+    block pool is every rank's), transfers per rank and in sum."""
     scheduler = engine.scheduler
     if transport is None:
-        transfer = TransferStats()
+        ranks = []
     else:
-        transfer = transport.stats() if kind == "prefill" else transport.recv_stats()
+        ranks = transport.rank_stats() if kind == "prefill" else transport.rank_recv_stats()
     pool = engine.kv.pool
     return StatsData(
         kind=kind,
@@ -50,9 +55,11 @@ def build_stats(kind: str, engine: EngineCore, transport: KVTransport | None,
         num_waiting=len(scheduler.waiting),
         num_running=len(scheduler.running),
         queued_prefill_tokens=queued_tokens(engine) if kind != "decode" else 0,
-        kv_transfer=transfer,
+        kv_transfer=sum_stats(ranks),
         prefix_cache_queries=pool.stats.queries,
         prefix_cache_hits=pool.stats.hits,
+        tensor_parallel_size=engine.loaded.shard.size,
+        kv_transfer_ranks=ranks,
     )
 
 

@@ -18,7 +18,7 @@ from tqdm.auto import tqdm
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.engine_core import EngineCore
+from pdserve.node.tp_group import start_engine
 from pdserve.engine.output_processor import CompletionDelta, SequenceStream
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampler import TokenLogprobs
@@ -69,10 +69,24 @@ class _Pending:
 
 class LLM:
     def __init__(self, model: str | Path, **engine_kwargs) -> None:
-        self.engine = EngineCore(EngineConfig(model=str(model), **engine_kwargs))
+        """`engine_kwargs`: EngineConfig's fields; `tensor_parallel_size=T` runs the model on T
+        processes (this one and T-1 workers it owns, stopped by `close()` or at exit)."""
+        self.engine, self._group = start_engine(EngineConfig(model=str(model), **engine_kwargs))
         self.config = self.engine.config  # resolved: dtype="auto" is this machine's choice
         self.tokenizer = self.engine.loaded.tokenizer
         self._ids = itertools.count()
+
+    def close(self) -> None:
+        """Stop the worker ranks (tensor_parallel_size > 1); nothing to do otherwise."""
+        if self._group is not None:
+            self._group.close()
+            self._group = None
+
+    def __enter__(self) -> LLM:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
 
     def generate(
         self,

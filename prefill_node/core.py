@@ -21,10 +21,10 @@ from concurrent.futures import ThreadPoolExecutor
 from pdserve.engine.admission import RequestRejected
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.kv_transfer import KVDescriptor, KVTransport
 from pdserve.node.config import NodeConfig
 from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
+from pdserve.node.kv_ranks import NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import Abort, Message, PrefillSubmit, RequestFailed
 from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
 from pdserve.prefill_node.exporter import KVExporter
@@ -93,14 +93,14 @@ def prefill_params(params: SamplingParams, num_resumed: int = 0) -> SamplingPara
     return dataclasses.replace(params, max_tokens=num_sampled, min_tokens=min(params.min_tokens, num_sampled))
 
 
-def _descriptor(raw: str) -> KVDescriptor:
+def _descriptor(raw: str) -> NodeKVDescriptor:
     try:
-        return KVDescriptor.from_bytes(raw.encode())
+        return NodeKVDescriptor.from_bytes(raw.encode())
     except (ValueError, KeyError, TypeError) as exc:
         raise NodeError(ErrorCode.INVALID_ARGUMENT, f"decode_kv_descriptor is not a KV descriptor: {exc}") from exc
 
 
-def _check_dst_blocks(msg: PrefillSubmit, descriptor: KVDescriptor, num_needed: int) -> None:
+def _check_dst_blocks(msg: PrefillSubmit, descriptor: NodeKVDescriptor, num_needed: int) -> None:
     ids = msg.dst_block_ids
     if len(ids) != num_needed:
         num_tokens = len(msg.prompt_token_ids) + len(msg.resumed_token_ids)
@@ -111,8 +111,8 @@ def _check_dst_blocks(msg: PrefillSubmit, descriptor: KVDescriptor, num_needed: 
                                                     f"[0, {descriptor.num_blocks})")
 
 
-def make_handler(config: NodeConfig, engine: EngineCore, transport: KVTransport, descriptor: KVDescriptor,
-                 to_front: ToFront) -> PrefillCore:
+def make_handler(config: NodeConfig, engine: EngineCore, transport: RankedTransport,
+                 descriptor: NodeKVDescriptor, to_front: ToFront) -> PrefillCore:
     if not engine.policy.hands_off_after_first_token():  # the exporter takes requests at token 1
         raise TypeError(f"a prefill core needs a hand-off policy, got {type(engine.policy).__name__}")
     # One worker: connecting to a new decode node never stalls the step loop.

@@ -41,11 +41,12 @@ from dataclasses import dataclass, field
 from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.engine.request import Request
-from pdserve.kv_transfer import KVDescriptor, KVTransferError, KVTransport, TransferHandle, TransferState
+from pdserve.kv_transfer import KVTransferError, TransferState
 from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.handoff import PREFILL_MOVES, HandoffState, OnMove
 from pdserve.node.kv_done import DoneStatus, KVDone
+from pdserve.node.kv_ranks import GroupHandle, NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import FirstToken, Logprobs, RequestFailed
 from pdserve.prefill_node.peers import PeerConnections
 
@@ -62,7 +63,7 @@ class Export:
     peer_error: NodeError | None = None  # the connection failed: nothing was ever sent
     num_pushed: int = 0  # leading blocks pushed (or being pushed)
     preemptions_seen: int = 0
-    handles: list[TransferHandle] = field(default_factory=list)  # pushes and the done message, none failed
+    handles: list[GroupHandle] = field(default_factory=list)  # pushes and the done message, none failed
     blocks: list[KVBlock] | None = None  # held here once the engine let go of the request
     first: EngineCoreOutput | None = None  # token 1, once the engine handed the request off
     first_at: float = 0.0
@@ -88,7 +89,7 @@ def plan_push(num_pushed: int, num_ready: int, src_block_ids: list[int],
 
 
 class KVExporter:
-    def __init__(self, engine: EngineCore, transport: KVTransport, peers: PeerConnections, lease_s: float,
+    def __init__(self, engine: EngineCore, transport: RankedTransport, peers: PeerConnections, lease_s: float,
                  to_front: ToFront, on_move: OnMove | None = None) -> None:
         self.engine = engine
         self.transport = transport
@@ -109,7 +110,7 @@ class KVExporter:
         """Blocks of handed-off or aborted requests still held for their pushes."""
         return sum(len(e.blocks) for e in self._exports.values() if e.blocks)
 
-    def track(self, request: Request, descriptor: KVDescriptor, dst_block_ids: list[int], now: float) -> None:
+    def track(self, request: Request, descriptor: NodeKVDescriptor, dst_block_ids: list[int], now: float) -> None:
         export = Export(request, self.peers.request(descriptor), list(dst_block_ids), now, now + self.lease_s)
         self._exports[request.req_id] = export
         if self.on_move is not None:
@@ -181,7 +182,8 @@ class KVExporter:
         assert export.blocks is not None and export.first is not None  # set together by the hand-off
         if not self._push(export, [b.block_id for b in export.blocks], len(export.dst_block_ids)):
             return
-        done = KVDone(DoneStatus.OK, export.first.new_token_id, Logprobs.of(export.first.logprobs))
+        done = KVDone(DoneStatus.OK, export.first.new_token_id, Logprobs.of(export.first.logprobs),
+                      self.transport.done_parts(export.peer_id))
         try:
             export.handles.append(self.transport.send_done(export.req_id, done.to_bytes(), peer=export.peer_id))
         except (KVTransferError, ValueError) as exc:

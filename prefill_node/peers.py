@@ -1,6 +1,6 @@
 """Connections from a prefill node to decode nodes' KV caches, one per peer, made once.
 
-A decode node is named by its KV descriptor's `address:port`. The first request for a
+A decode node is named by its KV descriptor's key (its rank 0's `address:port`). The first request for a
 peer starts the connection (handshake + fingerprint check) on a worker thread, so the
 core's step loop never waits on it; requests poll `state()` until it resolves. A failed
 connection is reported to every request waiting on it and then forgotten, so the next
@@ -13,23 +13,20 @@ from __future__ import annotations
 
 from concurrent.futures import Executor, Future
 
-from pdserve.kv_transfer import FingerprintMismatch, KVDescriptor, KVTransport
+from pdserve.kv_transfer import FingerprintMismatch
 from pdserve.node.errors import ErrorCode, NodeError
-
-
-def peer_key(descriptor: KVDescriptor) -> str:
-    return f"{descriptor.address}:{descriptor.port}"
+from pdserve.node.kv_ranks import NodeKVDescriptor, RankedTransport
 
 
 class PeerConnections:
-    def __init__(self, transport: KVTransport, executor: Executor | None = None) -> None:
+    def __init__(self, transport: RankedTransport, executor: Executor | None = None) -> None:
         self._transport = transport
         self._executor = executor
         self._peers: dict[str, Future[str]] = {}
 
-    def request(self, descriptor: KVDescriptor) -> str:
+    def request(self, descriptor: NodeKVDescriptor) -> str:
         """Start connecting unless connected or connecting; the peer's key."""
-        key = peer_key(descriptor)
+        key = descriptor.key
         if key not in self._peers:
             self._peers[key] = self._connect(descriptor)
         return key
@@ -56,7 +53,7 @@ class PeerConnections:
         for key in [k for k, f in self._peers.items() if f.done() and f.exception() is not None]:
             del self._peers[key]
 
-    def _connect(self, descriptor: KVDescriptor) -> Future[str]:
+    def _connect(self, descriptor: NodeKVDescriptor) -> Future[str]:
         if self._executor is not None:
             return self._executor.submit(self._transport.connect, descriptor)
         future: Future[str] = Future()

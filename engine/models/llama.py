@@ -28,6 +28,7 @@ from transformers import PretrainedConfig
 from pdserve.engine.attention import ForwardContext
 from pdserve.engine.model_facts import head_dim, num_kv_heads, optional
 from pdserve.engine.models.rope import STATIC_ROPE_TYPES, RotaryAngles, rope_type
+from pdserve.engine.parallel import TPShard
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.layer_ops import LayerOps
 from pdserve.kernels.paged_attention import leaves_chunks_to_sdpa, paged_attention
@@ -131,9 +132,11 @@ class LayerStack:
 
 class NativeLlama(torch.nn.Module):
     def __init__(self, shape: LlamaShape, rotary: RotaryAngles, embed: torch.Tensor, layers: list[LlamaLayer],
-                 norm: torch.Tensor, lm_head: torch.Tensor) -> None:  # fmt: skip
+                 norm: torch.Tensor, lm_head: torch.Tensor, shard: TPShard = TPShard()) -> None:  # fmt: skip
         super().__init__()
         self.shape = shape
+        self.shard = shard
+        self.num_local_heads = shape.num_heads // shard.size  # query heads this rank attends with
         self.rotary = rotary
         self.embed, self.norm, self.lm_head = embed, norm, lm_head
         self.layers = layers
@@ -154,11 +157,15 @@ class NativeLlama(torch.nn.Module):
         residual = F.embedding(input_ids, self.embed).to(self.compute_dtype)  # [num_tokens, hidden]
         hidden = ops.rms_norm(residual, self.layers[0].input_norm, eps)
         # One C++ call for all layers when the step's attention stays in the C++ kernel (decode
-        # steps, short chunks); the Python loop otherwise, and wherever the C++ ops are not built.
-        if ops.cpp is not None and ctx.backend is paged_attention and not leaves_chunks_to_sdpa(ctx.metadata):
+        # steps, short chunks) on a single rank; the Python loop otherwise (tensor-parallel ranks
+        # sum their partial outputs between the ops), and wherever the C++ ops are not built.
+        if (ops.cpp is not None and self.shard.is_single and ctx.backend is paged_attention
+                and not leaves_chunks_to_sdpa(ctx.metadata)):
             hidden = self._layers_cpp(ops, hidden, residual, cos, sin, ctx)
         else:
             hidden = self._layers_python(ops, hidden, residual, cos, sin, ctx)
+        if self.shard.rank != 0:  # only rank 0 samples: the others stop at the replicated hidden state
+            return hidden.new_empty((0, self.lm_head.shape[0]))
         # The final norm is per row: normalise only the rows that are sampled.
         rows = LayerOps.for_step(self.compute_dtype, logits_indices.shape[0], input_ids.device)
         hidden = rows.add_rms_norm(hidden[logits_indices], residual[logits_indices], self.norm, eps)
@@ -174,7 +181,7 @@ class NativeLlama(torch.nn.Module):
             attn = self._attention(ops, ctx, index, layer, hidden, cos, sin)
             hidden = ops.add_rms_norm(attn, residual, layer.post_norm, eps)
             gate_up = ops.linear(hidden, layer.gate_up)  # [num_tokens, 2 * intermediate]
-            hidden = ops.gated_linear(gate_up, layer.down_proj)
+            hidden = self.shard.all_reduce(ops.gated_linear(gate_up, layer.down_proj))
         return hidden
 
     def _layers_cpp(self, ops: LayerOps, hidden, residual, cos, sin, ctx: ForwardContext) -> torch.Tensor:
@@ -183,30 +190,55 @@ class NativeLlama(torch.nn.Module):
             hidden, residual, st.input_norms, st.qkv, st.qkv_bias, st.q_norms, st.k_norms, st.o_proj, st.o_bias,
             st.post_norms, st.gate_up, st.down_proj, ctx.k_caches, ctx.v_caches, cos, sin, meta.slot_mapping,
             meta.block_tables, meta.seq_lens, meta.query_start_loc, self.shape.eps, self.shape.scale,
-            self.shape.num_heads, ops.gemv,
+            self.num_local_heads, ops.gemv,
         )  # fmt: skip
 
     def _attention(self, ops: LayerOps, ctx: ForwardContext, index: int, layer: LlamaLayer, hidden, cos, sin):
         qkv = ops.linear(hidden, layer.qkv, layer.qkv_bias)  # [num_tokens, (heads + 2 * kv_heads) * head_dim]
         k_cache, v_cache = ctx.k_caches[index], ctx.v_caches[index]
         q = ops.rope_write_kv(qkv, cos, sin, layer.head_norms, self.shape.eps, k_cache, v_cache,
-                              ctx.metadata.slot_mapping, self.shape.num_heads)  # fmt: skip
+                              ctx.metadata.slot_mapping, self.num_local_heads)  # fmt: skip
         out = ctx.backend(q, k_cache, v_cache, ctx.metadata, self.shape.scale)  # [num_tokens, heads, head_dim]
-        return ops.linear(out.view(out.shape[0], -1), layer.o_proj, layer.o_bias)
+        if self.shard.is_single:
+            return ops.linear(out.view(out.shape[0], -1), layer.o_proj, layer.o_bias)
+        # Row-parallel: each rank's heads give a partial sum; the bias joins once, after it.
+        partial = self.shard.all_reduce(ops.linear(out.view(out.shape[0], -1), layer.o_proj))
+        return partial if layer.o_bias is None else partial + layer.o_bias
 
 
-def load_native_llama(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype) -> NativeLlama:
-    """Read the checkpoint's tensors one at a time into fused weights; compute in `dtype`."""
+def load_native_llama(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype,
+                      shard: TPShard = TPShard()) -> NativeLlama:
+    """Read the checkpoint's tensors one at a time into fused weights, this rank's slice of each
+    layer (engine/parallel.py); compute in `dtype`. Embedding, norms and lm_head are whole."""
     text = config.get_text_config()
     shape = LlamaShape.of(text)
+    slices = _RankSlices.of(shape, text.intermediate_size, shard)
     with _Checkpoint(model_dir) as ckpt:
         store = storage_dtype(ckpt.dtype("model.embed_tokens.weight"), dtype)
         embed = ckpt.tensor("model.embed_tokens.weight", store)
-        layers = [_load_layer(ckpt, f"model.layers.{i}.", dtype, store) for i in range(shape.num_layers)]
+        layers = [_load_layer(ckpt, f"model.layers.{i}.", dtype, store, slices) for i in range(shape.num_layers)]
         norm = ckpt.tensor("model.norm.weight", dtype)
         tied = bool(optional(config, "tie_word_embeddings")) or not ckpt.has("lm_head.weight")
         lm_head = embed if tied else ckpt.tensor("lm_head.weight", store)
-    return NativeLlama(shape, RotaryAngles(text), embed, layers, norm, lm_head).eval()
+    return NativeLlama(shape, RotaryAngles(text), embed, layers, norm, lm_head, shard).eval()
+
+
+@dataclass(frozen=True, slots=True)
+class _RankSlices:
+    """The rows of each fused matrix a rank keeps: its query heads, its KV heads, its MLP rows."""
+
+    q: slice
+    kv: slice
+    mlp: slice
+    keeps_bias: bool  # a row-parallel layer's bias is added once, by rank 0's share
+
+    @classmethod
+    def of(cls, shape: LlamaShape, intermediate: int, shard: TPShard) -> _RankSlices:
+        dim = shape.head_dim
+        q0, q1 = shard.block(shape.num_heads)
+        kv0, kv1 = shard.kv_heads(shape.num_kv_heads)
+        m0, m1 = shard.block(intermediate)
+        return cls(slice(q0 * dim, q1 * dim), slice(kv0 * dim, kv1 * dim), slice(m0, m1), shard.rank == 0)
 
 
 def storage_dtype(checkpoint: torch.dtype, compute: torch.dtype) -> torch.dtype:
@@ -218,23 +250,32 @@ def storage_dtype(checkpoint: torch.dtype, compute: torch.dtype) -> torch.dtype:
     return compute
 
 
-def _load_layer(ckpt: _Checkpoint, prefix: str, dtype: torch.dtype, store: torch.dtype) -> LlamaLayer:
-    """Matrices in `store`, norms and biases (small) in the compute `dtype`."""
+def _load_layer(ckpt: _Checkpoint, prefix: str, dtype: torch.dtype, store: torch.dtype,
+                rank: _RankSlices) -> LlamaLayer:
+    """Matrices in `store`, norms and biases (small) in the compute `dtype`; column-parallel
+    matrices keep the rank's rows, row-parallel ones its columns (one rank: everything)."""
     attn, mlp = prefix + "self_attn.", prefix + "mlp."
-    fuse = lambda dt, *names: torch.cat([ckpt.tensor(n, dt) for n in names]).contiguous()  # noqa: E731
+    qkv_rows = (rank.q, rank.kv, rank.kv)
+
+    def rows(dt: torch.dtype, names, parts) -> torch.Tensor:
+        return torch.cat([ckpt.tensor(n, dt)[part] for n, part in zip(names, parts)]).contiguous()
+
+    def columns(name: str, part: slice) -> torch.Tensor:
+        return ckpt.tensor(name, store)[:, part].contiguous()
+
     optional = lambda name: ckpt.tensor(name, dtype) if ckpt.has(name) else None  # noqa: E731
     qkv_bias = [attn + p + "_proj.bias" for p in "qkv"]
     has_head_norms = ckpt.has(attn + "q_norm.weight")
     return LlamaLayer(
         input_norm=ckpt.tensor(prefix + "input_layernorm.weight", dtype),
-        qkv=fuse(store, *(attn + p + "_proj.weight" for p in "qkv")),
-        qkv_bias=fuse(dtype, *qkv_bias) if ckpt.has(qkv_bias[0]) else None,
+        qkv=rows(store, [attn + p + "_proj.weight" for p in "qkv"], qkv_rows),
+        qkv_bias=rows(dtype, qkv_bias, qkv_rows) if ckpt.has(qkv_bias[0]) else None,
         head_norms=(optional(attn + "q_norm.weight"), optional(attn + "k_norm.weight")) if has_head_norms else None,
-        o_proj=ckpt.tensor(attn + "o_proj.weight", store),
-        o_bias=optional(attn + "o_proj.bias"),
+        o_proj=columns(attn + "o_proj.weight", rank.q),
+        o_bias=optional(attn + "o_proj.bias") if rank.keeps_bias else None,
         post_norm=ckpt.tensor(prefix + "post_attention_layernorm.weight", dtype),
-        gate_up=fuse(store, mlp + "gate_proj.weight", mlp + "up_proj.weight"),
-        down_proj=ckpt.tensor(mlp + "down_proj.weight", store),
+        gate_up=rows(store, [mlp + "gate_proj.weight", mlp + "up_proj.weight"], (rank.mlp, rank.mlp)),
+        down_proj=columns(mlp + "down_proj.weight", rank.mlp),
     )
 
 

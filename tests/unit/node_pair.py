@@ -25,6 +25,7 @@ from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import InProcessFabric, InProcessTransport, KVCacheSpec
 from pdserve.node.handoff import HandoffState
+from pdserve.node.kv_ranks import LocalRank, NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import StreamSubmit, FirstToken, Message, PrefillSubmit, Ready, RequestFailed, Tokens
 from pdserve.prefill_node.core import PrefillCore
 from pdserve.prefill_node.exporter import KVExporter
@@ -125,12 +126,16 @@ class Pair:
         runner_p, runner_d = self.p_engine.runner, self.d_engine.runner
         self.p_tx.register(runner_p.k_caches, runner_p.v_caches, cache_spec(self.loaded))
         d_desc = self.d_tx.register(runner_d.k_caches, runner_d.v_caches, cache_spec(self.loaded, self.d_model_name))
-        self.exporter = KVExporter(self.p_engine, self.p_tx, PeerConnections(self.p_tx, self.connector), self.lease_s,
-                                   self.p_out.append, lambda req_id, state: self.p_moves[req_id].append(state))
+        # Each node's transport as its core holds it: over its ranks (here, one).
+        self.p_node, self.d_node = RankedTransport([LocalRank(self.p_tx)]), RankedTransport([LocalRank(self.d_tx)])
+        self.exporter = KVExporter(self.p_engine, self.p_node, PeerConnections(self.p_node, self.connector),
+                                   self.lease_s, self.p_out.append,
+                                   lambda req_id, state: self.p_moves[req_id].append(state))
         self.prefill = PrefillCore(self.p_engine, self.exporter, self.p_out.append)
         self.table = ReservationTable(self.d_engine, self.lease_s, 3 * self.lease_s,
                                       lambda req_id, state: self.d_moves[req_id].append(state))
-        self.decode = DecodeCore(self.d_engine, self.d_tx, self.table, d_desc.to_bytes().decode(), self.d_out.append)
+        self.decode = DecodeCore(self.d_engine, self.d_node, self.table, NodeKVDescriptor((d_desc,)).to_bytes().decode(),
+                                 self.d_out.append)
 
     # -- playing the router ---------------------------------------------------------
     def reserve(self, req_id: str, prompt: list[int], params: SamplingParams) -> Ready | RequestFailed:

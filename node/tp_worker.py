@@ -1,0 +1,213 @@
+"""A worker rank of a tensor-parallel node: its slice of the model, its KV heads, its own KV transport.
+
+Started by rank 0 (node/tp_group.py) with a `WorkerSpec`; lives exactly as long as rank 0:
+
+    pin to its cores ─▶ join the gloo group ─▶ load its slice (engine/parallel.py)
+    ─▶ `start`: caches sized to rank 0's block count, the step buffer mapped, its caches
+       registered with a KV transport of its own (a node that moves KV) ─▶ `ready`
+    ─▶ serve rank 0's messages in order, until `stop` or rank 0 is gone:
+         step       run the forward on the batch in the step buffer (no sampling: rank 0 samples)
+         connect    open a rank connection to a peer node's rank (on a thread: never stalls steps)
+         push, send_done   on its own transport; a thread reports each handle's end
+         guard, grant, revoke   the write permits of a decode node's reservations
+
+A failure is reported as `failed` and ends the process; rank 0 then takes the node down.
+
+Must never: schedule, sample or allocate blocks (rank 0 does), or outlive rank 0.
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import signal
+import threading
+from dataclasses import asdict
+from typing import Any
+
+from pdserve.node.tp_group import COLLECTIVE_TIMEOUT_S, WorkerSpec
+from pdserve.node.tp_wire import StepBuffer, from_text, receive, send, to_text
+
+logger = logging.getLogger(__name__)
+PARENT_CHECK_S = 1.0  # how often an idle worker checks that rank 0 is still its parent
+
+
+def worker_main(spec: WorkerSpec) -> None:
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {spec.log_prefix}-rank{spec.rank} "
+                                                   f"%(levelname)s %(message)s")
+    signal.signal(signal.SIGINT, signal.SIG_IGN)  # rank 0's front answers Ctrl-C for the whole node
+    events = _Events(spec)
+    exit_code = 0
+    try:
+        _Worker(spec, events).run()
+    except EOFError:
+        pass  # rank 0 is gone: so is this rank
+    except Exception as exc:  # noqa: BLE001 - reported to rank 0, which takes the node down
+        logger.exception("rank %d failed", spec.rank)
+        events.send("failed", error=f"{type(exc).__name__}: {exc}")
+        exit_code = 1
+    logging.shutdown()
+    os._exit(exit_code)  # skip torch's and UCX's slow teardown, as the engine core does
+
+
+class _Events:
+    """The worker's side of its event pipe: several threads report on it."""
+
+    def __init__(self, spec: WorkerSpec) -> None:
+        self._conn = spec.events
+        self._lock = threading.Lock()
+        self.transport = None  # its counters ride along every event once it exists
+
+    def send(self, op: str, **fields: Any) -> None:
+        if self.transport is not None:
+            fields.update(sent=asdict(self.transport.stats()), received=asdict(self.transport.recv_stats()))
+        with self._lock:
+            try:
+                send(self._conn, op, **fields)
+            except (OSError, ValueError):
+                pass  # rank 0 is gone; the command loop sees it and exits
+
+
+class _Worker:
+    def __init__(self, spec: WorkerSpec, events: _Events) -> None:
+        self.spec = spec
+        self.events = events
+        self.commands = spec.commands
+
+    def run(self) -> None:
+        import torch
+
+        from pdserve.engine.model_loader import load_model
+        from pdserve.engine.model_runner import RankForward
+        from pdserve.engine.parallel import TPShard
+        from pdserve.node.affinity import pin_to_cpus
+
+        from transformers.utils import logging as hf_logging
+
+        spec, engine = self.spec, self.spec.engine
+        hf_logging.disable_progress_bar()  # as in the engine core: no bars, no tqdm semaphore left behind
+        pin_to_cpus(spec.cpus)
+        if engine.num_threads is not None:
+            torch.set_num_threads(engine.num_threads)
+        torch.distributed.init_process_group(
+            "gloo", init_method=f"tcp://127.0.0.1:{spec.group_port}", rank=spec.rank, world_size=spec.size,
+            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        loaded = load_model(engine.model, engine.torch_dtype, engine.model_impl, TPShard(spec.rank, spec.size))
+        start = self._next()
+        forward = RankForward(loaded, start["num_blocks"], engine.block_size, engine.torch_dtype,
+                              engine.attention_backend)
+        buffer = StepBuffer(start["buffer"], start["nbytes"])
+        transfer = _RankTransfer.start(spec, loaded, forward, self.events) if spec.transfer is not None else None
+        logger.info("rank %d of %d on cpus %s with %d torch threads, KV heads %s", spec.rank, spec.size,
+                    sorted(os.sched_getaffinity(0)), torch.get_num_threads(), loaded.local_kv_heads)
+        self.events.send("ready", descriptor=transfer.descriptor if transfer is not None else None)
+        while True:
+            msg = self._next()
+            op = msg["op"]
+            if op == "step":
+                forward(buffer.read(msg["shapes"]))
+            elif op == "stop":
+                break
+            elif transfer is not None:
+                transfer.handle(op, msg)
+            else:
+                raise ValueError(f"rank {spec.rank} has no KV transport for {op!r}")
+        if transfer is not None:
+            transfer.close()
+
+    def _next(self) -> dict[str, Any]:
+        """rank 0's next message; EOFError once rank 0 has gone (its pipe closed, or it died)."""
+        while not self.commands.poll(PARENT_CHECK_S):
+            if os.getppid() != self.spec.parent_pid:
+                raise EOFError("rank 0 is gone")
+        return receive(self.commands)
+
+
+class _RankTransfer:
+    """The worker's KV transport and what rank 0 asks of it."""
+
+    def __init__(self, spec: WorkerSpec, transport, events: _Events) -> None:
+        from pdserve.kv_transfer import WritePermits
+
+        self.spec = spec
+        self.transport = transport
+        self.events = events
+        self.permits = WritePermits()
+        self.descriptor = transport.descriptor().to_bytes().decode()
+        self._watched: dict[int, Any] = {}
+        self._changed = threading.Condition()
+        threading.Thread(target=self._report_handles, name="pdserve-rank-handles", daemon=True).start()
+        transport.set_done_callback(self._on_done)
+
+    @classmethod
+    def start(cls, spec: WorkerSpec, loaded, forward, events: _Events) -> _RankTransfer:
+        from dataclasses import replace
+
+        from pdserve.kv_transfer import UcxTransport
+        from pdserve.node.kv_ranks import rank_cache_spec
+
+        # Its own listener on a port the OS picks: the node's --kv-port is rank 0's.
+        transport = UcxTransport(replace(spec.transfer, port=0))
+        transport.register(forward.k_caches, forward.v_caches, rank_cache_spec(spec.engine, loaded))
+        events.transport = transport
+        return cls(spec, transport, events)
+
+    def handle(self, op: str, msg: dict[str, Any]) -> None:
+        if op == "connect":
+            threading.Thread(target=self._connect, args=(msg,), daemon=True).start()
+        elif op == "push":
+            handle = self.transport.push(msg["req_id"], msg["src"], msg["dst"], head_range=tuple(msg["heads"]),
+                                         peer=msg["peer"])
+            self._watch(msg["handle_id"], handle)
+        elif op == "send_done":
+            self._watch(msg["handle_id"], self.transport.send_done(msg["req_id"], from_text(msg["payload"]),
+                                                                   peer=msg["peer"]))
+        elif op == "guard":
+            self.transport.guard_writes(self.permits)
+        elif op == "grant":
+            self.permits.grant(msg["req_id"], msg["block_ids"])
+            self.events.send("reply", reply_id=msg["reply_id"])
+        elif op == "revoke":
+            self.permits.revoke(msg["req_id"])
+        else:
+            raise ValueError(f"unknown message {op!r} from rank 0")
+
+    def _connect(self, msg: dict[str, Any]) -> None:
+        from pdserve.kv_transfer import FingerprintMismatch, KVDescriptor
+
+        try:
+            peer = self.transport.connect(KVDescriptor.from_bytes(msg["descriptor"].encode()))
+            self.events.send("reply", reply_id=msg["reply_id"], peer=peer)
+        except FingerprintMismatch as exc:
+            self.events.send("reply", reply_id=msg["reply_id"], diffs={k: list(v) for k, v in exc.diffs.items()})
+        except Exception as exc:  # noqa: BLE001 - the connect's failure is rank 0's to report
+            self.events.send("reply", reply_id=msg["reply_id"], error=f"{type(exc).__name__}: {exc}")
+
+    def _on_done(self, req_id: str, payload: bytes) -> None:
+        self.transport.poll_done()  # rank 0 collects it from this event: nothing piles up here
+        self.events.send("done", req_id=req_id, payload=to_text(payload))
+
+    def _watch(self, handle_id: int, handle) -> None:
+        with self._changed:
+            self._watched[handle_id] = handle
+            self._changed.notify()
+
+    def _report_handles(self) -> None:
+        """Report each push and done message once it ended, in the order they end."""
+        while True:
+            with self._changed:
+                while not self._watched:
+                    self._changed.wait()
+                pending = list(self._watched.items())
+            first_id, first = pending[0]
+            first.wait(0.001)
+            ended = [(i, h) for i, h in pending if h.done]
+            with self._changed:
+                for handle_id, _ in ended:
+                    del self._watched[handle_id]
+            for handle_id, handle in ended:
+                self.events.send("handle", handle_id=handle_id, state=handle.poll().value, error=handle.error)
+
+    def close(self) -> None:
+        self.transport.close()
