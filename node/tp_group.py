@@ -355,7 +355,7 @@ class WorkerLink:
                                   heads=list(heads), peer=peer)
 
     def send_done(self, req_id: str, payload: bytes, peer: str) -> TransferHandle:
-        return self._start_handle("send_done", TransferHandle(req_id, len(payload)), req_id=req_id,
+        return self._start_handle("send_done", TransferHandle(req_id), req_id=req_id,
                                   payload=to_text(payload), peer=peer)
 
     def _start_handle(self, op: str, handle: TransferHandle, **fields: Any) -> TransferHandle:
