@@ -204,11 +204,14 @@ def build_tokenizer(
     )
 
 
-def make_config(arch: str, size: str, vocab_size: int | None = None) -> PretrainedConfig:
-    """The model config for `arch` × `size`; `vocab_size` is ignored for smol135m."""
+def make_config(arch: str, size: str, vocab_size: int | None = None, num_kv_heads: int | None = None) -> PretrainedConfig:
+    """The model config for `arch` × `size`; `vocab_size` is ignored for smol135m; `num_kv_heads`
+    (a divisor of the size's attention heads) changes the head grouping: MHA, GQA or MQA."""
     _check_arch_and_size(arch, size)
     shape = dict(_SHAPES[size])
     shape.setdefault("vocab_size", vocab_size or 1024)
+    if num_kv_heads is not None:
+        shape["num_key_value_heads"] = num_kv_heads
     theta = shape.pop("rope_theta")
     common = dict(
         shape,
@@ -234,15 +237,17 @@ def make_model(
     size: str,
     dtype: torch.dtype = torch.float32,
     seed: int = 0,
+    num_kv_heads: int | None = None,
 ) -> Path:
-    """Build a seeded random model plus tokenizer and `save_pretrained` both to out_dir."""
+    """Build a seeded random model plus tokenizer and `save_pretrained` both to out_dir
+    (`num_kv_heads`: see make_config)."""
     _check_arch_and_size(arch, size)
     out = Path(out_dir)
     target = MAX_TOKENIZER_VOCAB if size == "smol135m" else SMALL_TOKENIZER_VOCAB
     max_len = int(_SHAPES[size]["max_position_embeddings"])
     # The tokenizer never depends on `seed`: only the weights do.
     tokenizer = build_tokenizer(target, qwen2_style=arch == "qwen2", model_max_length=max_len)
-    config = make_config(arch, size, vocab_size=_round_up(len(tokenizer), 64))
+    config = make_config(arch, size, vocab_size=_round_up(len(tokenizer), 64), num_kv_heads=num_kv_heads)
     with torch.random.fork_rng(devices=[]):
         torch.manual_seed(seed)
         model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)

@@ -251,3 +251,20 @@ def test_pushes_after_a_cancel_land_nowhere_even_in_reused_blocks(model):
 
 def served_tokens(pair: Pair, req_id: str) -> list[int]:
     return [pair.first_tokens()[req_id].token_id, *(t for e in pair.decoded(req_id) for t in e.token_ids)]
+
+
+def test_a_request_from_tensor_parallel_ranks_is_admitted_only_with_every_rank_pairs_done_message(table, moves):
+    """Each rank pair of two tensor-parallel nodes sends its own done message behind its own
+    bytes: the KV is whole only once all `parts` have come; an aborted one ends it at once."""
+    table.reserve("whole", [1, 2, 3, 4, 5], PARAMS, 0, now=0.0)
+    table.reserve("broken", [1, 2, 3, 4, 5], PARAMS, 0, now=0.0)
+    three = KVDone(DoneStatus.OK, 7, parts=3)
+    assert table.arrive("whole", three) == (HandoffState.WAITING_FOR_INPUT, None)
+    assert table.arrive("whole", three) == (HandoffState.WAITING_FOR_INPUT, None)
+    assert table.num_reserved == 2 and not table.engine.has_unfinished()  # still no rank has all: not scheduled
+    state, out = table.arrive("whole", three)
+    assert state is HandoffState.SUCCESS and out.new_token_id == 7 and table.engine.has_unfinished()
+    assert table.arrive("broken", three)[0] is HandoffState.WAITING_FOR_INPUT
+    assert table.arrive("broken", KVDone(DoneStatus.ABORTED))[0] is HandoffState.FAILED
+    assert table.arrive("broken", three) == (None, None)  # a late copy finds nothing
+    assert moves["whole"] == [HandoffState.WAITING_FOR_INPUT, HandoffState.SUCCESS]
