@@ -13,7 +13,7 @@ import os
 import shlex
 import tempfile
 import time
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterator, Mapping, Sequence
 from pathlib import Path
 
 import torch
@@ -165,14 +165,17 @@ class OneStreamEngine:
 
 @contextlib.contextmanager
 def local_cluster(model_dir: str | os.PathLike, pools: Sequence[str], node_args: Sequence[str],
-                  extra: Sequence[str] = (), auth_token: str | None = None) -> Iterator[ClusterProcess]:
+                  extra: Sequence[str] = (), auth_token: str | None = None,
+                  kind_args: Mapping[str, Sequence[str]] | None = None) -> Iterator[ClusterProcess]:
     """`pdserve cluster --model MODEL <pools> --dtype auto ...` as users start it, stopped on exit.
 
     `pools`: e.g. ("--prefill", "1", "--decode", "1") or ("--colocated", "2"); `node_args`:
-    flags for every node of every pool; `extra`: more launcher flags (cores, router args).
+    flags for every node of every pool; `kind_args`: more flags for one kind's nodes only, e.g.
+    {"decode": ("--tp", "2")}; `extra`: more launcher flags (cores, router args).
     """
+    kind_args = kind_args or {}
     pool_args = [arg for kind in ("prefill", "decode", "colocated")
-                 for arg in (f"--{kind}-args", shlex.join(node_args))]
+                 for arg in (f"--{kind}-args", shlex.join([*node_args, *kind_args.get(kind, ())]))]
     flags = ["--model", str(model_dir), *pools, "--dtype", "auto", *pool_args, *extra]
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as workdir:
         with ClusterProcess(flags, workdir, auth_token=auth_token) as cluster:

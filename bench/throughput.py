@@ -9,6 +9,10 @@ tokens) goes through, in order:
   2. transformers `generate` on static left-padded batches (stock sdpa attention);
   3. transformers `generate_batch` (its continuous batching), on the same token budget;
   4. the floor: weight bytes ÷ the copy bandwidth measured in the same process.
+With `--tp T` (T > 1) the engine phase runs again on T tensor-parallel ranks right after
+step 1, with the same total torch threads, and reports TP=T over TP=1 next to what the
+ranks cost per step: the batch hand-off, the all-reduces, and a gloo broadcast of the same
+batches and the same all-reduces with no rank computing, for comparison (bench/tp_costs.py).
 Each system gets an untimed warm-up first. The machine is shared and noisy, so only
 ratios taken in the same run mean anything; absolute numbers are printed for context,
 next to each phase's process CPU seconds and the 1-minute load average after it, which
@@ -31,6 +35,8 @@ import torch
 
 from pdserve.bench.common import Stopwatch, capture_logger, chunks, copy_bandwidth, ensure_model
 from pdserve.bench.common import left_pad, weight_bytes
+from pdserve.bench.tp_costs import (StepCosts, cost_report, gloo_replay_cost, measured_step_costs, print_tp_report,
+                                    restored_affinity, threads_per_rank, tp_ratios)
 from pdserve.engine.config import DTYPE_NAMES
 from pdserve.engine.dtype_choice import resolve_dtype
 
@@ -98,19 +104,11 @@ def _warmup_workload(vocab_size: int, seed: int) -> Workload:
 
 
 def run_engine(model_dir: Path, workload: Workload, vocab_size: int, args: argparse.Namespace) -> SystemResult:
-    from pdserve import LLM, SamplingParams
+    from pdserve import SamplingParams
     from pdserve.engine.model_runner import kv_block_bytes
 
-    llm = LLM(
-        model_dir,
-        dtype=args.dtype,
-        max_num_seqs=args.max_num_seqs,
-        max_num_batched_tokens=args.max_num_batched_tokens,
-        num_threads=args.threads,
-    )
-    engine = llm.engine
-    warm = _warmup_workload(vocab_size, args.seed)
-    _drive_engine(engine, warm, SamplingParams(temperature=0, max_tokens=warm.max_tokens, ignore_eos=True), "warmup")
+    engine = _make_llm(model_dir, args).engine
+    _warm_up(engine, vocab_size, args.seed)
     params = SamplingParams(temperature=0, max_tokens=workload.max_tokens, ignore_eos=True)
     result = _drive_engine(engine, workload, params, "bench")
     result.extra.update(
@@ -122,12 +120,54 @@ def run_engine(model_dir: Path, workload: Workload, vocab_size: int, args: argpa
     return result
 
 
+def run_engine_tp(model_dir: Path, workload: Workload, vocab_size: int,
+                  args: argparse.Namespace) -> tuple[SystemResult, StepCosts]:
+    """The engine phase on `args.tp` ranks, its hand-offs and all-reduces timed in the measured
+    part only. The ranks are stopped, and this process unpinned, before it returns."""
+    from pdserve import SamplingParams
+
+    with restored_affinity(), _make_llm(model_dir, args, args.tp) as llm:
+        engine = llm.engine
+        _warm_up(engine, vocab_size, args.seed)
+        params = SamplingParams(temperature=0, max_tokens=workload.max_tokens, ignore_eos=True)
+        with measured_step_costs(engine.runner) as costs:
+            result = _drive_engine(engine, workload, params, "bench-tp")
+    result.name = f"pdserve engine, TP={args.tp}"
+    result.extra.update(
+        method="engine-step loop (add_request + step until done), rank 0 of a tensor-parallel group",
+        tensor_parallel_size=args.tp,
+        threads_per_rank=threads_per_rank(args.threads, args.tp),
+    )
+    return result, costs
+
+
+def _make_llm(model_dir: Path, args: argparse.Namespace, tp: int = 1):
+    """The engine on `tp` ranks sharing `--threads` (one rank: all of them)."""
+    from pdserve import LLM
+
+    return LLM(
+        model_dir,
+        dtype=args.dtype,
+        max_num_seqs=args.max_num_seqs,
+        max_num_batched_tokens=args.max_num_batched_tokens,
+        num_threads=threads_per_rank(args.threads, tp),
+        tensor_parallel_size=tp,
+    )
+
+
+def _warm_up(engine, vocab_size: int, seed: int) -> None:
+    from pdserve import SamplingParams
+
+    warm = _warmup_workload(vocab_size, seed)
+    _drive_engine(engine, warm, SamplingParams(temperature=0, max_tokens=warm.max_tokens, ignore_eos=True), "warmup")
+
+
 def _drive_engine(engine, workload: Workload, params, prefix: str) -> SystemResult:
     req_ids = [f"{prefix}-{i}" for i in range(len(workload.prompts))]
     counts = dict.fromkeys(req_ids, 0)
     for req_id, prompt in zip(req_ids, workload.prompts):
         engine.add_request(req_id, prompt, params)
-    num_steps, decode_times, decode_batches, decode_kv_tokens = 0, [], [], []
+    num_steps, step_seconds, decode_times, decode_batches, decode_kv_tokens = 0, 0.0, [], [], []
     with Stopwatch() as watch:
         while engine.has_unfinished():
             decode = _pure_decode_batch(engine.scheduler)
@@ -135,6 +175,7 @@ def _drive_engine(engine, workload: Workload, params, prefix: str) -> SystemResu
             outputs = engine.step()
             step_time = time.perf_counter() - step_start
             num_steps += 1
+            step_seconds += step_time
             for out in outputs:
                 counts[out.req_id] += 1
             if decode is not None:
@@ -151,6 +192,7 @@ def _drive_engine(engine, workload: Workload, params, prefix: str) -> SystemResu
         {
             **watch.to_dict(),
             "num_steps": num_steps,
+            "step_mean_s": step_seconds / num_steps if num_steps else 0.0,
             "num_decode_steps": len(decode_times),
             "decode_step_mean_s": _mean(decode_times),
             "decode_batch_mean": _mean(decode_batches),
@@ -170,6 +212,43 @@ def _pure_decode_batch(scheduler) -> tuple[int, int] | None:
 
 def _mean(values: list[float]) -> float:
     return sum(values) / len(values) if values else 0.0
+
+
+# ------------------------------------------------------------------ tensor parallel
+
+
+def run_tensor_parallel(model_dir: Path, workload: Workload, vocab_size: int, engine: SystemResult,
+                        args: argparse.Namespace) -> tuple[SystemResult, dict]:
+    """TP=`args.tp` against the TP=1 `engine` result of this run, and what the ranks cost per step."""
+    result, costs = run_engine_tp(model_dir, workload, vocab_size, args)
+    print(f"engine, TP={args.tp}: {result.tokens_per_s:.1f} tok/s", flush=True)
+    gc.collect()
+    try:
+        replay = gloo_replay_cost(costs.step_words, costs.reduce_sizes, costs.reduce_dtype, args.tp)
+    except Exception as exc:  # report, don't crash: the TP measurements stand
+        print(f"gloo replay failed: {type(exc).__name__}: {exc}", file=sys.stderr)
+        replay = None
+    base, tp = engine.to_dict(), result.to_dict()
+    report = {
+        "size": args.tp,
+        "threads_per_rank": threads_per_rank(args.threads, args.tp),
+        "engine": tp,
+        "costs": cost_report(costs, result.extra["num_steps"], replay),
+        "ratios": tp_ratios(base, tp),
+    }
+    return result, report
+
+
+def _check_tensor_parallel(model_dir: Path, size: int) -> str | None:
+    """Why `--tp` cannot split this model, before any phase runs; None when it can."""
+    from pdserve.engine.model_folder import ModelRefused
+    from pdserve.engine.model_loader import check_tensor_parallel
+
+    try:
+        check_tensor_parallel(model_dir, "auto", size)
+    except ModelRefused as exc:
+        return f"--tp {size}: {exc.reason} (pass --model-dir of a model whose shapes split)"
+    return None
 
 
 # ---------------------------------------------------------------------- transformers
@@ -333,17 +412,27 @@ def main(argv: list[str] | None = None) -> int:
     args = _parse_args(argv)
     torch.set_num_threads(args.threads)
     model_dir = Path(args.model_dir) if args.model_dir else ensure_model("llama", "smol135m", "bfloat16")
+    refused = _check_tensor_parallel(model_dir, args.tp) if args.tp > 1 else None
+    if refused is not None:
+        print(refused, file=sys.stderr)
+        return 2
     vocab_size, pad_id = _tokenizer_facts(model_dir)
     workload = make_workload(vocab_size, args)
     print(
         f"model {model_dir} ({args.dtype}), {len(workload.prompts)} requests × {workload.max_tokens} tokens, "
         f"prompts {args.min_prompt}-{args.max_prompt} (total {sum(map(len, workload.prompts))}), "
-        f"{args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}",
+        f"{args.threads} threads, CPU capability {torch.backends.cpu.get_cpu_capability()}"
+        + (f", TP=1 then TP={args.tp} ({threads_per_rank(args.threads, args.tp)} threads per rank)"
+           if args.tp > 1 else ""),
         flush=True,
     )
     engine = run_engine(model_dir, workload, vocab_size, args)
     print(f"engine: {engine.tokens_per_s:.1f} tok/s", flush=True)
     gc.collect()
+    tp_result = tp_report = None
+    if args.tp > 1:
+        tp_result, tp_report = run_tensor_parallel(model_dir, workload, vocab_size, engine, args)
+        gc.collect()
     floor = floor_report(engine, copy_bandwidth(args.copy_mib << 20))
     generate = batch = None
     if not args.skip_hf:
@@ -353,16 +442,18 @@ def main(argv: list[str] | None = None) -> int:
     if not args.skip_hf and not args.skip_generate_batch:
         batch = run_hf_generate_batch(model_dir, workload, vocab_size, pad_id, args)
         gc.collect()
-    results = [r for r in (engine, generate, batch) if r is not None]
+    results = [r for r in (engine, tp_result, generate, batch) if r is not None]
     rat = ratios(engine, generate, batch, floor)
     print_report(results, floor, engine, rat)
+    if tp_report is not None:
+        print_tp_report(engine.to_dict(), tp_report["engine"], args.tp, tp_report["costs"], tp_report["ratios"])
     anchors = None
     if args.anchors:
         from pdserve.bench.anchors import run_anchors
 
         gc.collect()
         anchors = run_anchors(model_dir, args.dtype, engine, workload, args)
-    _write_json(args, model_dir, workload, engine, generate, batch, floor, rat, anchors)
+    _write_json(args, model_dir, workload, engine, generate, batch, floor, rat, anchors, tp_report)
     return _check_lengths(results, workload.max_tokens)
 
 
@@ -386,7 +477,7 @@ def _check_lengths(results: list[SystemResult], max_tokens: int) -> int:
     return status
 
 
-def _write_json(args, model_dir, workload, engine, generate, batch, floor, rat, anchors) -> None:
+def _write_json(args, model_dir, workload, engine, generate, batch, floor, rat, anchors, tp_report) -> None:
     import transformers
 
     data = {
@@ -408,6 +499,7 @@ def _write_json(args, model_dir, workload, engine, generate, batch, floor, rat, 
         "floor": floor,
         "ratios": rat,
         "anchors": anchors,
+        "tensor_parallel": tp_report,
     }
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -430,6 +522,9 @@ def _parse_args(argv: list[str] | None) -> argparse.Namespace:
     parser.add_argument("--skip-hf", action="store_true", help="skip both transformers measurements")
     parser.add_argument("--skip-generate-batch", action="store_true")
     parser.add_argument("--threads", type=_positive_int, default=len(os.sched_getaffinity(0)))
+    parser.add_argument("--tp", "--tensor-parallel-size", dest="tp", type=_positive_int, default=1,
+                        help="also run the engine on this many tensor-parallel ranks (sharing --threads) "
+                             "and report TP=N over TP=1 with the per-step cost of the ranks")
     parser.add_argument("--copy-mib", type=_positive_int, default=512, help="size of the bandwidth-measuring copy")
     parser.add_argument("--out", default=DEFAULT_OUT)
     parser.add_argument("--anchors", action="store_true",
