@@ -126,6 +126,7 @@ class FaultSettings:
     prefill_step_delay_s: float = 0.0  # fault drills: slow a pool down so a kill lands mid-request
     decode_step_delay_s: float = 0.0
     prefill_args: tuple[str, ...] = ()  # more flags for every prefill node (e.g. queue bounds)
+    decode_args: tuple[str, ...] = ()  # more flags for every decode node (e.g. --tp 2)
     # The launcher restarts a killed node after this long: long enough that a test sees the
     # cluster without it first (the router notices a kill within a heartbeat timeout).
     restart_backoff_s: float = 5.0
@@ -145,7 +146,7 @@ class FaultCluster:
             num_prefill, num_decode, node,
             router_args=("--heartbeat-timeout-s", str(settings.heartbeat_timeout_s)),
             prefill_args=(*lease, "--debug-step-delay-s", str(settings.prefill_step_delay_s), *settings.prefill_args),
-            decode_args=(*lease, "--debug-step-delay-s", str(settings.decode_step_delay_s)))
+            decode_args=(*lease, "--debug-step-delay-s", str(settings.decode_step_delay_s), *settings.decode_args))
         flags += ["--restart-backoff-s", str(settings.restart_backoff_s),
                   "--restart-max-backoff-s", str(settings.restart_backoff_s), "--model", model_dir]
         self.settings = settings
