@@ -2,9 +2,10 @@
 
 Runs only in the child that node/core.py spawns. `core_main` gets the node kind's
 `CorePart` (node/core_part.py): it imports the kind's handler factory, builds the
-`EngineCore` with the kind's policy, registers the engine's KV caches with a
-`UcxTransport` (spec from the loaded model; not for a kind whose part says
-`uses_kv_transport=False`), builds the kind's `CoreHandler`, logs the cpus and torch
+`EngineCore` with the kind's policy (with `--tensor-parallel-size T`, as rank 0 of T: the
+worker ranks start first, node/tp_group.py), registers rank 0's KV caches with a
+`UcxTransport` beside the workers' own in one `RankedTransport` (node/kv_ranks.py; not for a
+kind whose part says `uses_kv_transport=False`), builds the kind's `CoreHandler`, logs the cpus and torch
 threads it runs on, says `CoreStarted` with the KV fingerprint every kind registers with
 (or `CoreFailed`; `refused=True` and no traceback for a model folder the engine refuses, whose
 one line the front prints), then loops:
@@ -15,7 +16,7 @@ one line the front prints), then loops:
     push a stats snapshot to the front when stats_push_interval_s has passed (after a
         step, or on an idle poll timeout): the front heartbeats the router with it, so a
         core busy in a long step never makes its node look dead
-    exit on Shutdown, or when the front process has gone
+    exit on Shutdown, or when the front process has gone; fail when a worker rank has died
 
 Must never: block on the network (pushes and done messages are polled, a new peer is
 connected off the loop), pickle a message, or outlive its front.

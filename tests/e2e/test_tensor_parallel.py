@@ -2,7 +2,8 @@
 `pdserve prefill|decode --tp N`, the way a user grows a cluster.
 
 - Mixed pools: prefill nodes of TP=1 and TP=2 and decode nodes of TP=2 and TP=1 behind one
-  router, so every pairing happens (1P(TP=2)→1D(TP=1), 1P(TP=1)→1D(TP=2), TP=2→TP=2, 1→1):
+  router, so every pairing happens (1P(TP=2)→1D(TP=1), 1P(TP=1)→1D(TP=2), TP=2→TP=2, 1→1),
+  the launcher's nodes on the native model path and the hand-started ones on transformers':
   24 concurrent greedy float32 streams are token-identical to transformers; each request moved
   exactly its prompt's blocks; a TP=2 node's ranks each moved exactly half of its bytes (its
   KV heads), the prefill ranks' sum equals the expected total, as does the decode ranks' (but
@@ -65,12 +66,12 @@ def block_bytes() -> int:
 class HandStartedNode:
     """`pdserve <kind> --tp N` joining a running cluster's router, as a user would start it."""
 
-    def __init__(self, kind: str, tp: int, router: str, model_dir: str, log: Path) -> None:
+    def __init__(self, kind: str, tp: int, router: str, model_dir: str, log: Path, model_impl: str = "auto") -> None:
         self.kind, self.log = kind, log
         self.port = free_port()
         command = [sys.executable, "-m", "pdserve", kind, "--router", router, "--model", model_dir,
                    "--dtype", NODE.dtype, "--block-size", str(BLOCK_SIZE), "--port", str(self.port),
-                   "--tp", str(tp), *NODE.node_args()]
+                   "--tp", str(tp), "--model-impl", model_impl, *NODE.node_args()]
         self.process = subprocess.Popen(command, stdout=log.open("w"), stderr=subprocess.STDOUT,
                                         start_new_session=True)
 
@@ -116,8 +117,11 @@ def serving(cluster, prefill: int, decode: int) -> bool:
 def test_mixed_tensor_parallel_pools_are_token_exact_and_move_each_ranks_heads(model_dir, workload, tmp_path):
     prompts, refs = workload
     with running_cluster(model_dir, 1, 1, NODE, decode_args=("--tp", "2")) as cluster:
-        extra = [HandStartedNode("prefill", 2, cluster.router, model_dir, tmp_path / "prefill-tp2.log"),
-                 HandStartedNode("decode", 1, cluster.router, model_dir, tmp_path / "decode-tp1.log")]
+        # The hand-started nodes run transformers' own modeling (and its TP plan): their KV heads
+        # must land in the native nodes' ranks, and the native nodes' in theirs, all the same.
+        extra = [HandStartedNode("prefill", 2, cluster.router, model_dir, tmp_path / "prefill-tp2.log",
+                                 "transformers"),
+                 HandStartedNode("decode", 1, cluster.router, model_dir, tmp_path / "decode-tp1.log", "transformers")]
         try:
             wait_until(lambda: serving(cluster, 2, 2), "for the hand-started nodes to register")
             streams = asyncio.run(stream_all(cluster.router, prompts, NEW_TOKENS))
