@@ -125,8 +125,9 @@ def _build(config: NodeConfig, part: CorePart, to_front: ToFront, owned: _Owned)
                                        config.cpus, config.kind)
     slow_every_step(engine, config.debug_step_delay_s)  # fault drills only; a no-op by default
     # What the node really runs on (tests and operators read this line; cores as devices).
-    logger.info("engine core on cpus %s with %d torch threads (rank 0 of %d)",
-                format_cpu_list(os.sched_getaffinity(0)), torch.get_num_threads(), engine.loaded.shard.size)
+    ranks = engine.loaded.shard.size
+    logger.info("engine core%s on cpus %s with %d torch threads", f" (rank 0 of {ranks})" if ranks > 1 else "",
+                format_cpu_list(os.sched_getaffinity(0)), torch.get_num_threads())
     spec = rank_cache_spec(engine.config, engine.loaded)  # every kind registers with it, KV transport or not
     descriptor = None
     if part.uses_kv_transport:
