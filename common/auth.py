@@ -21,6 +21,8 @@ from typing import Any
 
 import grpc
 
+from pdserve.common.grpc_standard import is_health_call
+
 TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 METADATA_KEY = "authorization"
 SCHEME = "Bearer "
@@ -84,7 +86,8 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 # -- server side ---------------------------------------------------------------------
 class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call whose `authorization` metadata is not `Bearer <token>`."""
+    """Refuses every call whose `authorization` metadata is not `Bearer <token>`, but the
+    standard Health service's (common/grpc_standard.py)."""
 
     def __init__(self, token: str) -> None:
         self._expected = (SCHEME + check_token(token, "auth token")).encode()
@@ -103,7 +106,8 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
-        if self.authorized(handler_call_details.invocation_metadata):
+        # Health answers anyone (a probe sends no token; it learns only SERVING or not).
+        if is_health_call(handler_call_details.method) or self.authorized(handler_call_details.invocation_metadata):
             return handler
         return _refusal_like(handler)
 

@@ -30,6 +30,7 @@ import grpc
 import uvloop
 
 from pdserve.common.auth import server_interceptors, server_options
+from pdserve.common.grpc_standard import StandardServices
 from pdserve.common.lifecycle import ExitStatus, StopSignals, supervisor_of
 from pdserve.common.metrics_endpoint import MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
@@ -41,6 +42,7 @@ from pdserve.node.core_part import CorePart
 from pdserve.node.errors import NodeError
 from pdserve.node.metrics import NodeHealth, serve_node_metrics
 from pdserve.node.registration import run_registration
+from pdserve.proto import node_pb2
 
 logger = logging.getLogger(__name__)
 
@@ -72,10 +74,16 @@ def _usage_error(kind: str, exc: Exception) -> ExitStatus:
     return ExitStatus.USAGE
 
 
+# Each kind's node service, by full name: what reflection lists and Health reports on.
+NODE_SERVICES = {kind: node_pb2.DESCRIPTOR.services_by_name[f"{kind.capitalize()}Node"].full_name
+                 for kind in ("prefill", "decode", "colocated")}
+
+
 async def serve_node(config: NodeConfig, part: CorePart, add_servicer: AddServicer) -> int:
     client = CoreClient(config, part)
     health = NodeHealth(config.kind, client.core_alive)
     server: grpc.aio.Server | None = None
+    standard: StandardServices | None = None
     registration: asyncio.Task | None = None
     metrics: MetricsEndpoint | None = None
     try:
@@ -83,11 +91,13 @@ async def serve_node(config: NodeConfig, part: CorePart, add_servicer: AddServic
         server = grpc.aio.server(interceptors=server_interceptors(config.auth_token),
                                  options=server_options(config.max_message_bytes))
         add_servicer(server, client)
+        standard = StandardServices(server, (NODE_SERVICES[config.kind],), lambda: health().serving)
         port = _bind(server, config)  # before the core loads the model: the port is ours from here
         await client.start()
         await server.start()
         address = f"{config.host}:{port}"
         health.serving(address)
+        await standard.start()  # grpc.health.v1 follows /health: SERVING while the engine core runs
         signals = StopSignals()
         signals.install(asyncio.get_running_loop(), supervisor_of(os.environ))
         print(f"pdserve {config.kind} node listening on {address}", flush=True)
@@ -103,6 +113,8 @@ async def serve_node(config: NodeConfig, part: CorePart, add_servicer: AddServic
     finally:
         health.stopping()
         start = time.monotonic()
+        if standard is not None:
+            await standard.stop()
         if registration is not None:
             registration.cancel()
         if server is not None:

@@ -1,8 +1,10 @@
 """One-shot health probes of a pdserve router or node, for container healthchecks and the launcher.
 
-Owns: asking a router `Generation.Health` or a node `GetStats` with a deadline (carrying
-the auth token when one is configured), and the verdict (healthy or not, with a one-line
-reason). `python -m pdserve.healthcheck ADDR` exits 0 when healthy and 1 otherwise,
+Owns: asking the standard `grpc.health.v1.Health` service (what Kubernetes probes and
+grpc_health_probe ask: SERVING for the router's `Generation`, or for the node kind's service),
+then, for the one-line reason, a router's `Generation.Health` (node counts, checked against the
+`--min-*` bounds) or a node's `GetStats` — each with a deadline and the auth token when one is
+configured — and the verdict (healthy or not, with a one-line reason). `python -m pdserve.healthcheck ADDR` exits 0 when healthy and 1 otherwise,
 printing that line.
 
 Must never: retry, wait longer than its timeout, or change anything on the probed server.
@@ -20,6 +22,7 @@ from typing import Any, TypeVar
 
 import grpc
 import uvloop
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from pdserve.common.auth import add_auth_args, insecure_channel, token_or_usage_error
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
@@ -31,6 +34,11 @@ _NODE_STUBS = {
     "prefill": node_pb2_grpc.PrefillNodeStub,
     "decode": node_pb2_grpc.DecodeNodeStub,
     "colocated": node_pb2_grpc.ColocatedNodeStub,
+}
+# The service each probe asks grpc.health.v1 about (the router's public API, each node's own).
+_STANDARD_NAMES = {
+    "router": pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+    **{kind: node_pb2.DESCRIPTOR.services_by_name[f"{kind.capitalize()}Node"].full_name for kind in _NODE_STUBS},
 }
 # Codes meaning nothing answered (not listening yet, gone, or hung) rather than a refusal.
 _NO_ANSWER = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
@@ -86,9 +94,25 @@ def node_stats(addr: str, kind: str, timeout_s: float = HealthcheckConfig.timeou
     return _run(_node_stats(addr, kind, timeout_s, token))
 
 
+async def _standard_status(addr: str, service: str, timeout_s: float, token: str | None) -> int:
+    async with insecure_channel(addr, token) as channel:
+        request = health_pb2.HealthCheckRequest(service=service)
+        return (await health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout_s)).status
+
+
+def standard_status(addr: str, service: str, timeout_s: float = HealthcheckConfig.timeout_s,
+                    token: str | None = None) -> int:
+    """`grpc.health.v1` status of `service` at `addr`; raises grpc.RpcError when it does not answer."""
+    return _run(_standard_status(addr, service, timeout_s, token))
+
+
 def check(addr: str, service: str, config: HealthcheckConfig = HealthcheckConfig()) -> Verdict:
     """Probe `addr` as `service` once; never raises for an unreachable or unhealthy server."""
     try:
+        status = standard_status(addr, _STANDARD_NAMES[service], config.timeout_s, config.auth_token)
+        if status != health_pb2.HealthCheckResponse.SERVING:
+            name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
+            return Verdict(False, f"{service} at {addr}: {_STANDARD_NAMES[service]} is {name}")
         if service == "router":
             return _judge_router(router_health(addr, config.timeout_s, config.auth_token), config)
         stats = node_stats(addr, service, config.timeout_s, config.auth_token)

@@ -1,7 +1,8 @@
 """The router's typed errors and their gRPC status codes: the one place the mapping lives.
 
 Every refusal or failure of a request is a `RouterError` subclass; the server turns it
-into a status with `status_of`, and a node's failed call becomes a `RouterError` with
+into a status with `status_of` (bad input also carries a `google.rpc.BadRequest` detail naming
+the field: `bad_request_status`), and a node's failed call becomes a `RouterError` with
 `from_node_error`. Nothing else in the router picks a status code. This module never
 talks to the network and never logs.
 """
@@ -9,6 +10,9 @@ talks to the network and never logs.
 from __future__ import annotations
 
 import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
 
 
 class RouterError(Exception):
@@ -61,6 +65,16 @@ def status_of(error: BaseException) -> tuple[grpc.StatusCode, str]:
     if isinstance(error, RouterError):
         return error.code, str(error)
     return grpc.StatusCode.INTERNAL, f"internal router error: {type(error).__name__}: {error}"
+
+
+def bad_request_status(error: InvalidRequest) -> grpc.Status:
+    """INVALID_ARGUMENT with a `google.rpc.BadRequest` detail naming the field at fault, the way
+    Google APIs answer bad input (read it with `grpc_status.rpc_status.from_call`)."""
+    violation = error_details_pb2.BadRequest.FieldViolation(field=error.field, description=str(error))
+    detail = any_pb2.Any()
+    detail.Pack(error_details_pb2.BadRequest(field_violations=[violation]))
+    return rpc_status.to_status(status_pb2.Status(code=code_pb2.INVALID_ARGUMENT, message=str(error),
+                                                  details=[detail]))
 
 
 def from_node_error(role: str, address: str, error: grpc.aio.AioRpcError) -> RouterError:

@@ -21,7 +21,7 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Mapping
+from collections.abc import Awaitable, Callable, Mapping
 
 import grpc
 import uvloop
@@ -30,13 +30,14 @@ from prometheus_client import CollectorRegistry
 from pdserve.common.auth import add_auth_args, server_interceptors, server_options, token_from_cli
 from pdserve.common.config_flags import add_config_args, values_from_args
 from pdserve.common.lifecycle import ExitStatus, ServerPhase, StopSignals, supervisor_of
+from pdserve.common.grpc_standard import StandardServices
 from pdserve.common.metrics_endpoint import Health, HealthCheck, MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.common.refusal import Refused
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.admission import Admission, AdmissionLimits
 from pdserve.router.config import RequestLimits, RouterConfig
-from pdserve.router.errors import InvalidRequest, RouterError, status_of
+from pdserve.router.errors import InvalidRequest, RouterError, bad_request_status, status_of
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model import RouterModel, load_router_model
 from pdserve.router.node_facts import RouterFacts
@@ -47,12 +48,17 @@ from pdserve.router.state import RouterState
 from pdserve.router.validation import RequestValidator, live_capacity
 
 log = logging.getLogger(__name__)
+# The router's own services, by full name: what reflection lists and Health reports on.
+ROUTER_SERVICES = (pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
+                   node_pb2.DESCRIPTOR.services_by_name["Registry"].full_name)
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
     code, message = status_of(error)
     if not isinstance(error, RouterError):
         log.exception("unexpected error", exc_info=error)
+    if isinstance(error, InvalidRequest):  # the field at fault, machine-readable beside the message
+        await context.abort_with_status(bad_request_status(error))
     await context.abort(code, message)
 
 
@@ -102,20 +108,27 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
         )
 
     async def Health(self, request, context):
-        registry = self._state.registry
-        prefill = len(registry.live(NodeKind.PREFILL))
-        decode = len(registry.live(NodeKind.DECODE))
-        colocated = len(registry.live(NodeKind.COLOCATED))
-        # Either architecture serves: a colocated node alone, or a prefill and a decode node.
-        serving = colocated > 0 or (prefill > 0 and decode > 0)
-        return pdserve_pb2.HealthResponse(serving=serving, prefill_nodes=prefill, decode_nodes=decode,
-                                          colocated_nodes=colocated)
+        prefill, decode, colocated = live_counts(self._state.registry)
+        return pdserve_pb2.HealthResponse(serving=can_serve(prefill, decode, colocated), prefill_nodes=prefill,
+                                          decode_nodes=decode, colocated_nodes=colocated)
+
+
+def live_counts(registry: NodeRegistry) -> tuple[int, int, int]:
+    """Live (prefill, decode, colocated) nodes."""
+    return tuple(len(registry.live(kind)) for kind in (NodeKind.PREFILL, NodeKind.DECODE, NodeKind.COLOCATED))
+
+
+def can_serve(prefill: int, decode: int, colocated: int) -> bool:
+    """Either architecture serves: a colocated node alone, or a prefill and a decode node."""
+    return colocated > 0 or (prefill > 0 and decode > 0)
 
 
 class RegistryServicer(node_pb2_grpc.RegistryServicer):
-    def __init__(self, state: RouterState) -> None:
+    def __init__(self, state: RouterState, on_register: Callable[[], Awaitable[None]]) -> None:
+        """`on_register`: runs after each admitted node (the standard Health status follows at once)."""
         self._state = state
         self._facts = RouterFacts.of(state.model, state.config.block_size)
+        self._on_register = on_register
 
     async def Register(self, request, context):
         try:
@@ -128,6 +141,7 @@ class RegistryServicer(node_pb2_grpc.RegistryServicer):
             self._state.registry.admit(kind, request.address, request.node_id, request.fingerprint, self._facts)
         except RouterError as exc:
             await _abort(context, exc)
+        await self._on_register()
         return node_pb2.RegisterResponse(heartbeat_interval_ms=self._state.config.heartbeat_interval_ms)
 
     async def Heartbeat(self, request, context):
@@ -164,6 +178,7 @@ class RouterServer:
         self.admission = Admission(config.admission)
         self.metrics = RouterMetrics(CollectorRegistry(), registry)
         self._server: grpc.aio.Server | None = None
+        self._standard: StandardServices | None = None
         self._maintenance: asyncio.Task | None = None
         self._metrics_endpoint: MetricsEndpoint | None = None
         self.port: int | None = None
@@ -183,13 +198,19 @@ class RouterServer:
         pdserve_pb2_grpc.add_GenerationServicer_to_server(
             GenerationServicer(self.state, validator, Orchestrator(self.state), self.admission, self.metrics), server
         )
-        node_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.state), server)
+        # grpc.health.v1: SERVING only while the router can serve a request, not merely while it runs.
+        self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve)
+        node_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.state, standard.refresh), server)
         self.port = _bind(server, self.config)
         await server.start()
         self._server = server
         self._maintenance = asyncio.create_task(self._maintain())
         self.phase = ServerPhase.SERVING
+        await self._standard.start()
         return self.port
+
+    def _can_serve(self) -> bool:
+        return self.phase is ServerPhase.SERVING and can_serve(*live_counts(self.state.registry))
 
     def health(self) -> Health:
         """What `/health` answers: serving only between a finished `start` and `stop`."""
@@ -199,6 +220,8 @@ class RouterServer:
 
     async def stop(self, grace_s: float | None = None) -> None:
         self.phase = ServerPhase.STOPPING
+        if self._standard is not None:
+            await self._standard.stop()
         if self._maintenance is not None:
             self._maintenance.cancel()
             await asyncio.gather(self._maintenance, return_exceptions=True)
@@ -216,6 +239,7 @@ class RouterServer:
         registry = self.state.registry
         while True:
             registry.expire()
+            await self._standard.refresh()  # a node just dropped may leave the router unable to serve
             await registry.poll_static(self.config.stats_poll_timeout_s)
             await asyncio.sleep(self.config.maintenance_interval_s)
 

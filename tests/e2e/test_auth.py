@@ -230,3 +230,18 @@ def test_a_kv_peer_with_the_token_moves_bytes():
         assert (report["stats"]["blocks"], report["stats"]["transfers"], report["stats"]["failures"]) == (2, 1, 0)
     finally:
         kv.stop()
+
+
+def test_standard_health_answers_without_the_token_and_reflection_needs_it(cluster):
+    """A probe (Kubernetes, grpc_health_probe) sends no token and learns only SERVING or not;
+    listing the services through reflection is behind the token like everything else."""
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
+
+    for address in cluster:
+        with grpc.insecure_channel(address) as channel:
+            answer = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=10)
+            assert answer.status == health_pb2.HealthCheckResponse.SERVING
+            with pytest.raises(grpc.RpcError) as err:
+                ProtoReflectionDescriptorDatabase(channel).get_services()
+            assert _refused(err) == UNAUTHENTICATED

@@ -48,6 +48,7 @@ FAKE_ROUTER = '''
 import sys, time
 from concurrent import futures
 import grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
 class Gen(pdserve_pb2_grpc.GenerationServicer):
@@ -62,6 +63,10 @@ class Prefill(node_pb2_grpc.PrefillNodeServicer):  # answers node probes too
 server = grpc.server(futures.ThreadPoolExecutor(max_workers=2))
 pdserve_pb2_grpc.add_GenerationServicer_to_server(Gen(), server)
 node_pb2_grpc.add_PrefillNodeServicer_to_server(Prefill(), server)
+standard = health.HealthServicer()  # what the probe asks first
+for name in ("pdserve.v1.Generation", "pdserve.node.v1.PrefillNode"):
+    standard.set(name, health_pb2.HealthCheckResponse.SERVING)
+health_pb2_grpc.add_HealthServicer_to_server(standard, server)
 server.add_insecure_port(sys.argv[1])
 server.start()
 print("fake router up", flush=True)
@@ -518,7 +523,7 @@ def test_launcher_with_a_real_health_probe(supervisor, tmp_path):
     too_few, prefill, decode = stricter
     assert not too_few.healthy and "too few nodes (1 prefill, 2 decode" in too_few.reason
     assert prefill.healthy and "3/64 blocks used" in prefill.reason
-    assert not decode.healthy and decode.reachable and "UNIMPLEMENTED" in decode.reason
+    assert not decode.healthy and decode.reachable and "NOT_FOUND" in decode.reason  # no decode service there
     assert check(addr, "router", probe_config).reachable is False  # stopped with the cluster
 
 
