@@ -176,7 +176,7 @@ def local_cluster(model_dir: str | os.PathLike, pools: Sequence[str], node_args:
     kind_args = kind_args or {}
     pool_args = [arg for kind in ("prefill", "decode", "colocated")
                  for arg in (f"--{kind}-args", shlex.join([*node_args, *kind_args.get(kind, ())]))]
-    flags = ["--model", str(model_dir), *pools, "--dtype", "auto", *pool_args, *extra]
+    flags = ["--model", str(model_dir), *pools, "--dtype", "auto", "--http-port", "0", *pool_args, *extra]
     with tempfile.TemporaryDirectory(prefix="pdserve-bench-") as workdir:
         with ClusterProcess(flags, workdir, auth_token=auth_token) as cluster:
             yield cluster

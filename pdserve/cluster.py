@@ -160,11 +160,13 @@ def cluster_state(config: ClusterConfig, plan: ClusterPlan, pids: dict[str, int]
     children = {name: ChildState(kind=name.rsplit("-", 1)[0], pid=pid, address=addresses[name],
                                  metrics_url=urls.get(name), restarts=restarts.get(name, 0))
                 for name, pid in pids.items()}
-    return ClusterState(plan.router_addr, children)
+    return ClusterState(plan.router_addr, children, plan.http_url(config.host))
 
 
 def _print_ready(config: ClusterConfig, plan: ClusterPlan, out: TextIO) -> None:
     print(f"pdserve cluster ready at {plan.router_addr} ({config.node_counts})", file=out)
+    if plan.http_port is not None:
+        print(f"OpenAI-compatible HTTP API at {plan.http_url(config.host)}", file=out)
     pinned = [f"{spec.name} on cpus {format_cpu_list(spec.cpus)}" for spec in (plan.router, *plan.nodes) if spec.cpus]
     if pinned:
         print(f"pinned: {', '.join(pinned)}", file=out)
@@ -219,6 +221,8 @@ def _check_ports(config: ClusterConfig) -> None:
     check_free(Listen("--port", config.host, config.port))
     if config.metrics_port is not None:
         check_free(Listen("--metrics-port", config.host, config.metrics_port))
+    if config.http_port:
+        check_free(Listen("--http-port", config.host, config.http_port))
 
 
 def _model_dir(config: ClusterConfig, python: str = sys.executable) -> str:

@@ -23,7 +23,8 @@ from pdserve.node.affinity import cpu_list_arg, split_cpus
 NODE_OWNED_FLAGS = ("--model", "--host", "--port", "--router", "--node-id", "--kv-host", "--kv-port",
                     "--dtype", "--block-size", "--auth-token-file", "--cpus", "--metrics-port")
 ROUTER_OWNED_FLAGS = ("--host", "--port", "--model", "--prefill", "--decode", "--block-size", "--auth-token-file",
-                      "--metrics-port")
+                      "--metrics-port", "--http-port")
+DEFAULT_HTTP_PORT = 8000
 THREADS_FLAGS = ("--num-threads", "--threads")
 
 
@@ -57,6 +58,8 @@ class ClusterConfig:
     # Prometheus /metrics: the router on this port (0: a free one), every node on a free port
     # of its own (listed when ready and in the state file); None: off.
     metrics_port: int | None = None
+    # The router's OpenAI-compatible HTTP API on this port (0: a free one); None: off (--no-http).
+    http_port: int | None = DEFAULT_HTTP_PORT
     # Written when the cluster serves, and again after every restart: the router's address
     # and each child's pid, gRPC address and metrics URL (cluster_state.py), for programs.
     state_file: str | None = None
@@ -80,6 +83,8 @@ class ClusterConfig:
             raise ValueError("a cluster needs at least 1 prefill and 1 decode node (or --colocated N)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
+        if self.http_port is not None and not 0 <= self.http_port <= 65535:
+            raise ValueError(f"--http-port out of range: {self.http_port}")
         if self.metrics_port is not None and not 0 <= self.metrics_port <= 65535:
             raise ValueError(f"--metrics-port out of range: {self.metrics_port}")
         if self.host in ("0.0.0.0", "::", ""):
@@ -162,6 +167,10 @@ def cluster_parser() -> argparse.ArgumentParser:
     p.add_argument("--metrics-port", type=int, default=d.metrics_port,
                    help="serve Prometheus /metrics: the router on this port (0: a free one), each node on a "
                         "free port of its own (all printed when ready); off by default")
+    p.add_argument("--http-port", type=int, default=d.http_port,
+                   help=f"serve the OpenAI-compatible HTTP API on the router at this port (0: a free one; "
+                        f"default {d.http_port})")
+    p.add_argument("--no-http", action="store_true", help="no HTTP API, gRPC only")
     p.add_argument("--state-file", default=d.state_file, metavar="PATH",
                    help="write the router address and every child's pid and addresses here (JSON) when ready "
                         "and after every restart")
@@ -186,4 +195,5 @@ def config_from_args(argv: Sequence[str] | None) -> ClusterConfig:
         prefill_cores=args.prefill_cores, decode_cores=args.decode_cores, colocated_cores=args.colocated_cores,
         router_cores=args.router_cores, ready_timeout_s=args.ready_timeout_s, stop_grace_s=args.stop_grace_s,
         log_dir=args.log_dir, auth_token_file=args.auth_token_file, metrics_port=args.metrics_port,
+        http_port=None if args.no_http else args.http_port,
         state_file=args.state_file, restart=RestartPolicy(**values_from_args(args, RestartPolicy, "restart_")))

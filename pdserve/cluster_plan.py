@@ -29,6 +29,10 @@ class ClusterPlan:
     router_addr: str
     addresses: dict[str, str] = field(default_factory=dict)  # node name -> its gRPC HOST:PORT
     metrics_ports: dict[str, int] = field(default_factory=dict)  # child name -> /metrics port, when asked
+    http_port: int | None = None  # the router's OpenAI-compatible API
+
+    def http_url(self, host: str) -> str | None:
+        return f"http://{host}:{self.http_port}/v1" if self.http_port is not None else None
 
     def metrics_urls(self, host: str) -> dict[str, str]:
         return {name: f"http://{host}:{port}/metrics" for name, port in self.metrics_ports.items()}
@@ -47,8 +51,10 @@ def build_plan(config: ClusterConfig, model_dir: str, router_port: int, python: 
     base = (python, "-m", "pdserve")
     router_addr = f"{config.host}:{router_port}"
     metrics_ports = _metrics_ports(config, pick_port)
+    http_port = None if config.http_port is None else config.http_port or pick_port()
+    http = ("--http-port", str(http_port)) if http_port is not None else ()
     router = ChildSpec("router", (*base, "router", "--host", config.host, "--port", str(router_port),
-                                  "--model", model_dir, "--block-size", str(config.block_size),
+                                  "--model", model_dir, "--block-size", str(config.block_size), *http,
                                   *_auth_args(config), *_metrics_args(metrics_ports, "router"), *config.router_args),
                        cpus=config.router_cores)
     nodes, addresses = [], {}
@@ -67,7 +73,7 @@ def build_plan(config: ClusterConfig, model_dir: str, router_port: int, python: 
                     *_threads_args(config, pool.args, pinned=cpus is not None), *pool.args)
             nodes.append(ChildSpec(name, argv, cpus=cpus))
             addresses[name] = f"{config.host}:{port}"
-    return ClusterPlan(router, tuple(nodes), router_addr, addresses, metrics_ports)
+    return ClusterPlan(router, tuple(nodes), router_addr, addresses, metrics_ports, http_port)
 
 
 def _metrics_ports(config: ClusterConfig, pick_port: Callable[[], int]) -> dict[str, int]:

@@ -30,6 +30,7 @@ class ChildState:
 class ClusterState:
     router: str
     children: dict[str, ChildState] = field(default_factory=dict)
+    http: str | None = None  # the router's OpenAI-compatible API base URL (".../v1"), when served
 
     def names(self, kind: str) -> list[str]:
         """The children of one kind, in start order ("decode-0", "decode-1", ...)."""
@@ -52,4 +53,5 @@ def read_state(path: str | os.PathLike) -> ClusterState | None:
         raw = json.loads(Path(path).read_text())
     except FileNotFoundError:
         return None
-    return ClusterState(raw["router"], {name: ChildState(**child) for name, child in raw["children"].items()})
+    return ClusterState(raw["router"], {name: ChildState(**child) for name, child in raw["children"].items()},
+                        raw.get("http"))

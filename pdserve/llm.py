@@ -106,6 +106,23 @@ class LLM:
                     bar.update(1)
         return results
 
+    def chat(
+        self,
+        messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
+        params: SamplingParams | Sequence[SamplingParams] | None = None,
+        use_tqdm: bool = True,
+        chat_template: str | None = None,
+    ) -> list[RequestOutput]:
+        """Answer one conversation (a list of {role, content} messages) or several: each is rendered
+        by the tokenizer's chat template (or `chat_template`), ready for the assistant's turn, and
+        generated like a prompt."""
+        conversations = [messages] if messages and isinstance(messages[0], dict) else list(messages)
+        if chat_template is None and not getattr(self.tokenizer, "chat_template", None):
+            raise ValueError("messages: this model has no chat template; pass chat_template= or use generate()")
+        prompts = [self.tokenizer.apply_chat_template(list(c), chat_template=chat_template, tokenize=False,
+                                                      add_generation_prompt=True) for c in conversations]
+        return self.generate(prompts, params, use_tqdm)
+
     def stream(
         self, prompts: Prompt | Sequence[Prompt], params: SamplingParams | Sequence[SamplingParams] | None = None
     ) -> Iterator[StreamEvent]:

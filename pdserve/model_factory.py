@@ -165,6 +165,13 @@ def _code(rng: random.Random) -> str:
     )
 
 
+# ChatML, as Qwen's models use it: what /v1/chat/completions and LLM.chat render messages with.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}<|im_start|>{{ message['role'] }}\n{{ message['content'] }}<|im_end|>\n"
+    "{% endfor %}{% if add_generation_prompt %}<|im_start|>assistant\n{% endif %}"
+)
+
+
 def build_tokenizer(
     vocab_size: int, qwen2_style: bool = False, model_max_length: int = 4096, seed: int = 0
 ) -> PreTrainedTokenizerFast:
@@ -201,6 +208,7 @@ def build_tokenizer(
         pad_token=SPECIAL_TOKEN,
         clean_up_tokenization_spaces=False,
         model_max_length=model_max_length,
+        chat_template=CHAT_TEMPLATE,
     )
 
 

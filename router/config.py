@@ -48,6 +48,14 @@ class RouterConfig:
     model: str = field(metadata={"help": "model directory (tokenizer + config only)"})
     host: str = DEFAULT_HOST
     port: int = field(default=DEFAULT_PORT, metadata={"help": "0: the OS picks (printed on start)"})
+    # The OpenAI-compatible HTTP API on `host` (None: off; 0: the OS picks, printed on start).
+    http_port: int | None = field(default=None, metadata={
+        "help": "serve the OpenAI-compatible HTTP API (/v1/completions, /v1/chat/completions, ...) on --host at "
+                "this port (0: the OS picks); off by default"})
+    served_model_name: str | None = field(default=None, metadata={
+        "help": "the model's name in the HTTP API (default: the model folder's name)"})
+    chat_template: str | None = field(default=None, metadata={
+        "help": "a Jinja chat template FILE for /v1/chat/completions, instead of the tokenizer's own"})
     # Prometheus /metrics on `host` (None: off; 0: the OS picks, printed on start).
     metrics_port: int | None = field(default=None, metadata={
         "help": "serve Prometheus /metrics on --host at this port (0: the OS picks); off by default"})
@@ -105,6 +113,8 @@ class RouterConfig:
             parse_address(address)
         checks = [
             (0 <= self.port <= 65535, "port", "must be in [0, 65535]", self.port),
+            (self.http_port is None or 0 <= self.http_port <= 65535, "http_port", "must be in [0, 65535]",
+             self.http_port),
             (self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port",
              "must be in [0, 65535]", self.metrics_port),
             (self.heartbeat_timeout_s > 0, "heartbeat_timeout_s", "must be > 0", self.heartbeat_timeout_s),

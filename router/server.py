@@ -21,7 +21,8 @@ import asyncio
 import logging
 import os
 import sys
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import AsyncIterator, Awaitable, Callable, Mapping
+from pathlib import Path
 
 import grpc
 import uvloop
@@ -38,6 +39,7 @@ from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.admission import Admission, AdmissionLimits
 from pdserve.router.config import RequestLimits, RouterConfig
 from pdserve.router.errors import InvalidRequest, RouterError, bad_request_status, status_of
+from pdserve.router.http_server import HTTPFront
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model import RouterModel, load_router_model
 from pdserve.router.node_facts import RouterFacts
@@ -62,13 +64,32 @@ async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> Non
     await context.abort(code, message)
 
 
-class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
-    def __init__(self, state: RouterState, validator: RequestValidator, orchestrator: Orchestrator,
-                 admission: Admission, metrics: RouterMetrics) -> None:
-        self._state = state
+class RequestRunner:
+    """One public request from admission to its last response: what gRPC and HTTP both run."""
+
+    def __init__(self, validator: RequestValidator, orchestrator: Orchestrator, admission: Admission) -> None:
         self._validator = validator
         self._orchestrator = orchestrator
         self._admission = admission
+
+    async def run(self, request: pdserve_pb2.GenerateRequest,
+                  timeout_s: float | None = None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        """Every sample's responses; raises a RouterError (leaving early cancels the request)."""
+        self._admission.check_room()  # when full, refuse before paying for validation
+        validated = self._validator.validate(request)
+        # Refused at once when full (no queue); released on every exit, cancel included.
+        with self._admission.admit(len(validated.prompt_token_ids), validated.params.n) as ticket:
+            async for response in self._orchestrator.generate(validated, timeout_s):
+                ticket.responded(response.index)
+                yield response
+
+
+class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
+    def __init__(self, state: RouterState, validator: RequestValidator, requests: RequestRunner,
+                 metrics: RouterMetrics) -> None:
+        self._state = state
+        self._validator = validator
+        self._requests = requests
         self._metrics = metrics
 
     async def Generate(self, request, context):
@@ -77,13 +98,8 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
 
     async def _generate(self, request, context):
         try:
-            self._admission.check_room()  # when full, refuse before paying for validation
-            validated = self._validator.validate(request)
-            # Refused at once when full (no queue); released on every exit, cancel included.
-            with self._admission.admit(len(validated.prompt_token_ids), validated.params.n) as ticket:
-                async for response in self._orchestrator.generate(validated, context.time_remaining()):
-                    ticket.responded(response.index)
-                    yield response
+            async for response in self._requests.run(request, context.time_remaining()):
+                yield response
         except asyncio.CancelledError:
             raise
         except Exception as exc:  # noqa: BLE001 - every failure leaves as a status
@@ -179,6 +195,8 @@ class RouterServer:
         self.metrics = RouterMetrics(CollectorRegistry(), registry)
         self._server: grpc.aio.Server | None = None
         self._standard: StandardServices | None = None
+        self.http: HTTPFront | None = None  # the OpenAI-compatible API, with --http-port
+        self.http_port: int | None = None
         self._maintenance: asyncio.Task | None = None
         self._metrics_endpoint: MetricsEndpoint | None = None
         self.port: int | None = None
@@ -195,9 +213,14 @@ class RouterServer:
                                  options=server_options(self.config.max_message_bytes))
         validator = RequestValidator(self.state.model, self.config.max_n, limits=self.config.limits,
                                      capacity=live_capacity(self.state.registry, self.config.block_size))
+        requests = RequestRunner(validator, Orchestrator(self.state), self.admission)
         pdserve_pb2_grpc.add_GenerationServicer_to_server(
-            GenerationServicer(self.state, validator, Orchestrator(self.state), self.admission, self.metrics), server
+            GenerationServicer(self.state, validator, requests, self.metrics), server
         )
+        if self.config.http_port is not None:
+            self.http = HTTPFront(requests.run, self.state.model.tokenizer,
+                                  self.config.served_model_name or self.state.model.name, self._can_serve,
+                                  self.config.auth_token, _read_template(self.config.chat_template))
         # grpc.health.v1: SERVING only while the router can serve a request, not merely while it runs.
         self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve)
         node_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.state, standard.refresh), server)
@@ -205,6 +228,11 @@ class RouterServer:
         await server.start()
         self._server = server
         self._maintenance = asyncio.create_task(self._maintain())
+        if self.http is not None:
+            try:
+                self.http_port = await self.http.start(self.config.host, self.config.http_port)
+            except OSError as exc:
+                raise unavailable(Listen("--http-port", self.config.host, self.config.http_port), exc) from exc
         self.phase = ServerPhase.SERVING
         await self._standard.start()
         return self.port
@@ -222,6 +250,8 @@ class RouterServer:
         self.phase = ServerPhase.STOPPING
         if self._standard is not None:
             await self._standard.stop()
+        if self.http is not None:
+            await self.http.stop()
         if self._maintenance is not None:
             self._maintenance.cancel()
             await asyncio.gather(self._maintenance, return_exceptions=True)
@@ -244,9 +274,20 @@ class RouterServer:
             await asyncio.sleep(self.config.maintenance_interval_s)
 
 
+def _read_template(path: str | None) -> str | None:
+    if path is None:
+        return None
+    try:
+        return Path(path).read_text()
+    except OSError as exc:
+        raise Refused(f"--chat-template {path}: {exc.strerror}") from None
+
+
 def _listens(config: RouterConfig) -> list[Listen]:
     """The router's ports, named by their flags."""
     listens = [Listen("--port", config.host, config.port)]
+    if config.http_port is not None:
+        listens.append(Listen("--http-port", config.host, config.http_port))
     if config.metrics_port is not None:
         listens.append(Listen("--metrics-port", config.host, config.metrics_port))
     return listens
@@ -305,6 +346,8 @@ async def serve(config: RouterConfig) -> int:
     signals = StopSignals()
     signals.install(asyncio.get_running_loop(), supervisor_of(os.environ))
     print(f"pdserve router listening on {config.host}:{port}", flush=True)
+    if server.http_port is not None:
+        print(f"pdserve router OpenAI-compatible HTTP API on http://{config.host}:{server.http_port}/v1", flush=True)
     if server.metrics_url is not None:
         print(f"pdserve router metrics on {server.metrics_url}", flush=True)
     try:

@@ -58,7 +58,7 @@ def cluster_flags(num_prefill: int, num_decode: int, node: NodeSettings, num_col
     # Generous: a 2-core machine may run five busy processes here (the router's own flag wins).
     router = ("--heartbeat-timeout-s", "30", *router_args)
     flags = [*pools, "--dtype", node.dtype, "--block-size", str(node.block_size),
-             "--router-args", shlex.join(router)]
+             "--router-args", shlex.join(router), "--http-port", "0"]  # HTTP on a free port: no clash between tests
     for kind, extra in (("prefill", prefill_args), ("decode", decode_args), ("colocated", colocated_args)):
         flags += [f"--{kind}-args", shlex.join((*node.node_args(), *extra))]
     if metrics:

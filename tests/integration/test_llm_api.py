@@ -169,3 +169,14 @@ def test_request_larger_than_the_pool_is_rejected(model_dirs):
     with pytest.raises(RequestRejected, match="max_tokens need 5 KV blocks; this engine has 4"):
         small.generate([list(range(1, 30))], SamplingParams(max_tokens=8), use_tqdm=False)
     assert small.engine.kv.num_used_blocks == 0 and not small.engine.has_unfinished()
+
+
+def test_chat_renders_each_conversation_with_the_chat_template_and_generates_it(llm):
+    conversation = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "what is a block?"}]
+    rendered = llm.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+    assert rendered.endswith("<|im_start|>assistant\n")  # the demo tokenizer's ChatML template
+    greedy = SamplingParams(max_tokens=8, temperature=0.0, ignore_eos=True)
+    one, two = llm.chat([conversation, conversation[1:]], greedy, use_tqdm=False)
+    assert one.outputs[0].token_ids == llm.generate([rendered], greedy, use_tqdm=False)[0].outputs[0].token_ids
+    assert one.prompt == rendered and two.prompt.startswith("<|im_start|>user")
+    assert llm.chat(conversation, greedy, use_tqdm=False)[0].outputs[0].token_ids == one.outputs[0].token_ids

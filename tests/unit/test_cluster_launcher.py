@@ -131,7 +131,8 @@ def test_plan_starts_router_then_each_pool_with_its_own_flags():
     plan = build_plan(config, "/m", 50999, python="py", pick_port=lambda: next(ports))
     assert plan.router_addr == "127.0.0.1:50999"
     assert plan.router.argv == ("py", "-m", "pdserve", "router", "--host", "127.0.0.1",
-                                "--port", "50999", "--model", "/m", "--block-size", "8")
+                                "--port", "50999", "--model", "/m", "--block-size", "8", "--http-port", "8000")
+    assert plan.http_url("127.0.0.1") == "http://127.0.0.1:8000/v1"
     # Each node gets its own port up front: it keeps its address when it is restarted.
     assert plan.addresses == {"prefill-0": "127.0.0.1:6001", "prefill-1": "127.0.0.1:6002",
                               "decode-0": "127.0.0.1:6003"}

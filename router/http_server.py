@@ -1,0 +1,257 @@
+"""The router's OpenAI-compatible HTTP front: same process, same event loop as its gRPC server.
+
+    POST /v1/completions        prompt(s) → choices; `stream: true` → server-sent events
+    POST /v1/chat/completions   messages → the chat template → one assistant message per choice
+    GET  /v1/models             the served model (`--served-model-name`, default the folder's name)
+    GET  /health                200 while the router can serve (a colocated node, or both kinds)
+    POST /tokenize, /detokenize, GET /version
+
+Every request becomes the router's own `GenerateRequest`s (router/openai_api.py) and runs
+through `RequestRunner` — the same validation, admission, deadlines, failover and cancellation
+as gRPC: a client that disconnects cancels its handler, which cancels the request on every node.
+Errors are OpenAI's JSON with the HTTP status of the gRPC code (400 naming `param`, 401, 404,
+429 with Retry-After, 503, 504). With an auth token, every path but /health needs
+`Authorization: Bearer <token>`.
+
+aiohttp because it runs on an event loop that is already running (the router's uvloop),
+without a server of its own to start.
+
+Must never: validate, admit or place a request itself (RequestRunner does), or block the loop.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import hmac
+import json
+import uuid
+from importlib.metadata import version
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+from aiohttp import web
+
+from pdserve.common.auth import SCHEME
+from pdserve.proto import pdserve_pb2
+from pdserve.router import openai_api as oa
+from pdserve.router.errors import InvalidRequest, RouterError
+
+RETRY_AFTER_S = "1"
+Runner = Callable[[pdserve_pb2.GenerateRequest], AsyncIterator[pdserve_pb2.GenerateResponse]]
+
+
+class HTTPFront:
+    def __init__(self, run: Runner, tokenizer, served_name: str, can_serve: Callable[[], bool],
+                 auth_token: str | None = None, chat_template: str | None = None) -> None:
+        self._run = run
+        self._tokenizer = tokenizer
+        self._served_name = served_name
+        self._can_serve = can_serve
+        self._expected = (SCHEME + auth_token).encode() if auth_token else None
+        self._template = chat_template
+        self._runner: web.AppRunner | None = None
+        self.port: int | None = None
+
+    def app(self) -> web.Application:
+        app = web.Application(middlewares=[self._errors, self._auth])
+        app.add_routes([web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
+                        web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
+                        web.get("/version", self.version)])
+        return app
+
+    async def start(self, host: str, port: int) -> int:
+        self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
+        await self._runner.setup()
+        site = web.TCPSite(self._runner, host, port, reuse_port=False)
+        await site.start()
+        self.port = site._server.sockets[0].getsockname()[1]
+        return self.port
+
+    async def stop(self) -> None:
+        if self._runner is not None:
+            await self._runner.cleanup()
+
+    # -- middlewares -------------------------------------------------------------------
+    @web.middleware
+    async def _errors(self, request: web.Request, handler):
+        try:
+            return await handler(request)
+        except RouterError as exc:
+            return _error_response(exc)
+
+    @web.middleware
+    async def _auth(self, request: web.Request, handler):
+        if self._expected is not None and request.path != "/health":
+            presented = request.headers.get("Authorization", "").encode()
+            if not hmac.compare_digest(presented, self._expected):
+                return web.json_response({"error": {"message": "missing or wrong auth token: send "
+                                                    "'Authorization: Bearer <token>'", "type": "authentication_error",
+                                                    "param": None, "code": "UNAUTHENTICATED"}}, status=401)
+        return await handler(request)
+
+    # -- the simple routes -------------------------------------------------------------
+    async def models(self, request: web.Request) -> web.Response:
+        return web.json_response({"object": "list", "data": [
+            {"id": self._served_name, "object": "model", "created": 0, "owned_by": "pdserve"}]})
+
+    async def health(self, request: web.Request) -> web.Response:
+        serving = self._can_serve()
+        return web.Response(status=200 if serving else 503, text="serving" if serving else "not serving: no nodes")
+
+    async def version(self, request: web.Request) -> web.Response:
+        return web.json_response({"version": version("pdserve")})
+
+    async def tokenize(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        prompt = body.get("prompt")
+        if not isinstance(prompt, str):
+            raise InvalidRequest("prompt", "prompt must be a string")
+        ids = self._tokenizer.encode(prompt)
+        return web.json_response({"tokens": ids, "count": len(ids)})
+
+    async def detokenize(self, request: web.Request) -> web.Response:
+        body = await _json(request)
+        tokens = body.get("tokens")
+        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+            raise InvalidRequest("tokens", "tokens must be a list of token ids")
+        return web.json_response({"prompt": self._tokenizer.decode(tokens)})
+
+    # -- generation ------------------------------------------------------------------------
+    async def completions(self, request: web.Request) -> web.StreamResponse:
+        body = await _json(request)
+        oa.check_model(body, self._served_name)
+        params = oa.sampling_params(body, oa.DEFAULT_COMPLETION_MAX_TOKENS)
+        requests = [oa.generate_request(p, params) for p in oa.completion_prompts(body)]
+        return await self._answer(request, body, requests, "text_completion", self._completion_choice)
+
+    async def chat(self, request: web.Request) -> web.StreamResponse:
+        body = await _json(request)
+        oa.check_model(body, self._served_name)
+        params = oa.sampling_params(body, None)
+        prompt = oa.chat_prompt(body, self._tokenizer, self._template)
+        requests = [oa.generate_request(prompt, params)]
+        return await self._answer(request, body, requests, "chat.completion", self._chat_choice)
+
+    def _completion_choice(self, choice: oa.Choice, delta: pdserve_pb2.GenerateResponse | None) -> dict[str, Any]:
+        text, entries = (delta.text, delta.logprobs) if delta is not None else (choice.text, choice.logprobs or [])
+        return {"index": choice.index, "text": text, "logprobs": oa.completion_logprobs(entries, self._tokenizer),
+                "finish_reason": (oa.FINISH_REASONS.get(delta.finish_reason) if delta is not None
+                                  else choice.finish_reason)}
+
+    def _chat_choice(self, choice: oa.Choice, delta: pdserve_pb2.GenerateResponse | None) -> dict[str, Any]:
+        if delta is None:
+            return {"index": choice.index, "message": {"role": "assistant", "content": choice.text},
+                    "logprobs": oa.chat_logprobs(choice.logprobs or [], self._tokenizer),
+                    "finish_reason": choice.finish_reason}
+        return {"index": choice.index, "delta": {"content": delta.text},
+                "logprobs": oa.chat_logprobs(delta.logprobs, self._tokenizer),
+                "finish_reason": oa.FINISH_REASONS.get(delta.finish_reason)}
+
+    async def _answer(self, request, body, requests, kind, make_choice) -> web.StreamResponse:
+        request_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
+        n = max(1, requests[0].sampling_params.n or 1)
+        events = _merged(self._run, requests, n)
+        if body.get("stream"):
+            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            return await self._stream(request, events, request_id, kind, make_choice, include_usage)
+        choices = [oa.Choice(i) for i in range(len(requests) * n)]
+        prompt_tokens = completion_tokens = 0
+        async for index, response in events:
+            choices[index].add(response)
+            if response.HasField("usage") and response.finish_reason:
+                completion_tokens += response.usage.completion_tokens
+                prompt_tokens += response.usage.prompt_tokens if index % n == 0 else 0
+        return web.json_response({**oa.envelope(kind, request_id, self._served_name),
+                                  "choices": [make_choice(c, None) for c in choices],
+                                  "usage": oa.usage(prompt_tokens, completion_tokens)})
+
+    async def _stream(self, request, events, request_id, kind, make_choice, include_usage) -> web.StreamResponse:
+        chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
+        head = oa.envelope(chunk_kind, request_id, self._served_name)
+        opened: set[int] = set()  # choices whose chat stream has said its role
+        prompt_tokens = completion_tokens = 0
+        try:
+            first_event = await anext(events)  # a refusal before any token is an HTTP error, not a stream
+        except StopAsyncIteration:
+            first_event = None
+        response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
+        await response.prepare(request)
+        try:
+            pending = [first_event] if first_event is not None else []
+            async for event in _chain(pending, events):
+                index, delta = event
+                if kind == "chat.completion" and index not in opened:  # a chat choice opens with its role
+                    opened.add(index)
+                    await _send(response, {**head, "choices": [{"index": index, "delta": {"role": "assistant"},
+                                                                "finish_reason": None}]})
+                await _send(response, {**head, "choices": [make_choice(oa.Choice(index), delta)]})
+                if delta.HasField("usage") and delta.finish_reason:
+                    completion_tokens += delta.usage.completion_tokens
+                    prompt_tokens = max(prompt_tokens, delta.usage.prompt_tokens)
+            if include_usage:
+                await _send(response, {**head, "choices": [], "usage": oa.usage(prompt_tokens, completion_tokens)})
+        except RouterError as exc:  # after the first token the status is sent: the error rides the stream
+            await _send(response, oa.error_of(exc).body)
+        await response.write(b"data: [DONE]\n\n")
+        await response.write_eof()
+        return response
+
+
+async def _merged(run: Runner, requests, n: int) -> AsyncIterator[tuple[int, pdserve_pb2.GenerateResponse]]:
+    """Every prompt's responses as (choice index, response) as they come; choice = prompt × n + sample.
+    Leaving early (a disconnect, an error) cancels every prompt's request."""
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(prompt_index: int, generate_request) -> None:
+        try:
+            async for response in run(generate_request):
+                await queue.put((prompt_index * n + response.index, response))
+        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
+            await queue.put(exc)
+            return
+        await queue.put(done)
+
+    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
+    running = len(tasks)
+    try:
+        while running:
+            item = await queue.get()
+            if item is done:
+                running -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield item
+    finally:
+        for task in tasks:
+            task.cancel()
+        await asyncio.gather(*tasks, return_exceptions=True)
+
+
+async def _chain(first: list, rest: AsyncIterator):
+    for item in first:
+        yield item
+    async for item in rest:
+        yield item
+
+
+async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
+    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+
+
+async def _json(request: web.Request) -> dict[str, Any]:
+    try:
+        body = await request.json()
+    except (json.JSONDecodeError, UnicodeDecodeError):
+        raise InvalidRequest("body", "body must be JSON") from None
+    if not isinstance(body, dict):
+        raise InvalidRequest("body", "body must be a JSON object")
+    return body
+
+
+def _error_response(exc: RouterError) -> web.Response:
+    error = oa.error_of(exc)
+    headers = {"Retry-After": RETRY_AFTER_S} if error.status == 429 else None
+    return web.json_response(error.body, status=error.status, headers=headers)

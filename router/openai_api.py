@@ -1,0 +1,192 @@
+"""OpenAI's request and response shapes, translated to and from the router's own.
+
+A `/v1/completions` or `/v1/chat/completions` body becomes one `GenerateRequest` per prompt
+(the router's public gRPC request), so HTTP requests take the same validation, admission,
+deadlines, failover and cancellation as gRPC ones; chat messages become a prompt through the
+tokenizer's chat template. Router responses become OpenAI's objects and stream chunks; a
+router error becomes OpenAI's error JSON with the HTTP status its gRPC code maps to.
+
+Pure functions: no network, no event loop.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from pdserve.proto import pdserve_pb2
+from pdserve.router.errors import InvalidRequest, RouterError, status_of
+
+FINISH_REASONS = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length",
+                  pdserve_pb2.FINISH_REASON_ABORT: "abort"}
+# OpenAI's sampling fields that map one to one onto the router's.
+_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+                    "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "n")
+DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+HTTP_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
+}
+
+
+class ModelNotFound(RouterError):
+    code = grpc.StatusCode.NOT_FOUND
+
+
+@dataclass(frozen=True)
+class HTTPError:
+    status: int
+    body: dict[str, Any]
+
+
+def error_of(error: BaseException) -> HTTPError:
+    """OpenAI's error JSON and the HTTP status for a router error (500 for anything unexpected)."""
+    code, message = status_of(error)
+    status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
+    param = error.field if isinstance(error, InvalidRequest) else None
+    return HTTPError(status, {"error": {"message": message, "type": kind, "param": param, "code": code.name}})
+
+
+def check_model(body: dict[str, Any], served_name: str) -> None:
+    model = body.get("model")
+    if model is not None and model != served_name:
+        raise ModelNotFound(f"model {model!r} is not served here; this server serves {served_name!r}")
+
+
+def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> pdserve_pb2.SamplingParams:
+    """The router's sampling params from OpenAI's fields; a wrongly typed field is refused by name."""
+    params = pdserve_pb2.SamplingParams()
+    for name in _SAMPLING_FIELDS:
+        value = body.get(name)
+        if value is None:
+            continue
+        try:
+            if name == "stop_token_ids":
+                params.stop_token_ids.extend(value)
+            else:
+                setattr(params, name, value)
+        except (TypeError, ValueError) as exc:
+            raise InvalidRequest(name, f"{name} has the wrong type: {exc}") from None
+    max_tokens = body.get("max_completion_tokens", body.get("max_tokens", default_max_tokens))
+    if max_tokens is not None:
+        _set(params, "max_tokens", max_tokens)
+    stop = body.get("stop")
+    if stop is not None:
+        stops = [stop] if isinstance(stop, str) else stop
+        if not isinstance(stops, list) or not all(isinstance(s, str) for s in stops):
+            raise InvalidRequest("stop", "stop must be a string or a list of strings")
+        params.stop.extend(stops)
+    logprobs = _logprobs_field(body)
+    if logprobs is not None:
+        _set(params, "logprobs", logprobs)
+    return params
+
+
+def _logprobs_field(body: dict[str, Any]) -> int | None:
+    """Completions: `logprobs` is a count. Chat: `logprobs` is a flag and `top_logprobs` the count."""
+    value = body.get("logprobs")
+    if isinstance(value, bool):
+        return int(body.get("top_logprobs") or 0) if value else None
+    return value
+
+
+def _set(params: pdserve_pb2.SamplingParams, name: str, value: object) -> None:
+    try:
+        setattr(params, name, value)
+    except (TypeError, ValueError) as exc:
+        raise InvalidRequest(name, f"{name} has the wrong type: {exc}") from None
+
+
+def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
+    """`prompt` as a string, a list of strings, token ids, or a list of token-id lists."""
+    prompt = body.get("prompt")
+    if isinstance(prompt, str):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+        return [prompt]
+    if isinstance(prompt, list) and prompt and all(
+            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompt):
+        return list(prompt)
+    raise InvalidRequest("prompt", "prompt must be a string, a list of strings, a list of token ids, "
+                                   "or a list of such lists")
+
+
+def generate_request(prompt: str | list[int], params: pdserve_pb2.SamplingParams) -> pdserve_pb2.GenerateRequest:
+    if isinstance(prompt, str):
+        return pdserve_pb2.GenerateRequest(text=prompt, sampling_params=params)
+    return pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling_params=params)
+
+
+def chat_prompt(body: dict[str, Any], tokenizer, template: str | None) -> str:
+    """The chat's messages rendered by the tokenizer's chat template (or `template`), ready for
+    the assistant's turn."""
+    messages = body.get("messages")
+    if not isinstance(messages, list) or not messages or not all(
+            isinstance(m, dict) and isinstance(m.get("role"), str) for m in messages):
+        raise InvalidRequest("messages", "messages must be a non-empty list of {role, content} objects")
+    if template is None and not getattr(tokenizer, "chat_template", None):
+        raise InvalidRequest("messages", "this model has no chat template: use /v1/completions, or start the "
+                                         "router with --chat-template FILE")
+    try:
+        return tokenizer.apply_chat_template(messages, chat_template=template, tokenize=False,
+                                             add_generation_prompt=True)
+    except Exception as exc:  # noqa: BLE001 - a template error is the request's: name the field
+        raise InvalidRequest("messages", f"the chat template cannot render these messages: {exc}") from None
+
+
+# -- responses ------------------------------------------------------------------------------
+@dataclass
+class Choice:
+    """One sample's text so far, as one OpenAI choice."""
+
+    index: int
+    text: str = ""
+    token_ids: list[int] | None = None
+    finish_reason: str | None = None
+    logprobs: list[pdserve_pb2.TokenLogprobs] | None = None
+
+    def add(self, response: pdserve_pb2.GenerateResponse) -> None:
+        self.text += response.text
+        self.token_ids = [*(self.token_ids or []), *response.token_ids]
+        if response.logprobs:
+            self.logprobs = [*(self.logprobs or []), *response.logprobs]
+        if response.finish_reason:
+            self.finish_reason = FINISH_REASONS[response.finish_reason]
+
+
+def completion_logprobs(entries: Sequence[pdserve_pb2.TokenLogprobs], tokenizer) -> dict[str, Any] | None:
+    if not entries:
+        return None
+    return {
+        "tokens": [tokenizer.decode([e.token_id]) for e in entries],
+        "token_logprobs": [e.logprob for e in entries],
+        "top_logprobs": [{tokenizer.decode([t.token_id]): t.logprob for t in e.top} for e in entries],
+        "text_offset": [],
+    }
+
+
+def chat_logprobs(entries: Sequence[pdserve_pb2.TokenLogprobs], tokenizer) -> dict[str, Any] | None:
+    if not entries:
+        return None
+    def item(token_id: int, logprob: float) -> dict[str, Any]:
+        text = tokenizer.decode([token_id])
+        return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
+    return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t.token_id, t.logprob) for t in e.top]}
+                        for e in entries]}
+
+
+def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
+    return {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens,
+            "total_tokens": prompt_tokens + completion_tokens}
+
+
+def envelope(kind: str, request_id: str, model: str, created: int | None = None) -> dict[str, Any]:
+    return {"id": request_id, "object": kind, "created": created or int(time.time()), "model": model}

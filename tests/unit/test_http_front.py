@@ -1,0 +1,163 @@
+"""The OpenAI-compatible HTTP front on a real aiohttp server, over a fake request runner (the
+seam to the router's `RequestRunner`): OpenAI's shapes, SSE framing, error JSON and statuses,
+the token, and that a client leaving mid-stream ends the request."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+
+import pytest
+from aiohttp.test_utils import TestClient, TestServer
+
+from pdserve.proto import pdserve_pb2
+from pdserve.router.errors import InvalidRequest, NoNodeAvailable, Overloaded
+from pdserve.router.http_server import HTTPFront
+
+
+class Tokenizer:
+    chat_template = "{% for m in messages %}{{ m['content'] }}{% endfor %}"
+
+    def encode(self, text):
+        return [ord(c) for c in text]
+
+    def decode(self, ids):
+        return "".join(chr(i) for i in ids)
+
+    def apply_chat_template(self, messages, chat_template=None, tokenize=False, add_generation_prompt=True):
+        return "".join(m["content"] for m in messages) + ">"
+
+
+class FakeRunner:
+    """Answers each sample with its prompt's characters, one token per response; or raises."""
+
+    def __init__(self, error=None) -> None:
+        self.error = error
+        self.requests: list[pdserve_pb2.GenerateRequest] = []
+        self.cancelled = asyncio.Event()
+
+    async def run(self, request):
+        self.requests.append(request)
+        if self.error is not None:
+            raise self.error
+        ids = list(request.token_ids.ids) if request.HasField("token_ids") else [ord(c) for c in request.text]
+        n = request.sampling_params.n or 1
+        out = ids[: request.sampling_params.max_tokens or 16]
+        try:
+            for position, token in enumerate(out):
+                for index in range(n):
+                    last = position == len(out) - 1
+                    yield pdserve_pb2.GenerateResponse(
+                        index=index, token_ids=[token], text=chr(token),
+                        finish_reason=pdserve_pb2.FINISH_REASON_LENGTH if last else 0,
+                        usage=pdserve_pb2.Usage(prompt_tokens=len(ids), completion_tokens=len(out)) if last else None)
+                await asyncio.sleep(0)
+        except asyncio.CancelledError:
+            self.cancelled.set()
+            raise
+
+
+def front(runner: FakeRunner, token: str | None = None, serving: bool = True) -> HTTPFront:
+    return HTTPFront(runner.run, Tokenizer(), "tiny", lambda: serving, token)
+
+
+async def client_of(http: HTTPFront) -> TestClient:
+    client = TestClient(TestServer(http.app()))
+    await client.start_server()
+    return client
+
+
+def run(coro):
+    return asyncio.run(coro)
+
+
+def test_completions_for_several_prompts_and_samples_number_the_choices_prompt_by_sample():
+    async def go():
+        async with await client_of(front(FakeRunner())) as client:
+            resp = await client.post("/v1/completions", json={"model": "tiny", "prompt": ["ab", [120, 121, 122]],
+                                                               "max_tokens": 3, "n": 2})
+            return resp.status, await resp.json()
+
+    status, body = run(go())
+    assert status == 200 and body["object"] == "text_completion" and body["model"] == "tiny"
+    assert [(c["index"], c["text"], c["finish_reason"]) for c in body["choices"]] == [
+        (0, "ab", "length"), (1, "ab", "length"), (2, "xyz", "length"), (3, "xyz", "length")]
+    assert body["usage"] == {"prompt_tokens": 5, "completion_tokens": 10, "total_tokens": 15}
+
+
+def test_a_chat_stream_is_openais_sse_opening_with_the_role_and_ending_with_done():
+    async def go():
+        async with await client_of(front(FakeRunner())) as client:
+            resp = await client.post("/v1/chat/completions", json={
+                "messages": [{"role": "user", "content": "hi"}], "stream": True, "max_tokens": 5,
+                "stream_options": {"include_usage": True}})
+            return resp.status, resp.headers["Content-Type"], await resp.text()
+
+    status, content_type, text = run(go())
+    assert status == 200 and content_type.startswith("text/event-stream")
+    events = [line.removeprefix("data: ") for line in text.split("\n\n") if line]
+    assert events[-1] == "[DONE]"
+    chunks = [json.loads(e) for e in events[:-1]]
+    assert {c["object"] for c in chunks} == {"chat.completion.chunk"} and len({c["id"] for c in chunks}) == 1
+    assert chunks[0]["choices"][0]["delta"] == {"role": "assistant"}
+    assert "".join(c["choices"][0]["delta"].get("content", "") for c in chunks if c["choices"]) == "hi>"
+    assert chunks[-1]["choices"] == [] and chunks[-1]["usage"]["completion_tokens"] == 3
+
+
+@pytest.mark.parametrize("error,status,code", [
+    (InvalidRequest("top_p", "top_p must be in (0, 1], got 7"), 400, "INVALID_ARGUMENT"),
+    (Overloaded("every decode node is full"), 429, "RESOURCE_EXHAUSTED"),
+    (NoNodeAvailable("no decode node is available"), 503, "UNAVAILABLE"),
+])
+def test_router_errors_are_openai_error_json_with_the_mapped_status(error, status, code):
+    async def go():
+        async with await client_of(front(FakeRunner(error))) as client:
+            resp = await client.post("/v1/completions", json={"prompt": "x", "stream": True})
+            return resp.status, resp.headers.get("Retry-After"), await resp.json()
+
+    got, retry_after, body = run(go())
+    assert got == status and body["error"]["code"] == code and body["error"]["message"] == str(error)
+    assert body["error"]["param"] == ("top_p" if status == 400 else None)
+    assert retry_after == ("1" if status == 429 else None)
+
+
+def test_bad_bodies_and_unknown_models_are_refused_naming_what_is_wrong():
+    async def go():
+        async with await client_of(front(FakeRunner())) as client:
+            answers = []
+            for path, body in (("/v1/completions", {"prompt": 5}), ("/v1/chat/completions", {"messages": []}),
+                               ("/v1/completions", {"prompt": "x", "model": "gpt-4"}),
+                               ("/v1/completions", {"prompt": "x", "temperature": "hot"})):
+                resp = await client.post(path, json=body)
+                answers.append((resp.status, (await resp.json())["error"]["param"]))
+            resp = await client.post("/v1/completions", data=b"not json")
+            answers.append((resp.status, (await resp.json())["error"]["param"]))
+            return answers
+
+    assert run(go()) == [(400, "prompt"), (400, "messages"), (404, None), (400, "temperature"), (400, "body")]
+
+
+def test_the_token_guards_every_path_but_health():
+    async def go():
+        async with await client_of(front(FakeRunner(), token="s3cret", serving=False)) as client:
+            no = await client.get("/v1/models")
+            wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
+            right = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+            health = await client.get("/health")
+            return no.status, wrong.status, right.status, (await right.json())["data"][0]["id"], health.status
+
+    assert run(go()) == (401, 401, 200, "tiny", 503)
+
+
+def test_a_client_that_leaves_mid_stream_cancels_the_request():
+    runner = FakeRunner()
+
+    async def go():
+        async with await client_of(front(runner)) as client:
+            resp = await client.post("/v1/completions", json={"prompt": [65] * 10_000, "max_tokens": 10_000,
+                                                               "stream": True})
+            await resp.content.readline()
+            resp.close()  # the client goes away
+            await asyncio.wait_for(runner.cancelled.wait(), timeout=10)
+
+    run(go())
