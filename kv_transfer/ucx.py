@@ -195,14 +195,16 @@ class UcxTransport(KVTransport):
     def _finish(self, job: Job, error: str | None) -> None:
         """Loop thread: make a job terminal and count it (pushes only)."""
         state = TransferState.FAILED if error else TransferState.SUCCESS
-        if not job.handle._finish(state, error) or job.plan is None:
+        if job.handle.done:  # the first terminal state wins (only this loop thread ends handles)
             return
-        with self._lock:
-            if error:
-                self._sent.record_failure()
-            else:
-                self._sent.record_success(job.handle.nbytes, job.handle.num_blocks,
-                                          job.handle.finished_at - job.handle.created_at)
+        if job.plan is not None:  # counted first: whoever sees the handle end sees its bytes counted
+            with self._lock:
+                if error:
+                    self._sent.record_failure()
+                else:
+                    self._sent.record_success(job.handle.nbytes, job.handle.num_blocks,
+                                              time.monotonic() - job.handle.created_at)
+        job.handle._finish(state, error)
 
     async def _watch(self) -> None:
         while True:

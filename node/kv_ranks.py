@@ -87,7 +87,9 @@ def describe_layout(layout: Sequence[tuple[int, int]]) -> str:
 
 
 def check_pairing(local: NodeKVDescriptor, remote: NodeKVDescriptor) -> None:
-    """Both layouts must cover the same KV heads; raises FingerprintMismatch naming both."""
+    """The caches must match (every fingerprint field named, as a rank handshake does) and both
+    layouts must cover the same KV heads; raises FingerprintMismatch naming both."""
+    local.ranks[0].spec.check_compatible(remote.ranks[0].spec.fingerprint(), f"peer {remote.key}")
     def covered(desc: NodeKVDescriptor) -> set[int]:
         return {h for a, b in desc.layout for h in range(a, b)}
 

@@ -93,6 +93,7 @@ async def serve_node(config: NodeConfig, part: CorePart, add_servicer: AddServic
         add_servicer(server, client)
         standard = StandardServices(server, (NODE_SERVICES[config.kind],), lambda: health().serving)
         port = _bind(server, config)  # before the core loads the model: the port is ours from here
+        await standard.refresh()  # NOT_SERVING until the engine core runs (grpc's default says SERVING)
         await client.start()
         await server.start()
         address = f"{config.host}:{port}"

@@ -30,8 +30,9 @@ import itertools
 import logging
 import multiprocessing
 import os
-import socket
+import select
 import threading
+import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
@@ -57,7 +58,8 @@ logger = logging.getLogger(__name__)
 # A collective waits this long for a silent rank (a frozen worker) before it fails the node.
 COLLECTIVE_TIMEOUT_S = 60.0
 WORKER_START_TIMEOUT_S = 300.0  # a worker loads its slice of the model meanwhile
-REPLY_TIMEOUT_S = 30.0  # a worker's answer to connect or grant
+REPLY_TIMEOUT_S = 30.0  # a worker's answer to a grant (a connect adds the transport's own budget)
+STOP_GRACE_S = 5.0  # all workers together, after `stop`, before they are killed
 
 
 def start_engine(engine: EngineConfig, policy: SchedulingPolicy | None = None, transfer: KVTransferConfig | None = None,
@@ -113,10 +115,19 @@ def rank_cpus(cpus: tuple[int, ...] | None, size: int) -> list[tuple[int, ...] |
     return list(split_cpus(pool, size, "--cpus"))
 
 
-def rank_engine_config(engine: EngineConfig, cpus: tuple[int, ...] | None) -> EngineConfig:
-    """A rank's engine config: one torch thread per core of its share unless set."""
-    if engine.num_threads is not None or cpus is None:
+def _threads_per_rank(shares: list[tuple[int, ...] | None], size: int) -> int | None:
+    """Unpinned ranks (fewer cores than ranks) share the cores: their threads split them too."""
+    if shares[0] is not None:
+        return None
+    return max(1, len(available_cpus()) // size)
+
+
+def rank_engine_config(engine: EngineConfig, cpus: tuple[int, ...] | None, threads: int | None = None) -> EngineConfig:
+    """A rank's engine config: one torch thread per core of its share (or `threads`) unless set."""
+    if engine.num_threads is not None:
         return engine
+    if cpus is None:
+        return engine if threads is None else replace(engine, num_threads=threads)
     return replace(engine, num_threads=len(cpus))
 
 
@@ -126,6 +137,9 @@ class TPGroup:
         self._workers = workers
         self._links = links
         self._buffer: StepBuffer | None = None
+        # Rank 0 is the caller's own process (an `LLM` user's script): what it had, for close().
+        self._caller_cpus = os.sched_getaffinity(0)
+        self._caller_threads = torch.get_num_threads()
 
     @classmethod
     def start(cls, engine: EngineConfig, transfer: KVTransferConfig | None, cpus: tuple[int, ...] | None,
@@ -134,36 +148,44 @@ class TPGroup:
         engine config back (its thread count). `engine` must be resolved."""
         size = engine.tensor_parallel_size
         shares = rank_cpus(cpus, size)
-        port = _free_port()
+        threads = _threads_per_rank(shares, size)
+        # The rendezvous store listens before any worker starts: its port is this process's
+        # from the first moment, so no other process can take it in between.
+        store = torch.distributed.TCPStore("127.0.0.1", 0, size, is_master=True, wait_for_workers=False,
+                                           timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
         context = multiprocessing.get_context("spawn")
         # A node's engine core is a daemonic child of its front (it must not outlive it), and
         # multiprocessing refuses children to daemonic processes. Rank 0 owns its workers and
         # stops them itself (close(), and they exit when it dies), so it may have them.
         multiprocessing.current_process().daemon = False
-        workers, links = [], []
         from pdserve.node.tp_worker import worker_main  # the spawned side's entry point
 
-        for rank in range(1, size):
-            commands_r, commands_w = context.Pipe(duplex=False)
-            events_r, events_w = context.Pipe(duplex=False)
-            spec = WorkerSpec(rank_engine_config(engine, shares[rank]), transfer, rank, size, port, shares[rank],
-                              os.getpid(), commands_r, events_w, log_prefix)
-            process = context.Process(target=worker_main, args=(spec,), name=f"pdserve-rank-{rank}", daemon=True)
-            process.start()
-            commands_r.close()
-            events_w.close()
-            workers.append(process)
-            links.append(WorkerLink(rank, process, commands_w, events_r))
-        group = cls(size, workers, links)
+        group = cls(size, [], [])
         try:
+            for rank in range(1, size):
+                commands_r, commands_w = context.Pipe(duplex=False)
+                events_r, events_w = context.Pipe(duplex=False)
+                spec = WorkerSpec(rank_engine_config(engine, shares[rank], threads), transfer, rank, size,
+                                  store.port, shares[rank], os.getpid(), commands_r, events_w, log_prefix)
+                process = context.Process(target=worker_main, args=(spec,), name=f"pdserve-rank-{rank}",
+                                          daemon=True)
+                process.start()
+                commands_r.close()
+                events_w.close()
+                group._workers.append(process)
+                link = WorkerLink(rank, process, commands_w, events_r)
+                if transfer is not None:  # a connect waits out the worker's own UCX budget first
+                    link.connect_timeout_s += (transfer.connect_timeout_s + transfer.handshake_timeout_s
+                                               + transfer.close_timeout_s)
+                group._links.append(link)
             pin_to_cpus(shares[0])
-            group._join(port)
+            group._join(store)
         except BaseException:
             group.close()
             raise
-        return group, rank_engine_config(engine, shares[0])
+        return group, rank_engine_config(engine, shares[0], threads)
 
-    def _join(self, port: int) -> None:
+    def _join(self, store: torch.distributed.TCPStore) -> None:
         """Join the process group as rank 0; a worker that dies meanwhile fails this at once
         (rendezvous alone would wait out its whole timeout)."""
         joined: Future[None] = Future()
@@ -171,7 +193,7 @@ class TPGroup:
         def rendezvous() -> None:
             try:
                 torch.distributed.init_process_group(
-                    "gloo", init_method=f"tcp://127.0.0.1:{port}", rank=0, world_size=self.size,
+                    "gloo", store=store, rank=0, world_size=self.size,
                     timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
                 joined.set_result(None)
             except BaseException as exc:  # noqa: BLE001 - re-raised on the caller's thread
@@ -215,17 +237,23 @@ class TPGroup:
             link.check_alive()
 
     def close(self) -> None:
+        """Ask every worker to stop, give them one shared grace period, then kill what is left;
+        this process gets back the cores and torch threads it had before `start`."""
         for link in self._links:
             link.stop()
+        deadline = time.monotonic() + STOP_GRACE_S
         for process in self._workers:
-            process.join(timeout=5.0)
+            process.join(timeout=max(0.0, deadline - time.monotonic()))
+        for process in self._workers:
             if process.is_alive():
                 process.kill()
-                process.join(timeout=5.0)
+                process.join(timeout=STOP_GRACE_S)
         if self._buffer is not None:
             self._buffer.close()
         if torch.distributed.is_initialized():
             torch.distributed.destroy_process_group()
+        os.sched_setaffinity(0, self._caller_cpus)
+        torch.set_num_threads(self._caller_threads)
 
 
 class WorkerLink:
@@ -251,32 +279,49 @@ class WorkerLink:
         self._received = TransferStats()
         self._failure: str | None = None
         self._descriptor: KVDescriptor | None = None
+        self.connect_timeout_s = REPLY_TIMEOUT_S  # TPGroup.start sets the transport's own budget
         self._reader = threading.Thread(target=self._read, name=f"pdserve-rank-{rank}-events", daemon=True)
         self._reader.start()
 
     # -- the pipe -------------------------------------------------------------------
     def send(self, op: str, **fields: Any) -> None:
+        """One message, in order. A worker that reads nothing for a collective's timeout (frozen)
+        fails the node as a silent collective would, instead of blocking rank 0 on a full pipe."""
         with self._send_lock:
             try:
+                if self._commands.closed:
+                    raise OSError("its pipe is closed")
+                _, writable, _ = select.select([], [self._commands.fileno()], [], COLLECTIVE_TIMEOUT_S)
+                if not writable:
+                    raise WorkerDied(f"rank {self.rank} read nothing for {COLLECTIVE_TIMEOUT_S:g}s")
                 send(self._commands, op, **fields)
             except (OSError, ValueError) as exc:  # the worker is gone
                 raise WorkerDied(f"rank {self.rank} is gone: {exc}") from exc
 
-    def _ask(self, op: str, **fields: Any) -> Any:
+    def _ask(self, op: str, timeout_s: float = REPLY_TIMEOUT_S, **fields: Any) -> Any:
         reply_id = next(self._ids)
         future: Future[Any] = Future()
         with self._lock:
+            if self._failure is not None:
+                raise WorkerDied(self._failure)
             self._replies[reply_id] = future
-        self.send(op, reply_id=reply_id, **fields)
-        return future.result(timeout=REPLY_TIMEOUT_S)
+        try:
+            self.send(op, reply_id=reply_id, **fields)
+            return future.result(timeout=timeout_s)
+        finally:
+            with self._lock:
+                self._replies.pop(reply_id, None)
 
     def _read(self) -> None:
+        reason = None
         try:
             while True:
                 self._on_event(receive(self._events))
         except (EOFError, OSError):
             pass
-        self._fail_everything(self._failure or f"rank {self.rank} exited")
+        except Exception as exc:  # noqa: BLE001 - a broken event fails this rank, never silently
+            reason = f"rank {self.rank}: unreadable event: {exc!r}"
+        self._fail_everything(reason or self._failure or f"rank {self.rank} exited")
 
     def _on_event(self, event: dict[str, Any]) -> None:
         op = event["op"]
@@ -333,7 +378,8 @@ class WorkerLink:
             self.send("stop")
         except WorkerDied:
             pass
-        self._commands.close()
+        with self._send_lock:
+            self._commands.close()
 
     # -- RankLink -------------------------------------------------------------------
     def descriptor(self) -> KVDescriptor:
@@ -342,7 +388,7 @@ class WorkerLink:
         return self._descriptor
 
     def connect(self, remote: KVDescriptor) -> str:
-        reply = self._ask("connect", descriptor=remote.to_bytes().decode())
+        reply = self._ask("connect", timeout_s=self.connect_timeout_s, descriptor=remote.to_bytes().decode())
         if reply.get("diffs") is not None:
             raise FingerprintMismatch({k: tuple(v) for k, v in reply["diffs"].items()}, f"rank {self.rank}")
         if reply.get("error") is not None:
@@ -397,8 +443,4 @@ class WorkerLink:
         return self._received.snapshot()
 
 
-def _free_port() -> int:
-    with socket.socket() as probe:
-        probe.bind(("127.0.0.1", 0))
-        return probe.getsockname()[1]
 

@@ -26,6 +26,7 @@ import threading
 from dataclasses import asdict
 from typing import Any
 
+from pdserve.kv_transfer import KVTransferError, TransferState
 from pdserve.node.tp_group import COLLECTIVE_TIMEOUT_S, WorkerSpec
 from pdserve.node.tp_wire import StepBuffer, from_text, receive, send, to_text
 
@@ -60,9 +61,9 @@ class _Events:
         self.transport = None  # its counters ride along every event once it exists
 
     def send(self, op: str, **fields: Any) -> None:
-        if self.transport is not None:
-            fields.update(sent=asdict(self.transport.stats()), received=asdict(self.transport.recv_stats()))
-        with self._lock:
+        with self._lock:  # the counters are read under the lock: events leave in the order they were read
+            if self.transport is not None:
+                fields.update(sent=asdict(self.transport.stats()), received=asdict(self.transport.recv_stats()))
             try:
                 send(self._conn, op, **fields)
             except (OSError, ValueError):
@@ -90,9 +91,10 @@ class _Worker:
         pin_to_cpus(spec.cpus)
         if engine.num_threads is not None:
             torch.set_num_threads(engine.num_threads)
-        torch.distributed.init_process_group(
-            "gloo", init_method=f"tcp://127.0.0.1:{spec.group_port}", rank=spec.rank, world_size=spec.size,
-            timeout=datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S))
+        timeout = datetime.timedelta(seconds=COLLECTIVE_TIMEOUT_S)
+        store = torch.distributed.TCPStore("127.0.0.1", spec.group_port, spec.size, is_master=False, timeout=timeout)
+        torch.distributed.init_process_group("gloo", store=store, rank=spec.rank, world_size=spec.size,
+                                             timeout=timeout)
         loaded = load_model(engine.model, engine.torch_dtype, engine.model_impl, TPShard(spec.rank, spec.size))
         start = self._next()
         forward = RankForward(loaded, start["num_blocks"], engine.block_size, engine.torch_dtype,
@@ -156,13 +158,14 @@ class _RankTransfer:
     def handle(self, op: str, msg: dict[str, Any]) -> None:
         if op == "connect":
             threading.Thread(target=self._connect, args=(msg,), daemon=True).start()
-        elif op == "push":
-            handle = self.transport.push(msg["req_id"], msg["src"], msg["dst"], head_range=tuple(msg["heads"]),
-                                         peer=msg["peer"])
+        elif op in ("push", "send_done"):
+            try:
+                handle = self._send(op, msg)
+            except (KVTransferError, ValueError) as exc:  # this transfer's failure, as on rank 0
+                self.events.send("handle", handle_id=msg["handle_id"], state=TransferState.FAILED.value,
+                                 error=f"rank {self.spec.rank}: {exc}")
+                return
             self._watch(msg["handle_id"], handle)
-        elif op == "send_done":
-            self._watch(msg["handle_id"], self.transport.send_done(msg["req_id"], from_text(msg["payload"]),
-                                                                   peer=msg["peer"]))
         elif op == "guard":
             self.transport.guard_writes(self.permits)
         elif op == "grant":
@@ -172,6 +175,12 @@ class _RankTransfer:
             self.permits.revoke(msg["req_id"])
         else:
             raise ValueError(f"unknown message {op!r} from rank 0")
+
+    def _send(self, op: str, msg: dict[str, Any]):
+        if op == "push":
+            return self.transport.push(msg["req_id"], msg["src"], msg["dst"], head_range=tuple(msg["heads"]),
+                                       peer=msg["peer"])
+        return self.transport.send_done(msg["req_id"], from_text(msg["payload"]), peer=msg["peer"])
 
     def _connect(self, msg: dict[str, Any]) -> None:
         from pdserve.kv_transfer import FingerprintMismatch, KVDescriptor

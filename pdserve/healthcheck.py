@@ -16,6 +16,7 @@ import argparse
 import asyncio
 import os
 import sys
+import time
 from collections.abc import Coroutine
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
@@ -108,14 +109,19 @@ def standard_status(addr: str, service: str, timeout_s: float = HealthcheckConfi
 
 def check(addr: str, service: str, config: HealthcheckConfig = HealthcheckConfig()) -> Verdict:
     """Probe `addr` as `service` once; never raises for an unreachable or unhealthy server."""
+    deadline = time.monotonic() + config.timeout_s  # both calls together, within the timeout
+
+    def remaining() -> float:
+        return max(0.001, deadline - time.monotonic())
+
     try:
-        status = standard_status(addr, _STANDARD_NAMES[service], config.timeout_s, config.auth_token)
+        status = standard_status(addr, _STANDARD_NAMES[service], remaining(), config.auth_token)
         if status != health_pb2.HealthCheckResponse.SERVING:
             name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
             return Verdict(False, f"{service} at {addr}: {_STANDARD_NAMES[service]} is {name}")
         if service == "router":
-            return _judge_router(router_health(addr, config.timeout_s, config.auth_token), config)
-        stats = node_stats(addr, service, config.timeout_s, config.auth_token)
+            return _judge_router(router_health(addr, remaining(), config.auth_token), config)
+        stats = node_stats(addr, service, remaining(), config.auth_token)
     except grpc.RpcError as err:
         detail = f"{service} at {addr}: {err.code().name} {err.details() or ''}".rstrip()
         return Verdict(False, detail, reachable=err.code() not in _NO_ANSWER)

@@ -225,6 +225,7 @@ class RouterServer:
         self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve)
         node_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.state, standard.refresh), server)
         self.port = _bind(server, self.config)
+        await self._standard.refresh()  # NOT_SERVING from the first call (grpc's default says SERVING)
         await server.start()
         self._server = server
         self._maintenance = asyncio.create_task(self._maintain())
