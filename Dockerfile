@@ -20,5 +20,5 @@ RUN pip install .
 RUN useradd --create-home --uid 10001 pdserve && mkdir -p /models && chown pdserve /models
 USER pdserve
 
-EXPOSE 50051
+EXPOSE 50051 8000
 CMD ["pdserve", "--help"]

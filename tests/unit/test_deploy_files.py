@@ -97,9 +97,10 @@ def test_services_present(services):
 
 
 def test_only_the_router_publishes_a_port_on_localhost(services):
-    assert services["router"]["ports"] == ["127.0.0.1:50051:50051"]
+    assert services["router"]["ports"] == ["127.0.0.1:50051:50051", "127.0.0.1:8000:8000"]
     assert [name for name, s in services.items() if "ports" in s] == ["router"]
     assert _flags(_argv(services["router"]))["--port"] == "50051"
+    assert _flags(_argv(services["router"]))["--http-port"] == "8000"  # the OpenAI-compatible API
 
 
 @pytest.mark.parametrize("name", NODES)
