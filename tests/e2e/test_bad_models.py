@@ -73,7 +73,7 @@ def test_every_node_kind_refuses_a_bad_folder_in_one_line(good, tmp_path, kind, 
 
 def test_the_cluster_launch_fails_at_once_with_the_routers_line(good, tmp_path):
     folder = masked_lm(good, tmp_path)
-    done = pdserve("cluster", "--model", str(folder), "--port", "0", "--colocated", "1")
+    done = pdserve("cluster", "--model", str(folder), "--port", "0", "--http-port", "0", "--colocated", "1")
     line = f"pdserve router: --model {folder}: BertForMaskedLM is not a causal language model (...ForCausalLM)"
     assert done.returncode == 1
     assert f"pdserve cluster failed: router exited with code {EXIT_USAGE}\n  | {line}\n" in done.stdout

@@ -152,10 +152,10 @@ def held_port():
 # -- a busy port ----------------------------------------------------------------------------
 
 BUSY_PORT_CASES = [
-    ("router", "--port", HOST), ("router", "--metrics-port", HOST),
+    ("router", "--port", HOST), ("router", "--metrics-port", HOST), ("router", "--http-port", HOST),
     *[(kind, flag, HOST) for kind in ("prefill", "decode", "colocated") for flag in ("--port", "--metrics-port")],
     ("prefill", "--kv-port", "0.0.0.0"), ("decode", "--kv-port", "0.0.0.0"),  # ucxx listens on every interface
-    ("cluster", "--port", HOST), ("cluster", "--metrics-port", HOST),
+    ("cluster", "--port", HOST), ("cluster", "--metrics-port", HOST), ("cluster", "--http-port", HOST),
 ]
 
 
@@ -275,7 +275,7 @@ def wait_until_running(cluster, timeout_s: float = START_TIMEOUT_S) -> None:
 
 def test_ctrl_c_stops_the_cluster_and_every_child(model_dir, tmp_path):
     state_file = tmp_path / "state.json"
-    with Command("cluster", "--colocated", "1", "--model", model_dir, "--port", "0", "--state-file", str(state_file),
+    with Command("cluster", "--colocated", "1", "--model", model_dir, "--port", "0", "--http-port", "0", "--state-file", str(state_file),
                  "--dtype", "float32", "--colocated-args", " ".join(NODE_FLAGS[2:])) as launcher:
         launcher.wait_for("stop with Ctrl-C")
         children = wait_for_state(state_file).children
@@ -289,7 +289,7 @@ def test_ctrl_c_stops_the_cluster_and_every_child(model_dir, tmp_path):
 def test_a_launcher_killed_outright_leaves_no_child_behind(model_dir, tmp_path):
     # SIGKILL cannot be caught: the launcher stops nothing. Its children see it gone and stop.
     state_file = tmp_path / "state.json"
-    with Command("cluster", "--colocated", "1", "--model", model_dir, "--port", "0", "--state-file", str(state_file),
+    with Command("cluster", "--colocated", "1", "--model", model_dir, "--port", "0", "--http-port", "0", "--state-file", str(state_file),
                  "--dtype", "float32", "--colocated-args", " ".join(NODE_FLAGS[2:])) as launcher:
         launcher.wait_for("stop with Ctrl-C")
         pids = {name: child.pid for name, child in wait_for_state(state_file).children.items()}
