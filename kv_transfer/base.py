@@ -203,6 +203,15 @@ class TransferHandle:
     _state: TransferState = field(default=TransferState.PENDING, init=False)
     _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
     _done: threading.Event = field(default_factory=threading.Event, init=False, repr=False)
+    _callbacks: list[Callable[[TransferHandle], None]] = field(default_factory=list, init=False, repr=False)
+
+    def add_done_callback(self, callback: Callable[[TransferHandle], None]) -> None:
+        """Call `callback(handle)` once it ends (at once if it has), on the thread that ends it."""
+        with self._lock:
+            if not self.done:
+                self._callbacks.append(callback)
+                return
+        callback(self)
 
     def poll(self) -> TransferState:
         return self._state
@@ -230,7 +239,10 @@ class TransferHandle:
             self._state = state
             self.error = error
             self.finished_at = time.monotonic()
+            callbacks, self._callbacks = self._callbacks, []
         self._done.set()
+        for callback in callbacks:
+            callback(self)
         return True
 
 

@@ -137,9 +137,6 @@ class _RankTransfer:
         self.events = events
         self.permits = WritePermits()
         self.descriptor = transport.descriptor().to_bytes().decode()
-        self._watched: dict[int, Any] = {}
-        self._changed = threading.Condition()
-        threading.Thread(target=self._report_handles, name="pdserve-rank-handles", daemon=True).start()
         transport.set_done_callback(self._on_done)
 
     @classmethod
@@ -198,25 +195,9 @@ class _RankTransfer:
         self.events.send("done", req_id=req_id, payload=to_text(payload))
 
     def _watch(self, handle_id: int, handle) -> None:
-        with self._changed:
-            self._watched[handle_id] = handle
-            self._changed.notify()
-
-    def _report_handles(self) -> None:
-        """Report each push and done message once it ended, in the order they end."""
-        while True:
-            with self._changed:
-                while not self._watched:
-                    self._changed.wait()
-                pending = list(self._watched.items())
-            first_id, first = pending[0]
-            first.wait(0.001)
-            ended = [(i, h) for i, h in pending if h.done]
-            with self._changed:
-                for handle_id, _ in ended:
-                    del self._watched[handle_id]
-            for handle_id, handle in ended:
-                self.events.send("handle", handle_id=handle_id, state=handle.poll().value, error=handle.error)
+        """Report the push or done message to rank 0 the moment it ends (on the transport's thread)."""
+        handle.add_done_callback(lambda ended: self.events.send(
+            "handle", handle_id=handle_id, state=ended.poll().value, error=ended.error))
 
     def close(self) -> None:
         self.transport.close()

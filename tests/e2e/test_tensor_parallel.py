@@ -6,8 +6,7 @@
   the launcher's nodes on the native model path and the hand-started ones on transformers':
   24 concurrent greedy float32 streams are token-identical to transformers; each request moved
   exactly its prompt's blocks; a TP=2 node's ranks each moved exactly half of its bytes (its
-  KV heads), the prefill ranks' sum equals the expected total, as does the decode ranks' (but
-  for the KV of a request token 1 ends, dropped on arrival);
+  KV heads), the prefill ranks' sum equals the decode ranks' sum equals the expected total;
   every node ends with zero blocks in use or reserved (counted once per node).
 - A colocated node of TP=2: exact, zero blocks, and its stats say two ranks.
 - SIGKILL of a decode node's worker rank mid-stream: the node goes down at once (its engine
@@ -42,7 +41,9 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason
 BLOCK_SIZE = 8
 NODE = NodeSettings(block_size=BLOCK_SIZE)
 PROMPT_LENS = [1, 5, 8, 9, 17, 30, 47, 64, 65, 90, 120, 33, 2, 77, 40, 16, 3, 25, 50, 70, 12, 7, 100, 60]
-NEW_TOKENS = [8, 12, 6, 10, 8, 5, 12, 8, 10, 1, 12, 8, 10, 12, 8, 6, 9, 7, 11, 5, 8, 10, 6, 9]
+# No request of one token: its decode reservation ends at token 1, so whatever of its KV is still on
+# the way is dropped on arrival, by each rank on its own timing (tests/e2e/test_cluster.py covers that).
+NEW_TOKENS = [8, 12, 6, 10, 8, 5, 12, 8, 10, 2, 12, 8, 10, 12, 8, 6, 9, 7, 11, 5, 8, 10, 6, 9]
 STUBS = {"prefill": node_pb2_grpc.PrefillNodeStub, "decode": node_pb2_grpc.DecodeNodeStub}
 
 
@@ -143,11 +144,7 @@ def test_mixed_tensor_parallel_pools_are_token_exact_and_move_each_ranks_heads(m
                 assert len(set(ranks)) == 1, f"{name}: each rank moves its half of the heads, got {ranks}"
             sent = sum(s.kv_transfer.bytes for n, s in nodes.items() if n.startswith("prefill"))
             received = sum(s.kv_transfer.bytes for n, s in nodes.items() if n.startswith("decode"))
-            assert sent == expected
-            # A request that token 1 ends (max_tokens 1) has its decode reservation cancelled at once:
-            # what of its KV was still on the way is dropped there (tests/e2e/test_cluster.py).
-            one_token = sum(-(-len(p) // BLOCK_SIZE) for p, n in zip(prompts, NEW_TOKENS) if n == 1) * block_bytes()
-            assert expected - one_token <= received <= expected
+            assert sent == received == expected
         finally:
             for node in extra:
                 node.stop()

@@ -301,3 +301,16 @@ def test_config_rejects_bad_values(bad: dict[str, object]) -> None:
 def test_spec_rejects_bad_head_range() -> None:
     with pytest.raises(ValueError, match="head_range"):
         make_spec(heads=(3, 3))
+
+
+def test_a_done_callback_runs_once_when_the_handle_ends_or_at_once_if_it_has():
+    from pdserve.kv_transfer import TransferHandle, TransferState
+
+    seen = []
+    handle = TransferHandle("r")
+    handle.add_done_callback(lambda h: seen.append(("first", h.poll())))
+    assert seen == []
+    assert handle._finish(TransferState.SUCCESS)
+    assert not handle._finish(TransferState.FAILED, "late")  # the first terminal state wins, once
+    handle.add_done_callback(lambda h: seen.append(("after", h.poll())))
+    assert seen == [("first", TransferState.SUCCESS), ("after", TransferState.SUCCESS)]
