@@ -8,7 +8,7 @@ Started by rank 0 (node/tp_group.py) with a `WorkerSpec`; lives exactly as long 
     ─▶ serve rank 0's messages in order, until `stop` or rank 0 is gone:
          step       run the forward on the batch in the step buffer (no sampling: rank 0 samples)
          connect    open a rank connection to a peer node's rank (on a thread: never stalls steps)
-         push, send_done   on its own transport; a thread reports each handle's end
+         push, send_done   on its own transport; each reports its end to rank 0 as it happens
          guard, grant, revoke   the write permits of a decode node's reservations
 
 A failure is reported as `failed` and ends the process; rank 0 then takes the node down.
