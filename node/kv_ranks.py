@@ -213,7 +213,9 @@ class _Link:
 
 class RankedTransport:
     def __init__(self, ranks: Sequence[RankLink], closers: Sequence = ()) -> None:
+        """`ranks`: every rank's transport, rank order, each with its caches registered."""
         self.ranks = list(ranks)
+        self.spec: KVCacheSpec = self.ranks[0].descriptor().spec  # the shape every rank shares
         self._closers = list(closers)  # what close() stops: rank 0's transport, the worker group
         self._lock = threading.Lock()
         self._peers: dict[str, list[_Link]] = {}
@@ -221,10 +223,6 @@ class RankedTransport:
     # -- the node's layout -----------------------------------------------------------
     def descriptor(self) -> NodeKVDescriptor:
         return NodeKVDescriptor(tuple(rank.descriptor() for rank in self.ranks))
-
-    @property
-    def spec(self) -> KVCacheSpec:
-        return self.ranks[0].descriptor().spec
 
     # -- sending -----------------------------------------------------------------------
     def connect(self, remote: NodeKVDescriptor) -> str:
@@ -247,11 +245,10 @@ class RankedTransport:
     def push(self, req_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int], *,
              peer: str) -> GroupHandle:
         src, dst = list(src_block_ids), list(dst_block_ids)
-        spec = self.spec
         parts = []
         for link in self._links(peer):
             heads = link.route.heads
-            nbytes = 2 * spec.num_layers * len(dst) * spec.block_nbytes(heads[1] - heads[0])
+            nbytes = 2 * self.spec.num_layers * len(dst) * self.spec.block_nbytes(heads[1] - heads[0])
             parts.append(self.ranks[link.route.src].push(req_id, src, dst, heads, link.peer, nbytes))
         return GroupHandle(req_id, parts)
 

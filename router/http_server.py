@@ -21,7 +21,6 @@ Must never: validate, admit or place a request itself (RequestRunner does), or b
 
 from __future__ import annotations
 
-import asyncio
 import hmac
 import json
 import uuid
@@ -35,6 +34,7 @@ from pdserve.common.auth import SCHEME
 from pdserve.proto import pdserve_pb2
 from pdserve.router import openai_api as oa
 from pdserve.router.errors import InvalidRequest, RouterError
+from pdserve.router.merge import merged
 
 RETRY_AFTER_S = "1"
 Runner = Callable[[pdserve_pb2.GenerateRequest], AsyncIterator[pdserve_pb2.GenerateResponse]]
@@ -151,7 +151,8 @@ class HTTPFront:
     async def _answer(self, request, body, requests, kind, make_choice) -> web.StreamResponse:
         request_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         n = max(1, requests[0].sampling_params.n or 1)
-        events = _merged(self._run, requests, n)
+        # Every prompt's request at once; leaving early (a disconnect, an error) cancels them all.
+        events = merged([_prompt_producer(self._run, i, r, n) for i, r in enumerate(requests)])
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await self._stream(request, events, request_id, kind, make_choice, include_usage)
@@ -198,36 +199,12 @@ class HTTPFront:
         return response
 
 
-async def _merged(run: Runner, requests, n: int) -> AsyncIterator[tuple[int, pdserve_pb2.GenerateResponse]]:
-    """Every prompt's responses as (choice index, response) as they come; choice = prompt × n + sample.
-    Leaving early (a disconnect, an error) cancels every prompt's request."""
-    queue: asyncio.Queue = asyncio.Queue()
-    done = object()
-
-    async def pump(prompt_index: int, generate_request) -> None:
-        try:
-            async for response in run(generate_request):
-                await queue.put((prompt_index * n + response.index, response))
-        except BaseException as exc:  # noqa: BLE001 - handed to the consumer, which re-raises it
-            await queue.put(exc)
-            return
-        await queue.put(done)
-
-    tasks = [asyncio.create_task(pump(i, r)) for i, r in enumerate(requests)]
-    running = len(tasks)
-    try:
-        while running:
-            item = await queue.get()
-            if item is done:
-                running -= 1
-            elif isinstance(item, BaseException):
-                raise item
-            else:
-                yield item
-    finally:
-        for task in tasks:
-            task.cancel()
-        await asyncio.gather(*tasks, return_exceptions=True)
+def _prompt_producer(run: Runner, prompt_index: int, request: pdserve_pb2.GenerateRequest, n: int):
+    """One prompt's responses as (choice index, response); choice = prompt × n + sample."""
+    async def produce(put) -> None:
+        async for response in run(request):
+            put((prompt_index * n + response.index, response))
+    return produce
 
 
 async def _chain(first: list, rest: AsyncIterator):

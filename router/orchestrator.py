@@ -17,15 +17,16 @@ raises `RouterError`s) and never touches a node's call itself.
 
 from __future__ import annotations
 
-import asyncio
 import itertools
 import logging
 import uuid
 from collections.abc import AsyncIterator
+from functools import partial
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.driver import SampleDriver
 from pdserve.router.errors import NoNodeAvailable
+from pdserve.router.merge import Put, merged
 from pdserve.router.placement import ColocatedPlacement
 from pdserve.router.registry import NodeKind
 from pdserve.router.routes import ColocatedRoute, DisaggregatedRoute, Route
@@ -33,8 +34,6 @@ from pdserve.router.state import RouterState, SampleSpec
 from pdserve.router.validation import ValidatedRequest
 
 log = logging.getLogger(__name__)
-
-_SAMPLE_DONE = object()
 
 
 class Orchestrator:
@@ -54,28 +53,11 @@ class Orchestrator:
         route = self._choose_route()
         received_at = self.state.clock()
         deadline = received_at + timeout_s if timeout_s is not None else None
-        queue: asyncio.Queue[object] = asyncio.Queue()
         sequence = next(self._sequence)
-        tasks = []
-        for index in range(request.params.n):
-            node_req_id = f"{request.request_id}-{index}-{self._router_id}{sequence}"
-            spec = SampleSpec(request, index, node_req_id, received_at, deadline)
-            driver = SampleDriver(self.state, route, spec, queue.put_nowait)
-            tasks.append(asyncio.create_task(self._run_sample(driver, queue)))
-        try:
-            remaining = len(tasks)
-            while remaining:
-                item = await queue.get()
-                if item is _SAMPLE_DONE:
-                    remaining -= 1
-                elif isinstance(item, BaseException):
-                    raise item
-                else:
-                    yield item
-        finally:
-            for task in tasks:
-                task.cancel()
-            await asyncio.gather(*tasks, return_exceptions=True)
+        specs = [SampleSpec(request, index, f"{request.request_id}-{index}-{self._router_id}{sequence}", received_at,
+                            deadline) for index in range(request.params.n)]
+        async for response in merged([partial(self._run_sample, route, spec) for spec in specs]):
+            yield response
 
     def _choose_route(self) -> Route:
         """Colocated nodes when any is live, else the disaggregated pools; refuse at once
@@ -89,13 +71,9 @@ class Orchestrator:
                                   "the cluster cannot serve")
         return self._disaggregated
 
-    async def _run_sample(self, driver: SampleDriver, queue: asyncio.Queue[object]) -> None:
+    async def _run_sample(self, route: Route, spec: SampleSpec, put: Put) -> None:
         try:
-            await driver.run()
-        except asyncio.CancelledError:
+            await SampleDriver(self.state, route, spec, put).run()
+        except Exception as exc:  # the stream's reader raises it (router/merge.py)
+            log.debug("sample %s failed: %r", spec.node_req_id, exc)
             raise
-        except Exception as exc:  # handed to the stream's reader, which raises it
-            log.debug("sample %s failed: %r", driver.spec.node_req_id, exc)
-            queue.put_nowait(exc)
-            return
-        queue.put_nowait(_SAMPLE_DONE)

@@ -41,6 +41,14 @@ def cluster(model_dir):
         yield running
 
 
+@pytest.fixture(autouse=True)
+def no_blocks_left(cluster):
+    """Every test ends with no block used or reserved on any node."""
+    yield
+    held = cluster.wait_all_blocks_free(timeout_s=30)
+    assert [(s.used_blocks, s.reserved_blocks) for s in held] == [(0, 0)] * len(held)
+
+
 def health_of(address: str, service: str = "") -> int:
     with grpc.insecure_channel(address) as channel:
         return health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),

@@ -37,6 +37,14 @@ def cluster(model_dir):
         yield running
 
 
+@pytest.fixture(autouse=True)
+def no_blocks_left(cluster):
+    """Every test ends with no block used or reserved on any node."""
+    yield
+    held = cluster.wait_all_blocks_free(timeout_s=30)
+    assert [(s.used_blocks, s.reserved_blocks) for s in held] == [(0, 0)] * len(held)
+
+
 @pytest.fixture(scope="module")
 def client(cluster) -> openai.OpenAI:
     return openai.OpenAI(base_url=cluster.state.http, api_key="unused", max_retries=0)
