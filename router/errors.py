@@ -56,6 +56,12 @@ class NodeRefused(RouterError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class ModelNotFound(RouterError):
+    """A request naming a model this router does not serve (the HTTP API's `model`)."""
+
+    code = grpc.StatusCode.NOT_FOUND
+
+
 class DeadlineExceeded(RouterError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

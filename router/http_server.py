@@ -50,7 +50,6 @@ class HTTPFront:
         self._expected = (SCHEME + auth_token).encode() if auth_token else None
         self._template = chat_template
         self._runner: web.AppRunner | None = None
-        self.port: int | None = None
 
     def app(self) -> web.Application:
         app = web.Application(middlewares=[self._errors, self._auth])
@@ -63,10 +62,8 @@ class HTTPFront:
     async def start(self, host: str, port: int) -> int:
         self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
         await self._runner.setup()
-        site = web.TCPSite(self._runner, host, port, reuse_port=False)
-        await site.start()
-        self.port = site._server.sockets[0].getsockname()[1]
-        return self.port
+        await web.TCPSite(self._runner, host, port, reuse_port=False).start()
+        return self._runner.addresses[0][1]  # the bound port (the OS's pick for 0)
 
     async def stop(self) -> None:
         if self._runner is not None:

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router.errors import InvalidRequest, RouterError, status_of
+from pdserve.router.errors import InvalidRequest, ModelNotFound, status_of
 
 FINISH_REASONS = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length",
                   pdserve_pb2.FINISH_REASON_ABORT: "abort"}
@@ -35,10 +35,6 @@ HTTP_STATUS = {
     grpc.StatusCode.UNAVAILABLE: (503, "service_unavailable"),
     grpc.StatusCode.DEADLINE_EXCEEDED: (504, "timeout"),
 }
-
-
-class ModelNotFound(RouterError):
-    code = grpc.StatusCode.NOT_FOUND
 
 
 @dataclass(frozen=True)
@@ -149,13 +145,11 @@ class Choice:
 
     index: int
     text: str = ""
-    token_ids: list[int] | None = None
     finish_reason: str | None = None
     logprobs: list[pdserve_pb2.TokenLogprobs] | None = None
 
     def add(self, response: pdserve_pb2.GenerateResponse) -> None:
         self.text += response.text
-        self.token_ids = [*(self.token_ids or []), *response.token_ids]
         if response.logprobs:
             self.logprobs = [*(self.logprobs or []), *response.logprobs]
         if response.finish_reason:
