@@ -30,7 +30,8 @@ from pdserve.bench.common import ensure_model, local_cluster
 from pdserve.bench.disagg_latency import one_request
 from pdserve.cluster_process import ClusterProcess
 from pdserve.bench.serve import report
-from pdserve.bench.serve.client import ClientOptions, fetch_model_info, model_limits
+from pdserve.bench.serve.client import ClientOptions
+from pdserve.bench.serve.grpc_backend import GrpcBackend
 from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.runner import RunLength, ServeBench
 from pdserve.bench.serve.sweep import SweepConfig, find_max_rate
@@ -101,7 +102,8 @@ def _measure(arch: Architecture, args: argparse.Namespace, model_dir: str, slos:
     out_low, out_high = (int(x) for x in args.output_len_range.split(":"))
     result: dict = {"architecture": arch.name}
     with _cluster(arch, model_dir, args.chunk) as cluster:
-        limits = model_limits(uvloop.run(fetch_model_info(cluster.router, ClientOptions(progress=False))))
+        backend = GrpcBackend(cluster.router, ClientOptions(progress=True, timeout_s=300.0))
+        limits = uvloop.run(backend.model()).limits
         lengths = UniformLengths((low, high), (out_low, out_high))
 
         def workload(phase: int) -> SyntheticWorkload:
@@ -109,12 +111,10 @@ def _measure(arch: Architecture, args: argparse.Namespace, model_dir: str, slos:
             # both architectures see the same requests in each phase.
             return SyntheticWorkload(lengths, limits, args.seed + phase)
 
-        options = ClientOptions(progress=True, timeout_s=300.0)
         # Warm up every node on full-size prompts (first shapes build kernels), unrecorded.
-        ServeBench(cluster.router, workload(1), RunLength(num_requests=4), 1.0, args.seed, Slo(),
-                   options).run_at(math.inf)
-        unloaded = ServeBench(cluster.router, workload(2), RunLength(num_requests=4), 1.0, args.seed,
-                              Slo(), options).run_at(UNLOADED_RATE)
+        ServeBench(backend, workload(1), RunLength(num_requests=4), 1.0, args.seed, Slo()).run_at(math.inf)
+        unloaded = ServeBench(backend, workload(2), RunLength(num_requests=4), 1.0, args.seed,
+                              Slo()).run_at(UNLOADED_RATE)
         result["unloaded"] = {"ttft_p50_s": unloaded.summary.ttft_s.p50, "tpot_p50_s": unloaded.summary.tpot_s.p50}
         print(f"{arch.name}: unloaded TTFT p50 {unloaded.summary.ttft_s.p50 * 1e3:.0f} ms, "
               f"TPOT p50 {unloaded.summary.tpot_s.p50 * 1e3:.0f} ms", flush=True)
@@ -122,8 +122,8 @@ def _measure(arch: Architecture, args: argparse.Namespace, model_dir: str, slos:
             result["kv_share"] = _kv_share(cluster.router, random.Random(args.seed), high)
         result["sweeps"] = {}
         for phase, (slo_name, slo) in enumerate(slos.items(), start=3):
-            bench = ServeBench(cluster.router, workload(phase), RunLength(num_requests=args.num_requests), 1.0,
-                               args.seed, slo, options)
+            bench = ServeBench(backend, workload(phase), RunLength(num_requests=args.num_requests), 1.0,
+                               args.seed, slo)
             config = SweepConfig(target_attainment=args.attainment, start_rate=args.start_rate,
                                  rate_min=args.rate_min, rate_max=args.rate_max, tolerance=args.tolerance,
                                  max_probes=args.max_probes)

@@ -24,6 +24,7 @@ from __future__ import annotations
 import hmac
 import json
 import uuid
+from dataclasses import dataclass
 from importlib.metadata import version
 from collections.abc import AsyncIterator, Callable
 from typing import Any
@@ -40,15 +41,27 @@ RETRY_AFTER_S = "1"
 Runner = Callable[[pdserve_pb2.GenerateRequest], AsyncIterator[pdserve_pb2.GenerateResponse]]
 
 
+@dataclass(frozen=True)
+class ServedModel:
+    """What the HTTP front says of the model and renders prompts with."""
+
+    name: str  # `--served-model-name`: the only `model` a request may name
+    tokenizer: Any
+    max_model_len: int
+    vocab_size: int
+    chat_template: str | None = None  # `--chat-template`: instead of the tokenizer's own
+
+
 class HTTPFront:
-    def __init__(self, run: Runner, tokenizer, served_name: str, can_serve: Callable[[], bool],
-                 auth_token: str | None = None, chat_template: str | None = None) -> None:
+    def __init__(self, run: Runner, model: ServedModel, can_serve: Callable[[], bool],
+                 auth_token: str | None = None) -> None:
         self._run = run
-        self._tokenizer = tokenizer
-        self._served_name = served_name
+        self._model = model
+        self._tokenizer = model.tokenizer
+        self._served_name = model.name
         self._can_serve = can_serve
         self._expected = (SCHEME + auth_token).encode() if auth_token else None
-        self._template = chat_template
+        self._template = model.chat_template
         self._runner: web.AppRunner | None = None
 
     def app(self) -> web.Application:
@@ -89,8 +102,10 @@ class HTTPFront:
 
     # -- the simple routes -------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
+        # max_model_len as vLLM gives it; vocab_size too, so a benchmark can draw prompt token ids.
         return web.json_response({"object": "list", "data": [
-            {"id": self._served_name, "object": "model", "created": 0, "owned_by": "pdserve"}]})
+            {"id": self._served_name, "object": "model", "created": 0, "owned_by": "pdserve",
+             "max_model_len": self._model.max_model_len, "vocab_size": self._model.vocab_size}]})
 
     async def health(self, request: web.Request) -> web.Response:
         serving = self._can_serve()
@@ -119,8 +134,15 @@ class HTTPFront:
         body = await _json(request)
         oa.check_model(body, self._served_name)
         params = oa.sampling_params(body, oa.DEFAULT_COMPLETION_MAX_TOKENS)
-        requests = [oa.generate_request(p, params) for p in oa.completion_prompts(body)]
-        return await self._answer(request, body, requests, "text_completion", self._completion_choice)
+        prompts = oa.completion_prompts(body)
+        echoes = oa.echo_texts(body, prompts, self._tokenizer)
+        requests = [oa.generate_request(p, params) for p in prompts]
+        n = max(1, params.n or 1)
+
+        def opening(index: int) -> dict[str, Any] | None:  # `echo`: the prompt opens each choice's text
+            text = echoes[index // n]
+            return {"index": index, "text": text, "logprobs": None, "finish_reason": None} if text else None
+        return await self._answer(request, body, requests, "text_completion", self._completion_choice, opening)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
@@ -128,7 +150,10 @@ class HTTPFront:
         params = oa.sampling_params(body, None)
         prompt = oa.chat_prompt(body, self._tokenizer, self._template)
         requests = [oa.generate_request(prompt, params)]
-        return await self._answer(request, body, requests, "chat.completion", self._chat_choice)
+
+        def opening(index: int) -> dict[str, Any]:  # a chat choice's stream opens with its role
+            return {"index": index, "delta": {"role": "assistant"}, "finish_reason": None}
+        return await self._answer(request, body, requests, "chat.completion", self._chat_choice, opening)
 
     def _completion_choice(self, choice: oa.Choice, delta: pdserve_pb2.GenerateResponse | None) -> dict[str, Any]:
         text, entries = (delta.text, delta.logprobs) if delta is not None else (choice.text, choice.logprobs or [])
@@ -145,15 +170,17 @@ class HTTPFront:
                 "logprobs": oa.chat_logprobs(delta.logprobs, self._tokenizer),
                 "finish_reason": oa.FINISH_REASONS.get(delta.finish_reason)}
 
-    async def _answer(self, request, body, requests, kind, make_choice) -> web.StreamResponse:
+    async def _answer(self, request, body, requests, kind, make_choice, opening) -> web.StreamResponse:
+        """`opening(choice index)`: what a choice starts with before its first token (a chat's role,
+        an echoed prompt), as a stream chunk's choice; None: nothing."""
         request_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         n = max(1, requests[0].sampling_params.n or 1)
         # Every prompt's request at once; leaving early (a disconnect, an error) cancels them all.
         events = merged([_prompt_producer(self._run, i, r, n) for i, r in enumerate(requests)])
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await self._stream(request, events, request_id, kind, make_choice, include_usage)
-        choices = [oa.Choice(i) for i in range(len(requests) * n)]
+            return await self._stream(request, events, request_id, kind, make_choice, opening, include_usage)
+        choices = [oa.Choice(i, text=(opening(i) or {}).get("text", "")) for i in range(len(requests) * n)]
         prompt_tokens = completion_tokens = 0
         async for index, response in events:
             choices[index].add(response)
@@ -164,10 +191,11 @@ class HTTPFront:
                                   "choices": [make_choice(c, None) for c in choices],
                                   "usage": oa.usage(prompt_tokens, completion_tokens)})
 
-    async def _stream(self, request, events, request_id, kind, make_choice, include_usage) -> web.StreamResponse:
+    async def _stream(self, request, events, request_id, kind, make_choice, opening,
+                      include_usage) -> web.StreamResponse:
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
         head = oa.envelope(chunk_kind, request_id, self._served_name)
-        opened: set[int] = set()  # choices whose chat stream has said its role
+        opened: set[int] = set()  # choices whose opening chunk is sent
         prompt_tokens = completion_tokens = 0
         try:
             first_event = await anext(events)  # a refusal before any token is an HTTP error, not a stream
@@ -179,10 +207,10 @@ class HTTPFront:
             pending = [first_event] if first_event is not None else []
             async for event in _chain(pending, events):
                 index, delta = event
-                if kind == "chat.completion" and index not in opened:  # a chat choice opens with its role
+                if index not in opened:
                     opened.add(index)
-                    await _send(response, {**head, "choices": [{"index": index, "delta": {"role": "assistant"},
-                                                                "finish_reason": None}]})
+                    if (first := opening(index)) is not None:
+                        await _send(response, {**head, "choices": [first]})
                 await _send(response, {**head, "choices": [make_choice(oa.Choice(index), delta)]})
                 if delta.HasField("usage") and delta.finish_reason:
                     completion_tokens += delta.usage.completion_tokens

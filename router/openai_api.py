@@ -37,6 +37,16 @@ HTTP_STATUS = {
 }
 
 
+
+
+def status_name_of_http(status: int) -> str:
+    """The gRPC code's name an HTTP status answers for (HTTP_STATUS read backwards); `HTTP_<n>` otherwise."""
+    for code, (http_status, _) in HTTP_STATUS.items():
+        if http_status == status:
+            return code.name
+    return f"HTTP_{status}"
+
+
 @dataclass(frozen=True)
 class HTTPError:
     status: int
@@ -113,6 +123,16 @@ def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
         return list(prompt)
     raise InvalidRequest("prompt", "prompt must be a string, a list of strings, a list of token ids, "
                                    "or a list of such lists")
+
+
+def echo_texts(body: dict[str, Any], prompts: list[str | list[int]], tokenizer) -> list[str]:
+    """Per prompt, the text `echo: true` puts before the completion (token ids decoded); "" without echo."""
+    echo = body.get("echo", False)
+    if not isinstance(echo, bool):
+        raise InvalidRequest("echo", "echo must be true or false")
+    if not echo:
+        return [""] * len(prompts)
+    return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
 
 
 def generate_request(prompt: str | list[int], params: pdserve_pb2.SamplingParams) -> pdserve_pb2.GenerateRequest:

@@ -39,7 +39,7 @@ from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.admission import Admission, AdmissionLimits
 from pdserve.router.config import RequestLimits, RouterConfig
 from pdserve.router.errors import InvalidRequest, RouterError, bad_request_status, status_of
-from pdserve.router.http_server import HTTPFront
+from pdserve.router.http_server import HTTPFront, ServedModel
 from pdserve.router.metrics import RouterMetrics
 from pdserve.router.model import RouterModel, load_router_model
 from pdserve.router.node_facts import RouterFacts
@@ -218,9 +218,10 @@ class RouterServer:
             GenerationServicer(self.state, validator, requests, self.metrics), server
         )
         if self.config.http_port is not None:
-            self.http = HTTPFront(requests.run, self.state.model.tokenizer,
-                                  self.config.served_model_name or self.state.model.name, self._can_serve,
-                                  self.config.auth_token, _read_template(self.config.chat_template))
+            model = self.state.model
+            served = ServedModel(self.config.served_model_name or model.name, model.tokenizer, model.max_model_len,
+                                 model.vocab_size, _read_template(self.config.chat_template))
+            self.http = HTTPFront(requests.run, served, self._can_serve, self.config.auth_token)
         # grpc.health.v1: SERVING only while the router can serve a request, not merely while it runs.
         self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve)
         node_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.state, standard.refresh), server)

@@ -2,6 +2,11 @@
 
     pdserve bench serve --addr HOST:PORT --rate 4 --num-requests 200 \\
         --workload chat --ttft-slo 2 --tpot-slo 0.2 --output-json out.json --plot-dir plots/
+    pdserve bench serve --backend openai --base-url http://127.0.0.1:8000/v1 --rate 4 ...
+
+`--backend grpc` (the default) drives a pdserve router's gRPC API; `--backend openai` any
+OpenAI-compatible server's `/v1/completions`, so pdserve and other servers are measured by the
+same workloads, SLOs and sweep.
 
 One run at `--rate`, one run per rate of `--rates`, or `--sweep`: bisection for the
 highest rate whose SLO attainment reaches `--attainment` (goodput). Prints a summary
@@ -18,12 +23,15 @@ import os
 import sys
 from pathlib import Path
 
+import aiohttp
 import grpc
 import uvloop
 
 from pdserve.common.auth import add_auth_args, check_token, token_from_cli
 from pdserve.bench.serve import report
-from pdserve.bench.serve.client import ClientOptions, fetch_model_info, model_limits
+from pdserve.bench.serve.client import Backend, ClientOptions
+from pdserve.bench.serve.grpc_backend import GrpcBackend
+from pdserve.bench.serve.openai_backend import OpenAIBackend
 from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.runner import Run, RunLength, ServeBench
 from pdserve.bench.serve.sweep import SweepConfig, find_max_rate
@@ -53,7 +61,13 @@ def _rates(text: str) -> list[float]:
 
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve bench serve", description=__doc__.splitlines()[0])
-    p.add_argument("--addr", default=DEFAULT_ADDRESS, help="router HOST:PORT")
+    p.add_argument("--backend", choices=["grpc", "openai"], default="grpc",
+                   help="grpc: a pdserve router at --addr; openai: any OpenAI-compatible server at --base-url")
+    p.add_argument("--addr", default=DEFAULT_ADDRESS, help="grpc: router HOST:PORT")
+    p.add_argument("--base-url", help="openai: the API's root, e.g. http://127.0.0.1:8000/v1")
+    p.add_argument("--model", help="openai: the model to name (default: the first of GET /models)")
+    p.add_argument("--vocab-size", type=int, help="openai: prompt token ids are drawn below it (default: from /models)")
+    p.add_argument("--max-model-len", type=int, help="openai: the model's length (default: from /models)")
     mode = p.add_mutually_exclusive_group(required=True)
     mode.add_argument("--rate", type=float, help="one run at this many requests/s (inf: all at once)")
     mode.add_argument("--rates", type=_rates, help="one run per rate, e.g. 1,2,4")
@@ -100,6 +114,11 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
+    if args.backend == "openai" and not args.base_url:
+        p.error("--backend openai needs --base-url")
+    if args.backend == "grpc" and any(v is not None for v in (args.base_url, args.model, args.vocab_size,
+                                                               args.max_model_len)):
+        p.error("--base-url, --model, --vocab-size and --max-model-len are for --backend openai")
     if args.arrival == "poisson" and args.cv not in (None, 1.0):
         p.error("--cv is for --arrival gamma (Poisson arrivals have cv 1)")
     if args.arrival == "gamma" and args.cv is None:
@@ -170,6 +189,12 @@ def _config_record(args: argparse.Namespace) -> dict:
     return config
 
 
+def build_backend(args: argparse.Namespace, options: ClientOptions) -> Backend:
+    if args.backend == "openai":
+        return OpenAIBackend(args.base_url, options, args.model, args.vocab_size, args.max_model_len)
+    return GrpcBackend(args.addr, options)
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
@@ -181,19 +206,23 @@ def main(argv: list[str] | None = None) -> int:
         options = ClientOptions(timeout_s=args.timeout_s, auth_token=_auth_token(args), progress=not args.no_progress)
         if args.sweep:
             _sweep_config(args)  # a bad bracket is a usage error before any request is sent
-        model = uvloop.run(fetch_model_info(args.addr, options))
-        workload = build_workload(args, model_limits(model))
-        bench = ServeBench(args.addr, workload, RunLength(args.num_requests, args.duration_s),
-                           1.0 if args.cv is None else args.cv, args.seed, slo, options)
+        backend = build_backend(args, options)
+        model = uvloop.run(backend.model())
+        workload = build_workload(args, model.limits)
+        bench = ServeBench(backend, workload, RunLength(args.num_requests, args.duration_s),
+                           1.0 if args.cv is None else args.cv, args.seed, slo)
         runs, sweep = _run_all(args, bench)
     except grpc.aio.AioRpcError as err:
         print(f"error: GetModelInfo at {args.addr}: {err.code().name}: {err.details()}", file=sys.stderr)
+        return 1
+    except aiohttp.ClientError as err:
+        print(f"error: {args.base_url}: {type(err).__name__}: {err}", file=sys.stderr)
         return 1
     except (ValueError, OSError) as err:  # a WorkloadError is a ValueError
         print(f"error: {err}", file=sys.stderr)
         return 2
     if args.output_json is not None:
-        report.write_json(args.output_json, _config_record(args), report.model_record(model), runs, sweep)
+        report.write_json(args.output_json, _config_record(args), model.record, runs, sweep)
         print(f"results: {args.output_json}")
     if args.plot_dir is not None:
         for path in report.write_plots(args.plot_dir, runs, args.attainment, slo):

@@ -19,16 +19,9 @@ import numpy as np
 from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.runner import Run
 from pdserve.bench.serve.sweep import SweepResult
-from pdserve.proto import pdserve_pb2
 
 ATTAINMENT_PNG = "attainment_vs_rate.png"
 CDF_PNG = "latency_cdf.png"
-
-
-def model_record(info: pdserve_pb2.ModelInfo) -> dict:
-    record = {field.name: getattr(info, field.name) for field in info.DESCRIPTOR.fields}
-    record["eos_token_ids"] = list(info.eos_token_ids)  # a repeated field is no JSON list
-    return record
 
 
 def run_record(run: Run) -> dict:

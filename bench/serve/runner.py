@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import uvloop
 
 from pdserve.bench.serve.arrivals import ArrivalProcess, arrival_times
-from pdserve.bench.serve.client import ClientOptions, run_open_loop
+from pdserve.bench.serve.client import Backend, run_open_loop
 from pdserve.bench.serve.metrics import RequestMetrics, Slo, Summary, request_metrics, run_duration, summarize
 from pdserve.bench.serve.workloads import Workload
 
@@ -41,15 +41,14 @@ class Run:
 
 
 class ServeBench:
-    def __init__(self, address: str, workload: Workload, length: RunLength, cv: float, seed: int, slo: Slo,
-                 options: ClientOptions) -> None:
-        self._address = address
+    def __init__(self, backend: Backend, workload: Workload, length: RunLength, cv: float, seed: int,
+                 slo: Slo) -> None:
+        self._backend = backend
         self._workload = workload
         self._length = length
         self._cv = cv
         self._seed = seed
         self._slo = slo
-        self._options = options
         self._runs = itertools.count()
 
     def run_at(self, rate: float) -> Run:
@@ -59,6 +58,6 @@ class ServeBench:
             raise ValueError(f"no request is due within {self._length.duration_s} s at {rate:g} requests/s")
         run = next(self._runs)
         requests = [self._workload.request(i, run) for i in range(len(due))]
-        traces = uvloop.run(run_open_loop(self._address, requests, due, self._options, f"{rate:g} req/s"))
+        traces = uvloop.run(run_open_loop(self._backend, requests, due, f"{rate:g} req/s"))
         metrics = [request_metrics(t) for t in traces]
         return Run(rate, metrics, summarize(metrics, self._slo, run_duration(traces)))

@@ -111,3 +111,32 @@ def test_chat_lengths_on_bursty_gamma_arrivals_for_a_duration(cluster, tmp_path)
     assert [r["status"] for r in requests] == ["OK"] * len(requests)
     assert [r["output_len"] for r in requests] == [r["expected_output_len"] for r in requests]
     assert_blocks_free(cluster)
+
+
+def test_the_openai_backend_measures_the_same_requests_through_the_http_api(cluster, tmp_path):
+    out = tmp_path / "openai.json"
+    argv = ["--backend", "openai", "--base-url", cluster.state.http, "--rate", "8", "--num-requests", "5",
+            "--workload", "uniform", "--input-len-range", "8:24", "--output-len-range", "4:8", "--seed", "1",
+            "--output-json", str(out), *COMMON]
+
+    assert serve_cli.main(argv) == 0
+
+    doc = json.loads(out.read_text())
+    model = doc["model"]
+    assert (model["backend"], model["model"], model["vocab_size"], model["max_model_len"]) == (
+        "openai", "llama", 960, 4096)
+    limits = ModelLimits(model["vocab_size"], model["max_model_len"])
+    workload = SyntheticWorkload(UniformLengths((8, 24), (4, 8)), limits, seed=1)
+    want = [(workload.request(i).input_len, workload.request(i).output_len) for i in range(5)]
+    requests = requests_of(doc, 0)
+    assert [r["status"] for r in requests] == ["OK"] * 5
+    assert [(r["input_len"], r["output_len"]) for r in requests] == want
+    assert [len(r["itl_s"]) for r in requests] == [o - 1 for _, o in want]
+    assert all(r["request_id"].startswith("cmpl-") for r in requests)
+    assert_blocks_free(cluster)
+
+
+def test_the_openai_backend_refuses_a_model_the_server_does_not_list(cluster, capsys):
+    argv = ["--backend", "openai", "--base-url", cluster.state.http, "--model", "gpt-4", "--rate", "1", *COMMON]
+    assert serve_cli.main(argv) == 2
+    assert "pass --model" in capsys.readouterr().err

@@ -10,7 +10,8 @@ import numpy as np
 import pytest
 
 from pdserve.bench.serve.arrivals import ArrivalProcess, arrival_times
-from pdserve.bench.serve.client import ClientOptions, generate_request
+from pdserve.bench.serve.client import ClientOptions
+from pdserve.bench.serve.grpc_backend import generate_request
 from pdserve.bench.serve.metrics import RequestTrace, Slo, describe, percentile, request_metrics, summarize
 from pdserve.bench.serve.workloads import (
     ChatLengths, FixedLengths, LogNormal, ModelLimits, RequestSpec, SyntheticWorkload, UniformLengths,

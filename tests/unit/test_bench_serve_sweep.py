@@ -20,6 +20,7 @@ import pytest
 
 from pdserve.bench.serve import cli, report
 from pdserve.bench.serve.client import ClientOptions
+from pdserve.bench.serve.grpc_backend import GrpcBackend
 from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.runner import RunLength, ServeBench
 from pdserve.bench.serve.sweep import SweepConfig, find_max_rate
@@ -180,8 +181,9 @@ def test_sweep_finds_the_rate_where_the_fakes_tpot_crosses_the_slo(tmp_path):
     tolerance = 0.2
     limits = ModelLimits(VOCAB, 512, (0, FAIL_TOKEN, HANG_TOKEN))  # keep the scripted ids out
     with fake_router() as (fake, address):
-        bench = ServeBench(address, SyntheticWorkload(FixedLengths(6, 3), limits, seed=0), RunLength(num_requests=6),
-                           cv=1.0, seed=0, slo=slo, options=ClientOptions(progress=False))
+        bench = ServeBench(GrpcBackend(address, ClientOptions(progress=False)),
+                           SyntheticWorkload(FixedLengths(6, 3), limits, seed=0), RunLength(num_requests=6),
+                           cv=1.0, seed=0, slo=slo)
 
         def run_at(rate):
             fake.offered_rate = rate
@@ -218,7 +220,7 @@ def test_failures_and_deadlines_are_recorded_per_request_and_the_token_is_sent()
     options = ClientOptions(timeout_s=1.0, auth_token="s3cret", progress=False)
     with fake_router() as (fake, address):
         fake.offered_rate = 0.1
-        bench = ServeBench(address, Scripted(specs), RunLength(num_requests=4), 1.0, 0, Slo(), options)
+        bench = ServeBench(GrpcBackend(address, options), Scripted(specs), RunLength(num_requests=4), 1.0, 0, Slo())
         run = bench.run_at(50.0)
     assert [m.status for m in run.requests] == ["OK", "RESOURCE_EXHAUSTED", "DEADLINE_EXCEEDED", "OK"]
     assert run.requests[1].error == "no free blocks"

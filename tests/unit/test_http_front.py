@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import InvalidRequest, NoNodeAvailable, Overloaded
-from pdserve.router.http_server import HTTPFront
+from pdserve.router.http_server import HTTPFront, ServedModel
 
 
 class Tokenizer:
@@ -58,7 +58,8 @@ class FakeRunner:
 
 
 def front(runner: FakeRunner, token: str | None = None, serving: bool = True) -> HTTPFront:
-    return HTTPFront(runner.run, Tokenizer(), "tiny", lambda: serving, token)
+    return HTTPFront(runner.run, ServedModel("tiny", Tokenizer(), max_model_len=64, vocab_size=256), lambda: serving,
+                     token)
 
 
 async def client_of(http: HTTPFront) -> TestClient:
@@ -161,3 +162,29 @@ def test_a_client_that_leaves_mid_stream_cancels_the_request():
             await asyncio.wait_for(runner.cancelled.wait(), timeout=10)
 
     run(go())
+
+
+def test_echo_puts_each_prompt_before_its_completion_whole_and_streamed():
+    async def go():
+        async with await client_of(front(FakeRunner())) as client:
+            whole = await client.post("/v1/completions", json={"prompt": ["ab", [120, 121]], "max_tokens": 2,
+                                                                "echo": True})
+            streamed = await client.post("/v1/completions", json={"prompt": "cd", "max_tokens": 2, "echo": True,
+                                                                   "stream": True})
+            bad = await client.post("/v1/completions", json={"prompt": "cd", "echo": "yes"})
+            return await whole.json(), await streamed.text(), bad.status, (await bad.json())["error"]["param"]
+
+    whole, streamed, bad_status, bad_param = run(go())
+    assert [c["text"] for c in whole["choices"]] == ["abab", "xyxy"]
+    chunks = [json.loads(e.removeprefix("data: ")) for e in streamed.split("\n\n") if e and e != "data: [DONE]"]
+    assert [c["choices"][0]["text"] for c in chunks] == ["cd", "c", "d"]
+    assert (bad_status, bad_param) == (400, "echo")
+
+
+def test_models_says_the_length_and_vocabulary_a_benchmark_needs():
+    async def go():
+        async with await client_of(front(FakeRunner())) as client:
+            return await (await client.get("/v1/models")).json()
+
+    (entry,) = run(go())["data"]
+    assert (entry["id"], entry["max_model_len"], entry["vocab_size"]) == ("tiny", 64, 256)
