@@ -35,6 +35,12 @@ class EngineConfig:
     max_num_batched_tokens: int = field(default=512, metadata={
         "help": "token budget of one step; a prefill chunk is at most this long"})
     max_num_seqs: int = field(default=64, metadata={"help": "requests in one step"})
+    watermark: float = field(default=0.01, metadata={
+        "help": "share of the KV blocks a new prompt must leave free when admitted while others run, so "
+                "admitting it does not force a preemption at once (vLLM's --watermark)"})
+    delay_factor: float = field(default=0.0, metadata={
+        "help": "while requests run, hold new prompts until the earliest has waited this many times the "
+                "latency of the last prompt step, to batch them (vLLM v0's --delay-factor); 0: off"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest sequence (prompt + generated); default: the model's own limit"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})
@@ -61,6 +67,8 @@ class EngineConfig:
             f"must be >= max_num_seqs ({self.max_num_seqs}) so every running decode fits a step, "
             f"got {self.max_num_batched_tokens}",
         )
+        _require(0 <= self.watermark < 1, "watermark", f"must be in [0, 1), got {self.watermark}")
+        _require(self.delay_factor >= 0, "delay_factor", f"must be >= 0, got {self.delay_factor}")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                  f"must be >= 2, got {self.max_model_len}")
         _require(

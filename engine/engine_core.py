@@ -28,6 +28,7 @@ from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.model_runner import ModelRunner, SampledToken, kv_block_bytes
 from pdserve.engine.parallel import StepFanout
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
+from pdserve.engine.prompt_admission import PromptAdmission, watermark_blocks
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
@@ -81,7 +82,8 @@ class EngineCore:
         num_blocks = num_kv_blocks(config, self.loaded)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.policy = policy or ColocatedPolicy()
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        admission = PromptAdmission(watermark_blocks(config.watermark, num_blocks), config.delay_factor)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, admission)
         self.runner = ModelRunner(self.loaded, self.kv, num_blocks, config.torch_dtype, config.attention_backend,
                                   fanout)
         self._requests: dict[str, Request] = {}

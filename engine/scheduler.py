@@ -9,7 +9,8 @@ Each step spends at most `max_num_batched_tokens` tokens on at most `max_num_seq
 requests. A request that cannot get blocks preempts the latest arrival (recompute),
 so earlier requests always make progress; when nothing runs and the waiting head cannot
 get blocks, the latest waiting request holding blocks gives them up (a decode node's
-prefilled requests wait holding their KV). The scheduler never runs the model.
+prefilled requests wait holding their KV). When a new prompt may be admitted (the watermark,
+the delay factor) is the `PromptAdmission`'s to say. The scheduler never runs the model.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.prompt_admission import PromptAdmission
 from pdserve.engine.request import Request, RequestStatus
 
 
@@ -54,8 +56,10 @@ class Scheduler:
         kv: KVCacheManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        admission: PromptAdmission | None = None,
     ) -> None:
         self.kv = kv
+        self.admission = admission or PromptAdmission()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -63,6 +67,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        self.admission.arrived(request)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -70,6 +75,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.admission.start_step(self.waiting, bool(self.running))
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -112,13 +118,17 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            keep_free = self.admission.blocks_to_keep_free(req, bool(self.running))
+            if keep_free is None:
+                break  # held by the delay factor
             hit = self.kv.find_prefix_hit(req) if req.num_computed_tokens == 0 else None
             num_done = req.num_computed_tokens + (hit.num_tokens if hit else 0)
             num_new = min(req.num_tokens - num_done, budget)
-            if self.kv.allocate_slots(req, num_new, hit) is None:
+            if self.kv.allocate_slots(req, num_new, hit, keep_free) is None:
                 if not self.running:
                     self._preempt_waiting_holder(req, out)
                 break
+            self.admission.admitted(req)
             self.waiting.popleft()
             if hit:
                 req.num_computed_tokens += hit.num_tokens
