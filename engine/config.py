@@ -15,6 +15,7 @@ AUTO_DTYPE = "auto"
 DTYPE_NAMES = (AUTO_DTYPE, "bfloat16", "float32")
 MODEL_IMPLS = ("auto", "native", "transformers")
 ATTENTION_BACKENDS = ("fast", "reference")
+CHUNK_SCHEDULES = ("fixed", "staged", "target-step")
 # Both pools of a cluster and the router must agree on it (KV layout, prefix hashing).
 DEFAULT_BLOCK_SIZE = 16
 
@@ -35,6 +36,19 @@ class EngineConfig:
     max_num_batched_tokens: int = field(default=512, metadata={
         "help": "token budget of one step; a prefill chunk is at most this long"})
     max_num_seqs: int = field(default=64, metadata={"help": "requests in one step"})
+    chunk_schedule: str = field(default="fixed", metadata={
+        "choices": CHUNK_SCHEDULES,
+        "help": "fixed: every step may spend --max-num-batched-tokens; staged: Sarathi-Serve's schedule, the "
+                "budget steps down from --high-chunk-size to --low-chunk-size as a long prompt advances; "
+                "target-step: the budget a step-time model profiled at start fits in --target-step-ms"})
+    high_chunk_size: int | None = field(default=None, metadata={
+        "help": "staged: the first stage's step budget, a multiple of 32 (default: --max-num-batched-tokens)"})
+    low_chunk_size: int = field(default=128, metadata={"help": "staged: the last stage's step budget, a multiple of 32"})
+    chunk_schedule_stages: int = field(default=4, metadata={"help": "staged: stages from high to low"})
+    chunk_schedule_max_tokens: int = field(default=4096, metadata={
+        "help": "staged: prompt tokens over which the stages are spread (one stage every max-tokens / stages)"})
+    target_step_ms: float = field(default=100.0, metadata={
+        "help": "target-step: the modelled step time each step's token budget is chosen to hold"})
     watermark: float = field(default=0.01, metadata={
         "help": "share of the KV blocks a new prompt must leave free when admitted while others run, so "
                 "admitting it does not force a preemption at once (vLLM's --watermark)"})
@@ -67,6 +81,10 @@ class EngineConfig:
             f"must be >= max_num_seqs ({self.max_num_seqs}) so every running decode fits a step, "
             f"got {self.max_num_batched_tokens}",
         )
+        _require(self.chunk_schedule in CHUNK_SCHEDULES, "chunk_schedule",
+                 f"must be one of {CHUNK_SCHEDULES}, got {self.chunk_schedule!r}")
+        self._check_staged()
+        _require(self.target_step_ms > 0, "target_step_ms", f"must be > 0, got {self.target_step_ms}")
         _require(0 <= self.watermark < 1, "watermark", f"must be in [0, 1), got {self.watermark}")
         _require(self.delay_factor >= 0, "delay_factor", f"must be >= 0, got {self.delay_factor}")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
@@ -79,6 +97,23 @@ class EngineConfig:
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
                  f"must be >= 1, got {self.num_threads}")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+
+    @property
+    def staged_high_chunk_size(self) -> int:
+        return self.high_chunk_size or self.max_num_batched_tokens
+
+    def _check_staged(self) -> None:
+        """Sarathi-Serve's own checks on its schedule's sizes, and the step budget they live in."""
+        high, low = self.staged_high_chunk_size, self.low_chunk_size
+        _require(self.chunk_schedule_stages >= 1, "chunk_schedule_stages", f"must be >= 1, got {self.chunk_schedule_stages}")
+        _require(self.chunk_schedule_max_tokens >= 1, "chunk_schedule_max_tokens",
+                 f"must be >= 1, got {self.chunk_schedule_max_tokens}")
+        if self.chunk_schedule != "staged":
+            return
+        _require(low >= 32 and low % 32 == 0, "low_chunk_size", f"must be a positive multiple of 32, got {low}")
+        _require(high % 32 == 0 and low <= high <= self.max_num_batched_tokens, "high_chunk_size",
+                 f"must be a multiple of 32 in [low_chunk_size ({low}), max_num_batched_tokens "
+                 f"({self.max_num_batched_tokens})], got {high}")
 
     def resolved(self) -> EngineConfig:
         """This config with `dtype="auto"` replaced by this machine's choice (logged once)."""

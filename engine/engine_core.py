@@ -14,6 +14,7 @@ its blocks still held (`handoff_blocks`) — or through `abort` (blocks freed) o
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,6 +23,8 @@ import torch
 
 from pdserve.engine.admission import KVCapacityExceeded, RequestRejected
 from pdserve.engine.block_pool import KVBlock
+from pdserve.engine.chunk_schedule import CHUNK_ALIGN, chunk_schedule_for
+from pdserve.engine.clock import MonotonicClock
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel, load_model
@@ -33,7 +36,10 @@ from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step_profile import StepTimeModel, profile_step_times
 from pdserve.engine.stop_rules import token_finish_reason
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -89,6 +95,21 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._arrivals = 0
+        if fanout is None:
+            self.finish_start()
+
+    def finish_start(self) -> None:
+        """The part of starting that runs steps: the chunk schedule (target-step times the model).
+        A tensor-parallel node calls it once every rank has its caches (node/tp_group.py)."""
+        self.scheduler.chunks = chunk_schedule_for(self.config, self._step_tokens_within_target)
+
+    def _step_tokens_within_target(self) -> int:
+        budget = self.config.max_num_batched_tokens
+        model = StepTimeModel.fit(profile_step_times(self.runner.execute, self.kv, budget, MonotonicClock()))
+        tokens = model.tokens_within(self.config.target_step_ms / 1e3, min(CHUNK_ALIGN, budget), budget)
+        logger.info("target-step schedule: step ≈ %.1f ms + %.3f ms/token, so %d tokens a step for %.0f ms",
+                    model.base_s * 1e3, model.per_token_s * 1e3, tokens, self.config.target_step_ms)
+        return tokens
 
     @property
     def num_blocks(self) -> int:
