@@ -18,6 +18,8 @@ ATTENTION_BACKENDS = ("fast", "reference")
 CHUNK_SCHEDULES = ("fixed", "staged", "target-step")
 # Both pools of a cluster and the router must agree on it (KV layout, prefix hashing).
 DEFAULT_BLOCK_SIZE = 16
+# The KV cache's memory when nothing sizes it (--num-blocks, --kv-cache-bytes, --kv-cache-memory-fraction).
+DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -30,9 +32,15 @@ class EngineConfig:
         "choices": MODEL_IMPLS,
         "help": "auto: the native forward for llama/mistral/qwen2/qwen3, transformers otherwise"})
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV block"})
-    # KV capacity: an explicit block count wins over the memory budget.
+    # KV capacity, the most explicit first: a block count, a byte count, a share of the memory.
     num_blocks: int | None = field(default=None, metadata={"help": "KV blocks (default: from --kv-cache-bytes)"})
-    kv_cache_bytes: int = field(default=1 << 30, metadata={"help": "KV cache memory, when --num-blocks is not given"})
+    kv_cache_bytes: int | None = field(default=None, metadata={
+        "help": "KV cache memory, when --num-blocks is not given (default: 1 GiB, or from "
+                "--kv-cache-memory-fraction)"})
+    kv_cache_memory_fraction: float | None = field(default=None, metadata={
+        "help": "size the KV cache at start: this share of the memory the process can have (what it holds "
+                "+ what is available, cgroup limits included), minus the weights and the peak activations "
+                "of the largest step, measured; --num-blocks and --kv-cache-bytes win over it"})
     max_num_batched_tokens: int = field(default=512, metadata={
         "help": "token budget of one step; a prefill chunk is at most this long"})
     max_num_seqs: int = field(default=64, metadata={"help": "requests in one step"})
@@ -73,7 +81,9 @@ class EngineConfig:
         _require(self.model_impl in MODEL_IMPLS, "model_impl", f"must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", f"must be >= 1, got {self.num_blocks}")
-        _require(self.kv_cache_bytes > 0, "kv_cache_bytes", f"must be > 0, got {self.kv_cache_bytes}")
+        _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes",
+                 f"must be > 0, got {self.kv_cache_bytes}")
+        self._check_memory_fraction()
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
@@ -101,6 +111,20 @@ class EngineConfig:
     @property
     def staged_high_chunk_size(self) -> int:
         return self.high_chunk_size or self.max_num_batched_tokens
+
+    @property
+    def sizes_kv_by_profiling(self) -> bool:
+        """Does the engine measure memory to size its KV cache (no explicit count given)?"""
+        return self.kv_cache_memory_fraction is not None and self.num_blocks is None and self.kv_cache_bytes is None
+
+    def _check_memory_fraction(self) -> None:
+        fraction = self.kv_cache_memory_fraction
+        _require(fraction is None or 0 < fraction <= 1, "kv_cache_memory_fraction", f"must be in (0, 1], got {fraction}")
+        # Every rank would measure the one machine's memory as its own and count the others'
+        # weights as held by nobody: a rank's share is not measured yet, so say so.
+        _require(not (self.sizes_kv_by_profiling and self.tensor_parallel_size > 1), "kv_cache_memory_fraction",
+                 "is not supported with tensor_parallel_size > 1 (the ranks share the machine's memory): "
+                 "set --num-blocks or --kv-cache-bytes per rank")
 
     def _check_staged(self) -> None:
         """Sarathi-Serve's own checks on its schedule's sizes, and the step budget they live in."""
