@@ -15,8 +15,11 @@ AUTO_DTYPE = "auto"
 DTYPE_NAMES = (AUTO_DTYPE, "bfloat16", "float32")
 MODEL_IMPLS = ("auto", "native", "transformers")
 ATTENTION_BACKENDS = ("fast", "reference")
+CHUNK_SCHEDULES = ("fixed", "staged", "target-step")
 # Both pools of a cluster and the router must agree on it (KV layout, prefix hashing).
 DEFAULT_BLOCK_SIZE = 16
+# The KV cache's memory when nothing sizes it (--num-blocks, --kv-cache-bytes, --kv-cache-memory-fraction).
+DEFAULT_KV_CACHE_BYTES = 1 << 30
 
 
 @dataclass(frozen=True)
@@ -29,12 +32,37 @@ class EngineConfig:
         "choices": MODEL_IMPLS,
         "help": "auto: the native forward for llama/mistral/qwen2/qwen3, transformers otherwise"})
     block_size: int = field(default=DEFAULT_BLOCK_SIZE, metadata={"help": "tokens per KV block"})
-    # KV capacity: an explicit block count wins over the memory budget.
+    # KV capacity, the most explicit first: a block count, a byte count, a share of the memory.
     num_blocks: int | None = field(default=None, metadata={"help": "KV blocks (default: from --kv-cache-bytes)"})
-    kv_cache_bytes: int = field(default=1 << 30, metadata={"help": "KV cache memory, when --num-blocks is not given"})
+    kv_cache_bytes: int | None = field(default=None, metadata={
+        "help": "KV cache memory, when --num-blocks is not given (default: 1 GiB, or from "
+                "--kv-cache-memory-fraction)"})
+    kv_cache_memory_fraction: float | None = field(default=None, metadata={
+        "help": "size the KV cache at start: this share of the memory the process can have (what it holds "
+                "+ what is available, cgroup limits included), minus the weights and the peak activations "
+                "of the largest step, measured; --num-blocks and --kv-cache-bytes win over it"})
     max_num_batched_tokens: int = field(default=512, metadata={
         "help": "token budget of one step; a prefill chunk is at most this long"})
     max_num_seqs: int = field(default=64, metadata={"help": "requests in one step"})
+    chunk_schedule: str = field(default="fixed", metadata={
+        "choices": CHUNK_SCHEDULES,
+        "help": "fixed: every step may spend --max-num-batched-tokens; staged: Sarathi-Serve's schedule, the "
+                "budget steps down from --high-chunk-size to --low-chunk-size as a long prompt advances; "
+                "target-step: the budget a step-time model profiled at start fits in --target-step-ms"})
+    high_chunk_size: int | None = field(default=None, metadata={
+        "help": "staged: the first stage's step budget, a multiple of 32 (default: --max-num-batched-tokens)"})
+    low_chunk_size: int = field(default=128, metadata={"help": "staged: the last stage's step budget, a multiple of 32"})
+    chunk_schedule_stages: int = field(default=4, metadata={"help": "staged: stages from high to low"})
+    chunk_schedule_max_tokens: int = field(default=4096, metadata={
+        "help": "staged: prompt tokens over which the stages are spread (one stage every max-tokens / stages)"})
+    target_step_ms: float = field(default=100.0, metadata={
+        "help": "target-step: the modelled step time each step's token budget is chosen to hold"})
+    watermark: float = field(default=0.01, metadata={
+        "help": "share of the KV blocks a new prompt must leave free when admitted while others run, so "
+                "admitting it does not force a preemption at once (vLLM's --watermark)"})
+    delay_factor: float = field(default=0.0, metadata={
+        "help": "while requests run, hold new prompts until the earliest has waited this many times the "
+                "latency of the last prompt step, to batch them (vLLM v0's --delay-factor); 0: off"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest sequence (prompt + generated); default: the model's own limit"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})
@@ -53,7 +81,9 @@ class EngineConfig:
         _require(self.model_impl in MODEL_IMPLS, "model_impl", f"must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", f"must be >= 1, got {self.num_blocks}")
-        _require(self.kv_cache_bytes > 0, "kv_cache_bytes", f"must be > 0, got {self.kv_cache_bytes}")
+        _require(self.kv_cache_bytes is None or self.kv_cache_bytes > 0, "kv_cache_bytes",
+                 f"must be > 0, got {self.kv_cache_bytes}")
+        self._check_memory_fraction()
         _require(self.max_num_seqs >= 1, "max_num_seqs", f"must be >= 1, got {self.max_num_seqs}")
         _require(
             self.max_num_batched_tokens >= self.max_num_seqs,
@@ -61,6 +91,12 @@ class EngineConfig:
             f"must be >= max_num_seqs ({self.max_num_seqs}) so every running decode fits a step, "
             f"got {self.max_num_batched_tokens}",
         )
+        _require(self.chunk_schedule in CHUNK_SCHEDULES, "chunk_schedule",
+                 f"must be one of {CHUNK_SCHEDULES}, got {self.chunk_schedule!r}")
+        self._check_staged()
+        _require(self.target_step_ms > 0, "target_step_ms", f"must be > 0, got {self.target_step_ms}")
+        _require(0 <= self.watermark < 1, "watermark", f"must be in [0, 1), got {self.watermark}")
+        _require(self.delay_factor >= 0, "delay_factor", f"must be >= 0, got {self.delay_factor}")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                  f"must be >= 2, got {self.max_model_len}")
         _require(
@@ -71,6 +107,37 @@ class EngineConfig:
         _require(self.num_threads is None or self.num_threads >= 1, "num_threads",
                  f"must be >= 1, got {self.num_threads}")
         _require(self.tensor_parallel_size >= 1, "tensor_parallel_size", f"must be >= 1, got {self.tensor_parallel_size}")
+
+    @property
+    def staged_high_chunk_size(self) -> int:
+        return self.high_chunk_size or self.max_num_batched_tokens
+
+    @property
+    def sizes_kv_by_profiling(self) -> bool:
+        """Does the engine measure memory to size its KV cache (no explicit count given)?"""
+        return self.kv_cache_memory_fraction is not None and self.num_blocks is None and self.kv_cache_bytes is None
+
+    def _check_memory_fraction(self) -> None:
+        fraction = self.kv_cache_memory_fraction
+        _require(fraction is None or 0 < fraction <= 1, "kv_cache_memory_fraction", f"must be in (0, 1], got {fraction}")
+        # Every rank would measure the one machine's memory as its own and count the others'
+        # weights as held by nobody: a rank's share is not measured yet, so say so.
+        _require(not (self.sizes_kv_by_profiling and self.tensor_parallel_size > 1), "kv_cache_memory_fraction",
+                 "is not supported with tensor_parallel_size > 1 (the ranks share the machine's memory): "
+                 "set --num-blocks or --kv-cache-bytes per rank")
+
+    def _check_staged(self) -> None:
+        """Sarathi-Serve's own checks on its schedule's sizes, and the step budget they live in."""
+        high, low = self.staged_high_chunk_size, self.low_chunk_size
+        _require(self.chunk_schedule_stages >= 1, "chunk_schedule_stages", f"must be >= 1, got {self.chunk_schedule_stages}")
+        _require(self.chunk_schedule_max_tokens >= 1, "chunk_schedule_max_tokens",
+                 f"must be >= 1, got {self.chunk_schedule_max_tokens}")
+        if self.chunk_schedule != "staged":
+            return
+        _require(low >= 32 and low % 32 == 0, "low_chunk_size", f"must be a positive multiple of 32, got {low}")
+        _require(high % 32 == 0 and low <= high <= self.max_num_batched_tokens, "high_chunk_size",
+                 f"must be a multiple of 32 in [low_chunk_size ({low}), max_num_batched_tokens "
+                 f"({self.max_num_batched_tokens})], got {high}")
 
     def resolved(self) -> EngineConfig:
         """This config with `dtype="auto"` replaced by this machine's choice (logged once)."""

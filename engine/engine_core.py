@@ -14,6 +14,7 @@ its blocks still held (`handoff_blocks`) — or through `abort` (blocks freed) o
 
 from __future__ import annotations
 
+import logging
 import random
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -22,17 +23,25 @@ import torch
 
 from pdserve.engine.admission import KVCapacityExceeded, RequestRejected
 from pdserve.engine.block_pool import KVBlock
-from pdserve.engine.config import EngineConfig
+from pdserve.engine.chunk_schedule import CHUNK_ALIGN, chunk_schedule_for
+from pdserve.engine.clock import MonotonicClock
+from pdserve.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
+from pdserve.engine.kv_budget import kv_cache_blocks, max_concurrency
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel, load_model
+from pdserve.engine.memory_profile import profile_memory
 from pdserve.engine.model_runner import ModelRunner, SampledToken, kv_block_bytes
 from pdserve.engine.parallel import StepFanout
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
+from pdserve.engine.prompt_admission import PromptAdmission, watermark_blocks
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.step_profile import StepTimeModel, profile_step_times
 from pdserve.engine.stop_rules import token_finish_reason
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass(slots=True)
@@ -56,11 +65,27 @@ class EngineCoreOutput:
         return self.finish_reason is not None or self.handoff_blocks is not None
 
 
-def num_kv_blocks(config: EngineConfig, loaded: LoadedModel) -> int:
+def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
     """The cache's blocks: `num_blocks`, else what `kv_cache_bytes` holds of this rank's KV heads
-    (a rank's memory, as a GPU's is: every rank of a node computes the same count)."""
-    return config.num_blocks or max(1, config.kv_cache_bytes // kv_block_bytes(loaded, config.block_size,
-                                                                              config.torch_dtype))
+    (a rank's memory, as a GPU's is: every rank of a node computes the same count), else what
+    `kv_cache_memory_fraction` leaves once weights and a step's activations are measured."""
+    block_bytes = kv_block_bytes(loaded, config.block_size, config.torch_dtype)
+    if config.num_blocks:
+        return config.num_blocks
+    if not config.sizes_kv_by_profiling:
+        return max(1, (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // block_bytes)
+    facts = profile_memory(config, loaded, max_model_len, weight_bytes(loaded.model))
+    num_blocks = kv_cache_blocks(config.kv_cache_memory_fraction, facts, block_bytes)
+    logger.info("KV cache from --kv-cache-memory-fraction %s: %d MiB available, %d MiB held (weights %d MiB), "
+                "activations %d MiB", config.kv_cache_memory_fraction, facts.available_bytes >> 20,
+                facts.held_bytes >> 20, facts.weight_bytes >> 20, facts.activation_bytes >> 20)
+    return num_blocks
+
+
+def weight_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the model's parameters and buffers, a tied tensor once."""
+    tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
+    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class EngineCore:
@@ -78,15 +103,35 @@ class EngineCore:
         self.config = config
         self.loaded = loaded or load_model(config.model, config.torch_dtype, config.model_impl)
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
-        num_blocks = num_kv_blocks(config, self.loaded)
+        num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len)
+        logger.info("KV cache: %d blocks of %d tokens (%d MiB); %.2f requests of the model's %d tokens at once",
+                    num_blocks, config.block_size,
+                    num_blocks * kv_block_bytes(self.loaded, config.block_size, config.torch_dtype) >> 20,
+                    max_concurrency(num_blocks, config.block_size, self.max_model_len), self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.policy = policy or ColocatedPolicy()
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs)
+        admission = PromptAdmission(watermark_blocks(config.watermark, num_blocks), config.delay_factor)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, admission)
         self.runner = ModelRunner(self.loaded, self.kv, num_blocks, config.torch_dtype, config.attention_backend,
                                   fanout)
         self._requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._arrivals = 0
+        if fanout is None:
+            self.finish_start()
+
+    def finish_start(self) -> None:
+        """The part of starting that runs steps: the chunk schedule (target-step times the model).
+        A tensor-parallel node calls it once every rank has its caches (node/tp_group.py)."""
+        self.scheduler.chunks = chunk_schedule_for(self.config, self._step_tokens_within_target)
+
+    def _step_tokens_within_target(self) -> int:
+        budget = self.config.max_num_batched_tokens
+        model = StepTimeModel.fit(profile_step_times(self.runner.execute, self.kv, budget, MonotonicClock()))
+        tokens = model.tokens_within(self.config.target_step_ms / 1e3, min(CHUNK_ALIGN, budget), budget)
+        logger.info("target-step schedule: step ≈ %.1f ms + %.3f ms/token, so %d tokens a step for %.0f ms",
+                    model.base_s * 1e3, model.per_token_s * 1e3, tokens, self.config.target_step_ms)
+        return tokens
 
     @property
     def num_blocks(self) -> int:

@@ -52,15 +52,17 @@ class KVCacheManager:
         blocks = self.pool.lookup(hashes)
         return PrefixHit(blocks, len(blocks) * self.block_size, len(hashes))
 
-    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None) -> list[int] | None:
-        """Hold enough blocks for `num_new_tokens` more tokens; the new block ids, or None."""
+    def allocate_slots(self, request: Request, num_new_tokens: int, hit: PrefixHit | None = None,
+                       keep_free: int = 0) -> list[int] | None:
+        """Hold enough blocks for `num_new_tokens` more tokens; the new block ids, or None when
+        fewer than `keep_free` blocks would stay free after (the admission watermark)."""
         held = self._req_blocks.setdefault(request.req_id, [])
         hit_blocks = hit.blocks if hit else []
         num_computed = request.num_computed_tokens + (hit.num_tokens if hit else 0)
         num_needed = self.blocks_needed(num_computed + num_new_tokens) - len(held) - len(hit_blocks)
         # Cached blocks sitting in the free queue stop being free once we take them.
         num_hits_free = sum(1 for b in hit_blocks if b.ref_count == 0)
-        if max(num_needed, 0) + num_hits_free > self.pool.num_free_blocks:
+        if max(num_needed, 0) + num_hits_free + keep_free > self.pool.num_free_blocks:
             return None
         if hit is not None:
             self.pool.record_lookup(hit.num_queried, len(hit_blocks))

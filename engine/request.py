@@ -42,6 +42,7 @@ class Request:
     num_computed_tokens: int = 0
     num_cached_tokens: int = 0  # prompt tokens served from the prefix cache
     num_preemptions: int = 0
+    arrival_time: float = 0.0  # when it joined the scheduler's queue (engine/prompt_admission.py)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
 

@@ -9,7 +9,9 @@ Each step spends at most `max_num_batched_tokens` tokens on at most `max_num_seq
 requests. A request that cannot get blocks preempts the latest arrival (recompute),
 so earlier requests always make progress; when nothing runs and the waiting head cannot
 get blocks, the latest waiting request holding blocks gives them up (a decode node's
-prefilled requests wait holding their KV). The scheduler never runs the model.
+prefilled requests wait holding their KV). When a new prompt may be admitted (the watermark,
+the delay factor) is the `PromptAdmission`'s to say, and how long a prompt's next chunk
+is the `ChunkSchedule`'s. The scheduler never runs the model.
 """
 
 from __future__ import annotations
@@ -18,7 +20,9 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.engine.chunk_schedule import ChunkSchedule, FixedChunks
 from pdserve.engine.kv_cache_manager import KVCacheManager
+from pdserve.engine.prompt_admission import PromptAdmission
 from pdserve.engine.request import Request, RequestStatus
 
 
@@ -54,8 +58,12 @@ class Scheduler:
         kv: KVCacheManager,
         max_num_batched_tokens: int,
         max_num_seqs: int,
+        admission: PromptAdmission | None = None,
+        chunks: ChunkSchedule | None = None,
     ) -> None:
         self.kv = kv
+        self.chunks = chunks or FixedChunks(max_num_batched_tokens)
+        self.admission = admission or PromptAdmission()
         self.max_num_batched_tokens = max_num_batched_tokens
         self.max_num_seqs = max_num_seqs
         self.waiting: deque[Request] = deque()
@@ -63,6 +71,7 @@ class Scheduler:
         self.num_preemptions = 0
 
     def add(self, request: Request) -> None:
+        self.admission.arrived(request)
         self.waiting.append(request)
 
     def has_unfinished(self) -> bool:
@@ -70,6 +79,7 @@ class Scheduler:
 
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
+        self.admission.start_step(self.waiting, bool(self.running))
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
@@ -97,7 +107,11 @@ class Scheduler:
         i = 0
         while i < len(self.running) and budget > 0:
             req = self.running[i]
-            num_new = min(req.num_tokens - req.num_computed_tokens, budget)
+            num_new = self.chunks.num_new_tokens(req, req.num_computed_tokens,
+                                                 self.max_num_batched_tokens - budget, budget)
+            if num_new == 0:  # the chunk schedule's step budget is spent; decodes behind it still fit
+                i += 1
+                continue
             if self.kv.allocate_slots(req, num_new) is None:
                 victim = self.running[-1]  # the latest arrival
                 self._preempt(victim, out)
@@ -112,13 +126,19 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
+            keep_free = self.admission.blocks_to_keep_free(req, bool(self.running))
+            if keep_free is None:
+                break  # held by the delay factor
             hit = self.kv.find_prefix_hit(req) if req.num_computed_tokens == 0 else None
             num_done = req.num_computed_tokens + (hit.num_tokens if hit else 0)
-            num_new = min(req.num_tokens - num_done, budget)
-            if self.kv.allocate_slots(req, num_new, hit) is None:
+            num_new = self.chunks.num_new_tokens(req, num_done, self.max_num_batched_tokens - budget, budget)
+            if num_new == 0:
+                break
+            if self.kv.allocate_slots(req, num_new, hit, keep_free) is None:
                 if not self.running:
                     self._preempt_waiting_holder(req, out)
                 break
+            self.admission.admitted(req)
             self.waiting.popleft()
             if hit:
                 req.num_computed_tokens += hit.num_tokens

@@ -80,6 +80,7 @@ def start_engine(engine: EngineConfig, policy: SchedulingPolicy | None = None, t
         core = EngineCore(engine, policy, loaded, group.fanout)
         group.start_ranks(core.num_blocks, StepLimits.of(engine.max_num_batched_tokens, engine.max_num_seqs,
                                                           core.max_model_len, engine.block_size))
+        core.finish_start()  # its profiling steps run on every rank
     except BaseException:
         group.close()
         raise

@@ -25,6 +25,7 @@ import pytest
 from pdserve.engine.block_pool import KVBlock, hash_block_tokens
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
+from pdserve.engine.prompt_admission import PromptAdmission
 from pdserve.engine.request import FinishReason, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler, SchedulerOutput
@@ -67,11 +68,11 @@ def always(token_id: int) -> Sample:
 
 class SchedLoop:
     def __init__(self, setup: PolicySetup, num_blocks: int = 16, block_size: int = 4, budget: int = 8,
-                 max_seqs: int = 4, caching: bool = True) -> None:
+                 max_seqs: int = 4, caching: bool = True, admission: PromptAdmission | None = None) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, caching)
         self.policy = setup.policy
         self._handed_over: Handoff = []  # handed off by the last step, blocks still referenced
-        self.scheduler = Scheduler(self.kv, budget, max_seqs)
+        self.scheduler = Scheduler(self.kv, budget, max_seqs, admission)
         self.block_size = block_size
         self.kv_slots: dict[tuple[int, int], tuple[int, ...]] = {}  # (block_id, offset) -> prefix
         self.live: dict[str, Request] = {}  # added and not finished
