@@ -112,7 +112,9 @@ class Scheduler:
     def _schedule_waiting(self, out: SchedulerOutput, budget: int) -> None:
         while self.waiting and budget > 0 and len(self.running) < self.max_num_seqs:
             req = self.waiting[0]
-            hit = self.kv.find_prefix_hit(req) if req.num_computed_tokens == 0 else None
+            # A request still scoring its prompt (prompt_logprobs) needs the logits of every prompt
+            # position, which a prefix-cache hit would skip computing: it takes no hit (as in vLLM).
+            hit = self.kv.find_prefix_hit(req) if req.num_computed_tokens == 0 and not req.scores_prompt else None
             num_done = req.num_computed_tokens + (hit.num_tokens if hit else 0)
             num_new = min(req.num_tokens - num_done, budget)
             if self.kv.allocate_slots(req, num_new, hit) is None:
