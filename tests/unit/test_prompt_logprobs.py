@@ -59,3 +59,15 @@ def test_vllm_shape_puts_the_prompt_token_first_with_its_rank_when_known():
         {8: Logprob(-4.0, None, "<8>"), 1: Logprob(-0.1, 1, "<1>"), 2: Logprob(-2.0, 2, "<2>")},
     ]
     assert list(got[2]) == [8, 1, 2]
+
+
+def test_generate_cli_asks_for_and_prints_prompt_logprobs():
+    from pdserve.proto import pdserve_pb2
+    from pdserve.router.client import Completion, _parser, build_request
+
+    assert build_request(_parser().parse_args(["hi", "--prompt-logprobs", "2"])).sampling_params.prompt_logprobs == 2
+    assert not build_request(_parser().parse_args(["hi"])).sampling_params.HasField("prompt_logprobs")
+    completion = Completion()
+    entry = pdserve_pb2.TokenLogprobs(token_id=4, logprob=-1.0, top=[pdserve_pb2.TopLogprob(token_id=9, logprob=-0.5)])
+    completion.add(pdserve_pb2.GenerateResponse(token_ids=[1], prompt_logprobs=[entry]))
+    assert completion.as_dict()["prompt_logprobs"] == [{"token_id": 4, "logprob": -1.0, "top": [[9, -0.5]]}]
