@@ -10,6 +10,7 @@ the core starts no KV transport and the handler gets `None` for it). A request's
             KV blocks than this node has (another node may be bigger)
           INVALID_ARGUMENT   — anything else the engine refuses
     each step ─▶ Tokens{[token], [logprobs]} for tokens 1..n, the last with finish_reason
+                 (token 1's with the prompt logprobs, when the params ask)
     Abort ─▶ abort the request in the engine (its blocks are freed at once)
 
 Must never: hold a block outside the scheduler, or answer a request twice.
@@ -24,7 +25,7 @@ from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.node.config import NodeConfig
 from pdserve.node.core_part import ToFront
 from pdserve.node.errors import NodeError, rejection_error
-from pdserve.node.messages import Abort, StreamSubmit, Logprobs, Message, RequestFailed, Tokens
+from pdserve.node.messages import Abort, Logprobs, Message, PromptLogprobs, RequestFailed, StreamSubmit, Tokens
 from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
 
 logger = logging.getLogger(__name__)
@@ -72,7 +73,8 @@ class ColocatedCore:
     def _stream(self, out: EngineCoreOutput) -> None:
         reason = out.finish_reason
         self.to_front(Tokens(out.req_id, [out.new_token_id], [Logprobs.of(out.logprobs)],
-                         reason.value if reason is not None else None, out.stop_token_id))
+                         reason.value if reason is not None else None, out.stop_token_id,
+                         PromptLogprobs.of(out.prompt_logprobs)))
 
 
 def make_handler(config: NodeConfig, engine: EngineCore, transport: None, descriptor: None,

@@ -30,10 +30,11 @@ from pdserve.engine.kv_budget import kv_cache_blocks, max_concurrency
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.memory_profile import profile_memory
-from pdserve.engine.model_runner import ModelRunner, SampledToken, kv_block_bytes
+from pdserve.engine.model_runner import ModelRunner, PromptScores, SampledToken, kv_block_bytes
 from pdserve.engine.parallel import StepFanout
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
 from pdserve.engine.prompt_admission import PromptAdmission, watermark_blocks
+from pdserve.engine.prompt_logprobs import PromptLogprobs
 from pdserve.engine.request import FinishReason, Request
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
@@ -58,11 +59,20 @@ class EngineCoreOutput:
     # Handed off after this token: the request's blocks in position order, still referenced.
     # The receiver owns them now and frees them with `kv.pool.free` once nothing reads them.
     handoff_blocks: list[KVBlock] | None = None
+    # On the first token this engine samples for a request that asked for prompt logprobs:
+    # every prompt token after the first, scored (engine/prompt_logprobs.py).
+    prompt_logprobs: PromptLogprobs | None = None
 
     @property
     def is_last(self) -> bool:
         """Is this the request's last output here (it finished, or was handed off)?"""
         return self.finish_reason is not None or self.handoff_blocks is not None
+
+
+def _record_prompt_scores(scores: PromptScores) -> None:
+    collected = scores.request.prompt_logprobs
+    assert collected is not None, "the runner scores only requests that collect prompt logprobs"
+    collected.extend(scores.token_ids, scores.logprobs)
 
 
 def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
@@ -180,6 +190,9 @@ class EngineCore:
         self._check_unscheduled(request.req_id)
         request.num_computed_tokens = request.num_tokens
         self.kv.cache_computed_blocks(request)
+        # The prompt was computed (and scored, if asked) where token 1 was sampled, which answers
+        # its logprobs; a recompute here after a preemption must not score it again.
+        request.prompt_logprobs = None
         out = self._accept_token(request, first_token_id, None)
         if not out.is_last:
             self.scheduler.add(request)
@@ -221,9 +234,11 @@ class EngineCore:
         out = self.scheduler.schedule()
         if out.is_empty:
             return []
-        sampled = self.runner.execute(out)
+        result = self.runner.execute(out)
         self.scheduler.update_after_step(out)
-        return [self._process(s) for s in sampled]
+        for scores in result.prompt_scores:
+            _record_prompt_scores(scores)
+        return [self._process(s) for s in result.sampled]
 
     def _process(self, sampled: SampledToken) -> EngineCoreOutput:
         return self._accept_token(sampled.scheduled.request, sampled.token_id, sampled.logprobs)
@@ -231,7 +246,9 @@ class EngineCore:
     def _accept_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> EngineCoreOutput:
         request.append_output_token(token_id)
         out = EngineCoreOutput(request.req_id, token_id, logprobs, None, request.num_prompt_tokens,
-                               request.num_cached_tokens)
+                               request.num_cached_tokens, prompt_logprobs=request.prompt_logprobs)
+        # Handed out once, with the first token: a recompute after a preemption scores nothing again.
+        request.prompt_logprobs = None
         if self.policy.hands_off_after_first_token():
             # Whether this token stops the request is for the engine that continues it to say.
             request.hand_off()

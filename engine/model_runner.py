@@ -3,14 +3,16 @@
 Owns the KV cache tensors. Packs every scheduled request into one flat batch
 (decodes first, then prefill chunks), computes positions and cache slots, runs the
 transformers model with the engine's paged attention, takes logits only for the rows
-that are sampled, and samples them. It never decides what runs; the scheduler does.
+that are sampled — and, for requests that ask for prompt logprobs, the prompt rows their
+chunk scores (engine/prompt_logprobs.py) — and samples them. It never decides what runs;
+the scheduler does, and never changes a request: the engine core records what a step made.
 """
 
 from __future__ import annotations
 
 import math
 import mmap
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -18,7 +20,9 @@ from pdserve.engine.attention import ForwardContext
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.parallel import StepFanout
-from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs
+from pdserve.engine.prompt_logprobs import positions_to_score
+from pdserve.engine.request import Request
+from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs, log_softmax_rows, token_logprobs
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.kernels import cpu_ext, paged_attention, paged_attention_reference
 from pdserve.kernels.metadata import AttentionMetadata
@@ -34,12 +38,37 @@ class SampledToken:
 
 
 @dataclass(slots=True)
+class PromptScores:
+    """The prompt tokens one step scored for one request, in position order."""
+
+    request: Request
+    token_ids: list[int]
+    logprobs: list[TokenLogprobs]
+
+
+@dataclass(slots=True)
+class StepResult:
+    sampled: list[SampledToken]
+    prompt_scores: list[PromptScores]
+
+
+@dataclass(slots=True)
+class ScoredRows:
+    """A request's chunk positions that score prompt tokens (position p scores token p+1)."""
+
+    request: Request
+    positions: range
+
+
+@dataclass(slots=True)
 class PackedBatch:
     input_ids: torch.Tensor  # [num_tokens]
     positions: torch.Tensor  # [num_tokens]
     metadata: AttentionMetadata
-    logits_indices: torch.Tensor  # [num_sampled]: rows of the batch whose logits we need
+    # [num_sampled + num_scored]: rows of the batch whose logits we need, sampled rows first
+    logits_indices: torch.Tensor
     sampled: list[ScheduledRequest]
+    scored: list[ScoredRows] = field(default_factory=list)  # after the sampled rows, in this order
 
 
 def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
@@ -82,18 +111,21 @@ class ModelRunner:
         self.sampler = Sampler(loaded.eos_token_ids)
 
     @torch.inference_mode()
-    def execute(self, out: SchedulerOutput) -> list[SampledToken]:
+    def execute(self, out: SchedulerOutput) -> StepResult:
         batch = self._pack(out.scheduled)
         if self.fanout is not None:
             self.fanout(batch)
-        logits = self.forward(batch)  # [num_sampled, vocab]
+        logits = self.forward(batch)  # [num_sampled + num_scored, vocab]
+        num_sampled = len(batch.sampled)
+        scores = _score_prompts(batch.scored, logits[num_sampled:])
         if not batch.sampled:
-            return []
+            return StepResult([], scores)
         rows = [_sampling_row(s.request) for s in batch.sampled]
-        result = self.sampler(logits, rows)
-        return [
+        result = self.sampler(logits[:num_sampled], rows)
+        sampled = [
             SampledToken(s, token, lp) for s, token, lp in zip(batch.sampled, result.token_ids, result.logprobs)
         ]
+        return StepResult(sampled, scores)
 
     def _pack(self, scheduled: list[ScheduledRequest]) -> PackedBatch:
         # Decodes first (stable sort) so the kernels can batch them in one call.
@@ -117,6 +149,7 @@ class ModelRunner:
         slot_mapping = block_ids * self.block_size + positions % self.block_size
 
         sampled_pos = [i for i, s in enumerate(seqs) if s.samples]
+        scored, scored_rows = _prompt_rows(seqs, starts, query_start_loc)
         metadata = AttentionMetadata(
             slot_mapping=slot_mapping,
             query_start_loc=query_start_loc,
@@ -131,9 +164,44 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids),
             positions=positions,
             metadata=metadata,
-            logits_indices=query_start_loc[1:][sampled_pos].long() - 1,
+            logits_indices=torch.cat([query_start_loc[1:][sampled_pos].long() - 1, scored_rows]),
             sampled=[seqs[i] for i in sampled_pos],
+            scored=scored,
         )
+
+
+def _prompt_rows(seqs: list[ScheduledRequest], starts: list[int],
+                 query_start_loc: torch.Tensor) -> tuple[list[ScoredRows], torch.Tensor]:
+    """The chunks' rows that score prompt tokens, for the requests that ask (none: no rows)."""
+    scored: list[ScoredRows] = []
+    rows: list[int] = []
+    for i, s in enumerate(seqs):
+        if s.request.prompt_logprobs is None:
+            continue
+        positions = positions_to_score(s.request, s.num_scheduled_tokens)
+        if not positions:
+            continue
+        scored.append(ScoredRows(s.request, positions))
+        first_row = int(query_start_loc[i]) + positions.start - starts[i]
+        rows.extend(range(first_row, first_row + len(positions)))
+    return scored, torch.tensor(rows, dtype=torch.long)
+
+
+def _score_prompts(scored: list[ScoredRows], logits: torch.Tensor) -> list[PromptScores]:
+    """logits: [num_scored, vocab], the rows of `scored` in order. Raw logprobs (no penalty or
+    temperature), as vLLM scores a prompt."""
+    if not scored:
+        return []
+    token_ids = [r.request.prompt_token_ids[p + 1] for r in scored for p in r.positions]
+    num_tops = [r.request.params.prompt_logprobs for r in scored for _ in r.positions]
+    assert logits.shape[0] == len(token_ids), f"{logits.shape[0]} scored rows for {len(token_ids)} prompt tokens"
+    logprobs = token_logprobs(log_softmax_rows(logits), torch.tensor(token_ids), num_tops)
+    out, begin = [], 0
+    for r in scored:
+        end = begin + len(r.positions)
+        out.append(PromptScores(r.request, token_ids[begin:end], logprobs[begin:end]))
+        begin = end
+    return out
 
 
 def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:

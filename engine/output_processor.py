@@ -17,6 +17,7 @@ from pdserve.engine.sampling_params import SamplingParams
 
 if TYPE_CHECKING:  # types only: the router detokenizes without loading torch or model code
     from pdserve.engine.engine_core import EngineCoreOutput
+    from pdserve.engine.prompt_logprobs import PromptLogprobs
     from pdserve.engine.sampler import TokenLogprobs
 
 
@@ -30,6 +31,7 @@ class CompletionDelta:
     logprobs: list[TokenLogprobs]
     finish_reason: FinishReason | None
     stop_reason: str | int | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # with the first token, when the params ask
 
 
 @dataclass(slots=True)
@@ -48,7 +50,9 @@ class SequenceStream:
 
     def push(self, out: EngineCoreOutput) -> CompletionDelta:
         """Consume one token from the core; returns the delta to show the caller."""
-        return self.push_token(out.new_token_id, out.logprobs, out.finish_reason)
+        delta = self.push_token(out.new_token_id, out.logprobs, out.finish_reason)
+        delta.prompt_logprobs = out.prompt_logprobs
+        return delta
 
     def push_token(
         self, token_id: int, logprobs: TokenLogprobs | None, finish_reason: FinishReason | None

@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.engine.prompt_logprobs import PromptLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -45,10 +46,21 @@ class Request:
     arrival_time: float = 0.0  # when it joined the scheduler's queue (engine/prompt_admission.py)
     status: RequestStatus = RequestStatus.WAITING
     finish_reason: FinishReason | None = None
+    # Collected while the prompt is computed, when the params ask; handed out (and None from
+    # then on) with the first token this engine samples.
+    prompt_logprobs: PromptLogprobs | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:
             self.token_ids = list(self.prompt_token_ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = PromptLogprobs(self.params.prompt_logprobs)
+
+    @property
+    def scores_prompt(self) -> bool:
+        """Does this request still need the logits of prompt positions it has not scored?"""
+        collected = self.prompt_logprobs
+        return collected is not None and len(collected) < self.num_prompt_tokens - 1
 
     @property
     def num_tokens(self) -> int:

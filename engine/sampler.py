@@ -111,7 +111,7 @@ def _column(values: list[float], device: torch.device) -> torch.Tensor:
 def _raw_logprobs(logits: torch.Tensor, row_idx: list[int]) -> torch.Tensor | None:
     if not row_idx:
         return None
-    return logits[_index(row_idx, logits.device)].to(torch.float32).log_softmax(dim=-1)
+    return log_softmax_rows(logits[_index(row_idx, logits.device)])
 
 
 def _token_counts(per_row: list[list[Sequence[int]]], vocab: int, device: torch.device) -> torch.Tensor:
@@ -240,14 +240,29 @@ def _gather_logprobs(
     if raw_logprobs is None:
         return out
     idx_t = _index(row_idx, raw_logprobs.device)
-    sampled = raw_logprobs.gather(1, token_ids[idx_t].unsqueeze(1)).squeeze(1).tolist()
-    num_top = min(max(rows[i].params.logprobs for i in row_idx), raw_logprobs.shape[1])
+    gathered = token_logprobs(raw_logprobs, token_ids[idx_t], [rows[i].params.logprobs for i in row_idx])
+    for i, lp in zip(row_idx, gathered):
+        out[i] = lp
+    return out
+
+
+def token_logprobs(raw_logprobs: torch.Tensor, token_ids: torch.Tensor, num_tops: list[int]) -> list[TokenLogprobs]:
+    """Row r: the logprob of `token_ids[r]` and the `num_tops[r]` most likely tokens.
+
+    raw_logprobs: [n, vocab] float32 log-softmax of raw logits; token_ids: [n] int64. Also
+    what scores prompt tokens (engine/prompt_logprobs.py), so both read the same numbers.
+    """
+    assert raw_logprobs.shape[0] == token_ids.shape[0] == len(num_tops)
+    chosen = raw_logprobs.gather(1, token_ids.unsqueeze(1)).squeeze(1).tolist()
+    num_top = min(max(num_tops, default=0), raw_logprobs.shape[1])
     top_values, top_ids = raw_logprobs.topk(num_top, dim=-1)
     top_values, top_ids = top_values.tolist(), top_ids.tolist()
-    for j, i in enumerate(row_idx):
-        n = rows[i].params.logprobs
-        out[i] = TokenLogprobs(sampled[j], top_ids[j][:n], top_values[j][:n])
-    return out
+    return [TokenLogprobs(chosen[r], top_ids[r][:n], top_values[r][:n]) for r, n in enumerate(num_tops)]
+
+
+def log_softmax_rows(logits: torch.Tensor) -> torch.Tensor:
+    """[n, vocab] float32 log-softmax of every row of `logits` (no penalty or temperature)."""
+    return logits.to(torch.float32).log_softmax(dim=-1)
 
 
 def _mix64(x: int) -> int:

@@ -99,6 +99,10 @@ class SamplingParams:
     stop_token_ids: tuple[int, ...] = ()
     ignore_eos: bool = False
     logprobs: int | None = None  # top logprobs to return; 0 => only the sampled token's
+    # Per prompt token after the first: its logprob and this many top alternatives (0 => only
+    # its own). None => off. A request that asks never takes a prefix-cache hit (the skipped
+    # positions' logits are what it asks for).
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         self._validate_counts()
@@ -121,6 +125,9 @@ class SamplingParams:
         if self.logprobs is not None:
             self._set("logprobs", _as_int("logprobs", self.logprobs))
             _check_range("logprobs", self.logprobs, 0, MAX_LOGPROBS)
+        if self.prompt_logprobs is not None:
+            self._set("prompt_logprobs", _as_int("prompt_logprobs", self.prompt_logprobs))
+            _check_range("prompt_logprobs", self.prompt_logprobs, 0, MAX_LOGPROBS)
 
     def _validate_distribution(self) -> None:
         self._set("temperature", _as_float("temperature", self.temperature))

@@ -129,7 +129,9 @@ class Scheduler:
             keep_free = self.admission.blocks_to_keep_free(req, bool(self.running))
             if keep_free is None:
                 break  # held by the delay factor
-            hit = self.kv.find_prefix_hit(req) if req.num_computed_tokens == 0 else None
+            # A request still scoring its prompt (prompt_logprobs) needs the logits of every prompt
+            # position, which a prefix-cache hit would skip computing: it takes no hit (as in vLLM).
+            hit = self.kv.find_prefix_hit(req) if req.num_computed_tokens == 0 and not req.scores_prompt else None
             num_done = req.num_computed_tokens + (hit.num_tokens if hit else 0)
             num_new = self.chunks.num_new_tokens(req, num_done, self.max_num_batched_tokens - budget, budget)
             if num_new == 0:

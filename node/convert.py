@@ -11,15 +11,17 @@ from __future__ import annotations
 from pdserve.kv_transfer.counters import TransferStats
 from pdserve.node.messages import StatsData, Tokens
 from pdserve.proto import node_pb2
-from pdserve.proto.convert import finish_reason_to_proto, logprobs_to_proto
+from pdserve.proto.convert import finish_reason_to_proto, logprobs_to_proto, prompt_logprobs_to_proto
 
 
 def tokens_to_proto(msg: Tokens) -> node_pb2.DecodeTokens:
     """The tokens event of a decode or colocated stream; -1 stands for "no stop token" on the wire."""
     logprobs = [logprobs_to_proto(t, lp) for t, lp in zip(msg.token_ids, msg.logprobs) if lp is not None]
     stop_token_id = msg.stop_token_id if msg.stop_token_id is not None else -1
+    prompt = prompt_logprobs_to_proto(msg.prompt_logprobs) if msg.prompt_logprobs is not None else []
     return node_pb2.DecodeTokens(token_ids=msg.token_ids, logprobs=logprobs,
-                                 finish_reason=finish_reason_to_proto(msg.finish_reason), stop_token_id=stop_token_id)
+                                 finish_reason=finish_reason_to_proto(msg.finish_reason), stop_token_id=stop_token_id,
+                                 prompt_logprobs=prompt)
 
 
 def _counters(kv: TransferStats) -> node_pb2.TransferCounters:

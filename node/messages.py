@@ -50,6 +50,27 @@ class Logprobs:
                    list(engine_logprobs.top_logprobs))
 
 
+@dataclass(slots=True)
+class PromptLogprobs:
+    """The engine's `PromptLogprobs`, as plain data: entry j scores prompt token j+1."""
+
+    token_ids: list[int]
+    logprobs: list[Logprobs]
+
+    @classmethod
+    def of(cls, engine_prompt: Any) -> PromptLogprobs | None:
+        """From the engine's PromptLogprobs (or None); typed Any to keep torch out of the front."""
+        if engine_prompt is None:
+            return None
+        return cls(list(engine_prompt.token_ids), [Logprobs.of(lp) for lp in engine_prompt.logprobs])
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any] | None) -> PromptLogprobs | None:
+        if body is None:
+            return None
+        return cls(body["token_ids"], [Logprobs(**lp) for lp in body["logprobs"]])
+
+
 class _Message:
     """Default JSON rebuild: the fields are already JSON-native."""
 
@@ -141,10 +162,12 @@ class FirstToken(_Message):
     prefill_s: float  # arrival at the core -> token 1 sampled
     kv_transfer_s: float  # token 1 sampled -> the last push and the done message acknowledged
     kv_transfer_bytes: int
+    prompt_logprobs: PromptLogprobs | None = None  # when the params ask: scored with the prompt here
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> FirstToken:
-        return cls(**{**body, "logprobs": _logprobs(body["logprobs"])})
+        return cls(**{**body, "logprobs": _logprobs(body["logprobs"]),
+                      "prompt_logprobs": PromptLogprobs.from_json(body.get("prompt_logprobs"))})
 
 
 @dataclass(slots=True)
@@ -154,10 +177,12 @@ class Tokens(_Message):
     logprobs: list[Logprobs | None]  # one per token
     finish_reason: str | None = None  # FinishReason.value once the request ended
     stop_token_id: int | None = None
+    prompt_logprobs: PromptLogprobs | None = None  # a colocated node's first event, when asked
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> Tokens:
-        return cls(**{**body, "logprobs": [_logprobs(lp) for lp in body["logprobs"]]})
+        return cls(**{**body, "logprobs": [_logprobs(lp) for lp in body["logprobs"]],
+                      "prompt_logprobs": PromptLogprobs.from_json(body.get("prompt_logprobs"))})
 
 
 @dataclass(slots=True)

@@ -4,11 +4,13 @@ Runs one in-process engine core. Prompts may be strings or token-id lists; outpu
 come back in input order. `stream()` yields deltas as they are produced; `generate()`
 collects them. A request with `n > 1` first runs its sample 0; the other samples join
 once its prompt is in the cache, so they read the prompt's blocks from the prefix cache
-instead of computing them again.
+instead of computing them again. Prompt logprobs are a request's, not a sample's: sample 0
+alone scores the prompt (the others would repeat it, and could not take the cached blocks).
 """
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
@@ -20,6 +22,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.node.tp_group import start_engine
 from pdserve.engine.output_processor import CompletionDelta, SequenceStream
+from pdserve.engine.prompt_logprobs import Logprob, as_vllm
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
@@ -44,6 +47,9 @@ class RequestOutput:
     prompt_token_ids: list[int]
     outputs: list[CompletionOutput]
     num_cached_tokens: int = 0
+    # vLLM's shape, when the params ask: None for the first prompt token, then per prompt token
+    # a dict token id -> Logprob holding the token itself and its top alternatives.
+    prompt_logprobs: list[dict[int, Logprob] | None] | None = None
 
     @property
     def finished(self) -> bool:
@@ -102,6 +108,8 @@ class LLM:
             for event in self.stream(prompt_list, params):
                 result = results[event.prompt_index]
                 _accumulate(result.outputs[event.sample_index], event.delta)
+                if event.delta.prompt_logprobs is not None:
+                    result.prompt_logprobs = as_vllm(event.delta.prompt_logprobs, self._decode_token)
                 if event.delta.finish_reason is not None and result.finished:
                     bar.update(1)
         return results
@@ -158,14 +166,18 @@ class LLM:
             return
         waiting.siblings_added = True
         base = f"{next(self._ids)}-{waiting.prompt_index}"
+        sibling_params = dataclasses.replace(waiting.params, prompt_logprobs=None)  # sample 0 scored the prompt
         for i in range(1, waiting.params.n):
-            self._add(f"{base}-{i}", waiting.prompt_token_ids, waiting.params, i, waiting.prompt_index, streams)
+            self._add(f"{base}-{i}", waiting.prompt_token_ids, sibling_params, i, waiting.prompt_index, streams)
 
     def _add(self, req_id, token_ids, params, sample_index, prompt_index, streams) -> str:
         self.engine.add_request(req_id, token_ids, params, sample_index)
         detok = IncrementalDetokenizer(self.tokenizer, token_ids)
         streams[req_id] = (prompt_index, sample_index, SequenceStream(req_id, params, detok))
         return req_id
+
+    def _decode_token(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
 
     def _tokenize(self, prompt: Prompt) -> list[int]:
         if isinstance(prompt, str):

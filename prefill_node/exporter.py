@@ -47,7 +47,7 @@ from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.handoff import PREFILL_MOVES, HandoffState, OnMove
 from pdserve.node.kv_done import DoneStatus, KVDone
 from pdserve.node.kv_ranks import GroupHandle, NodeKVDescriptor, RankedTransport
-from pdserve.node.messages import FirstToken, Logprobs, RequestFailed
+from pdserve.node.messages import FirstToken, Logprobs, PromptLogprobs, RequestFailed
 from pdserve.prefill_node.peers import PeerConnections
 
 
@@ -256,6 +256,8 @@ class KVExporter:
             prefill_s=export.first_at - export.arrived_at,
             kv_transfer_s=now - export.first_at,  # how long token 1 waited on the transfer (its connection)
             kv_transfer_bytes=sum(h.nbytes for h in export.handles),  # every push is queued by now
+            # Scored here with the prompt; they go to the client with token 1 (the decode node needs none).
+            prompt_logprobs=PromptLogprobs.of(export.first.prompt_logprobs),
         ))
 
     def _succeed(self, export: Export) -> None:

@@ -15,7 +15,7 @@ import sys
 import grpc
 
 from pdserve.node.client import CoreClient
-from pdserve.proto.convert import logprobs_to_proto
+from pdserve.proto.convert import logprobs_to_proto, prompt_logprobs_to_proto
 from pdserve.node.core_part import CorePart
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import FirstToken, PrefillSubmit, RequestFailed
@@ -69,6 +69,8 @@ def _response(reply: FirstToken) -> node_pb2.PrefillResponse:
                                         kv_transfer_bytes=reply.kv_transfer_bytes)
     if reply.logprobs is not None:
         response.logprobs.CopyFrom(logprobs_to_proto(reply.token_id, reply.logprobs))
+    if reply.prompt_logprobs is not None:
+        response.prompt_logprobs.extend(prompt_logprobs_to_proto(reply.prompt_logprobs))
     return response
 
 

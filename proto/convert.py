@@ -3,7 +3,7 @@ used by the router, by every node and by the `pdserve generate` client.
 
 Owns: proto `SamplingParams` ↔ engine `SamplingParams` (the router reads what a client
 set, sends nodes every field explicitly; a node takes the router's seed), finish reasons
-both ways (and their names), and a token's logprobs → proto.
+both ways (and their names), a token's logprobs → proto, and a prompt's → proto.
 
 Why this module, unlike the generated stubs beside it, imports the engine: the
 conversion needs both types, and the engine must never import proto or grpc, so the
@@ -16,6 +16,7 @@ talk to the network.
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import Protocol
 
 from pdserve.engine.request import FinishReason
@@ -25,7 +26,7 @@ from pdserve.proto import pdserve_pb2
 # Optional scalar fields whose proto name is the engine's keyword.
 _OPTIONAL_FIELDS = (
     "n", "temperature", "top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty",
-    "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs",
+    "frequency_penalty", "seed", "max_tokens", "min_tokens", "logprobs", "prompt_logprobs",
 )
 
 FINISH_TO_PROTO: dict[FinishReason | None, int] = {
@@ -43,6 +44,13 @@ class TokenLogprobs(Protocol):
     token_logprob: float  # of the sampled token
     top_token_ids: list[int]  # most likely first
     top_logprobs: list[float]
+
+
+class PromptLogprobs(Protocol):
+    """What the engine's and the node messages' prompt logprobs both carry."""
+
+    token_ids: list[int]  # prompt tokens 1.. in order
+    logprobs: Sequence[TokenLogprobs]  # one per token id
 
 
 # -- sampling parameters ----------------------------------------------------------------
@@ -86,6 +94,8 @@ def params_to_proto(params: SamplingParams) -> pdserve_pb2.SamplingParams:
         msg.seed = params.seed
     if params.logprobs is not None:
         msg.logprobs = params.logprobs
+    if params.prompt_logprobs is not None:
+        msg.prompt_logprobs = params.prompt_logprobs
     return msg
 
 
@@ -112,3 +122,8 @@ def logprobs_to_proto(token_id: int, logprobs: TokenLogprobs) -> pdserve_pb2.Tok
     top = [pdserve_pb2.TopLogprob(token_id=t, logprob=lp)
            for t, lp in zip(logprobs.top_token_ids, logprobs.top_logprobs)]
     return pdserve_pb2.TokenLogprobs(token_id=token_id, logprob=logprobs.token_logprob, top=top)
+
+
+def prompt_logprobs_to_proto(prompt: PromptLogprobs) -> list[pdserve_pb2.TokenLogprobs]:
+    """Entry j scores prompt token j+1: GenerateResponse.prompt_logprobs' shape."""
+    return [logprobs_to_proto(t, lp) for t, lp in zip(prompt.token_ids, prompt.logprobs)]

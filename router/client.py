@@ -35,6 +35,7 @@ class Completion:
     text: str = ""
     token_ids: list[int] = field(default_factory=list)
     logprobs: list[dict] = field(default_factory=list)
+    prompt_logprobs: list[dict] = field(default_factory=list)  # entry j: prompt token j+1
     last: pdserve_pb2.GenerateResponse | None = None
 
     def add(self, response: pdserve_pb2.GenerateResponse) -> None:
@@ -42,6 +43,7 @@ class Completion:
         self.text += response.text
         self.token_ids.extend(response.token_ids)
         self.logprobs.extend(_logprobs_dict(lp) for lp in response.logprobs)
+        self.prompt_logprobs.extend(_logprobs_dict(lp) for lp in response.prompt_logprobs)
         if response.finish_reason != pdserve_pb2.FINISH_REASON_UNSPECIFIED:
             self.last = response
 
@@ -59,12 +61,14 @@ class Completion:
         }
         if self.logprobs:
             out["logprobs"] = self.logprobs
+        if self.prompt_logprobs:
+            out["prompt_logprobs"] = self.prompt_logprobs
         return out
 
 
 def build_request(args: argparse.Namespace) -> pdserve_pb2.GenerateRequest:
     params = pdserve_pb2.SamplingParams(stop=args.stop, ignore_eos=args.ignore_eos)
-    for name in ("max_tokens", "temperature", "seed", "top_p", "top_k", "logprobs"):
+    for name in ("max_tokens", "temperature", "seed", "top_p", "top_k", "logprobs", "prompt_logprobs"):
         value = getattr(args, name)
         if value is not None:
             setattr(params, name, value)
@@ -126,6 +130,8 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--stop", action="append", default=[], help="a stop string (repeatable)")
     parser.add_argument("--ignore-eos", action="store_true")
     parser.add_argument("--logprobs", type=int, help="top logprobs per token")
+    parser.add_argument("--prompt-logprobs", type=int,
+                        help="score every prompt token after the first, with this many top alternatives (--json)")
     parser.add_argument("--timeout-s", type=float, help="deadline of the whole request")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     add_auth_args(parser)

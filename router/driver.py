@@ -127,6 +127,10 @@ class SampleDriver:
     def node_params(self) -> pdserve_pb2.SamplingParams:
         params = params_to_proto(self.spec.request.params)
         params.n = 1  # a node runs one sample; sample_index says which
+        if self.spec.index != 0 or self.relay.streamed_token_ids:
+            # Prompt logprobs are the request's and come with sample 0's token 1: the other
+            # samples, and a resume after the client has them, would only score the prompt again.
+            params.ClearField("prompt_logprobs")
         return params
 
     # -- opening the stream -------------------------------------------------------------

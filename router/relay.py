@@ -4,7 +4,8 @@ Owns the sample's detokenizer and stop-string check (`SequenceStream`), the list
 tokens already sent to the client (what a resume after a node failure re-prefills), the
 token-level stop rule for a token the router learns without a finish reason (token 1
 from a prefill node), and the responses themselves: each carries the sample's `index`;
-the last one the finish reason, usage and timings.
+the first one the prompt logprobs when asked (sample 0's only: the driver asks no other
+sample's node for them); the last one the finish reason, usage and timings.
 
 Must never: talk to a node, pick a node, or pick a status code. The sample's driver
 (router/driver.py, on either route) and the disaggregated route's prefill leg feed it
@@ -14,7 +15,7 @@ request's `SendResponse` (the orchestrator's queue of the response stream).
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
@@ -65,16 +66,18 @@ class TokenRelay:
     def finished(self) -> bool:
         return self._stream.finish_reason is not None
 
-    def push_sampled_token(self, token: int, logprobs: pdserve_pb2.TokenLogprobs | None) -> bool:
+    def push_sampled_token(self, token: int, logprobs: pdserve_pb2.TokenLogprobs | None,
+                           prompt_logprobs: Sequence[pdserve_pb2.TokenLogprobs] = ()) -> bool:
         """A token sampled by a node that did not judge the stop rules (a prefill node's
-        token 1, or the next token after a resume); True if it ended the sample."""
+        token 1, with the prompt's logprobs when asked, or the next token after a resume);
+        True if it ended the sample."""
         request = self._request
         num_generated = len(self.streamed_token_ids) + 1
         total_len = len(request.prompt_token_ids) + num_generated
         reason = token_finish_reason(token, num_generated, total_len, request.params,
                                      self._model.eos_token_ids, self._model.max_model_len)
         delta = self._stream.push_token(token, None, reason)
-        self._respond([token], delta.text, [logprobs] if logprobs is not None else [])
+        self._respond([token], delta.text, [logprobs] if logprobs is not None else [], prompt_logprobs)
         return self.finished
 
     def push_decoded(self, tokens: node_pb2.DecodeTokens) -> bool:
@@ -91,14 +94,17 @@ class TokenRelay:
                 break
         if not tokens.token_ids and node_reason is not None:
             text += self._stream.finish(node_reason).text
-        self._respond(ids, text, list(tokens.logprobs[: len(ids)]))
+        self._respond(ids, text, list(tokens.logprobs[: len(ids)]), tokens.prompt_logprobs)
         return node_reason is not None and not self._stream.hit_stop_string
 
     # -- responses ----------------------------------------------------------------------
 
-    def _respond(self, token_ids: list[int], text: str, logprobs: list[pdserve_pb2.TokenLogprobs]) -> None:
+    def _respond(self, token_ids: list[int], text: str, logprobs: list[pdserve_pb2.TokenLogprobs],
+                 prompt_logprobs: Sequence[pdserve_pb2.TokenLogprobs] = ()) -> None:
         if token_ids and self._first_token_at is None:
             self._first_token_at = self._clock()
+        # The client gets the prompt's logprobs once, with the sample's first token.
+        first = not self.streamed_token_ids and bool(token_ids)
         self.streamed_token_ids.extend(token_ids)
         if not token_ids and not text and not self.finished:
             return
@@ -111,6 +117,8 @@ class TokenRelay:
             finish_reason=finish_reason_to_proto(self._stream.finish_reason),
             stop_token_id=-1,
         )
+        if first and self._request.params.prompt_logprobs is not None:
+            response.prompt_logprobs.extend(prompt_logprobs)
         if self.finished:
             self._finish(response)
         self._send(response)

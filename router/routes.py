@@ -202,7 +202,7 @@ class DisaggregatedRoute(Route):
         prefill = await self._run_prefill(sample, leg)
         sample.relay.prefill.add(prefill)
         logprobs = prefill.logprobs if prefill.HasField("logprobs") else None
-        return sample.relay.push_sampled_token(prefill.first_token_id, logprobs)
+        return sample.relay.push_sampled_token(prefill.first_token_id, logprobs, prefill.prompt_logprobs)
 
     async def _run_prefill(self, sample: SampleView, leg: Leg) -> node_pb2.PrefillResponse:
         """The next token from some prefill node; a full queue sends the same reservation to the next one."""

@@ -45,6 +45,8 @@ class Script:
     hang_after_events: bool = False  # the decode stream stays open after its events
     fail_decode_after_events: bool = False  # the decode node dies mid-stream
     prefill_logprobs: pdserve_pb2.TokenLogprobs | None = None
+    # Answered with token 1 to a prefill that asks for prompt logprobs.
+    prompt_logprobs: list[pdserve_pb2.TokenLogprobs] = field(default_factory=list)
     # A resume (resumed_token_ids set): the prefill's token and the decode events, given
     # the resumed tokens; None: the same as a first attempt.
     resumed_first_token: Callable[[list[int]], int] | None = None
@@ -151,6 +153,8 @@ class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
         )
         if self.script.prefill_logprobs is not None:
             response.logprobs.CopyFrom(self.script.prefill_logprobs)
+        if request.sampling_params.HasField("prompt_logprobs"):
+            response.prompt_logprobs.extend(self.script.prompt_logprobs)
         return response
 
     async def GetStats(self, request, context):

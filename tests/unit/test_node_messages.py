@@ -11,22 +11,24 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import TransferStats
 from pdserve.node.config import NodeConfig, add_node_args, config_from_args, parse_node_args
-from pdserve.node.convert import stats_to_proto
-from pdserve.proto.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto
+from pdserve.node.convert import stats_to_proto, tokens_to_proto
+from pdserve.proto.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto, params_to_proto
 from pdserve.node.errors import ErrorCode, grpc_status
 from pdserve.node.kv_done import DoneStatus, KVDone
 from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, StreamSubmit, FirstToken, Logprobs, MessageError,
-                                   PrefillSubmit, Ready, RequestFailed, Shutdown, StatsData, StatsQuery, StatsReply,
-                                   Tokens, decode, encode)
+                                   PrefillSubmit, PromptLogprobs, Ready, RequestFailed, Shutdown, StatsData, StatsQuery,
+                                   StatsReply, Tokens, decode, encode)
 from pdserve.proto import pdserve_pb2
 
 PARAMS = SamplingParams(temperature=0.7, top_k=5, seed=-3, max_tokens=9, stop=("x", "yz"),
                         stop_token_ids=(3, 4), logprobs=2)
 LOGPROBS = Logprobs(-0.25, [7, 9], [-0.25, -1.5])
+PROMPT_LOGPROBS = PromptLogprobs([4, 7], [Logprobs(-3.0, [9], [-0.5]), LOGPROBS])
 
 MESSAGES = [
     PrefillSubmit("r1", [1, 2, 3], PARAMS, 1, '{"transport": "ucx"}', [4, 5]),
     StreamSubmit("r2", [9], SamplingParams(), 0),
+    StreamSubmit("r2p", [9, 4, 7], SamplingParams(prompt_logprobs=3), 0),
     PrefillSubmit("r1b", [1, 2], PARAMS, 0, "{}", [4], [17, 18]),  # a resume
     StreamSubmit("r2b", [9], SamplingParams(), 2, [5, 6, 7]),
     Abort("r3"),
@@ -39,6 +41,8 @@ MESSAGES = [
     Ready("r4", "{}", [0, 1, 2]),
     FirstToken("r5", 11, LOGPROBS, 16, 0.5, 0.01, 12288),
     FirstToken("r6", 12, None, 0, 0.5, 0.0, 0),
+    FirstToken("r6p", 12, None, 0, 0.5, 0.0, 0, PROMPT_LOGPROBS),
+    Tokens("r7p", [1], [None], None, None, PROMPT_LOGPROBS),
     Tokens("r7", [1, 2], [LOGPROBS, None], "length", None),
     Tokens("r8", [], [], "stop", 3),
     RequestFailed("r9", ErrorCode.RESOURCE_EXHAUSTED, "short of blocks"),
@@ -126,3 +130,13 @@ def test_proto_conversions():
     assert finish_reason_to_proto("stop") == pdserve_pb2.FINISH_REASON_STOP
     stats = stats_to_proto(MESSAGES[-1].stats)
     assert (stats.kind, stats.used_blocks, stats.kv_transfer.bytes, stats.prefix_cache_hits) == ("decode", 4, 100, 4)
+
+
+def test_prompt_logprobs_convert_to_the_public_shape():
+    event = tokens_to_proto(Tokens("r", [1], [None], None, None, PROMPT_LOGPROBS))
+    assert [(e.token_id, e.logprob, [t.token_id for t in e.top]) for e in event.prompt_logprobs] == \
+        [(4, -3.0, [9]), (7, -0.25, [7, 9])]
+    assert not tokens_to_proto(Tokens("r", [1], [None])).prompt_logprobs
+    params = SamplingParams(prompt_logprobs=0)
+    assert params_from_proto(params_to_proto(params), seed=0).prompt_logprobs == 0
+    assert not params_to_proto(SamplingParams()).HasField("prompt_logprobs")

@@ -41,6 +41,7 @@ PARAMS = st.builds(
     stop_token_ids=st.lists(st.integers(0, 50_000), max_size=3).map(tuple),
     ignore_eos=st.booleans(),
     logprobs=st.none() | st.integers(0, 20),
+    prompt_logprobs=st.none() | st.integers(0, 20),
 )
 
 

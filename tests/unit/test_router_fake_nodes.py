@@ -98,6 +98,27 @@ def test_n_samples_share_the_seed_and_stream_by_index(model, output_ids):
     assert len({r.request_id for r in calls.decode_requests}) == 2
 
 
+def test_prompt_logprobs_come_once_with_sample_zeros_token_one(model, output_ids):
+    per_index = {0: output_ids[:3], 1: output_ids[3:6]}
+    events = {i: [node_pb2.DecodeTokens(token_ids=ids[1:], finish_reason=LENGTH)] for i, ids in per_index.items()}
+    prompt = [pdserve_pb2.TokenLogprobs(token_id=t, logprob=-1.5, top=[pdserve_pb2.TopLogprob(token_id=9, logprob=-0.5)])
+              for t in (11, 12)]
+    script = Script(first_token=lambda i: per_index[i][0], decode_events=lambda i: events[i], prompt_logprobs=prompt)
+
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, script) as (calls, _):
+            return calls, await generate(address, text_request(n=2, max_tokens=3, seed=7, prompt_logprobs=1))
+
+    calls, responses = run(scenario())
+    with_prompt = [r for r in responses if r.prompt_logprobs]
+    assert len(with_prompt) == 1 and with_prompt[0].index == 0 and list(with_prompt[0].token_ids) == [output_ids[0]]
+    assert list(with_prompt[0].prompt_logprobs) == prompt
+    # Only sample 0's prefill scores the prompt; no decode node is asked to.
+    asked = {r.sample_index: r.sampling_params.HasField("prompt_logprobs") for r in calls.prefill_requests}
+    assert asked == {0: True, 1: False}
+    assert not any(r.sampling_params.HasField("prompt_logprobs") for r in calls.decode_requests if r.sample_index)
+
+
 @pytest.mark.parametrize(
     "request_kwargs, field",
     [
@@ -105,6 +126,8 @@ def test_n_samples_share_the_seed_and_stream_by_index(model, output_ids):
         ({"text": "hi", "sampling_params": {"top_p": 1.5}}, "top_p must be in (0, 1]"),
         ({"token_ids": [5, 5000]}, "token_ids contains 5000, outside the vocabulary [0, 960)"),
         ({"text": "hi", "sampling_params": {"max_tokens": 5000}}, "max_tokens must be <= "),
+        ({"text": "hi", "sampling_params": {"prompt_logprobs": 21}}, "prompt_logprobs must be <= 20, got 21"),
+        ({"text": "hi", "sampling_params": {"prompt_logprobs": -1}}, "prompt_logprobs must be >= 0, got -1"),
     ],
 )
 def test_bad_requests_are_invalid_argument_naming_the_field(model, output_ids, request_kwargs, field):
@@ -288,6 +311,24 @@ def test_a_decode_node_dying_mid_stream_resumes_on_another(model, output_ids):
     assert resumed[0].request_id.endswith("~1")
     assert [list(r.resumed_token_ids) for r in calls.prefill_requests] == [[], output_ids[:2]]
     assert received[-1].usage.completion_tokens == len(output_ids)
+
+
+def test_a_resume_does_not_score_the_prompt_again(model, output_ids):
+    script = resumable(output_ids)
+    script.decode_events = lambda index: [node_pb2.DecodeTokens(token_ids=[output_ids[1]])]
+    script.prompt_logprobs = [pdserve_pb2.TokenLogprobs(token_id=5, logprob=-2.0)]
+
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, script, decode=2) as (calls, nodes):
+            nodes[1].servicer.fail_after_events = True
+            received, error = await collect(address, text_request(max_tokens=len(output_ids), prompt_logprobs=0))
+            return received, error, calls
+
+    received, error, calls = run(scenario())
+    assert error is None
+    assert [t for r in received for t in r.token_ids] == output_ids
+    assert [list(r.prompt_logprobs) for r in received if r.prompt_logprobs] == [script.prompt_logprobs]
+    assert [r.sampling_params.HasField("prompt_logprobs") for r in calls.prefill_requests] == [True, False]
 
 
 def test_a_decode_node_that_keeps_dying_is_unavailable_after_the_resumes(model, output_ids):

@@ -114,6 +114,8 @@ def test_an_overlong_text_prompt_names_text(validator, model):
         ({"min_tokens": 5, "max_tokens": 4}, "min_tokens", "min_tokens must be <= 4, got 5"),
         ({"logprobs": 21}, "logprobs", "logprobs must be <= 20, got 21"),
         ({"logprobs": -1}, "logprobs", "logprobs must be >= 0, got -1"),
+        ({"prompt_logprobs": 21}, "prompt_logprobs", "prompt_logprobs must be <= 20, got 21"),
+        ({"prompt_logprobs": -1}, "prompt_logprobs", "prompt_logprobs must be >= 0, got -1"),
         ({"stop": [""]}, "stop", "stop must not contain empty strings"),
         ({"stop_token_ids": [-1]}, "stop_token_ids", "stop_token_ids must be >= 0, got -1"),
     ],

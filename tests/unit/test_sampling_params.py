@@ -92,6 +92,10 @@ BAD_VALUES = [
     ("logprobs", 21),
     ("logprobs", 1.0),
     ("logprobs", True),
+    ("prompt_logprobs", -1),
+    ("prompt_logprobs", 21),
+    ("prompt_logprobs", 2.0),
+    ("prompt_logprobs", False),
 ]
 
 
@@ -111,7 +115,7 @@ def test_defaults():
     assert (p.n, p.temperature, p.top_p, p.top_k, p.min_p) == (1, 1.0, 1.0, None, 0.0)
     assert (p.repetition_penalty, p.presence_penalty, p.frequency_penalty) == (1.0, 0.0, 0.0)
     assert (p.seed, p.max_tokens, p.min_tokens) == (None, 16, 0)
-    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.logprobs) == ((), (), False, None)
+    assert (p.stop, p.stop_token_ids, p.ignore_eos, p.logprobs, p.prompt_logprobs) == ((), (), False, None, None)
     assert not p.greedy
 
 
@@ -122,6 +126,8 @@ def test_defaults():
         dict(presence_penalty=-2.0, frequency_penalty=2.0, repetition_penalty=0.01),
         dict(repetition_penalty=100.0, temperature=100.0),
         dict(max_tokens=1, min_tokens=1, logprobs=20, seed=-3, n=4),
+        dict(prompt_logprobs=0),
+        dict(prompt_logprobs=20),
         dict(top_k=10**9, top_p=1e-6, seed=2**70),
     ],
 )

@@ -85,6 +85,15 @@ def test_prefix_hit_skips_cached_tokens():
     assert b.num_cached_tokens == 8 and a.num_cached_tokens == 0
 
 
+def test_a_request_scoring_its_prompt_takes_no_prefix_hit():
+    loop = SchedLoop(colocated(), budget=32)
+    loop.add("a", tokens(0, 12))
+    loop.step()
+    b = loop.add("b", tokens(0, 12), prompt_logprobs=0)  # a's blocks would cover 8 of its tokens
+    assert loop.step_ids() == [("a", 1), ("b", 12)]  # every position computed: its logits score the prompt
+    assert loop.held("b") == [4, 5, 6] and b.num_cached_tokens == 0
+
+
 def test_prefix_hit_lets_a_chunk_start_after_the_cached_blocks():
     loop = SchedLoop(colocated(), budget=8)
     loop.add("a", tokens(0, 16))

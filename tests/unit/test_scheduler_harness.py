@@ -87,8 +87,8 @@ class SchedLoop:
 
     # -- what the node above the scheduler does ------------------------------------------
 
-    def add(self, req_id: str, prompt: list[int], max_tokens: int = 16) -> Request:
-        request = self._new_request(req_id, prompt, max_tokens)
+    def add(self, req_id: str, prompt: list[int], max_tokens: int = 16, prompt_logprobs: int | None = None) -> Request:
+        request = self._new_request(req_id, prompt, max_tokens, prompt_logprobs)
         self.scheduler.add(request)
         self.check()
         return request
@@ -172,8 +172,10 @@ class SchedLoop:
     def held(self, req_id: str) -> list[int]:
         return self.kv.block_ids(req_id)
 
-    def _new_request(self, req_id: str, prompt: list[int], max_tokens: int) -> Request:
-        request = Request(req_id, list(prompt), SamplingParams(max_tokens=max_tokens), self._arrivals, seed=0)
+    def _new_request(self, req_id: str, prompt: list[int], max_tokens: int,
+                     prompt_logprobs: int | None = None) -> Request:
+        params = SamplingParams(max_tokens=max_tokens, prompt_logprobs=prompt_logprobs)
+        request = Request(req_id, list(prompt), params, self._arrivals, seed=0)
         self._arrivals += 1
         self.live[req_id] = request
         return request
