@@ -16,6 +16,7 @@ DTYPE_NAMES = (AUTO_DTYPE, "bfloat16", "float32")
 MODEL_IMPLS = ("auto", "native", "transformers")
 ATTENTION_BACKENDS = ("fast", "reference")
 CHUNK_SCHEDULES = ("fixed", "staged", "target-step")
+PREEMPTION_MODES = ("auto", "swap", "recompute")  # engine/preemption.py
 # Both pools of a cluster and the router must agree on it (KV layout, prefix hashing).
 DEFAULT_BLOCK_SIZE = 16
 # The KV cache's memory when nothing sizes it (--num-blocks, --kv-cache-bytes, --kv-cache-memory-fraction).
@@ -63,6 +64,14 @@ class EngineConfig:
     delay_factor: float = field(default=0.0, metadata={
         "help": "while requests run, hold new prompts until the earliest has waited this many times the "
                 "latency of the last prompt step, to batch them (vLLM v0's --delay-factor); 0: off"})
+    preemption_mode: str = field(default="auto", metadata={
+        "choices": PREEMPTION_MODES,
+        "help": "what a preempted request gives up: recompute: its KV (computed again later); swap: only its "
+                "device blocks, its KV copied to the swap space and back (recomputed, with a warning, when the "
+                "swap space is full); auto: swap when the swap space has room, else recompute"})
+    swap_space_bytes: int = field(default=0, metadata={
+        "help": "host memory for the KV of swapped-out requests (per rank; mapped as it fills); 0: none, so "
+                "--preemption-mode auto recomputes"})
     max_model_len: int | None = field(default=None, metadata={
         "help": "longest sequence (prompt + generated); default: the model's own limit"})
     enable_prefix_caching: bool = field(default=True, metadata={"help": "reuse the KV blocks of shared prompt prefixes"})
@@ -97,6 +106,11 @@ class EngineConfig:
         _require(self.target_step_ms > 0, "target_step_ms", f"must be > 0, got {self.target_step_ms}")
         _require(0 <= self.watermark < 1, "watermark", f"must be in [0, 1), got {self.watermark}")
         _require(self.delay_factor >= 0, "delay_factor", f"must be >= 0, got {self.delay_factor}")
+        _require(self.preemption_mode in PREEMPTION_MODES, "preemption_mode",
+                 f"must be one of {PREEMPTION_MODES}, got {self.preemption_mode!r}")
+        _require(self.swap_space_bytes >= 0, "swap_space_bytes", f"must be >= 0, got {self.swap_space_bytes}")
+        _require(self.preemption_mode != "swap" or self.swap_space_bytes > 0, "swap_space_bytes",
+                 "must be > 0 with --preemption-mode swap (the swap space holds the swapped-out KV)")
         _require(self.max_model_len is None or self.max_model_len >= 2, "max_model_len",
                  f"must be >= 2, got {self.max_model_len}")
         _require(

@@ -31,8 +31,9 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.memory_profile import profile_memory
 from pdserve.engine.model_runner import ModelRunner, PromptScores, SampledToken, kv_block_bytes
-from pdserve.engine.parallel import StepFanout
+from pdserve.engine.parallel import StepFanout, SwapFanout
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
+from pdserve.engine.preemption import preemption_policy_for
 from pdserve.engine.prompt_admission import PromptAdmission, watermark_blocks
 from pdserve.engine.prompt_logprobs import PromptLogprobs
 from pdserve.engine.request import FinishReason, Request
@@ -41,6 +42,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
 from pdserve.engine.step_profile import StepTimeModel, profile_step_times
 from pdserve.engine.stop_rules import token_finish_reason
+from pdserve.engine.swap_space import SwapSpace, swap_blocks_for
 
 logger = logging.getLogger(__name__)
 
@@ -100,9 +102,10 @@ def weight_bytes(model: torch.nn.Module) -> int:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, policy: SchedulingPolicy | None = None, loaded: LoadedModel | None = None,
-                 fanout: StepFanout | None = None):
+                 fanout: StepFanout | None = None, swap_fanout: SwapFanout | None = None):
         """`loaded`: a model already loaded (tests share one; a tensor-parallel node loads rank 0's
-        slice first); `fanout`: hands every step to the node's other ranks (node/tp_group.py)."""
+        slice first); `fanout`, `swap_fanout`: hand every step, and every step's block copies to
+        and from the swap space, to the node's other ranks (node/tp_group.py)."""
         # Resolved once, here, so every reader (KV cache, fingerprint, logs) sees the same dtype.
         config = config.resolved()
         if config.tensor_parallel_size > 1 and fanout is None:
@@ -119,11 +122,13 @@ class EngineCore:
                     num_blocks * kv_block_bytes(self.loaded, config.block_size, config.torch_dtype) >> 20,
                     max_concurrency(num_blocks, config.block_size, self.max_model_len), self.max_model_len)
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
+        self.swap = SwapSpace(self._num_swap_blocks())
         self.policy = policy or ColocatedPolicy()
         admission = PromptAdmission(watermark_blocks(config.watermark, num_blocks), config.delay_factor)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, admission)
+        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, admission,
+                                   preemption=preemption_policy_for(config.preemption_mode, self.swap))
         self.runner = ModelRunner(self.loaded, self.kv, num_blocks, config.torch_dtype, config.attention_backend,
-                                  fanout)
+                                  fanout, self.swap.num_blocks, swap_fanout)
         self._requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._arrivals = 0
@@ -142,6 +147,17 @@ class EngineCore:
         logger.info("target-step schedule: step ≈ %.1f ms + %.3f ms/token, so %d tokens a step for %.0f ms",
                     model.base_s * 1e3, model.per_token_s * 1e3, tokens, self.config.target_step_ms)
         return tokens
+
+    def _num_swap_blocks(self) -> int:
+        block_bytes = kv_block_bytes(self.loaded, self.config.block_size, self.config.torch_dtype)
+        num_swap_blocks = swap_blocks_for(self.config.swap_space_bytes, block_bytes)
+        if self.config.preemption_mode == "swap" and num_swap_blocks == 0:
+            raise ValueError(f"preemption_mode swap: --swap-space-bytes {self.config.swap_space_bytes} holds no "
+                             f"block of {block_bytes} bytes")
+        if num_swap_blocks:
+            logger.info("swap space: %d blocks (%d MiB), --preemption-mode %s", num_swap_blocks,
+                        num_swap_blocks * block_bytes >> 20, self.config.preemption_mode)
+        return num_swap_blocks
 
     @property
     def num_blocks(self) -> int:
@@ -215,7 +231,7 @@ class EngineCore:
         request = self._requests.get(req_id)
         if request is None:
             raise KeyError(f"unknown request {req_id!r}")
-        if request in self.scheduler.running or request in self.scheduler.waiting:
+        if request in (*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.swapped):
             raise ValueError(f"request {req_id!r} is already scheduled")
         return request
 
@@ -232,6 +248,7 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
+        self.runner.copy_swapped_blocks(out)  # before the forward, even of a step that runs nothing
         if out.is_empty:
             return []
         result = self.runner.execute(out)

@@ -1,6 +1,7 @@
 """Runs one scheduled step on the model: pack the batch, forward, sample.
 
-Owns the KV cache tensors. Packs every scheduled request into one flat batch
+Owns the KV cache tensors, and the host swap space's tensors beside them (the same per-block
+layout), between which it copies a step's swapped blocks before the forward. Packs every scheduled request into one flat batch
 (decodes first, then prefill chunks), computes positions and cache slots, runs the
 transformers model with the engine's paged attention, takes logits only for the rows
 that are sampled — and, for requests that ask for prompt logprobs, the prompt rows their
@@ -19,7 +20,7 @@ import torch
 from pdserve.engine.attention import ForwardContext
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel
-from pdserve.engine.parallel import StepFanout
+from pdserve.engine.parallel import StepFanout, SwapFanout
 from pdserve.engine.prompt_logprobs import positions_to_score
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs, log_softmax_rows, token_logprobs
@@ -82,16 +83,35 @@ class RankForward:
     runs for a step (rank 0 inside the `ModelRunner`, the others in node/tp_worker.py)."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype,
-                 backend: str) -> None:
+                 backend: str, num_swap_blocks: int = 0) -> None:
         self.loaded = loaded
         shape = (num_blocks, loaded.num_local_kv_heads, block_size, loaded.head_dim)
         self.k_caches = [zeroed_cache(shape, dtype) for _ in range(loaded.num_layers)]
         self.v_caches = [zeroed_cache(shape, dtype) for _ in range(loaded.num_layers)]
+        # The swap space: host memory (pinned, were the caches on a GPU); pages mapped as blocks fill.
+        swap_shape = (num_swap_blocks, *shape[1:])
+        self.k_swap = [zeroed_cache(swap_shape, dtype) for _ in range(loaded.num_layers)] if num_swap_blocks else []
+        self.v_swap = [zeroed_cache(swap_shape, dtype) for _ in range(loaded.num_layers)] if num_swap_blocks else []
         self.backend = BACKENDS[backend]
         if backend == "fast":
             # Build the C++ kernels now (once per machine, up to a minute) rather than
             # inside the first step, where a node's core would stop answering meanwhile.
             cpu_ext.ops()
+
+    @torch.inference_mode()
+    def copy_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """Device → host for `swap_out` (device, host) pairs, then host → device for `swap_in`
+        (host, device) pairs, every layer's K and V (the scheduler never fills both in one step)."""
+        for pairs, sources, targets in ((swap_out, (self.k_caches, self.v_caches), (self.k_swap, self.v_swap)),
+                                        (swap_in, (self.k_swap, self.v_swap), (self.k_caches, self.v_caches))):
+            if not pairs:
+                continue
+            src = torch.tensor([p[0] for p in pairs])
+            dst = torch.tensor([p[1] for p in pairs])
+            for source_layers, target_layers in zip(sources, targets):
+                for source, target in zip(source_layers, target_layers):
+                    # [num_pairs, num_kv_heads, block_size, head_dim]
+                    target.index_copy_(0, dst, source.index_select(0, src))
 
     @torch.inference_mode()
     def __call__(self, batch: PackedBatch) -> torch.Tensor:  # [num_sampled, vocab] (rank 0)
@@ -101,14 +121,24 @@ class RankForward:
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kv: KVCacheManager, num_blocks: int, dtype: torch.dtype, backend: str,
-                 fanout: StepFanout | None = None) -> None:
+                 fanout: StepFanout | None = None, num_swap_blocks: int = 0,
+                 swap_fanout: SwapFanout | None = None) -> None:
         self.loaded = loaded
         self.kv = kv
         self.block_size = kv.block_size
-        self.forward = RankForward(loaded, num_blocks, self.block_size, dtype, backend)
+        self.forward = RankForward(loaded, num_blocks, self.block_size, dtype, backend, num_swap_blocks)
         self.k_caches, self.v_caches = self.forward.k_caches, self.forward.v_caches
         self.fanout = fanout  # the node's other tensor-parallel ranks run every step with this one
+        self.swap_fanout = swap_fanout  # ... and make every step's swap copies with this one
         self.sampler = Sampler(loaded.eos_token_ids)
+
+    def copy_swapped_blocks(self, out: SchedulerOutput) -> None:
+        """The step's swap copies, on every rank, before any rank runs the step's forward."""
+        if not (out.swap_out or out.swap_in):
+            return
+        if self.swap_fanout is not None:
+            self.swap_fanout(out.swap_out, out.swap_in)
+        self.forward.copy_blocks(out.swap_out, out.swap_in)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:

@@ -29,6 +29,13 @@ class StepFanout(Protocol):
     def __call__(self, batch: PackedBatch) -> None: ...
 
 
+class SwapFanout(Protocol):
+    """Hands a step's block copies between the KV cache and the swap space to the other ranks,
+    before rank 0 makes its own (engine/swap_space.py): each rank swaps its own KV heads."""
+
+    def __call__(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None: ...
+
+
 @dataclass(frozen=True, slots=True)
 class TPShard:
     rank: int = 0

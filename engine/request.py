@@ -19,6 +19,7 @@ class RequestStatus(enum.Enum):
     WAITING = "waiting"
     RUNNING = "running"
     FINISHED = "finished"
+    SWAPPED = "swapped"  # preempted with its KV in the host swap space (engine/swap_space.py)
     HANDED_OFF = "handed_off"  # left at its first token with its KV; not finished, so no FinishReason
 
 

@@ -11,6 +11,7 @@ per core unless `--num-threads` says otherwise (per rank).
     group.start_ranks()  caches sized, step buffer mapped, each worker's KV descriptor back
                          (start_engine: the three steps above, around rank 0's EngineCore)
     group.fanout(batch)  every step: the batch into shared memory, a `step` message to each worker
+    group.fanout_swaps   a step's block copies to and from the swap space: a `swap` message
     group.links()        each worker rank's KV transport, as a `RankLink` for node/kv_ranks.py
     group.check_alive()  every loop iteration: a worker that died takes the node down at once
     group.close()        stop, then terminate, the workers
@@ -77,9 +78,10 @@ def start_engine(engine: EngineConfig, policy: SchedulingPolicy | None = None, t
     group, engine = TPGroup.start(engine, transfer, cpus, log_prefix)
     try:
         loaded = load_model(engine.model, engine.torch_dtype, engine.model_impl, group.shard)
-        core = EngineCore(engine, policy, loaded, group.fanout)
+        core = EngineCore(engine, policy, loaded, group.fanout, group.fanout_swaps)
         group.start_ranks(core.num_blocks, StepLimits.of(engine.max_num_batched_tokens, engine.max_num_seqs,
-                                                          core.max_model_len, engine.block_size))
+                                                          core.max_model_len, engine.block_size),
+                          core.swap.num_blocks)
         core.finish_start()  # its profiling steps run on every rank
     except BaseException:
         group.close()
@@ -211,13 +213,15 @@ class TPGroup:
     def shard(self) -> TPShard:
         return TPShard(0, self.size)
 
-    def start_ranks(self, num_blocks: int, limits: StepLimits) -> None:
-        """Every worker sizes its caches to `num_blocks`, maps the step buffer and (with a KV
-        transport) registers its caches; returns once all are ready. Raises WorkerDied."""
+    def start_ranks(self, num_blocks: int, limits: StepLimits, num_swap_blocks: int = 0) -> None:
+        """Every worker sizes its caches to `num_blocks` and its swap space to `num_swap_blocks`, maps
+        the step buffer and (with a KV transport) registers its caches; returns once all are ready.
+        Raises WorkerDied."""
         self._buffer = StepBuffer.create(limits)
         try:
             for link in self._links:
-                link.send("start", num_blocks=num_blocks, buffer=self._buffer.path, nbytes=limits.nbytes)
+                link.send("start", num_blocks=num_blocks, num_swap_blocks=num_swap_blocks, buffer=self._buffer.path,
+                          nbytes=limits.nbytes)
             for link in self._links:
                 link.wait_ready(WORKER_START_TIMEOUT_S)
         finally:
@@ -229,6 +233,12 @@ class TPGroup:
         shapes = self._buffer.write(batch)
         for link in self._links:
             link.send("step", shapes=shapes)
+
+    def fanout_swaps(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+        """The step's block copies to and from the swap space, to every worker, ahead of its `step`
+        (one ordered pipe: each worker copies before it runs the step's forward)."""
+        for link in self._links:
+            link.send("swap", swap_out=swap_out, swap_in=swap_in)
 
     def links(self) -> list[WorkerLink]:
         return list(self._links)

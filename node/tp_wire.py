@@ -3,7 +3,7 @@
 Two channels per worker, both made by node/tp_group.py:
 
 - a pipe each way carrying JSON messages (`send` / `receive`: `Connection.send_bytes`, never
-  pickle). Rank 0 → worker, in the order rank 0 decided them: `step`, `connect`, `push`,
+  pickle). Rank 0 → worker, in the order rank 0 decided them: `swap`, `step`, `connect`, `push`,
   `send_done`, `grant`, `revoke`, `stop`. Worker → rank 0: `ready`, `connected`, `handle`,
   `done`, `failed`. One ordered pipe is what makes a revoked write permit safe: a worker revokes
   before it runs any later step or grant that could reuse the blocks (node/kv_ranks.py).

@@ -3,10 +3,11 @@
 Started by rank 0 (node/tp_group.py) with a `WorkerSpec`; lives exactly as long as rank 0:
 
     pin to its cores ─▶ join the gloo group ─▶ load its slice (engine/parallel.py)
-    ─▶ `start`: caches sized to rank 0's block count, the step buffer mapped, its caches
+    ─▶ `start`: caches (and swap space) sized to rank 0's block counts, the step buffer mapped, its caches
        registered with a KV transport of its own (a node that moves KV) ─▶ `ready`
     ─▶ serve rank 0's messages in order, until `stop` or rank 0 is gone:
          step       run the forward on the batch in the step buffer (no sampling: rank 0 samples)
+         swap       copy blocks between its KV caches and its swap space (before the step's forward)
          connect    open a rank connection to a peer node's rank (on a thread: never stalls steps)
          push, send_done   on its own transport; each reports its end to rank 0 as it happens
          guard, grant, revoke   the write permits of a decode node's reservations
@@ -98,7 +99,7 @@ class _Worker:
         loaded = load_model(engine.model, engine.torch_dtype, engine.model_impl, TPShard(spec.rank, spec.size))
         start = self._next()
         forward = RankForward(loaded, start["num_blocks"], engine.block_size, engine.torch_dtype,
-                              engine.attention_backend)
+                              engine.attention_backend, start["num_swap_blocks"])
         buffer = StepBuffer(start["buffer"], start["nbytes"])
         transfer = _RankTransfer.start(spec, loaded, forward, self.events) if spec.transfer is not None else None
         logger.info("rank %d of %d on cpus %s with %d torch threads, KV heads %s", spec.rank, spec.size,
@@ -109,6 +110,8 @@ class _Worker:
             op = msg["op"]
             if op == "step":
                 forward(buffer.read(msg["shapes"]))
+            elif op == "swap":
+                forward.copy_blocks([tuple(p) for p in msg["swap_out"]], [tuple(p) for p in msg["swap_in"]])
             elif op == "stop":
                 break
             elif transfer is not None:

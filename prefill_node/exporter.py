@@ -27,8 +27,9 @@ One request's export, in the hand-off states of node/handoff.py (the core drives
     through the decode node (the aborted done message fails its stream, and the router
     resumes the sample elsewhere); an abort then lets the transfer complete.
 
-A preempted request (recompute) starts pushing again from block 0; pushes on one
-connection land in order, so the recomputed bytes overwrite anything stale.
+A preempted request starts pushing again from block 0 (recomputed, or swapped back in to other
+blocks: a push in flight may have read a block since reused); pushes on one connection land
+in order, so the fresh bytes overwrite anything stale. A swapped-out request pushes nothing.
 
 Must never: free a block a push may still read, or free one twice; block on the network;
 answer an RPC twice.
@@ -40,7 +41,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
-from pdserve.engine.request import Request
+from pdserve.engine.request import Request, RequestStatus
 from pdserve.kv_transfer import KVTransferError, TransferState
 from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
@@ -175,6 +176,8 @@ class KVExporter:
         request = export.request
         if request.num_preemptions != export.preemptions_seen:
             export.preemptions_seen, export.num_pushed = request.num_preemptions, 0
+        if request.status is RequestStatus.SWAPPED:
+            return  # its KV is in host blocks until it is swapped back in
         num_full = request.num_computed_tokens // self.block_size
         self._push(export, self.engine.kv.block_ids(export.req_id), num_full)
 

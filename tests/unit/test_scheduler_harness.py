@@ -9,7 +9,9 @@ including it, which is what real KV depends on. The test picks the sampled token
 prefix for every computed token (so a prefix hit, an eviction or a preemption never
 hands a request foreign KV), ref counts equal the number of holders, the free queue holds
 exactly the unreferenced blocks, every cached block holds the prefix its hash names, and
-the queues agree with the request states.
+the queues agree with the request states. Under swap preemption the step makes the swap
+copies first (between the shadow cache and a shadow swap space), and a swapped request's
+host blocks must hold exactly its own prefix too.
 
 What differs between policies (which class, how the prefill policy hands blocks over)
 sits in `colocated()` and `prefill()`, so renaming a policy is a one-line change here.
@@ -25,6 +27,7 @@ import pytest
 from pdserve.engine.block_pool import KVBlock, hash_block_tokens
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
+from pdserve.engine.preemption import PreemptionPolicy
 from pdserve.engine.prompt_admission import PromptAdmission
 from pdserve.engine.request import FinishReason, Request, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
@@ -68,13 +71,16 @@ def always(token_id: int) -> Sample:
 
 class SchedLoop:
     def __init__(self, setup: PolicySetup, num_blocks: int = 16, block_size: int = 4, budget: int = 8,
-                 max_seqs: int = 4, caching: bool = True, admission: PromptAdmission | None = None) -> None:
+                 max_seqs: int = 4, caching: bool = True, admission: PromptAdmission | None = None,
+                 preemption: PreemptionPolicy | None = None) -> None:
         self.kv = KVCacheManager(num_blocks, block_size, caching)
         self.policy = setup.policy
         self._handed_over: Handoff = []  # handed off by the last step, blocks still referenced
-        self.scheduler = Scheduler(self.kv, budget, max_seqs, admission)
+        self.scheduler = Scheduler(self.kv, budget, max_seqs, admission, preemption=preemption)
+        self.swap = self.scheduler.swap
         self.block_size = block_size
         self.kv_slots: dict[tuple[int, int], tuple[int, ...]] = {}  # (block_id, offset) -> prefix
+        self.swap_slots: dict[tuple[int, int], tuple[int, ...]] = {}  # the same, of host blocks
         self.live: dict[str, Request] = {}  # added and not finished
         self.reserved: dict[str, Request] = {}  # live, holding blocks, KV not arrived yet
         # Without reservations every request joins the queue when it arrives, so all running
@@ -137,9 +143,11 @@ class SchedLoop:
         self.check()
 
     def step(self, sample: Sample = always(7)) -> SchedulerOutput:
-        running_before, waiting_before = list(self.scheduler.running), list(self.scheduler.waiting)
-        out = self.scheduler.schedule()
-        self._check_output(out, running_before, waiting_before)
+        sched = self.scheduler
+        before = list(sched.running), list(sched.waiting), list(sched.swapped)
+        out = sched.schedule()
+        self._check_output(out, *before)
+        self._copy_swapped(out)
         samplers = [s.request for s in out.scheduled if s.samples]
         for s in out.scheduled:
             self._write_kv(s.request, s.num_scheduled_tokens)
@@ -201,6 +209,18 @@ class SchedLoop:
             assert request.req_id not in self.exports
             self.exports[request.req_id] = (request, blocks)
 
+    def _copy_swapped(self, out: SchedulerOutput) -> None:
+        """The model runner's swap copies, before the forward (engine/model_runner.py)."""
+        for pairs, src, dst in ((out.swap_out, self.kv_slots, self.swap_slots),
+                                (out.swap_in, self.swap_slots, self.kv_slots)):
+            for src_block, dst_block in pairs:
+                for offset in range(self.block_size):
+                    prefix = src.get((src_block, offset))
+                    if prefix is None:
+                        dst.pop((dst_block, offset), None)
+                    else:
+                        dst[dst_block, offset] = prefix
+
     def _write_kv(self, request: Request, num_tokens: int) -> None:
         """The fake model: the KV of `num_tokens` tokens after the computed ones."""
         ids, size = self.held(request.req_id), self.block_size
@@ -214,7 +234,7 @@ class SchedLoop:
     # -- invariants -------------------------------------------------------------------------
 
     def _check_output(self, out: SchedulerOutput, running_before: list[Request],
-                      waiting_before: list[Request]) -> None:
+                      waiting_before: list[Request], swapped_before: list[Request]) -> None:
         sched = self.scheduler
         scheduled = [s.request for s in out.scheduled]
         assert len(set(map(id, scheduled))) == len(scheduled), "a request scheduled twice"
@@ -222,13 +242,19 @@ class SchedLoop:
         assert out.num_batched_tokens <= sched.max_num_batched_tokens
         assert len(sched.running) <= sched.max_num_seqs
         assert not any(r in scheduled for r in out.preempted), "a victim was scheduled this step"
-        # Running requests first, in arrival order; then admissions: the head of the waiting
-        # queue, in its order (first come, first served: nobody overtakes).
+        # Running requests first, in arrival order; then swapped ones back in and admissions from
+        # the head of the waiting queue, each in its queue's order, and the two interleaved in
+        # arrival order (first come, first served: nobody overtakes).
         num_old = sum(1 for r in scheduled if r in running_before)
         assert all(r in running_before for r in scheduled[:num_old])
         assert [r.arrival_index for r in scheduled[:num_old]] == sorted(r.arrival_index for r in scheduled[:num_old])
-        admitted = scheduled[num_old:]
+        joined = scheduled[num_old:]
+        back = [r for r in joined if r in swapped_before]
+        admitted = [r for r in joined if r not in swapped_before]
+        assert back == swapped_before[: len(back)]
         assert admitted == waiting_before[: len(admitted)]
+        assert [r.arrival_index for r in joined] == sorted(r.arrival_index for r in joined)
+        assert not (out.swap_out and out.swap_in), "a step both swapped out and in"
         if out.preempted:
             assert num_old == len(scheduled), "a waiting request was admitted in a step that preempted"
         for s in out.scheduled:
@@ -248,6 +274,7 @@ class SchedLoop:
         for request in self.reserved.values():
             for block_id in self.held(request.req_id):
                 holders[block_id] = holders.get(block_id, 0) + 1
+        self._check_swapped()
         blocks = self.kv.pool.blocks
         assert [b.ref_count for b in blocks] == [holders.get(b.block_id, 0) for b in blocks]
         assert sorted(free_queue(self.kv)) == [b.block_id for b in blocks if b.ref_count == 0]
@@ -255,18 +282,35 @@ class SchedLoop:
         for block in blocks:
             self._check_cached(block)
 
+    def _check_swapped(self) -> None:
+        """Swapped requests hold no device block, and host blocks with exactly their own prefix."""
+        host_holders: list[int] = []
+        for request in self.scheduler.swapped:
+            assert self.held(request.req_id) == [], f"swapped {request.req_id} holds device blocks"
+            ids = self.swap.block_ids(request.req_id)
+            assert len(ids) == self.kv.blocks_needed(request.num_computed_tokens), request.req_id
+            for pos in range(request.num_computed_tokens):
+                slot = (ids[pos // self.block_size], pos % self.block_size)
+                assert self.swap_slots.get(slot) == tuple(request.token_ids[: pos + 1]), f"{request.req_id} @ {pos}"
+            host_holders.extend(ids)
+        assert len(set(host_holders)) == len(host_holders), "a host block held twice"
+        assert self.swap.num_used_blocks == len(host_holders), "a host block leaked"
+
     def _holdings(self) -> list[tuple[Request, list[int]]]:
         """Who holds which blocks, reservations left out (their blocks have no KV yet)."""
-        held = [(r, self.held(r.req_id)) for r in self.live.values() if r.req_id not in self.reserved]
+        held = [(r, self.held(r.req_id)) for r in self.live.values()
+                if r.req_id not in self.reserved and r.status is not RequestStatus.SWAPPED]
         return held + [(r, [b.block_id for b in blocks]) for r, blocks in self.exports.values()]
 
     def _check_queues(self) -> None:
         sched = self.scheduler
-        running, waiting = sched.running, list(sched.waiting)
+        running, waiting, swapped = sched.running, list(sched.waiting), sched.swapped
         scheduled = [r for r in self.live.values() if r.req_id not in self.reserved]
-        assert sorted(map(id, running + waiting)) == sorted(map(id, scheduled))
+        assert sorted(map(id, running + waiting + swapped)) == sorted(map(id, scheduled))
         assert all(r.status is RequestStatus.RUNNING for r in running)
         assert all(r.status is RequestStatus.WAITING for r in waiting)
+        assert all(r.status is RequestStatus.SWAPPED for r in swapped)
+        assert [r.arrival_index for r in swapped] == sorted(r.arrival_index for r in swapped)
         assert [r.arrival_index for r in running] == sorted(r.arrival_index for r in running)
         assert len(running) <= sched.max_num_seqs
         assert sched.has_unfinished() == bool(scheduled)
