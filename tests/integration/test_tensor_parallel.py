@@ -74,3 +74,19 @@ def test_more_ranks_than_kv_heads_on_the_transformers_path_is_refused_at_start(m
 def test_a_size_the_heads_do_not_divide_is_refused_naming_it(models):
     with pytest.raises(ModelRefused, match=r"tensor_parallel_size 3: the model's 4 attention heads do not split"):
         LLM(models["llama-gqa"], dtype="float32", tensor_parallel_size=3)
+
+
+@pytest.mark.parametrize("impl", ["native", "transformers"])
+def test_two_ranks_swap_preempted_requests_out_and_back_exactly(models, prompts, impl):
+    # 14 blocks of 8 tokens hold the longest request (10 blocks), not all four (22): preemption.
+    # Every rank must make the swap copies of its own KV heads, or the tokens would differ.
+    refs = greedy_references(models["llama-gqa"], prompts, NEW_TOKENS)
+    params = [SamplingParams(max_tokens=n, temperature=0.0, ignore_eos=True) for n in NEW_TOKENS]
+    with LLM(models["llama-gqa"], dtype="float32", model_impl=impl, tensor_parallel_size=2, num_blocks=14,
+             max_num_batched_tokens=32, max_num_seqs=8, block_size=8, preemption_mode="swap",
+             swap_space_bytes=16 << 20) as llm:
+        outputs = llm.generate(prompts, params, use_tqdm=False)
+        assert_matches([o.outputs[0].token_ids for o in outputs], refs)
+        sched = llm.engine.scheduler
+        assert sched.num_preemptions > 0 and sched.num_swaps_out == sched.num_swaps_in == sched.num_preemptions
+        assert llm.engine.kv.num_used_blocks == 0 and llm.engine.swap.num_used_blocks == 0
