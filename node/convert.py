@@ -43,4 +43,9 @@ def stats_to_proto(stats: StatsData) -> node_pb2.NodeStats:
         prefix_cache_hits=stats.prefix_cache_hits,
         tensor_parallel_size=stats.tensor_parallel_size,
         kv_transfer_ranks=[_counters(rank) for rank in stats.kv_transfer_ranks],
+        num_swapped=stats.num_swapped,
+        swap_blocks=stats.swap_blocks,
+        used_swap_blocks=stats.used_swap_blocks,
+        swaps_out=stats.swaps_out,
+        swaps_in=stats.swaps_in,
     )

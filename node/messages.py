@@ -213,6 +213,11 @@ class StatsData:
     tensor_parallel_size: int = 1
     # The same side as kv_transfer, per rank (rank order); kv_transfer is their sum.
     kv_transfer_ranks: list[TransferStats] = field(default_factory=list)
+    num_swapped: int = 0  # preempted requests with their KV in the swap space
+    swap_blocks: int = 0
+    used_swap_blocks: int = 0
+    swaps_out: int = 0
+    swaps_in: int = 0
 
 
 @dataclass(slots=True)

@@ -47,6 +47,8 @@ _GAUGES = (
      lambda s: s.reserved_blocks),
     ("pdserve_queued_prefill_tokens", "Prompt tokens yet to prefill", lambda s: s.queued_prefill_tokens),
     ("pdserve_prefix_cache_hit_rate", "Prefix cache hits over queries since start", _hit_rate),
+    ("pdserve_num_requests_swapped", "Preempted requests whose KV is in the swap space", lambda s: s.num_swapped),
+    ("pdserve_swap_blocks_used", "Swap space blocks in use", lambda s: s.used_swap_blocks),
 )
 # Names without the `_total` the exposition adds. A prefill node counts what it sent,
 # a decode node what it received.
@@ -58,6 +60,8 @@ _COUNTERS = (
     ("pdserve_kv_transfers", "KV transfers completed", lambda s: s.kv_transfer.transfers),
     ("pdserve_kv_transfer_failures", "KV transfers failed", lambda s: s.kv_transfer.failures),
     ("pdserve_kv_transfer_seconds", "Sum of completed KV transfers' latency", lambda s: s.kv_transfer.latency_s),
+    ("pdserve_swaps_out", "Preemptions that swapped a request out", lambda s: s.swaps_out),
+    ("pdserve_swaps_in", "Swapped-out requests swapped back in", lambda s: s.swaps_in),
 )
 
 

@@ -60,6 +60,11 @@ def build_stats(kind: str, engine: EngineCore, transport: RankedTransport | None
         prefix_cache_hits=pool.stats.hits,
         tensor_parallel_size=engine.loaded.shard.size,
         kv_transfer_ranks=ranks,
+        num_swapped=len(scheduler.swapped),
+        swap_blocks=engine.swap.num_blocks,
+        used_swap_blocks=engine.swap.num_used_blocks,
+        swaps_out=scheduler.num_swaps_out,
+        swaps_in=scheduler.num_swaps_in,
     )
 
 

@@ -11,6 +11,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM
+from pdserve.node.convert import stats_to_proto
+from pdserve.node.stats import build_stats
 
 from .reference import assert_matches, greedy_references
 from .test_exactness import NEW_TOKENS, PROMPT_LENS, random_prompts, run_greedy
@@ -41,6 +43,9 @@ def test_swap_is_exact_and_swaps_every_preemption(llama_case, model_impl):
     assert sched.num_preemptions > 0
     assert sched.num_swaps_out == sched.num_swaps_in == sched.num_preemptions
     assert_drained(llm)
+    stats = stats_to_proto(build_stats("colocated", llm.engine, None, 0))  # what GetStats answers
+    assert (stats.swaps_out, stats.swaps_in) == (sched.num_swaps_out, sched.num_swaps_in)
+    assert (stats.swap_blocks, stats.used_swap_blocks, stats.num_swapped) == (llm.engine.swap.num_blocks, 0, 0)
 
 
 def test_recompute_is_exact_and_never_swaps(llama_case):

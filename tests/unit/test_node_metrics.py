@@ -90,3 +90,14 @@ def test_endpoint_serves_over_http_and_stops() -> None:
         endpoint.stop()
     with pytest.raises(OSError):
         urllib.request.urlopen(endpoint.url, timeout=2)
+
+
+def test_swap_series_are_the_latest_snapshot() -> None:
+    latest = Latest()
+    registry = registry_for(latest)
+    latest.stats = snapshot()
+    latest.stats.num_swapped, latest.stats.swap_blocks, latest.stats.used_swap_blocks = 2, 16, 5
+    latest.stats.swaps_out, latest.stats.swaps_in = 7, 5
+    expected = {"pdserve_num_requests_swapped": 2, "pdserve_swap_blocks_used": 5,
+                "pdserve_swaps_out_total": 7, "pdserve_swaps_in_total": 5}
+    assert {name: registry.get_sample_value(name) for name in expected} == expected
