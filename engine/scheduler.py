@@ -8,17 +8,16 @@ Lifecycle of a request through it:
   remove() takes a request out of any queue and leaves its device blocks to the caller
   (a hand-off, or a request detached with its blocks still held); host blocks are freed.
 Each step spends at most `max_num_batched_tokens` tokens on at most `max_num_seqs`
-requests. A request that cannot get blocks preempts the latest arrival (recompute),
-so earlier requests always make progress; whether the victim is recomputed or swapped out
-is the `PreemptionPolicy`'s to say (engine/preemption.py). Swapped requests come back, and
-waiting ones are admitted, in arrival order across both queues (first come, first served; a
-swapped request arrived before any prompt admitted after it, so it comes back first, as in
-vLLM v0), and never in a step that preempted, so a step never both frees and takes a host
-block. When nothing runs and the waiting head cannot
-get blocks, the latest waiting request holding blocks gives them up (a decode node's
-prefilled requests wait holding their KV). When a new prompt may be admitted (the watermark,
-the delay factor) is the `PromptAdmission`'s to say, and how long a prompt's next chunk
-is the `ChunkSchedule`'s. The scheduler never runs the model.
+requests. A request that cannot get blocks preempts the latest arrival, so earlier requests
+always make progress; whether the victim is recomputed or swapped out is the
+`PreemptionPolicy`'s to say (engine/preemption.py). Swapped requests come back, and waiting
+ones are admitted, in arrival order across both queues (first come, first served: a swapped
+request comes back before any prompt that arrived after it, as in vLLM v0), and never in a
+step that preempted, so a step never both frees and takes a host block. When nothing runs and
+the waiting or swapped head cannot get blocks, the latest waiting request holding blocks gives
+them up (a decode node's prefilled requests wait holding their KV). When a new prompt may be
+admitted (the watermark, the delay factor) is the `PromptAdmission`'s to say, and how long a
+prompt's next chunk is the `ChunkSchedule`'s. The scheduler never runs the model.
 """
 
 from __future__ import annotations
