@@ -18,6 +18,8 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from pdserve.engine.beam_runner import BeamSearchRunner
+from pdserve.engine.beam_search import BeamSearchParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.node.tp_group import start_engine
@@ -54,6 +56,22 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return all(o.finish_reason is not None for o in self.outputs)
+
+
+@dataclass
+class BeamSequence:
+    token_ids: list[int]  # generated, eos included when eos ended it
+    text: str
+    cum_logprob: float
+    score: float  # cum_logprob / len(token_ids) ** length_penalty: what ranks the sequences
+    finish_reason: FinishReason
+
+
+@dataclass
+class BeamSearchOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]  # beam_width of them, best first
 
 
 @dataclass(slots=True)
@@ -113,6 +131,19 @@ class LLM:
                 if event.delta.finish_reason is not None and result.finished:
                     bar.update(1)
         return results
+
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Each prompt's `beam_width` best sequences, best first: transformers' beam search
+        (engine/beam_search.py). Beams are engine requests forked from each other, sharing blocks."""
+        prompt_list = _as_prompt_list(prompts)
+        token_lists = [self._tokenize(p) for p in prompt_list]
+        results = BeamSearchRunner(self.engine).run(token_lists, params, prefix=f"beam-{next(self._ids)}")
+        return [
+            BeamSearchOutput(p if isinstance(p, str) else None, ids, [
+                BeamSequence(h.token_ids, self.tokenizer.decode(h.token_ids), h.cum_logprob, h.score,
+                             FinishReason.STOP if h.ended_by_eos else FinishReason.LENGTH) for h in hyps])
+            for p, ids, hyps in zip(prompt_list, token_lists, results)
+        ]
 
     def chat(
         self,
