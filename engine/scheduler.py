@@ -42,6 +42,8 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)
+    # (src, dst) blocks to copy before the forward: forks about to write a shared block.
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -83,6 +85,7 @@ class Scheduler:
         budget = self._schedule_running(out, self.max_num_batched_tokens)
         if not out.preempted:
             self._schedule_waiting(out, budget)
+        out.block_copies = self.kv.take_block_copies()
         return out
 
     def update_after_step(self, out: SchedulerOutput) -> None:

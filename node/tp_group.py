@@ -228,7 +228,7 @@ class TPGroup:
         assert self._buffer is not None, "start_ranks() first"
         shapes = self._buffer.write(batch)
         for link in self._links:
-            link.send("step", shapes=shapes)
+            link.send("step", shapes=shapes, block_copies=batch.block_copies)
 
     def links(self) -> list[WorkerLink]:
         return list(self._links)

@@ -108,7 +108,9 @@ class _Worker:
             msg = self._next()
             op = msg["op"]
             if op == "step":
-                forward(buffer.read(msg["shapes"]))
+                batch = buffer.read(msg["shapes"])
+                batch.block_copies = [tuple(c) for c in msg["block_copies"]]
+                forward(batch)
             elif op == "stop":
                 break
             elif transfer is not None:
