@@ -10,6 +10,11 @@ one of them — finished (`finish_reason`, and `stop_token_id` when a stop token
 or, under a policy that hands requests off (a prefill node), at its first token with
 its blocks still held (`handoff_blocks`) — or through `abort` (blocks freed) or
 `detach` (blocks returned to the caller, still held).
+
+`fork` starts a request that shares another's computed prefix by reference (its blocks are
+copied only on write, engine/kv_cache_manager.py): the n samples of one prompt fork from
+sample 0's first step (`pending_forks`), and beam search (engine/beam_search.py) forks beams.
+`pause` / `resume` hold a request out of the scheduler, blocks kept, between two of its tokens.
 """
 
 from __future__ import annotations
@@ -36,7 +41,7 @@ from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
 from pdserve.engine.preemption import preemption_policy_for
 from pdserve.engine.prompt_admission import PromptAdmission, watermark_blocks
 from pdserve.engine.prompt_logprobs import PromptLogprobs
-from pdserve.engine.request import FinishReason, Request
+from pdserve.engine.request import FinishReason, PendingFork, Request
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import Scheduler
@@ -165,11 +170,58 @@ class EngineCore:
 
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int = 0,
-        resumed_token_ids: Sequence[int] = (),
+        resumed_token_ids: Sequence[int] = (), forks: Sequence[PendingFork] = (),
     ) -> Request:
+        """`forks`: further samples of the same prompt, drawn from this request's first logits
+        and forked off it then, sharing the prompt's blocks (each output under its own req_id)."""
         request = self.new_request(req_id, prompt_token_ids, params, sample_index, resumed_token_ids)
+        for fork in forks:
+            if fork.req_id in self._requests or fork.req_id == req_id:
+                del self._requests[req_id]
+                raise RequestRejected(f"req_id {fork.req_id!r} is already in use")
+        request.pending_forks = list(forks)
         self.scheduler.add(request)
         return request
+
+    def fork(self, parent_id: str, child_id: str, token_id: int, logprobs: TokenLogprobs | None = None,
+             sample_index: int | None = None) -> EngineCoreOutput:
+        """A new request: the parent's computed tokens, then `token_id` as its latest output.
+
+        The child references the parent's blocks (no copy until one of them writes a shared
+        block) and joins the scheduler unless `token_id` ends it; the output is `token_id`'s,
+        stop rules applied. The parent must have computed its prompt and is left unchanged
+        (its own uncomputed latest token, if any, is not the child's).
+        """
+        parent = self._requests.get(parent_id)
+        if parent is None:
+            raise KeyError(f"unknown request {parent_id!r}")
+        if child_id in self._requests:
+            raise RequestRejected(f"req_id {child_id!r} is already in use")
+        if parent.num_computed_tokens < parent.num_prompt_tokens:
+            raise ValueError(f"request {parent_id!r} has not computed its prompt yet: nothing to share")
+        computed = parent.token_ids[: parent.num_computed_tokens]
+        child = Request(child_id, parent.prompt_token_ids, parent.params, self._arrivals, parent.seed,
+                        parent.sample_index if sample_index is None else sample_index, token_ids=list(computed),
+                        output_token_ids=computed[parent.num_prompt_tokens:],
+                        num_computed_tokens=parent.num_computed_tokens, num_cached_tokens=parent.num_cached_tokens)
+        child.prompt_logprobs = None  # a prompt is scored once, by the request that computed it
+        self._arrivals += 1
+        self._requests[child_id] = child
+        self.kv.fork(parent, child)
+        out = self._accept_token(child, token_id, logprobs)
+        if not out.is_last:
+            self.scheduler.add(child)
+        return out
+
+    def pause(self, req_id: str) -> None:
+        """Hold a request out of the scheduler, its blocks kept, until `resume` (or `abort`)."""
+        request = self._requests.get(req_id)
+        if request is None:
+            raise KeyError(f"unknown request {req_id!r}")
+        self.scheduler.remove(request)
+
+    def resume(self, req_id: str) -> None:
+        self.scheduler.add(self._check_unscheduled(req_id))
 
     def new_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int = 0,
@@ -255,10 +307,14 @@ class EngineCore:
         self.scheduler.update_after_step(out)
         for scores in result.prompt_scores:
             _record_prompt_scores(scores)
-        return [self._process(s) for s in result.sampled]
+        return [out for s in result.sampled for out in self._process(s)]
 
-    def _process(self, sampled: SampledToken) -> EngineCoreOutput:
-        return self._accept_token(sampled.scheduled.request, sampled.token_id, sampled.logprobs)
+    def _process(self, sampled: SampledToken) -> list[EngineCoreOutput]:
+        request = sampled.scheduled.request
+        # Forks first: the parent's own token may finish it, and free the blocks they share.
+        forked = [self.fork(request.req_id, f.req_id, f.token_id, f.logprobs, f.sample_index) for f in sampled.forks]
+        request.pending_forks = []
+        return [self._accept_token(request, sampled.token_id, sampled.logprobs), *forked]
 
     def _accept_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> EngineCoreOutput:
         request.append_output_token(token_id)

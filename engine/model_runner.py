@@ -25,10 +25,20 @@ from pdserve.engine.prompt_logprobs import positions_to_score
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs, log_softmax_rows, token_logprobs
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
-from pdserve.kernels import cpu_ext, paged_attention, paged_attention_reference
+from pdserve.kernels import copy_blocks, cpu_ext, paged_attention, paged_attention_reference
 from pdserve.kernels.metadata import AttentionMetadata
 
 BACKENDS = {"fast": paged_attention, "reference": paged_attention_reference}
+
+
+@dataclass(slots=True)
+class ForkedToken:
+    """The first token of a sample forked from the request's row (`Request.pending_forks`)."""
+
+    req_id: str
+    sample_index: int
+    token_id: int
+    logprobs: TokenLogprobs | None
 
 
 @dataclass(slots=True)
@@ -36,6 +46,7 @@ class SampledToken:
     scheduled: ScheduledRequest
     token_id: int
     logprobs: TokenLogprobs | None
+    forks: list[ForkedToken] = field(default_factory=list)
 
 
 @dataclass(slots=True)
@@ -70,6 +81,8 @@ class PackedBatch:
     logits_indices: torch.Tensor
     sampled: list[ScheduledRequest]
     scored: list[ScoredRows] = field(default_factory=list)  # after the sampled rows, in this order
+    # (src, dst) blocks every rank copies before the forward writes (copy-on-write of forks).
+    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
@@ -99,22 +112,18 @@ class RankForward:
             cpu_ext.ops()
 
     @torch.inference_mode()
-    def copy_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
+    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """Device → host for `swap_out` (device, host) pairs, then host → device for `swap_in`
         (host, device) pairs, every layer's K and V (the scheduler never fills both in one step)."""
-        for pairs, sources, targets in ((swap_out, (self.k_caches, self.v_caches), (self.k_swap, self.v_swap)),
-                                        (swap_in, (self.k_swap, self.v_swap), (self.k_caches, self.v_caches))):
-            if not pairs:
-                continue
-            src = torch.tensor([p[0] for p in pairs])
-            dst = torch.tensor([p[1] for p in pairs])
-            for source_layers, target_layers in zip(sources, targets):
-                for source, target in zip(source_layers, target_layers):
-                    # [num_pairs, num_kv_heads, block_size, head_dim]
-                    target.index_copy_(0, dst, source.index_select(0, src))
+        device, host = (*self.k_caches, *self.v_caches), (*self.k_swap, *self.v_swap)
+        copy_blocks(device, host, swap_out)
+        copy_blocks(host, device, swap_in)
 
     @torch.inference_mode()
     def __call__(self, batch: PackedBatch) -> torch.Tensor:  # [num_sampled, vocab] (rank 0)
+        # Before the forward: its writes land in the copies, never in the blocks they came from.
+        caches = (*self.k_caches, *self.v_caches)
+        copy_blocks(caches, caches, batch.block_copies)
         ctx = ForwardContext(batch.metadata, self.k_caches, self.v_caches, self.backend)
         return self.loaded.model(batch.input_ids, batch.positions, ctx, batch.logits_indices)
 
@@ -138,11 +147,12 @@ class ModelRunner:
             return
         if self.swap_fanout is not None:
             self.swap_fanout(out.swap_out, out.swap_in)
-        self.forward.copy_blocks(out.swap_out, out.swap_in)
+        self.forward.swap_blocks(out.swap_out, out.swap_in)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
         batch = self._pack(out.scheduled)
+        batch.block_copies = out.block_copies
         if self.fanout is not None:
             self.fanout(batch)
         logits = self.forward(batch)  # [num_sampled + num_scored, vocab]
@@ -150,12 +160,12 @@ class ModelRunner:
         scores = _score_prompts(batch.scored, logits[num_sampled:])
         if not batch.sampled:
             return StepResult([], scores)
-        rows = [_sampling_row(s.request) for s in batch.sampled]
-        result = self.sampler(logits[:num_sampled], rows)
-        sampled = [
-            SampledToken(s, token, lp) for s, token, lp in zip(batch.sampled, result.token_ids, result.logprobs)
-        ]
-        return StepResult(sampled, scores)
+        rows, sources = _sampling_rows(batch.sampled)
+        sampled_logits = logits[:num_sampled]  # [num_sampled, vocab]
+        if len(rows) > num_sampled:  # forked samples draw from their parent's row
+            sampled_logits = sampled_logits[torch.tensor(sources)]  # [len(rows), vocab]
+        result = self.sampler(sampled_logits, rows)
+        return StepResult(_sampled_tokens(batch.sampled, result.token_ids, result.logprobs), scores)
 
     def _pack(self, scheduled: list[ScheduledRequest]) -> PackedBatch:
         # Decodes first (stable sort) so the kernels can batch them in one call.
@@ -247,11 +257,41 @@ def _pad_tables(tables: list[list[int]]) -> torch.Tensor:
     return torch.tensor([t + [0] * (width - len(t)) for t in tables], dtype=torch.int32)
 
 
-def _sampling_row(request) -> SamplingRow:
+def _sampling_row(request: Request, sample_index: int | None = None) -> SamplingRow:
     return SamplingRow(
         params=request.params,
         prompt_token_ids=request.prompt_token_ids,
         output_token_ids=request.output_token_ids,
         seed=request.seed,
-        sample_index=request.sample_index,
+        sample_index=request.sample_index if sample_index is None else sample_index,
     )
+
+
+def _sampling_rows(sampled: list[ScheduledRequest]) -> tuple[list[SamplingRow], list[int]]:
+    """One row per sampled request, followed by one per sample it forks this step (same
+    logits, its own sample_index); `sources[r]` is the logits row that row r reads."""
+    rows: list[SamplingRow] = []
+    sources: list[int] = []
+    for i, s in enumerate(sampled):
+        rows.append(_sampling_row(s.request))
+        sources.append(i)
+        for fork in s.request.pending_forks:
+            rows.append(_sampling_row(s.request, fork.sample_index))
+            sources.append(i)
+    return rows, sources
+
+
+def _sampled_tokens(sampled: list[ScheduledRequest], token_ids: list[int],
+                    logprobs: list[TokenLogprobs | None]) -> list[SampledToken]:
+    """Regroup the sampler's rows (in `_sampling_rows` order) per request."""
+    out: list[SampledToken] = []
+    r = 0
+    for s in sampled:
+        token = SampledToken(s, token_ids[r], logprobs[r])
+        r += 1
+        for fork in s.request.pending_forks:
+            token.forks.append(ForkedToken(fork.req_id, fork.sample_index, token_ids[r], logprobs[r]))
+            r += 1
+        out.append(token)
+    assert r == len(token_ids), f"{len(token_ids)} sampled rows, {r} regrouped"
+    return out

@@ -29,6 +29,14 @@ class FinishReason(enum.Enum):
     ABORT = "abort"  # cancelled by the caller
 
 
+@dataclass(frozen=True, slots=True)
+class PendingFork:
+    """A sample to fork from the request's next sampled token (the n samples of one prompt)."""
+
+    req_id: str
+    sample_index: int
+
+
 @dataclass(slots=True, eq=False)
 class Request:
     req_id: str
@@ -50,6 +58,9 @@ class Request:
     # Collected while the prompt is computed, when the params ask; handed out (and None from
     # then on) with the first token this engine samples.
     prompt_logprobs: PromptLogprobs | None = None
+    # Samples drawn from the same logits as this request's next token, each then forked off
+    # sharing its blocks (engine_core.EngineCore.fork); emptied once they are.
+    pending_forks: list[PendingFork] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

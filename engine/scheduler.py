@@ -50,9 +50,11 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # recomputed and swapped out alike
-    # Block copies to run before the step's forward, on every rank; never both in one step.
+    # Block copies to run before the step's forward, on every rank; never both swaps in one step.
     swap_out: BlockPairs = field(default_factory=list)  # (device block, host block)
     swap_in: BlockPairs = field(default_factory=list)  # (host block, device block)
+    # (src, dst) device blocks: forks about to write a shared block (copy-on-write).
+    block_copies: BlockPairs = field(default_factory=list)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -101,6 +103,7 @@ class Scheduler:
         if not out.preempted:
             self._schedule_queued(out, budget)
         assert not (out.swap_out and out.swap_in), "a step must not both free and take host blocks"
+        out.block_copies = self.kv.take_block_copies()
         return out
 
     def update_after_step(self, out: SchedulerOutput) -> None:

@@ -8,6 +8,7 @@ formulation; the `_torch` / `_cpp` variants of the attention pick one.
 from __future__ import annotations
 
 from pdserve.kernels import cpu_ext
+from pdserve.kernels.block_copy import copy_blocks
 from pdserve.kernels.cache_write import write_kv_cache, write_kv_cache_torch
 from pdserve.kernels.layer_ops import LayerOps
 from pdserve.kernels.metadata import AttentionMetadata
@@ -21,6 +22,7 @@ from pdserve.kernels.paged_attention import (
 __all__ = [
     "AttentionMetadata",
     "LayerOps",
+    "copy_blocks",
     "cpu_ext",
     "paged_attention",
     "paged_attention_cpp",

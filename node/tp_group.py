@@ -232,7 +232,7 @@ class TPGroup:
         assert self._buffer is not None, "start_ranks() first"
         shapes = self._buffer.write(batch)
         for link in self._links:
-            link.send("step", shapes=shapes)
+            link.send("step", shapes=shapes, block_copies=batch.block_copies)
 
     def fanout_swaps(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
         """The step's block copies to and from the swap space, to every worker, ahead of its `step`

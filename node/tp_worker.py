@@ -109,9 +109,11 @@ class _Worker:
             msg = self._next()
             op = msg["op"]
             if op == "step":
-                forward(buffer.read(msg["shapes"]))
+                batch = buffer.read(msg["shapes"])
+                batch.block_copies = [tuple(c) for c in msg["block_copies"]]
+                forward(batch)
             elif op == "swap":
-                forward.copy_blocks([tuple(p) for p in msg["swap_out"]], [tuple(p) for p in msg["swap_in"]])
+                forward.swap_blocks([tuple(p) for p in msg["swap_out"]], [tuple(p) for p in msg["swap_in"]])
             elif op == "stop":
                 break
             elif transfer is not None:

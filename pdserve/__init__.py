@@ -13,6 +13,8 @@ _EXPORTS = {
     "RequestOutput": "pdserve.llm",
     "CompletionOutput": "pdserve.llm",
     "SamplingParams": "pdserve.engine.sampling_params",
+    "BeamSearchParams": "pdserve.engine.beam_search",
+    "BeamSearchOutput": "pdserve.llm",
 }
 
 __all__ = sorted(_EXPORTS)

@@ -2,10 +2,11 @@
 
 Runs one in-process engine core. Prompts may be strings or token-id lists; outputs
 come back in input order. `stream()` yields deltas as they are produced; `generate()`
-collects them. A request with `n > 1` first runs its sample 0; the other samples join
-once its prompt is in the cache, so they read the prompt's blocks from the prefix cache
-instead of computing them again. Prompt logprobs are a request's, not a sample's: sample 0
-alone scores the prompt (the others would repeat it, and could not take the cached blocks).
+collects them. A request with `n > 1` computes its prompt once, as sample 0: samples
+1..n-1 draw their first tokens from the same logits (each its own random stream) and are
+forked off it, sharing every prompt block, its partial last one included, until one writes
+there (copy-on-write). Prompt logprobs are a request's, not a sample's: sample 0 alone
+scores the prompt. `beam_search()` runs transformers' beam search (engine/beam_search.py).
 """
 
 from __future__ import annotations
@@ -18,12 +19,14 @@ from pathlib import Path
 
 from tqdm.auto import tqdm
 
+from pdserve.engine.beam_runner import BeamSearchRunner
+from pdserve.engine.beam_search import BeamSearchParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.node.tp_group import start_engine
 from pdserve.engine.output_processor import CompletionDelta, SequenceStream
 from pdserve.engine.prompt_logprobs import Logprob, as_vllm
-from pdserve.engine.request import FinishReason
+from pdserve.engine.request import FinishReason, PendingFork
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -56,21 +59,27 @@ class RequestOutput:
         return all(o.finish_reason is not None for o in self.outputs)
 
 
+@dataclass
+class BeamSequence:
+    token_ids: list[int]  # generated, eos included when eos ended it
+    text: str
+    cum_logprob: float
+    score: float  # cum_logprob / len(token_ids) ** length_penalty: what ranks the sequences
+    finish_reason: FinishReason
+
+
+@dataclass
+class BeamSearchOutput:
+    prompt: str | None
+    prompt_token_ids: list[int]
+    sequences: list[BeamSequence]  # beam_width of them, best first
+
+
 @dataclass(slots=True)
 class StreamEvent:
     prompt_index: int
     sample_index: int
     delta: CompletionDelta
-
-
-@dataclass(slots=True)
-class _Pending:
-    """A caller's request whose samples 1..n-1 wait for sample 0's prompt to be cached."""
-
-    prompt_index: int
-    prompt_token_ids: list[int]
-    params: SamplingParams
-    siblings_added: bool = False
 
 
 class LLM:
@@ -114,6 +123,19 @@ class LLM:
                     bar.update(1)
         return results
 
+    def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
+        """Each prompt's `beam_width` best sequences, best first: transformers' beam search
+        (engine/beam_search.py). Beams are engine requests forked from each other, sharing blocks."""
+        prompt_list = _as_prompt_list(prompts)
+        token_lists = [self._tokenize(p) for p in prompt_list]
+        results = BeamSearchRunner(self.engine).run(token_lists, params, prefix=f"beam-{next(self._ids)}")
+        return [
+            BeamSearchOutput(p if isinstance(p, str) else None, ids, [
+                BeamSequence(h.token_ids, self.tokenizer.decode(h.token_ids), h.cum_logprob, h.score,
+                             FinishReason.STOP if h.ended_by_eos else FinishReason.LENGTH) for h in hyps])
+            for p, ids, hyps in zip(prompt_list, token_lists, results)
+        ]
+
     def chat(
         self,
         messages: Sequence[dict[str, str]] | Sequence[Sequence[dict[str, str]]],
@@ -137,44 +159,36 @@ class LLM:
         """Run the prompts to completion, yielding every sequence's delta as it comes."""
         prompt_list = _as_prompt_list(prompts)
         streams: dict[str, tuple[int, int, SequenceStream]] = {}
-        pending: dict[str, _Pending] = {}
         batch_id = next(self._ids)
         try:
             for index, (prompt, p) in enumerate(zip(prompt_list, self._params_list(params, len(prompt_list)))):
-                token_ids = self._tokenize(prompt)
-                req_id = self._add(f"{batch_id}-{index}", token_ids, p, 0, index, streams)
-                pending[req_id] = _Pending(index, token_ids, p, p.n == 1)
-            yield from self._drive(streams, pending)
+                self._add(f"{batch_id}-{index}", self._tokenize(prompt), p, index, streams)
+            yield from self._drive(streams)
         finally:
             for req_id in streams:
                 self.engine.abort(req_id)
 
-    def _drive(self, streams, pending) -> Iterator[StreamEvent]:
+    def _drive(self, streams) -> Iterator[StreamEvent]:
         while self.engine.has_unfinished():
             for out in self.engine.step():
                 prompt_index, sample_index, stream = streams[out.req_id]
                 delta = stream.push(out)
                 if stream.hit_stop_string and out.finish_reason is None:
                     self.engine.abort(out.req_id)
-                self._release_siblings(pending.get(out.req_id), streams)
                 if delta.finish_reason is not None:
                     del streams[out.req_id]
                 yield StreamEvent(prompt_index, sample_index, delta)
 
-    def _release_siblings(self, waiting: _Pending | None, streams) -> None:
-        if waiting is None or waiting.siblings_added:
-            return
-        waiting.siblings_added = True
-        base = f"{next(self._ids)}-{waiting.prompt_index}"
-        sibling_params = dataclasses.replace(waiting.params, prompt_logprobs=None)  # sample 0 scored the prompt
-        for i in range(1, waiting.params.n):
-            self._add(f"{base}-{i}", waiting.prompt_token_ids, sibling_params, i, waiting.prompt_index, streams)
-
-    def _add(self, req_id, token_ids, params, sample_index, prompt_index, streams) -> str:
-        self.engine.add_request(req_id, token_ids, params, sample_index)
-        detok = IncrementalDetokenizer(self.tokenizer, token_ids)
-        streams[req_id] = (prompt_index, sample_index, SequenceStream(req_id, params, detok))
-        return req_id
+    def _add(self, req_id, token_ids, params, prompt_index, streams) -> None:
+        """Sample 0 joins the engine; samples 1..n-1 are forked off it at its first token."""
+        forks = [PendingFork(f"{req_id}-{i}", i) for i in range(1, params.n)]
+        self.engine.add_request(req_id, token_ids, params, 0, forks=forks)
+        # Samples after the first never see the prompt's logprobs: sample 0 reports them.
+        sibling_params = dataclasses.replace(params, prompt_logprobs=None)
+        for sample_index, sample_id in enumerate([req_id, *(f.req_id for f in forks)]):
+            detok = IncrementalDetokenizer(self.tokenizer, token_ids)
+            stream = SequenceStream(sample_id, params if sample_index == 0 else sibling_params, detok)
+            streams[sample_id] = (prompt_index, sample_index, stream)
 
     def _decode_token(self, token_id: int) -> str:
         return self.tokenizer.decode([token_id])

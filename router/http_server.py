@@ -135,14 +135,40 @@ class HTTPFront:
         oa.check_model(body, self._served_name)
         params = oa.sampling_params(body, oa.DEFAULT_COMPLETION_MAX_TOKENS)
         prompts = oa.completion_prompts(body)
-        echoes = oa.echo_texts(body, prompts, self._tokenizer)
+        echoes = oa.echoes(body, prompts, self._tokenizer)
         requests = [oa.generate_request(p, params) for p in prompts]
         n = max(1, params.n or 1)
+        shows_scores = params.HasField("prompt_logprobs")
+        tokenizer = self._tokenizer
 
-        def opening(index: int) -> dict[str, Any] | None:  # `echo`: the prompt opens each choice's text
-            text = echoes[index // n]
-            return {"index": index, "text": text, "logprobs": None, "finish_reason": None} if text else None
-        return await self._answer(request, body, requests, "text_completion", self._completion_choice, opening)
+        def prompt_part(echo: oa.Echo, scored) -> dict[str, Any]:
+            """The prompt's share of a choice: `echo`'s text (and scored tokens), `prompt_logprobs`."""
+            part: dict[str, Any] = {"text": echo.text, "logprobs": None}
+            if echo.first_token_id is not None:
+                part["logprobs"] = oa.echoed_logprobs(echo.first_token_id, scored, tokenizer)
+            if shows_scores:
+                part["prompt_logprobs"] = oa.prompt_logprobs(scored, tokenizer) if scored else None
+            return part
+
+        def make_choice(choice: oa.Choice, delta: pdserve_pb2.GenerateResponse | None) -> dict[str, Any]:
+            if delta is not None:  # a stream's chunk: this token's text
+                return {"index": choice.index, "text": delta.text,
+                        "logprobs": oa.completion_logprobs(delta.logprobs, tokenizer),
+                        "finish_reason": oa.FINISH_REASONS.get(delta.finish_reason)}
+            prompt = prompt_part(echoes[choice.index // n], choice.prompt_logprobs or [])
+            return {"index": choice.index, **prompt, "text": prompt["text"] + choice.text,
+                    "logprobs": oa.joined_logprobs(prompt["logprobs"],
+                                                   oa.completion_logprobs(choice.logprobs or [], tokenizer)),
+                    "finish_reason": choice.finish_reason}
+
+        def opening(index: int, delta: pdserve_pb2.GenerateResponse) -> dict[str, Any] | None:
+            """A stream's first chunk of a choice: the echoed prompt, and the prompt's scores (which
+            come with the prompt's first sample)."""
+            echo = echoes[index // n]
+            if not echo.text and not delta.prompt_logprobs:
+                return None
+            return {"index": index, **prompt_part(echo, list(delta.prompt_logprobs)), "finish_reason": None}
+        return await self._answer(request, body, requests, "text_completion", make_choice, opening)
 
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
@@ -151,15 +177,9 @@ class HTTPFront:
         prompt = oa.chat_prompt(body, self._tokenizer, self._template)
         requests = [oa.generate_request(prompt, params)]
 
-        def opening(index: int) -> dict[str, Any]:  # a chat choice's stream opens with its role
+        def opening(index: int, delta) -> dict[str, Any]:  # a chat choice's stream opens with its role
             return {"index": index, "delta": {"role": "assistant"}, "finish_reason": None}
         return await self._answer(request, body, requests, "chat.completion", self._chat_choice, opening)
-
-    def _completion_choice(self, choice: oa.Choice, delta: pdserve_pb2.GenerateResponse | None) -> dict[str, Any]:
-        text, entries = (delta.text, delta.logprobs) if delta is not None else (choice.text, choice.logprobs or [])
-        return {"index": choice.index, "text": text, "logprobs": oa.completion_logprobs(entries, self._tokenizer),
-                "finish_reason": (oa.FINISH_REASONS.get(delta.finish_reason) if delta is not None
-                                  else choice.finish_reason)}
 
     def _chat_choice(self, choice: oa.Choice, delta: pdserve_pb2.GenerateResponse | None) -> dict[str, Any]:
         if delta is None:
@@ -171,8 +191,9 @@ class HTTPFront:
                 "finish_reason": oa.FINISH_REASONS.get(delta.finish_reason)}
 
     async def _answer(self, request, body, requests, kind, make_choice, opening) -> web.StreamResponse:
-        """`opening(choice index)`: what a choice starts with before its first token (a chat's role,
-        an echoed prompt), as a stream chunk's choice; None: nothing."""
+        """`make_choice(choice, delta)`: a whole choice (delta None) or a stream chunk's; `opening(choice
+        index, its first response)`: what a streamed choice starts with before its first token (a chat's
+        role, an echoed prompt), as a chunk's choice; None: nothing."""
         request_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         n = max(1, requests[0].sampling_params.n or 1)
         # Every prompt's request at once; leaving early (a disconnect, an error) cancels them all.
@@ -180,13 +201,15 @@ class HTTPFront:
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await self._stream(request, events, request_id, kind, make_choice, opening, include_usage)
-        choices = [oa.Choice(i, text=(opening(i) or {}).get("text", "")) for i in range(len(requests) * n)]
+        choices = [oa.Choice(i) for i in range(len(requests) * n)]
         prompt_tokens = completion_tokens = 0
         async for index, response in events:
             choices[index].add(response)
             if response.HasField("usage") and response.finish_reason:
                 completion_tokens += response.usage.completion_tokens
                 prompt_tokens += response.usage.prompt_tokens if index % n == 0 else 0
+        for choice in choices:  # a prompt's scores come with its first sample: every sample shows them
+            choice.prompt_logprobs = choices[choice.index - choice.index % n].prompt_logprobs
         return web.json_response({**oa.envelope(kind, request_id, self._served_name),
                                   "choices": [make_choice(c, None) for c in choices],
                                   "usage": oa.usage(prompt_tokens, completion_tokens)})
@@ -209,7 +232,7 @@ class HTTPFront:
                 index, delta = event
                 if index not in opened:
                     opened.add(index)
-                    if (first := opening(index)) is not None:
+                    if (first := opening(index, delta)) is not None:
                         await _send(response, {**head, "choices": [first]})
                 await _send(response, {**head, "choices": [make_choice(oa.Choice(index), delta)]})
                 if delta.HasField("usage") and delta.finish_reason:

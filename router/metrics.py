@@ -2,8 +2,8 @@
 
 Owns `RouterMetrics`, built on a `CollectorRegistry` the router passes in (one per
 process, never the library's global one). Requests are recorded by observing the public
-response stream of `Generate` (`RouterMetrics.observe`), the one place that sees a
-whole request: TTFT and end-to-end latency from each sample's last response (its
+response stream of a request (`RouterMetrics.observe`: gRPC's `Generate`, and each prompt of
+an HTTP request), the one place that sees a whole request: TTFT and end-to-end latency from each sample's last response (its
 `timings`), TPOT = (e2e - ttft) / (completion_tokens - 1), every streamed token, the
 prompt's tokens once per request, and the request's final status. The per-node gauges
 come from the heartbeats the registry already keeps, read at scrape time by
@@ -15,7 +15,8 @@ aborted with), or call a node.
 
 from __future__ import annotations
 
-from collections.abc import AsyncIterator, Iterator
+import asyncio
+from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
@@ -23,6 +24,7 @@ from prometheus_client.metrics_core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pdserve.proto import pdserve_pb2
+from pdserve.router.errors import status_of
 from pdserve.router.registry import NodeEntry, NodeKind, NodeRegistry
 
 # A tiny model on a CPU answers in milliseconds, a real one under load in tens of seconds.
@@ -51,10 +53,12 @@ class RouterMetrics:
             registry.register(NodeStatsCollector(nodes))
 
     async def observe(self, responses: AsyncIterator[pdserve_pb2.GenerateResponse],
-                      context: grpc.aio.ServicerContext) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-        """Relays one request's responses unchanged, recording them and, at its end, its status."""
+                      ended: EndStatus) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        """Relays one request's responses unchanged, recording them and, at its end, its status
+        (`ended(completed, error)`: how the request's API says it ended)."""
         self._in_flight.inc()
         completed = False
+        error: BaseException | None = None
         prompt_counted = False
         try:
             async for response in responses:
@@ -66,9 +70,12 @@ class RouterMetrics:
                         prompt_counted = True
                 yield response
             completed = True
+        except BaseException as exc:
+            error = exc
+            raise
         finally:
             self._in_flight.dec()
-            self._requests.labels(status=_final_status(context, completed).name).inc()
+            self._requests.labels(status=ended(completed, error).name).inc()
 
     def _record_sample(self, response: pdserve_pb2.GenerateResponse) -> None:
         timings, completion_tokens = response.timings, response.usage.completion_tokens
@@ -78,8 +85,27 @@ class RouterMetrics:
             self._tpot.observe((timings.e2e_s - timings.ttft_s) / (completion_tokens - 1))
 
 
+# How a request ended, given whether it completed and what ended it otherwise.
+EndStatus = Callable[[bool, BaseException | None], grpc.StatusCode]
+
+
+def grpc_end_status(context: grpc.aio.ServicerContext) -> EndStatus:
+    """A gRPC call's end: OK, the code the servicer aborted with, or the client gone."""
+    return lambda completed, error: _final_status(context, completed)
+
+
+def http_end_status(completed: bool, error: BaseException | None) -> grpc.StatusCode:
+    """An HTTP request's end: OK, the router error's code, or CANCELLED when the client left
+    (aiohttp cancels the handler, which closes this stream)."""
+    if completed:
+        return grpc.StatusCode.OK
+    if isinstance(error, (asyncio.CancelledError, GeneratorExit)) or error is None:
+        return grpc.StatusCode.CANCELLED
+    return status_of(error)[0]
+
+
 def _final_status(context: grpc.aio.ServicerContext, completed: bool) -> grpc.StatusCode:
-    """How a request ended: OK, the code the servicer aborted with, or the client gone."""
+    """How a gRPC request ended: OK, the code the servicer aborted with, or the client gone."""
     if completed:
         return grpc.StatusCode.OK
     aborted_with = context.code()

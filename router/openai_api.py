@@ -25,7 +25,7 @@ FINISH_REASONS = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REA
                   pdserve_pb2.FINISH_REASON_ABORT: "abort"}
 # OpenAI's sampling fields that map one to one onto the router's.
 _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
-                    "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "n")
+                    "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "n", "prompt_logprobs")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
@@ -93,6 +93,8 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> pds
     logprobs = _logprobs_field(body)
     if logprobs is not None:
         _set(params, "logprobs", logprobs)
+        if body.get("echo") is True:  # the echoed prompt's tokens are scored like the completion's
+            _set(params, "prompt_logprobs", max(params.prompt_logprobs, logprobs))
     return params
 
 
@@ -125,14 +127,29 @@ def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
                                    "or a list of such lists")
 
 
-def echo_texts(body: dict[str, Any], prompts: list[str | list[int]], tokenizer) -> list[str]:
-    """Per prompt, the text `echo: true` puts before the completion (token ids decoded); "" without echo."""
+@dataclass(frozen=True)
+class Echo:
+    """What `echo: true` puts before one prompt's completions: the prompt's text and, when the
+    request asks for logprobs, its first token (the one the prompt's scores start after)."""
+
+    text: str = ""
+    first_token_id: int | None = None
+
+
+def echoes(body: dict[str, Any], prompts: list[str | list[int]], tokenizer) -> list[Echo]:
+    """Per prompt, its `Echo` (token ids decoded; a text tokenized as the router does); empty without echo."""
     echo = body.get("echo", False)
     if not isinstance(echo, bool):
         raise InvalidRequest("echo", "echo must be true or false")
     if not echo:
-        return [""] * len(prompts)
-    return [p if isinstance(p, str) else tokenizer.decode(p) for p in prompts]
+        return [Echo()] * len(prompts)
+    scored = body.get("logprobs") is not None
+    out = []
+    for prompt in prompts:
+        ids = tokenizer.encode(prompt) if isinstance(prompt, str) else prompt
+        text = prompt if isinstance(prompt, str) else tokenizer.decode(prompt)
+        out.append(Echo(text, ids[0] if scored and ids else None))
+    return out
 
 
 def generate_request(prompt: str | list[int], params: pdserve_pb2.SamplingParams) -> pdserve_pb2.GenerateRequest:
@@ -167,9 +184,12 @@ class Choice:
     text: str = ""
     finish_reason: str | None = None
     logprobs: list[pdserve_pb2.TokenLogprobs] | None = None
+    prompt_logprobs: list[pdserve_pb2.TokenLogprobs] | None = None  # on the prompt's first sample only
 
     def add(self, response: pdserve_pb2.GenerateResponse) -> None:
         self.text += response.text
+        if response.prompt_logprobs:
+            self.prompt_logprobs = list(response.prompt_logprobs)
         if response.logprobs:
             self.logprobs = [*(self.logprobs or []), *response.logprobs]
         if response.finish_reason:
@@ -185,6 +205,40 @@ def completion_logprobs(entries: Sequence[pdserve_pb2.TokenLogprobs], tokenizer)
         "top_logprobs": [{tokenizer.decode([t.token_id]): t.logprob for t in e.top} for e in entries],
         "text_offset": [],
     }
+
+
+def echoed_logprobs(first_token_id: int, scored: Sequence[pdserve_pb2.TokenLogprobs], tokenizer) -> dict[str, Any]:
+    """The echoed prompt's part of a completion's `logprobs`: its first token has none (nothing
+    comes before it), then each scored prompt token, as vLLM answers `echo` with `logprobs`."""
+    after = completion_logprobs(scored, tokenizer) or {"tokens": [], "token_logprobs": [], "top_logprobs": []}
+    return {"tokens": [tokenizer.decode([first_token_id]), *after["tokens"]],
+            "token_logprobs": [None, *after["token_logprobs"]], "top_logprobs": [None, *after["top_logprobs"]],
+            "text_offset": []}
+
+
+def joined_logprobs(*parts: dict[str, Any] | None) -> dict[str, Any] | None:
+    """Completion `logprobs` parts one after the other (the echoed prompt's, then the completion's)."""
+    present = [p for p in parts if p]
+    if not present:
+        return None
+    return {key: [item for p in present for item in p[key]] for key in ("tokens", "token_logprobs", "top_logprobs",
+                                                                       "text_offset")}
+
+
+def prompt_logprobs(scored: Sequence[pdserve_pb2.TokenLogprobs], tokenizer) -> list[dict[str, Any] | None]:
+    """`prompt_logprobs` as vLLM answers it: None for the first prompt token, then per token a map of
+    token id to {logprob, rank, decoded_token}, the prompt's own token first."""
+    def entry(token_id: int, logprob: float, rank: int | None) -> dict[str, Any]:
+        return {"logprob": logprob, "rank": rank, "decoded_token": tokenizer.decode([token_id])}
+
+    out: list[dict[str, Any] | None] = [None]
+    for e in scored:
+        ranks = {t.token_id: i + 1 for i, t in enumerate(e.top)}
+        row = {str(e.token_id): entry(e.token_id, e.logprob, ranks.get(e.token_id))}
+        row.update({str(t.token_id): entry(t.token_id, t.logprob, i + 1) for i, t in enumerate(e.top)
+                    if str(t.token_id) not in row})
+        out.append(row)
+    return out
 
 
 def chat_logprobs(entries: Sequence[pdserve_pb2.TokenLogprobs], tokenizer) -> dict[str, Any] | None:

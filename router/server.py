@@ -40,7 +40,7 @@ from pdserve.router.admission import Admission, AdmissionLimits
 from pdserve.router.config import RequestLimits, RouterConfig
 from pdserve.router.errors import InvalidRequest, RouterError, bad_request_status, status_of
 from pdserve.router.http_server import HTTPFront, ServedModel
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.metrics import RouterMetrics, grpc_end_status, http_end_status
 from pdserve.router.model import RouterModel, load_router_model
 from pdserve.router.node_facts import RouterFacts
 from pdserve.router.orchestrator import Orchestrator
@@ -93,7 +93,7 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
         self._metrics = metrics
 
     async def Generate(self, request, context):
-        async for response in self._metrics.observe(self._generate(request, context), context):
+        async for response in self._metrics.observe(self._generate(request, context), grpc_end_status(context)):
             yield response
 
     async def _generate(self, request, context):
@@ -221,7 +221,9 @@ class RouterServer:
             model = self.state.model
             served = ServedModel(self.config.served_model_name or model.name, model.tokenizer, model.max_model_len,
                                  model.vocab_size, _read_template(self.config.chat_template))
-            self.http = HTTPFront(requests.run, served, self._can_serve, self.config.auth_token)
+            def observed(request: pdserve_pb2.GenerateRequest) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+                return self.metrics.observe(requests.run(request), http_end_status)
+            self.http = HTTPFront(observed, served, self._can_serve, self.config.auth_token)
         # grpc.health.v1: SERVING only while the router can serve a request, not merely while it runs.
         self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve)
         node_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.state, standard.refresh), server)

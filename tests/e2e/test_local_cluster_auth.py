@@ -9,10 +9,13 @@ tokens; a call without it is UNAUTHENTICATED; every node ends with zero blocks i
 from __future__ import annotations
 
 import asyncio
+import urllib.request
 
 import grpc
+import openai
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from pdserve.common.auth import insecure_channel
 from pdserve.bench import disagg_latency, overload
@@ -75,3 +78,18 @@ def test_the_cluster_requires_the_token_and_the_bench_clients_send_it(cluster, m
     stats = cluster.wait_all_blocks_free(timeout_s=5)  # GetStats with the token
     assert [(s.kind, s.used_blocks) for s in stats] == [("prefill", 0), ("decode", 0)]
     assert stats[0].kv_transfer.bytes == stats[1].kv_transfer.bytes > 0
+
+
+def test_the_http_api_needs_the_token_as_a_bearer_header(cluster, model_dir):
+    (reference,) = greedy_references(model_dir, [PROMPT], [NEW_TOKENS])
+    ask = dict(model="llama", prompt=PROMPT, max_tokens=NEW_TOKENS, temperature=0, extra_body={"ignore_eos": True})
+    for key in ("wrong-token", TOKEN[:-1]):
+        with pytest.raises(openai.AuthenticationError) as refused:
+            openai.OpenAI(base_url=cluster.state.http, api_key=key, max_retries=0).completions.create(**ask)
+        assert refused.value.status_code == 401 and refused.value.body["code"] == "UNAUTHENTICATED"
+    answer = openai.OpenAI(base_url=cluster.state.http, api_key=TOKEN, max_retries=0).completions.create(**ask)
+    assert answer.choices[0].text == AutoTokenizer.from_pretrained(model_dir).decode(reference.token_ids)
+    with urllib.request.urlopen(cluster.state.http.removesuffix("/v1") + "/health", timeout=10) as health:
+        assert health.status == 200  # the probe needs no token
+    stats = cluster.wait_all_blocks_free(timeout_s=5)
+    assert [(s.kind, s.used_blocks) for s in stats] == [("prefill", 0), ("decode", 0)]

@@ -16,6 +16,7 @@ import urllib.request
 from dataclasses import dataclass
 
 import grpc
+import openai
 import pytest
 import torch
 from prometheus_client.parser import text_string_to_metric_families
@@ -185,6 +186,19 @@ def test_metrics_series_served_and_moving(model_dir):
         router = scrape_until(router_url, lambda s: s.value("pdserve_requests_total", status="CANCELLED") == 1)
         assert router.value("pdserve_requests_total", status="CANCELLED") == 1
         assert router.value("pdserve_requests_total", status="OK") == num_ok
+        assert router.value("pdserve_requests_in_flight") == 0
+
+        # The HTTP API's requests are counted by the same series: one OK, one refused by name.
+        tokens_before = router.value("pdserve_generated_tokens_total")
+        http = openai.OpenAI(base_url=cluster.state.http, api_key="unused", max_retries=0)
+        http.completions.create(model="llama", prompt=prompts[0], max_tokens=3, temperature=0,
+                                extra_body={"ignore_eos": True})
+        with pytest.raises(openai.BadRequestError):
+            http.completions.create(model="llama", prompt=prompts[0], max_tokens=3, top_p=7)
+        router = scrape_until(router_url, lambda s: s.value("pdserve_requests_total", status="OK") == num_ok + 1)
+        assert router.value("pdserve_requests_total", status="OK") == num_ok + 1
+        assert router.value("pdserve_requests_total", status="INVALID_ARGUMENT") == 2
+        assert router.value("pdserve_generated_tokens_total") == tokens_before + 3
         assert router.value("pdserve_requests_in_flight") == 0
 
         assert all(s.used_blocks == 0 for s in cluster.wait_all_blocks_free(10.0))

@@ -18,6 +18,7 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
+from pdserve.engine.model_loader import load_reference_model
 from pdserve.model_factory import make_model
 from tests.e2e.cluster import NodeSettings, running_cluster
 from tests.integration.reference import greedy_references
@@ -69,6 +70,30 @@ def test_greedy_completions_equal_transformers_streamed_or_not(client, model_dir
     chunks = list(stream)
     assert "".join(c.choices[0].text for c in chunks if c.choices) == expected[1]
     assert chunks[-1].usage.completion_tokens == NEW_TOKENS and chunks[-1].usage.prompt_tokens == PROMPT_LENS[1]
+
+
+def test_echo_with_logprobs_scores_the_prompt_as_transformers_does(client, model_dir, tokenizer):
+    prompt = [random.Random(3).randrange(1, 900) for _ in range(20)]
+    model = load_reference_model(model_dir, torch.float32)
+    with torch.inference_mode():
+        expected = model(torch.tensor([prompt])).logits[0].float().log_softmax(dim=-1)
+    whole = client.completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True,
+                                      logprobs=2, extra_body={"ignore_eos": True})
+    choice = whole.choices[0]
+    (reference,) = greedy_references(model_dir, [prompt], [4])
+    assert choice.text == tokenizer.decode(prompt) + tokenizer.decode(reference.token_ids)
+    scores = choice.logprobs
+    assert len(scores.tokens) == len(prompt) + 4 and scores.token_logprobs[0] is None
+    got = torch.tensor(scores.token_logprobs[1:len(prompt)])
+    want = expected[torch.arange(len(prompt) - 1), torch.tensor(prompt[1:])]
+    assert torch.allclose(got, want, atol=1e-5)
+    assert all(len(top) == 2 for top in scores.top_logprobs[1:])
+    # vLLM's `prompt_logprobs`: None, then per prompt token a map with the token's own entry.
+    asked = client.completions.create(model="tiny", prompt=prompt, max_tokens=2, temperature=0,
+                                      extra_body={"ignore_eos": True, "prompt_logprobs": 1})
+    rows = asked.choices[0].model_extra["prompt_logprobs"]
+    assert rows[0] is None and len(rows) == len(prompt)
+    assert [row[str(t)]["logprob"] for row, t in zip(rows[1:], prompt[1:])] == pytest.approx(want.tolist(), abs=1e-5)
 
 
 def test_chat_renders_the_template_and_streams_the_same_answer(client, tokenizer):

@@ -17,8 +17,10 @@ import statistics
 import time
 
 import grpc
+import openai
 import pytest
 import torch
+from transformers import AutoTokenizer
 
 from tests.e2e.cluster import NodeSettings, running_cluster
 from pdserve.model_factory import make_model
@@ -87,6 +89,33 @@ def test_the_router_refuses_beyond_its_limit_and_serves_what_it_admitted_exactly
     print(f"admitted {len(admitted)}, rejected {len(rejected)}; median latency: rejected "
           f"{statistics.median(results[i][1] for i in rejected) * 1e3:.1f} ms, admitted "
           f"{statistics.median(results[i][1] for i in admitted) * 1e3:.1f} ms")
+    assert_idle(cluster)
+
+
+def test_http_requests_beyond_the_limit_get_429_with_retry_after(cluster, model_dir):
+    prompts = [prompt(12 + i, 200 + i) for i in range(12)]
+    http = openai.AsyncOpenAI(base_url=cluster.state.http, api_key="unused", max_retries=0)
+
+    async def one(p):
+        try:
+            answer = await http.completions.create(model="llama", prompt=p, max_tokens=8, temperature=0,
+                                                   extra_body={"ignore_eos": True})
+            return 200, answer.choices[0].text, None
+        except openai.RateLimitError as refused:
+            return refused.status_code, refused.body["code"], refused.response.headers.get("retry-after")
+
+    async def scenario():
+        async with http:
+            return await asyncio.gather(*(one(p) for p in prompts))
+
+    results = asyncio.run(scenario())
+    admitted = [i for i, r in enumerate(results) if r[0] == 200]
+    refused = [r for r in results if r[0] != 200]
+    assert len(admitted) >= ROUTER_LIMIT and refused
+    assert set(refused) == {(429, "RESOURCE_EXHAUSTED", "1")}
+    tokenizer = AutoTokenizer.from_pretrained(model_dir)
+    refs = greedy_references(model_dir, [prompts[i] for i in admitted], [8] * len(admitted))
+    assert [results[i][1] for i in admitted] == [tokenizer.decode(r.token_ids) for r in refs]
     assert_idle(cluster)
 
 

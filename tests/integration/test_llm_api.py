@@ -53,13 +53,41 @@ def test_seeded_sampling_is_independent_of_chunk_and_block_size(model_dirs, llm)
 
 
 def test_n_samples_share_the_prompt_blocks(llm):
-    prompt = list(range(1, 100))  # 12 full blocks of 8
-    hits_before = llm.engine.kv.pool.stats.hits
-    (out,) = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True), use_tqdm=False)
+    prompt = list(range(1, 100))  # 12 full blocks of 8 and a partial one of 3 tokens
+    kv = llm.engine.kv
+    copies_before = kv.num_cow_copies
+    peak = 0
+    step = llm.engine.step
+
+    def counting_step():
+        nonlocal peak
+        outputs = step()
+        peak = max(peak, kv.num_used_blocks)
+        return outputs
+
+    llm.engine.step = counting_step
+    try:
+        params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
+        (out,) = llm.generate([prompt], params, use_tqdm=False)
+    finally:
+        del llm.engine.step
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert all(len(o.token_ids) == 16 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) == 3  # distinct random streams
-    assert llm.engine.kv.pool.stats.hits - hits_before >= 2 * 12
+    # The prompt is computed once; the three samples share all 13 of its blocks. Writing token 100
+    # into the shared partial block copies it for two of them (the last writer holds it alone by
+    # then); every later token goes to blocks of their own: 12 + 3 * 3 blocks at most, not 3 * 15.
+    assert kv.num_cow_copies - copies_before == 2
+    assert peak == 12 + 3 * 3
+
+
+def test_n_samples_draw_what_separate_seeded_requests_draw(llm):
+    prompt = PROMPTS[0]
+    (together,) = llm.generate([prompt], SamplingParams(n=3, temperature=1.0, seed=11, max_tokens=12,
+                                                        ignore_eos=True), use_tqdm=False)
+    sample_0 = llm.generate([prompt], SamplingParams(temperature=1.0, seed=11, max_tokens=12, ignore_eos=True),
+                            use_tqdm=False)[0].outputs[0].token_ids
+    assert together.outputs[0].token_ids == sample_0
 
 
 def test_greedy_n_gives_identical_samples(llm):

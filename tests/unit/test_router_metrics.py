@@ -10,7 +10,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.proto import node_pb2, pdserve_pb2
-from pdserve.router.metrics import RouterMetrics
+from pdserve.router.errors import Overloaded
+from pdserve.router.metrics import RouterMetrics, grpc_end_status, http_end_status
 from pdserve.router.registry import NodeKind, NodeRegistry
 
 PROMPT_TOKENS = 5
@@ -56,7 +57,7 @@ async def stream(responses, failure: BaseException | None = None):
 
 def drain(metrics: RouterMetrics, responses, context: FakeContext) -> list[pdserve_pb2.GenerateResponse]:
     async def scenario():
-        return [r async for r in metrics.observe(responses, context)]
+        return [r async for r in metrics.observe(responses, grpc_end_status(context))]
 
     return asyncio.run(scenario())
 
@@ -73,7 +74,7 @@ def test_two_samples_record_latency_tokens_and_ok() -> None:
         last(0, [12, 13], completion_tokens=3, ttft_s=0.1, e2e_s=0.5),  # TPOT (0.5 - 0.1) / 2
         last(1, [], completion_tokens=1, ttft_s=0.2, e2e_s=0.2),  # one token: no TPOT
     ]
-    relayed = drain(metrics, stream(responses), FakeContext())
+    relayed = drain(metrics, stream(responses), grpc_end_status(FakeContext()))
 
     assert relayed == responses
     assert value(registry, "pdserve_request_ttft_seconds_count") == 2
@@ -95,7 +96,7 @@ def test_in_flight_while_streaming() -> None:
     metrics = RouterMetrics(registry)
 
     async def scenario():
-        observed = metrics.observe(stream([token(0, 1), last(0, [2], 2, 0.1, 0.2)]), FakeContext())
+        observed = metrics.observe(stream([token(0, 1), last(0, [2], 2, 0.1, 0.2)]), grpc_end_status(FakeContext()))
         await anext(observed)
         during = value(registry, "pdserve_requests_in_flight")
         async for _ in observed:
@@ -142,7 +143,7 @@ def test_stream_closed_at_a_response_counts_cancelled() -> None:
     metrics = RouterMetrics(registry)
 
     async def scenario():
-        observed = metrics.observe(stream([token(0, 1), token(0, 2)]), FakeContext())
+        observed = metrics.observe(stream([token(0, 1), token(0, 2)]), grpc_end_status(FakeContext()))
         await anext(observed)
         await observed.aclose()
 
@@ -186,7 +187,7 @@ def test_exposition_names_follow_prometheus_conventions() -> None:
     nodes.heartbeat("d0", node_stats(128, 1, 0, 1))
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry, nodes)
-    drain(metrics, stream([last(0, [1, 2], 2, 0.01, 0.02)]), FakeContext())
+    drain(metrics, stream([last(0, [1, 2], 2, 0.01, 0.02)]), grpc_end_status(FakeContext()))
 
     families = {f.name: f for f in text_string_to_metric_families(generate_latest(registry).decode())}
     expected_types = {
@@ -209,3 +210,10 @@ def test_exposition_names_follow_prometheus_conventions() -> None:
     buckets = [s.labels["le"] for s in families["pdserve_request_ttft_seconds"].samples
                if s.name.endswith("_bucket")]
     assert buckets[0] == "0.005" and buckets[-2:] == ["60.0", "+Inf"]
+
+
+def test_http_requests_end_ok_with_the_router_errors_code_or_cancelled():
+    assert http_end_status(True, None) is grpc.StatusCode.OK
+    assert http_end_status(False, Overloaded("full")) is grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert http_end_status(False, GeneratorExit()) is grpc.StatusCode.CANCELLED
+    assert http_end_status(False, RuntimeError("bug")) is grpc.StatusCode.INTERNAL

@@ -1,0 +1,112 @@
+"""Beam search on a real model: the same sequences, in the same order, as transformers
+`generate(num_beams=k, do_sample=False, length_penalty=...)` in float32; beams share blocks
+(copy-on-write counted) and every test ends with zero blocks in use."""
+
+from __future__ import annotations
+
+import json
+import shutil
+
+import pytest
+import torch
+
+from pdserve import LLM
+from pdserve.engine.beam_search import BeamSearchParams
+from pdserve.engine.model_loader import load_reference_model
+from pdserve.engine.request import FinishReason
+
+PROMPTS = [[5, 17, 99, 3, 44, 8, 21, 7, 60, 13, 2], list(range(1, 20)), [9, 9, 9]]
+# Tokens the tiny llama's beams produce mid-search on PROMPTS[0] (found by running it): made eos
+# in a copy of the model, so beams end early and the length penalty ranks unequal lengths.
+FREQUENT_TOKENS = [524, 236]
+
+
+@pytest.fixture(scope="module")
+def eos_model_dir(model_dirs, tmp_path_factory):
+    target = tmp_path_factory.mktemp("beam") / "llama-eos"
+    shutil.copytree(model_dirs["llama"], target)
+    path = target / "generation_config.json"
+    config = json.loads(path.read_text())
+    config["eos_token_id"] = [*FREQUENT_TOKENS, 0]
+    path.write_text(json.dumps(config))
+    return target
+
+
+def transformers_beams(model_dir, prompt, params: BeamSearchParams, eos: list[int] | None) -> tuple[list[list[int]], list[float]]:
+    model = load_reference_model(model_dir, torch.float32)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            num_beams=params.beam_width, num_return_sequences=params.beam_width, do_sample=False,
+            length_penalty=params.length_penalty, early_stopping=False, max_new_tokens=params.max_tokens,
+            eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+        )
+    sequences = []
+    for row in out.sequences[:, len(prompt):].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if eos and t in eos), len(row))
+        sequences.append(row[:end])
+    # num_beams=1 is greedy search in transformers, which reports no sequence scores.
+    return sequences, out.sequences_scores.tolist() if params.beam_width > 1 else None
+
+
+def check_against_transformers(llm: LLM, model_dir, params: BeamSearchParams, eos) -> None:
+    outputs = llm.beam_search(PROMPTS, params)
+    for prompt, out in zip(PROMPTS, outputs):
+        expected, scores = transformers_beams(model_dir, prompt, params, eos)
+        assert [s.token_ids for s in out.sequences] == expected
+        if scores is not None:
+            assert [s.score for s in out.sequences] == pytest.approx(scores, rel=1e-5, abs=1e-5)
+    assert llm.engine.kv.num_used_blocks == 0
+    assert not llm.engine.has_unfinished()
+
+
+@pytest.mark.parametrize("beam_width,length_penalty,max_tokens", [(3, 1.0, 12), (4, 0.5, 10), (2, 2.0, 9), (1, 1.0, 6)])
+def test_beams_equal_transformers_to_max_tokens(model_dirs, beam_width, length_penalty, max_tokens):
+    llm = LLM(model_dirs["llama"], dtype="float32", block_size=8, max_num_batched_tokens=64, max_num_seqs=16)
+    params = BeamSearchParams(beam_width, max_tokens, length_penalty, ignore_eos=True)
+    check_against_transformers(llm, model_dirs["llama"], params, eos=None)
+
+
+@pytest.mark.parametrize("length_penalty", [1.0, 0.0, 2.0, -1.0])
+def test_beams_ending_in_eos_equal_transformers(eos_model_dir, length_penalty):
+    llm = LLM(eos_model_dir, dtype="float32", block_size=8, max_num_batched_tokens=64, max_num_seqs=16)
+    params = BeamSearchParams(beam_width=3, max_tokens=14, length_penalty=length_penalty)
+    if length_penalty <= 1.0:  # a stronger penalty favours the longer beams that eos did not end
+        (out,) = llm.beam_search(PROMPTS[:1], params)
+        assert any(s.finish_reason is FinishReason.STOP for s in out.sequences)
+    check_against_transformers(llm, eos_model_dir, params, eos=[*FREQUENT_TOKENS, 0])
+
+
+def test_beams_share_blocks_and_copy_only_partial_blocks_they_write(model_dirs):
+    # Block size 4, prompt of 11 tokens: the prompt's last block is partial and shared by every beam.
+    llm = LLM(model_dirs["llama"], dtype="float32", block_size=4, max_num_batched_tokens=64, max_num_seqs=16,
+              enable_prefix_caching=False)
+    kv = llm.engine.kv
+    params = BeamSearchParams(beam_width=3, max_tokens=1 + 4, ignore_eos=True)
+    peak = 0
+    step = llm.engine.step
+
+    def counting_step():
+        nonlocal peak
+        outputs = step()
+        peak = max(peak, kv.num_used_blocks)
+        return outputs
+
+    llm.engine.step = counting_step
+    (out,) = llm.beam_search(PROMPTS[:1], params)
+    expected, _ = transformers_beams(model_dirs["llama"], PROMPTS[0], params, None)
+    assert [s.token_ids for s in out.sequences] == expected
+    # Unshared, 3 beams of 11 + 4 computed tokens would hold 3 * 4 = 12 blocks; sharing the 2 full
+    # prompt blocks holds at most 2 + 3 * 2 = 8.
+    assert peak <= 8
+    # Every copy is of a partial block one beam wrote while another held it: at most one per
+    # beam per step after the first, so fewer than width * (max_tokens - 1).
+    assert 0 < kv.num_cow_copies <= 3 * 4
+    assert kv.num_used_blocks == 0
+
+
+def test_beam_width_beyond_the_logprobs_limit_is_refused(model_dirs):
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=11, max_tokens=4, ignore_eos=True).beams_to_keep(0)
+    with pytest.raises(ValueError, match="beam_width"):
+        BeamSearchParams(beam_width=0, max_tokens=4)
