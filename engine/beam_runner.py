@@ -55,9 +55,6 @@ class BeamSearches:
     """Every beam search running on one engine, advanced by that engine's step outputs."""
 
     def __init__(self, engine: EngineCore) -> None:
-        if engine.config.tensor_parallel_size > 1:
-            # Copy-on-write reaches every rank, but beam search is only checked on one.
-            raise ValueError("beam search runs on a single-rank engine (tensor_parallel_size 1)")
         self.engine = engine
         self._eos = tuple(engine.loaded.eos_token_ids)
         self._searches: dict[str, _Search] = {}
@@ -69,6 +66,7 @@ class BeamSearches:
 
     def add(self, search_id: str, prompt: list[int], params: BeamSearchParams) -> None:
         """Start a search; RequestRejected (naming the field) when it can never run here."""
+        _check_single_rank(self.engine)
         if search_id in self._searches:
             raise RequestRejected(f"request_id {search_id!r} is already in use")
         try:
@@ -165,6 +163,7 @@ class BeamSearchRunner:
     """Offline: runs a batch of searches to the end, stepping the engine itself."""
 
     def __init__(self, engine: EngineCore) -> None:
+        _check_single_rank(engine)
         self.engine = engine
         self._searches = BeamSearches(engine)
 
@@ -185,6 +184,12 @@ class BeamSearchRunner:
         finally:
             self._searches.abort_all()
         return [results[search_id] for search_id in ids]
+
+
+def _check_single_rank(engine: EngineCore) -> None:
+    if engine.config.tensor_parallel_size > 1:
+        # Copy-on-write reaches every rank, but beam search is only checked on one.
+        raise RequestRejected("beam_width: beam search runs on a single-rank engine (tensor_parallel_size 1)")
 
 
 def _top(out: EngineCoreOutput) -> BeamTop:

@@ -8,7 +8,6 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from pdserve import LLM
 from pdserve.engine.beam_search import BeamSearchParams
