@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router.errors import InvalidRequest, ModelNotFound, status_of
+from pdserve.router.errors import InvalidRequest, ModelNotFound, NeedsColocatedNode, status_of
 
 FINISH_REASONS = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length",
                   pdserve_pb2.FINISH_REASON_ABORT: "abort"}
@@ -29,6 +29,9 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    # A request this cluster cannot run as it stands (beam search, no colocated node): vLLM answers
+    # an unsupported option 400, which the OpenAI client raises as BadRequestError.
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
@@ -40,7 +43,8 @@ HTTP_STATUS = {
 
 
 def status_name_of_http(status: int) -> str:
-    """The gRPC code's name an HTTP status answers for (HTTP_STATUS read backwards); `HTTP_<n>` otherwise."""
+    """The gRPC code's name an HTTP status answers for (HTTP_STATUS read backwards, the first code
+    that maps to it); `HTTP_<n>` otherwise."""
     for code, (http_status, _) in HTTP_STATUS.items():
         if http_status == status:
             return code.name
@@ -57,7 +61,7 @@ def error_of(error: BaseException) -> HTTPError:
     """OpenAI's error JSON and the HTTP status for a router error (500 for anything unexpected)."""
     code, message = status_of(error)
     status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
-    param = error.field if isinstance(error, InvalidRequest) else None
+    param = error.field if isinstance(error, (InvalidRequest, NeedsColocatedNode)) else None
     return HTTPError(status, {"error": {"message": message, "type": kind, "param": param, "code": code.name}})
 
 
