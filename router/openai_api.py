@@ -110,7 +110,7 @@ def _logprobs_field(body: dict[str, Any]) -> int | None:
     return value
 
 
-def _set(params: pdserve_pb2.SamplingParams, name: str, value: object) -> None:
+def _set(params: pdserve_pb2.SamplingParams | pdserve_pb2.BeamSearch, name: str, value: object) -> None:
     try:
         setattr(params, name, value)
     except (TypeError, ValueError) as exc:
@@ -156,10 +156,36 @@ def echoes(body: dict[str, Any], prompts: list[str | list[int]], tokenizer) -> l
     return out
 
 
-def generate_request(prompt: str | list[int], params: pdserve_pb2.SamplingParams) -> pdserve_pb2.GenerateRequest:
+def beam_search(body: dict[str, Any], params: pdserve_pb2.SamplingParams) -> pdserve_pb2.BeamSearch | None:
+    """vLLM's extra params: `use_beam_search`, `best_of` (the beam width; default `n`) and
+    `length_penalty`; `n` beams come back, best first. Not streamed: beams change until the end.
+    Sets `n` explicitly (1 when unset), since the router's default for a beam search is every beam."""
+    use = body.get("use_beam_search", False)
+    if not isinstance(use, bool):
+        raise InvalidRequest("use_beam_search", "use_beam_search must be true or false")
+    if not use:
+        return None
+    if body.get("stream"):
+        raise InvalidRequest("stream", "stream must be false with use_beam_search: the beams change until the "
+                                       "search ends, so they come back whole")
+    if not params.HasField("n"):
+        params.n = 1
+    option = pdserve_pb2.BeamSearch()
+    _set(option, "beam_width", body.get("best_of") or params.n)
+    if body.get("length_penalty") is not None:
+        _set(option, "length_penalty", body["length_penalty"])
+    return option
+
+
+def generate_request(prompt: str | list[int], params: pdserve_pb2.SamplingParams,
+                     beam: pdserve_pb2.BeamSearch | None = None) -> pdserve_pb2.GenerateRequest:
     if isinstance(prompt, str):
-        return pdserve_pb2.GenerateRequest(text=prompt, sampling_params=params)
-    return pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling_params=params)
+        request = pdserve_pb2.GenerateRequest(text=prompt, sampling_params=params)
+    else:
+        request = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling_params=params)
+    if beam is not None:
+        request.beam_search.CopyFrom(beam)
+    return request
 
 
 def chat_prompt(body: dict[str, Any], tokenizer, template: str | None) -> str:
