@@ -13,6 +13,10 @@ the core starts no KV transport and the handler gets `None` for it). A request's
                  (token 1's with the prompt logprobs, when the params ask)
     Abort ─▶ abort the request in the engine (its blocks are freed at once)
 
+A beam search (StreamSubmit.beam set) runs as `BeamSearches` (engine/beam_runner.py) beside
+the ordinary requests: each step's outputs go through it first, and only the rest stream.
+Its answer is one BeamsDone once the search ends; an Abort drops every beam it holds.
+
 Must never: hold a block outside the scheduler, or answer a request twice.
 """
 
@@ -21,11 +25,15 @@ from __future__ import annotations
 import logging
 
 from pdserve.engine.admission import RequestRejected
+from pdserve.engine.beam_runner import BeamSearches, FinishedSearch
+from pdserve.engine.beam_search import BeamSearchParams
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
+from pdserve.engine.request import FinishReason
 from pdserve.node.config import NodeConfig
 from pdserve.node.core_part import ToFront
 from pdserve.node.errors import NodeError, rejection_error
-from pdserve.node.messages import Abort, Logprobs, Message, PromptLogprobs, RequestFailed, StreamSubmit, Tokens
+from pdserve.node.messages import (Abort, BeamOption, BeamResult, BeamsDone, Logprobs, Message, PromptLogprobs,
+                                   RequestFailed, StreamSubmit, Tokens)
 from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
 
 logger = logging.getLogger(__name__)
@@ -36,6 +44,7 @@ class ColocatedCore:
         self.engine = engine
         self.to_front = to_front
         self.bounds = bounds
+        self.beams = BeamSearches(engine)
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, StreamSubmit):
@@ -44,7 +53,9 @@ class ColocatedCore:
             except NodeError as exc:
                 self.to_front(RequestFailed(msg.req_id, exc.code, exc.message))
         elif isinstance(msg, Abort):
-            self.engine.abort(msg.req_id)  # False (nothing to do) once the request has ended
+            # False (nothing to do) once the request has ended.
+            if not self.beams.abort(msg.req_id):
+                self.engine.abort(msg.req_id)
         else:
             logger.warning("colocated core ignores %s", type(msg).__name__)
 
@@ -52,14 +63,20 @@ class ColocatedCore:
         new_tokens = len(msg.prompt_token_ids) + len(msg.resumed_token_ids)  # all of it is prefilled here
         self.bounds.check(len(self.engine.scheduler.waiting), queued_tokens(self.engine), new_tokens)
         try:
+            if msg.beam is not None:
+                self.beams.add(msg.req_id, msg.prompt_token_ids, _beam_params(msg.beam, msg))
+                return
             self.engine.add_request(msg.req_id, msg.prompt_token_ids, msg.params, msg.sample_index,
                                     msg.resumed_token_ids)
         except RequestRejected as exc:
             raise rejection_error(exc) from exc
 
     def after_step(self, outputs: list[EngineCoreOutput]) -> None:
-        for out in outputs:
+        others, finished = self.beams.take(outputs)
+        for out in others:
             self._stream(out)
+        for search in finished:
+            self.to_front(_beams_done(search))
 
     def poll(self, now: float) -> None:
         pass  # nothing outside the engine: no transfers, no leases
@@ -75,6 +92,21 @@ class ColocatedCore:
         self.to_front(Tokens(out.req_id, [out.new_token_id], [Logprobs.of(out.logprobs)],
                          reason.value if reason is not None else None, out.stop_token_id,
                          PromptLogprobs.of(out.prompt_logprobs)))
+
+
+def _beam_params(beam: BeamOption, msg: StreamSubmit) -> BeamSearchParams:
+    if msg.resumed_token_ids:
+        raise RequestRejected("resumed_token_ids: a beam search is never resumed")
+    try:
+        return BeamSearchParams(beam.beam_width, msg.params.max_tokens, beam.length_penalty, msg.params.ignore_eos)
+    except ValueError as exc:
+        raise RequestRejected(str(exc)) from exc
+
+
+def _beams_done(search: FinishedSearch) -> BeamsDone:
+    beams = [BeamResult(h.token_ids, (FinishReason.STOP if h.ended_by_eos else FinishReason.LENGTH).value,
+                        h.cum_logprob, h.score) for h in search.hypotheses]
+    return BeamsDone(search.search_id, beams, search.num_prompt_tokens, search.num_cached_tokens)
 
 
 def make_handler(config: NodeConfig, engine: EngineCore, transport: None, descriptor: None,

@@ -56,6 +56,10 @@ class DecodeCore:
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, StreamSubmit):
+            if msg.beam is not None:  # every beam's top logprobs each step: only a colocated node has them
+                self.to_front(RequestFailed(msg.req_id, ErrorCode.INVALID_ARGUMENT,
+                                            "beam_search runs only on a colocated node"))
+                return
             try:
                 # Only the waiting count: a decode node's tokens to compute are one per running request.
                 self.bounds.check(self.table.num_reserved + len(self.engine.scheduler.waiting), 0, 0)

@@ -1,5 +1,11 @@
 """Runs beam searches on one engine core: every beam is an engine request, forked from its parent.
 
+`BeamSearches` is step-incremental, so a node's core loop runs searches beside ordinary
+requests in the same engine steps: it feeds every step's outputs to `take`, which keeps the
+beams' outputs, advances the searches they complete and hands back the other requests'
+outputs untouched, with the searches that ended. `BeamSearchRunner` (the offline
+`LLM.beam_search`) is the same object driven by a loop of its own.
+
 A search starts as one request (its prompt). Each step every running beam samples (greedy,
 reporting its top `beams_to_keep` log-probabilities) and is paused; once all beams of a search
 have reported, `BeamSearchState` picks the next beams and this module turns them into requests:
@@ -8,7 +14,7 @@ have reported, `BeamSearchState` picks the next beams and this module turns them
     and the partial last block is copied only when one of them writes it (copy-on-write);
   - beams nobody extends are aborted, which frees what only they held.
 Forks are made before aborts so a shared block never drops to zero references in between.
-Beams of different searches, and the beams of one search, run batched in the same steps.
+A search that ends (or is aborted) aborts every beam it still holds: no block outlives it.
 Must never: choose tokens itself (BeamSearchState does) or touch blocks (the engine does).
 """
 
@@ -18,77 +24,114 @@ import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdserve.engine.admission import RequestRejected
 from pdserve.engine.beam_search import BeamSearchParams, BeamSearchState, BeamTop, Hypothesis, NextBeam
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.engine.sampling_params import SamplingParams
 
 
 @dataclass(slots=True)
+class FinishedSearch:
+    search_id: str
+    hypotheses: list[Hypothesis]  # best first
+    num_prompt_tokens: int
+    num_cached_tokens: int  # of the prompt, found in the prefix cache
+
+
+@dataclass(slots=True)
 class _Search:
+    search_id: str
     state: BeamSearchState
     req_ids: list[str]  # the running beams' requests, in `state.beams` order
     reported: dict[str, EngineCoreOutput] = field(default_factory=dict)
+    num_cached_tokens: int = 0
 
     @property
     def complete(self) -> bool:
         return len(self.reported) == len(self.req_ids)
 
 
-class BeamSearchRunner:
+class BeamSearches:
+    """Every beam search running on one engine, advanced by that engine's step outputs."""
+
     def __init__(self, engine: EngineCore) -> None:
-        if engine.config.tensor_parallel_size > 1:
-            # Copy-on-write reaches every rank, but beam search is only checked on one.
-            raise ValueError("beam search runs on a single-rank engine (tensor_parallel_size 1)")
         self.engine = engine
+        self._eos = tuple(engine.loaded.eos_token_ids)
+        self._searches: dict[str, _Search] = {}
+        self._owner: dict[str, _Search] = {}  # beam req_id -> its search
         self._ids = itertools.count()
 
-    def run(self, prompts: Sequence[list[int]], params: BeamSearchParams, prefix: str = "beam") -> list[list[Hypothesis]]:
-        """Each prompt's `beam_width` hypotheses, best first."""
-        eos = tuple(self.engine.loaded.eos_token_ids)
-        keep = params.beams_to_keep(len(eos))
+    def __len__(self) -> int:
+        return len(self._searches)
+
+    def add(self, search_id: str, prompt: list[int], params: BeamSearchParams) -> None:
+        """Start a search; RequestRejected (naming the field) when it can never run here."""
+        _check_single_rank(self.engine)
+        if search_id in self._searches:
+            raise RequestRejected(f"request_id {search_id!r} is already in use")
+        try:
+            keep = params.beams_to_keep(len(self._eos))
+        except ValueError as exc:
+            raise RequestRejected(str(exc)) from exc
+        self._check_fits(prompt, params)
         # The engine never ends a beam itself: eos and max_tokens are the search's to apply.
         beam_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens + 1, ignore_eos=True, logprobs=keep)
-        searches: list[_Search] = []
-        owner: dict[str, _Search] = {}
-        try:
-            for i, prompt in enumerate(prompts):
-                self._check_fits(prompt, params)
-                req_id = f"{prefix}-{i}-{next(self._ids)}"
-                self.engine.add_request(req_id, prompt, beam_params)
-                search = _Search(BeamSearchState(params, eos), [req_id])
-                searches.append(search)
-                owner[req_id] = search
-            self._drive(searches, owner)
-        finally:
-            for req_id in owner:
-                self.engine.abort(req_id)
-        return [s.state.results() for s in searches]
+        req_id = self._beam_id(search_id)
+        self.engine.add_request(req_id, prompt, beam_params)
+        search = _Search(search_id, BeamSearchState(params, self._eos), [req_id])
+        self._searches[search_id] = search
+        self._owner[req_id] = search
 
-    def _drive(self, searches: list[_Search], owner: dict[str, _Search]) -> None:
-        while any(not s.state.done for s in searches):
-            outputs = self.engine.step()
-            if not outputs and not self.engine.has_unfinished():
-                raise RuntimeError("beam search stalled: beams wait with nothing scheduled")
-            for out in outputs:
-                assert out.finish_reason is None, "beam requests are never ended by the engine"
-                self.engine.pause(out.req_id)  # until its search has heard from every beam
-                owner[out.req_id].reported[out.req_id] = out
-            for search in searches:
-                if not search.state.done and search.complete:
-                    self._advance(search, owner)
+    def take(self, outputs: Sequence[EngineCoreOutput]) -> tuple[list[EngineCoreOutput], list[FinishedSearch]]:
+        """One step's outputs: those of requests that are not beams, and the searches that ended."""
+        others: list[EngineCoreOutput] = []
+        touched: dict[str, _Search] = {}
+        for out in outputs:
+            search = self._owner.get(out.req_id)
+            if search is None:
+                others.append(out)
+                continue
+            assert out.finish_reason is None, "beam requests are never ended by the engine"
+            self.engine.pause(out.req_id)  # until its search has heard from every beam
+            if not search.reported and len(search.req_ids) == 1 and not search.state.beams[0].token_ids:
+                search.num_cached_tokens = out.num_cached_tokens  # the prompt's first step
+            search.reported[out.req_id] = out
+            touched[search.search_id] = search
+        finished = [self._advance(s) for s in touched.values() if s.complete]
+        return others, [f for f in finished if f is not None]
 
-    def _advance(self, search: _Search, owner: dict[str, _Search]) -> None:
+    def abort(self, search_id: str) -> bool:
+        """Drop a search and every beam it holds (their blocks are freed); False if unknown."""
+        search = self._searches.pop(search_id, None)
+        if search is None:
+            return False
+        for req_id in search.req_ids:
+            self.engine.abort(req_id)
+            del self._owner[req_id]
+        return True
+
+    def abort_all(self) -> None:
+        for search_id in list(self._searches):
+            self.abort(search_id)
+
+    def _advance(self, search: _Search) -> FinishedSearch | None:
         tops = [_top(search.reported[r]) for r in search.req_ids]
+        num_prompt_tokens = search.reported[search.req_ids[0]].num_prompt_tokens
         following = search.state.step(tops)
-        new_ids = self._requests_for(search, following, owner)
+        if search.state.done:
+            self.abort(search.search_id)
+            return FinishedSearch(search.search_id, search.state.results(), num_prompt_tokens,
+                                  search.num_cached_tokens)
+        new_ids = self._requests_for(search, following)
         for req_id in set(search.req_ids) - set(new_ids):
             self.engine.abort(req_id)
-            del owner[req_id]
+            del self._owner[req_id]
         for req_id in set(search.req_ids) & set(new_ids):
             self.engine.resume(req_id)
         search.req_ids, search.reported = new_ids, {}
+        return None
 
-    def _requests_for(self, search: _Search, following: list[NextBeam], owner: dict[str, _Search]) -> list[str]:
+    def _requests_for(self, search: _Search, following: list[NextBeam]) -> list[str]:
         """The request of every next beam: the parent itself when it continues with its own greedy
         token (once), else a fork of it."""
         new_ids: list[str] = []
@@ -99,17 +142,54 @@ class BeamSearchRunner:
                 kept.add(parent_id)
                 new_ids.append(parent_id)
                 continue
-            child_id = f"{parent_id.rsplit('-', 1)[0]}-{next(self._ids)}"
+            child_id = self._beam_id(search.search_id)
             out = self.engine.fork(parent_id, child_id, beam.token_id)
             assert out.finish_reason is None, "beam requests are never ended by the engine"
-            owner[child_id] = search
+            self._owner[child_id] = search
             new_ids.append(child_id)
         return new_ids
 
+    def _beam_id(self, search_id: str) -> str:
+        return f"{search_id}/beam-{next(self._ids)}"
+
     def _check_fits(self, prompt: list[int], params: BeamSearchParams) -> None:
         if len(prompt) + params.max_tokens >= self.engine.max_model_len:
-            raise ValueError(f"prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} do not fit the "
-                             f"model's {self.engine.max_model_len} (a beam computes one token more than it keeps)")
+            raise RequestRejected(f"max_tokens: prompt of {len(prompt)} tokens + max_tokens {params.max_tokens} do "
+                                  f"not fit the model's {self.engine.max_model_len} (a beam computes one token more "
+                                  "than it keeps)")
+
+
+class BeamSearchRunner:
+    """Offline: runs a batch of searches to the end, stepping the engine itself."""
+
+    def __init__(self, engine: EngineCore) -> None:
+        _check_single_rank(engine)
+        self.engine = engine
+        self._searches = BeamSearches(engine)
+
+    def run(self, prompts: Sequence[list[int]], params: BeamSearchParams, prefix: str = "beam") -> list[list[Hypothesis]]:
+        """Each prompt's `beam_width` hypotheses, best first."""
+        ids = [f"{prefix}-{i}" for i in range(len(prompts))]
+        results: dict[str, list[Hypothesis]] = {}
+        try:
+            for search_id, prompt in zip(ids, prompts):
+                self._searches.add(search_id, prompt, params)
+            while len(self._searches):
+                outputs = self.engine.step()
+                if not outputs and not self.engine.has_unfinished():
+                    raise RuntimeError("beam search stalled: beams wait with nothing scheduled")
+                others, finished = self._searches.take(outputs)
+                assert not others, "the offline runner's engine runs only beams"
+                results.update((f.search_id, f.hypotheses) for f in finished)
+        finally:
+            self._searches.abort_all()
+        return [results[search_id] for search_id in ids]
+
+
+def _check_single_rank(engine: EngineCore) -> None:
+    if engine.config.tensor_parallel_size > 1:
+        # Copy-on-write reaches every rank, but beam search is only checked on one.
+        raise RequestRejected("beam_width: beam search runs on a single-rank engine (tensor_parallel_size 1)")
 
 
 def _top(out: EngineCoreOutput) -> BeamTop:

@@ -36,8 +36,8 @@ from pdserve.node.config import NodeConfig
 from pdserve.node.core import CoreAddresses, start_core
 from pdserve.node.core_part import CorePart
 from pdserve.node.errors import ErrorCode, NodeError
-from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, FirstToken, Message, Ready, RequestFailed, Shutdown,
-                                   StatsData, StatsPush, StatsQuery, StatsReply, Tokens, decode, encode)
+from pdserve.node.messages import (Abort, BeamsDone, CoreFailed, CoreStarted, FirstToken, Message, Ready, RequestFailed,
+                                   Shutdown, StatsData, StatsPush, StatsQuery, StatsReply, Tokens, decode, encode)
 
 logger = logging.getLogger(__name__)
 
@@ -155,7 +155,7 @@ class CoreClient:
             elif isinstance(msg, CoreFailed):
                 self._die(f"engine core failed: {msg.message}")
                 return
-            elif isinstance(msg, (Ready, FirstToken, Tokens, RequestFailed)):
+            elif isinstance(msg, (Ready, FirstToken, Tokens, BeamsDone, RequestFailed)):
                 queue = self._streams.get(msg.req_id)
                 if queue is not None:  # None: the RPC has already gone away
                     queue.put_nowait(msg)

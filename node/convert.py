@@ -1,6 +1,6 @@
 """Conversions between the node protos and the core messages' types.
 
-Owns: a core's `Tokens` -> `DecodeTokens`, `StatsData` -> `NodeStats`. Sampling params,
+Owns: a core's `Tokens` -> `DecodeTokens`, `BeamsDone` -> `BeamResults`, `StatsData` -> `NodeStats`. Sampling params,
 finish reasons and logprobs convert as they do for the router, in pdserve.proto.convert.
 
 Must never: decide a status code (errors.py does) or touch the network.
@@ -9,7 +9,7 @@ Must never: decide a status code (errors.py does) or touch the network.
 from __future__ import annotations
 
 from pdserve.kv_transfer.counters import TransferStats
-from pdserve.node.messages import StatsData, Tokens
+from pdserve.node.messages import BeamsDone, StatsData, Tokens
 from pdserve.proto import node_pb2
 from pdserve.proto.convert import finish_reason_to_proto, logprobs_to_proto, prompt_logprobs_to_proto
 
@@ -22,6 +22,13 @@ def tokens_to_proto(msg: Tokens) -> node_pb2.DecodeTokens:
     return node_pb2.DecodeTokens(token_ids=msg.token_ids, logprobs=logprobs,
                                  finish_reason=finish_reason_to_proto(msg.finish_reason), stop_token_id=stop_token_id,
                                  prompt_logprobs=prompt)
+
+
+def beams_to_proto(msg: BeamsDone) -> node_pb2.BeamResults:
+    beams = [node_pb2.BeamHypothesis(token_ids=b.token_ids, finish_reason=finish_reason_to_proto(b.finish_reason),
+                                     cumulative_logprob=b.cumulative_logprob, score=b.score) for b in msg.beams]
+    return node_pb2.BeamResults(beams=beams, num_prompt_tokens=msg.num_prompt_tokens,
+                                num_cached_tokens=msg.num_cached_tokens)
 
 
 def _counters(kv: TransferStats) -> node_pb2.TransferCounters:

@@ -9,7 +9,8 @@ name. Every message is a dataclass of JSON-native fields; the few nested values
     decode:    front ─StreamSubmit─▶ core ─Ready─▶ front, then ─Tokens…(last: finish_reason)─▶
                or ─RequestFailed─▶ at any point
     colocated: front ─StreamSubmit─▶ core ─Tokens…(last: finish_reason)─▶ front,
-               or ─RequestFailed─▶ at any point
+               or ─RequestFailed─▶ at any point; a beam search (StreamSubmit.beam set)
+               answers one ─BeamsDone─▶ instead of Tokens
     either:  front ─Abort─▶ core (the caller went away; no answer)
     stats:   core ─StatsPush─▶ front, unasked, at most every stats_push_interval_s (the
              front caches it for heartbeats); front ─StatsQuery─▶ core ─StatsReply─▶ front
@@ -71,6 +72,24 @@ class PromptLogprobs:
         return cls(body["token_ids"], [Logprobs(**lp) for lp in body["logprobs"]])
 
 
+@dataclass(slots=True)
+class BeamOption:
+    """A beam search instead of one sample (max_tokens and ignore_eos are the params')."""
+
+    beam_width: int
+    length_penalty: float = 1.0
+
+
+@dataclass(slots=True)
+class BeamResult:
+    """One finished hypothesis, as plain data."""
+
+    token_ids: list[int]
+    finish_reason: str  # FinishReason.value: "stop" when eos ended it, else "length"
+    cumulative_logprob: float
+    score: float
+
+
 class _Message:
     """Default JSON rebuild: the fields are already JSON-native."""
 
@@ -109,10 +128,12 @@ class StreamSubmit(_Message):
     # Tokens the sample already generated elsewhere (a resume): they count as output, and
     # their KV arrives with the prompt's (decode) or is computed with it (colocated).
     resumed_token_ids: list[int] = field(default_factory=list)
+    beam: BeamOption | None = None  # a colocated node's beam search (sample_index, seed unused)
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> StreamSubmit:
-        return cls(**{**body, "params": _params(body["params"])})
+        beam = body.get("beam")
+        return cls(**{**body, "params": _params(body["params"]), "beam": None if beam is None else BeamOption(**beam)})
 
 
 @dataclass(slots=True)
@@ -186,6 +207,20 @@ class Tokens(_Message):
 
 
 @dataclass(slots=True)
+class BeamsDone(_Message):
+    """A beam search's answer, once it ended: every hypothesis, best first."""
+
+    req_id: str
+    beams: list[BeamResult]
+    num_prompt_tokens: int
+    num_cached_tokens: int
+
+    @classmethod
+    def from_json(cls, body: dict[str, Any]) -> BeamsDone:
+        return cls(**{**body, "beams": [BeamResult(**b) for b in body["beams"]]})
+
+
+@dataclass(slots=True)
 class RequestFailed(_Message):
     req_id: str
     code: ErrorCode
@@ -242,12 +277,12 @@ class StatsPush(_Message):
 
 
 Message = (PrefillSubmit | StreamSubmit | Abort | StatsQuery | Shutdown | CoreStarted | CoreFailed
-           | Ready | FirstToken | Tokens | RequestFailed | StatsReply | StatsPush)
+           | Ready | FirstToken | Tokens | BeamsDone | RequestFailed | StatsReply | StatsPush)
 
 _TYPES: dict[str, type[_Message]] = {
     cls.__name__: cls
     for cls in (PrefillSubmit, StreamSubmit, Abort, StatsQuery, Shutdown, CoreStarted, CoreFailed,
-                Ready, FirstToken, Tokens, RequestFailed, StatsReply, StatsPush)
+                Ready, FirstToken, Tokens, BeamsDone, RequestFailed, StatsReply, StatsPush)
 }
 
 

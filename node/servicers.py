@@ -9,6 +9,7 @@ KV to receive and streams token 1 too). A request's life through it:
 
     SampleRequest ─▶ checked (request_id, sampling params: INVALID_ARGUMENT) ─▶ StreamSubmit ─▶ core
     core ─Ready─▶ ready event;  ─Tokens─▶ tokens event (the last with finish_reason ends the call)
+    core ─BeamsDone─▶ beams event (a colocated node's beam search: its one event ends the call)
     core ─RequestFailed─▶ the call fails with its code
     the call ends early (cancel, deadline, client gone) ─▶ Abort ─▶ core
 
@@ -23,10 +24,10 @@ import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.client import CoreClient
-from pdserve.node.convert import stats_to_proto, tokens_to_proto
+from pdserve.node.convert import beams_to_proto, stats_to_proto, tokens_to_proto
 from pdserve.proto.convert import params_from_proto
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
-from pdserve.node.messages import Ready, RequestFailed, StreamSubmit, Tokens
+from pdserve.node.messages import BeamOption, BeamsDone, Ready, RequestFailed, StreamSubmit, Tokens
 from pdserve.proto import node_pb2
 
 
@@ -73,8 +74,13 @@ def request_params(request: node_pb2.SampleRequest | node_pb2.PrefillRequest) ->
 def stream_submit(request: node_pb2.SampleRequest) -> StreamSubmit:
     """What the core gets for a decode or colocated node's request (params checked as above)."""
     params = request_params(request)
+    beam = None
+    if request.HasField("beam_search"):
+        option = request.beam_search
+        beam = BeamOption(option.beam_width, option.length_penalty if option.HasField("length_penalty") else 1.0)
     return StreamSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
-                        sample_index=request.sample_index, resumed_token_ids=list(request.resumed_token_ids))
+                        sample_index=request.sample_index, resumed_token_ids=list(request.resumed_token_ids),
+                        beam=beam)
 
 
 async def _stream_events(client: CoreClient, context: grpc.aio.ServicerContext,
@@ -102,6 +108,9 @@ async def _stream_events(client: CoreClient, context: grpc.aio.ServicerContext,
             elif isinstance(msg, Tokens):
                 ended = msg.finish_reason is not None
                 yield node_pb2.DecodeEvent(tokens=tokens_to_proto(msg))
+            elif isinstance(msg, BeamsDone):
+                ended = True
+                yield node_pb2.DecodeEvent(beams=beams_to_proto(msg))
             else:
                 ended = True
                 await abort_rpc(context, NodeError(ErrorCode.INTERNAL, f"unexpected {type(msg).__name__}"))

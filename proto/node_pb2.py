@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from . import pdserve_pb2 as pdserve__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nnode.proto\x12\x0fpdserve.node.v1\x1a\rpdserve.proto\"\xb1\x01\n\rSampleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x19\n\x11resumed_token_ids\x18\x06 \x03(\x05\"1\n\x05Ready\x12\x15\n\rkv_descriptor\x18\x01 \x01(\x0c\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\"\xca\x01\n\x0c\x44\x65\x63odeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rstop_token_id\x18\x04 \x01(\x05\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"p\n\x0b\x44\x65\x63odeEvent\x12\'\n\x05ready\x18\x01 \x01(\x0b\x32\x16.pdserve.node.v1.ReadyH\x00\x12/\n\x06tokens\x18\x02 \x01(\x0b\x32\x1d.pdserve.node.v1.DecodeTokensH\x00\x42\x07\n\x05\x65vent\"\xea\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x1c\n\x14\x64\x65\x63ode_kv_descriptor\x18\x06 \x01(\x0c\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x07 \x03(\x05\x12\x19\n\x11resumed_token_ids\x18\x08 \x03(\x05\"\xea\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12+\n\x08logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x05 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x0e\n\x0cStatsRequest\"i\n\x10TransferCounters\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x11\n\ttransfers\x18\x03 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x04 \x01(\x04\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\"\xda\x03\n\tNodeStats\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x17\n\x0freserved_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x36\n\x0bkv_transfer\x18\x08 \x01(\x0b\x32!.pdserve.node.v1.TransferCounters\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12<\n\x11kv_transfer_ranks\x18\x0c \x03(\x0b\x32!.pdserve.node.v1.TransferCounters\x12\x13\n\x0bnum_swapped\x18\r \x01(\r\x12\x13\n\x0bswap_blocks\x18\x0e \x01(\r\x12\x18\n\x10used_swap_blocks\x18\x0f \x01(\r\x12\x11\n\tswaps_out\x18\x10 \x01(\x04\x12\x10\n\x08swaps_in\x18\x11 \x01(\x04\"\x97\x01\n\x0fNodeFingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x16\n\x0elayout_version\x18\x07 \x01(\r\"x\n\x0fRegisterRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x35\n\x0b\x66ingerprint\x18\x04 \x01(\x0b\x32 .pdserve.node.v1.NodeFingerprint\"1\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"N\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12)\n\x05stats\x18\x02 \x01(\x0b\x32\x1a.pdserve.node.v1.NodeStats\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\x9d\x01\n\nDecodeNode\x12H\n\x06\x44\x65\x63ode\x12\x1e.pdserve.node.v1.SampleRequest\x1a\x1c.pdserve.node.v1.DecodeEvent0\x01\x12\x45\n\x08GetStats\x12\x1d.pdserve.node.v1.StatsRequest\x1a\x1a.pdserve.node.v1.NodeStats2\xa2\x01\n\x0bPrefillNode\x12L\n\x07Prefill\x12\x1f.pdserve.node.v1.PrefillRequest\x1a .pdserve.node.v1.PrefillResponse\x12\x45\n\x08GetStats\x12\x1d.pdserve.node.v1.StatsRequest\x1a\x1a.pdserve.node.v1.NodeStats2\xa2\x01\n\rColocatedNode\x12J\n\x08Generate\x12\x1e.pdserve.node.v1.SampleRequest\x1a\x1c.pdserve.node.v1.DecodeEvent0\x01\x12\x45\n\x08GetStats\x12\x1d.pdserve.node.v1.StatsRequest\x1a\x1a.pdserve.node.v1.NodeStats2\xaf\x01\n\x08Registry\x12O\n\x08Register\x12 .pdserve.node.v1.RegisterRequest\x1a!.pdserve.node.v1.RegisterResponse\x12R\n\tHeartbeat\x12!.pdserve.node.v1.HeartbeatRequest\x1a\".pdserve.node.v1.HeartbeatResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\nnode.proto\x12\x0fpdserve.node.v1\x1a\rpdserve.proto\"\xde\x01\n\rSampleRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x19\n\x11resumed_token_ids\x18\x06 \x03(\x05\x12+\n\x0b\x62\x65\x61m_search\x18\x07 \x01(\x0b\x32\x16.pdserve.v1.BeamSearch\"1\n\x05Ready\x12\x15\n\rkv_descriptor\x18\x01 \x01(\x0c\x12\x11\n\tblock_ids\x18\x02 \x03(\x05\"\xca\x01\n\x0c\x44\x65\x63odeTokens\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12+\n\x08logprobs\x18\x02 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x03 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x15\n\rstop_token_id\x18\x04 \x01(\x05\x12\x32\n\x0fprompt_logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x7f\n\x0e\x42\x65\x61mHypothesis\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\x12/\n\rfinish_reason\x18\x02 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x1a\n\x12\x63umulative_logprob\x18\x03 \x01(\x01\x12\r\n\x05score\x18\x04 \x01(\x01\"s\n\x0b\x42\x65\x61mResults\x12.\n\x05\x62\x65\x61ms\x18\x01 \x03(\x0b\x32\x1f.pdserve.node.v1.BeamHypothesis\x12\x19\n\x11num_prompt_tokens\x18\x02 \x01(\r\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\"\x9f\x01\n\x0b\x44\x65\x63odeEvent\x12\'\n\x05ready\x18\x01 \x01(\x0b\x32\x16.pdserve.node.v1.ReadyH\x00\x12/\n\x06tokens\x18\x02 \x01(\x0b\x32\x1d.pdserve.node.v1.DecodeTokensH\x00\x12-\n\x05\x62\x65\x61ms\x18\x03 \x01(\x0b\x32\x1c.pdserve.node.v1.BeamResultsH\x00\x42\x07\n\x05\x65vent\"\xea\x01\n\x0ePrefillRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x18\n\x10prompt_token_ids\x18\x02 \x03(\x05\x12\x33\n\x0fsampling_params\x18\x03 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12\x0c\n\x04seed\x18\x04 \x01(\x03\x12\x14\n\x0csample_index\x18\x05 \x01(\r\x12\x1c\n\x14\x64\x65\x63ode_kv_descriptor\x18\x06 \x01(\x0c\x12\x18\n\x10\x64\x65\x63ode_block_ids\x18\x07 \x03(\x05\x12\x19\n\x11resumed_token_ids\x18\x08 \x03(\x05\"\xea\x01\n\x0fPrefillResponse\x12\x16\n\x0e\x66irst_token_id\x18\x01 \x01(\x05\x12+\n\x08logprobs\x18\x02 \x01(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x19\n\x11num_cached_tokens\x18\x03 \x01(\r\x12\x11\n\tprefill_s\x18\x04 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x05 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x06 \x01(\x04\x12\x32\n\x0fprompt_logprobs\x18\x07 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\"\x0e\n\x0cStatsRequest\"i\n\x10TransferCounters\x12\r\n\x05\x62ytes\x18\x01 \x01(\x04\x12\x0e\n\x06\x62locks\x18\x02 \x01(\x04\x12\x11\n\ttransfers\x18\x03 \x01(\x04\x12\x10\n\x08\x66\x61ilures\x18\x04 \x01(\x04\x12\x11\n\tlatency_s\x18\x05 \x01(\x01\"\xda\x03\n\tNodeStats\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x12\n\nnum_blocks\x18\x02 \x01(\r\x12\x13\n\x0bused_blocks\x18\x03 \x01(\r\x12\x17\n\x0freserved_blocks\x18\x04 \x01(\r\x12\x13\n\x0bnum_waiting\x18\x05 \x01(\r\x12\x13\n\x0bnum_running\x18\x06 \x01(\r\x12\x1d\n\x15queued_prefill_tokens\x18\x07 \x01(\x04\x12\x36\n\x0bkv_transfer\x18\x08 \x01(\x0b\x32!.pdserve.node.v1.TransferCounters\x12\x1c\n\x14prefix_cache_queries\x18\t \x01(\x04\x12\x19\n\x11prefix_cache_hits\x18\n \x01(\x04\x12\x1c\n\x14tensor_parallel_size\x18\x0b \x01(\r\x12<\n\x11kv_transfer_ranks\x18\x0c \x03(\x0b\x32!.pdserve.node.v1.TransferCounters\x12\x13\n\x0bnum_swapped\x18\r \x01(\r\x12\x13\n\x0bswap_blocks\x18\x0e \x01(\r\x12\x18\n\x10used_swap_blocks\x18\x0f \x01(\r\x12\x11\n\tswaps_out\x18\x10 \x01(\x04\x12\x10\n\x08swaps_in\x18\x11 \x01(\x04\"\x97\x01\n\x0fNodeFingerprint\x12\r\n\x05model\x18\x01 \x01(\t\x12\r\n\x05\x64type\x18\x02 \x01(\t\x12\x12\n\nnum_layers\x18\x03 \x01(\r\x12\x14\n\x0cnum_kv_heads\x18\x04 \x01(\r\x12\x10\n\x08head_dim\x18\x05 \x01(\r\x12\x12\n\nblock_size\x18\x06 \x01(\r\x12\x16\n\x0elayout_version\x18\x07 \x01(\r\"x\n\x0fRegisterRequest\x12\x0c\n\x04kind\x18\x01 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x02 \x01(\t\x12\x0f\n\x07node_id\x18\x03 \x01(\t\x12\x35\n\x0b\x66ingerprint\x18\x04 \x01(\x0b\x32 .pdserve.node.v1.NodeFingerprint\"1\n\x10RegisterResponse\x12\x1d\n\x15heartbeat_interval_ms\x18\x01 \x01(\r\"N\n\x10HeartbeatRequest\x12\x0f\n\x07node_id\x18\x01 \x01(\t\x12)\n\x05stats\x18\x02 \x01(\x0b\x32\x1a.pdserve.node.v1.NodeStats\"\"\n\x11HeartbeatResponse\x12\r\n\x05known\x18\x01 \x01(\x08\x32\x9d\x01\n\nDecodeNode\x12H\n\x06\x44\x65\x63ode\x12\x1e.pdserve.node.v1.SampleRequest\x1a\x1c.pdserve.node.v1.DecodeEvent0\x01\x12\x45\n\x08GetStats\x12\x1d.pdserve.node.v1.StatsRequest\x1a\x1a.pdserve.node.v1.NodeStats2\xa2\x01\n\x0bPrefillNode\x12L\n\x07Prefill\x12\x1f.pdserve.node.v1.PrefillRequest\x1a .pdserve.node.v1.PrefillResponse\x12\x45\n\x08GetStats\x12\x1d.pdserve.node.v1.StatsRequest\x1a\x1a.pdserve.node.v1.NodeStats2\xa2\x01\n\rColocatedNode\x12J\n\x08Generate\x12\x1e.pdserve.node.v1.SampleRequest\x1a\x1c.pdserve.node.v1.DecodeEvent0\x01\x12\x45\n\x08GetStats\x12\x1d.pdserve.node.v1.StatsRequest\x1a\x1a.pdserve.node.v1.NodeStats2\xaf\x01\n\x08Registry\x12O\n\x08Register\x12 .pdserve.node.v1.RegisterRequest\x1a!.pdserve.node.v1.RegisterResponse\x12R\n\tHeartbeat\x12!.pdserve.node.v1.HeartbeatRequest\x1a\".pdserve.node.v1.HeartbeatResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,39 +33,43 @@ _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'node_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_SAMPLEREQUEST']._serialized_start=47
-  _globals['_SAMPLEREQUEST']._serialized_end=224
-  _globals['_READY']._serialized_start=226
-  _globals['_READY']._serialized_end=275
-  _globals['_DECODETOKENS']._serialized_start=278
-  _globals['_DECODETOKENS']._serialized_end=480
-  _globals['_DECODEEVENT']._serialized_start=482
-  _globals['_DECODEEVENT']._serialized_end=594
-  _globals['_PREFILLREQUEST']._serialized_start=597
-  _globals['_PREFILLREQUEST']._serialized_end=831
-  _globals['_PREFILLRESPONSE']._serialized_start=834
-  _globals['_PREFILLRESPONSE']._serialized_end=1068
-  _globals['_STATSREQUEST']._serialized_start=1070
-  _globals['_STATSREQUEST']._serialized_end=1084
-  _globals['_TRANSFERCOUNTERS']._serialized_start=1086
-  _globals['_TRANSFERCOUNTERS']._serialized_end=1191
-  _globals['_NODESTATS']._serialized_start=1194
-  _globals['_NODESTATS']._serialized_end=1668
-  _globals['_NODEFINGERPRINT']._serialized_start=1671
-  _globals['_NODEFINGERPRINT']._serialized_end=1822
-  _globals['_REGISTERREQUEST']._serialized_start=1824
-  _globals['_REGISTERREQUEST']._serialized_end=1944
-  _globals['_REGISTERRESPONSE']._serialized_start=1946
-  _globals['_REGISTERRESPONSE']._serialized_end=1995
-  _globals['_HEARTBEATREQUEST']._serialized_start=1997
-  _globals['_HEARTBEATREQUEST']._serialized_end=2075
-  _globals['_HEARTBEATRESPONSE']._serialized_start=2077
-  _globals['_HEARTBEATRESPONSE']._serialized_end=2111
-  _globals['_DECODENODE']._serialized_start=2114
-  _globals['_DECODENODE']._serialized_end=2271
-  _globals['_PREFILLNODE']._serialized_start=2274
-  _globals['_PREFILLNODE']._serialized_end=2436
-  _globals['_COLOCATEDNODE']._serialized_start=2439
-  _globals['_COLOCATEDNODE']._serialized_end=2601
-  _globals['_REGISTRY']._serialized_start=2604
-  _globals['_REGISTRY']._serialized_end=2779
+  _globals['_SAMPLEREQUEST']._serialized_end=269
+  _globals['_READY']._serialized_start=271
+  _globals['_READY']._serialized_end=320
+  _globals['_DECODETOKENS']._serialized_start=323
+  _globals['_DECODETOKENS']._serialized_end=525
+  _globals['_BEAMHYPOTHESIS']._serialized_start=527
+  _globals['_BEAMHYPOTHESIS']._serialized_end=654
+  _globals['_BEAMRESULTS']._serialized_start=656
+  _globals['_BEAMRESULTS']._serialized_end=771
+  _globals['_DECODEEVENT']._serialized_start=774
+  _globals['_DECODEEVENT']._serialized_end=933
+  _globals['_PREFILLREQUEST']._serialized_start=936
+  _globals['_PREFILLREQUEST']._serialized_end=1170
+  _globals['_PREFILLRESPONSE']._serialized_start=1173
+  _globals['_PREFILLRESPONSE']._serialized_end=1407
+  _globals['_STATSREQUEST']._serialized_start=1409
+  _globals['_STATSREQUEST']._serialized_end=1423
+  _globals['_TRANSFERCOUNTERS']._serialized_start=1425
+  _globals['_TRANSFERCOUNTERS']._serialized_end=1530
+  _globals['_NODESTATS']._serialized_start=1533
+  _globals['_NODESTATS']._serialized_end=2007
+  _globals['_NODEFINGERPRINT']._serialized_start=2010
+  _globals['_NODEFINGERPRINT']._serialized_end=2161
+  _globals['_REGISTERREQUEST']._serialized_start=2163
+  _globals['_REGISTERREQUEST']._serialized_end=2283
+  _globals['_REGISTERRESPONSE']._serialized_start=2285
+  _globals['_REGISTERRESPONSE']._serialized_end=2334
+  _globals['_HEARTBEATREQUEST']._serialized_start=2336
+  _globals['_HEARTBEATREQUEST']._serialized_end=2414
+  _globals['_HEARTBEATRESPONSE']._serialized_start=2416
+  _globals['_HEARTBEATRESPONSE']._serialized_end=2450
+  _globals['_DECODENODE']._serialized_start=2453
+  _globals['_DECODENODE']._serialized_end=2610
+  _globals['_PREFILLNODE']._serialized_start=2613
+  _globals['_PREFILLNODE']._serialized_end=2775
+  _globals['_COLOCATEDNODE']._serialized_start=2778
+  _globals['_COLOCATEDNODE']._serialized_end=2940
+  _globals['_REGISTRY']._serialized_start=2943
+  _globals['_REGISTRY']._serialized_end=3118
 # @@protoc_insertion_point(module_scope)

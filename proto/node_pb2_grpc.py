@@ -290,6 +290,7 @@ class ColocatedNodeServicer:
 
     def Generate(self, request, context):
         """`tokens` events for tokens 1..n as they are generated; the last has finish_reason set.
+        A beam search (SampleRequest.beam_search) answers one `beams` event instead, at its end.
         RESOURCE_EXHAUSTED at once when the node cannot hold the request. Cancelling the call
         aborts the request and frees its blocks.
         """

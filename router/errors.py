@@ -56,6 +56,18 @@ class NodeRefused(RouterError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
+class NeedsColocatedNode(RouterError):
+    """A valid request this cluster cannot run as it stands (a beam search with no live colocated
+    node): FAILED_PRECONDITION, not INVALID_ARGUMENT (the same request runs once one joins) nor
+    UNAVAILABLE (retrying the same cluster does not help). `field` names the option that needs it."""
+
+    code = grpc.StatusCode.FAILED_PRECONDITION
+
+    def __init__(self, field: str, message: str) -> None:
+        super().__init__(message)
+        self.field = field
+
+
 class ModelNotFound(RouterError):
     """A request naming a model this router does not serve (the HTTP API's `model`)."""
 

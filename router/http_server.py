@@ -2,6 +2,8 @@
 
     POST /v1/completions        prompt(s) → choices; `stream: true` → server-sent events
     POST /v1/chat/completions   messages → the chat template → one assistant message per choice
+                                (both: vLLM's `use_beam_search` with `best_of`/`n`, `length_penalty`:
+                                the n best beams as the choices, best first; never streamed)
     GET  /v1/models             the served model (`--served-model-name`, default the folder's name)
     GET  /health                200 while the router can serve (a colocated node, or both kinds)
     POST /tokenize, /detokenize, GET /version
@@ -134,9 +136,10 @@ class HTTPFront:
         body = await _json(request)
         oa.check_model(body, self._served_name)
         params = oa.sampling_params(body, oa.DEFAULT_COMPLETION_MAX_TOKENS)
+        beam = oa.beam_search(body, params)
         prompts = oa.completion_prompts(body)
         echoes = oa.echoes(body, prompts, self._tokenizer)
-        requests = [oa.generate_request(p, params) for p in prompts]
+        requests = [oa.generate_request(p, params, beam) for p in prompts]
         n = max(1, params.n or 1)
         shows_scores = params.HasField("prompt_logprobs")
         tokenizer = self._tokenizer
@@ -174,8 +177,9 @@ class HTTPFront:
         body = await _json(request)
         oa.check_model(body, self._served_name)
         params = oa.sampling_params(body, None)
+        beam = oa.beam_search(body, params)
         prompt = oa.chat_prompt(body, self._tokenizer, self._template)
-        requests = [oa.generate_request(prompt, params)]
+        requests = [oa.generate_request(prompt, params, beam)]
 
         def opening(index: int, delta) -> dict[str, Any]:  # a chat choice's stream opens with its role
             return {"index": index, "delta": {"role": "assistant"}, "finish_reason": None}

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router.errors import InvalidRequest, ModelNotFound, status_of
+from pdserve.router.errors import InvalidRequest, ModelNotFound, NeedsColocatedNode, status_of
 
 FINISH_REASONS = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length",
                   pdserve_pb2.FINISH_REASON_ABORT: "abort"}
@@ -29,6 +29,9 @@ _SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 HTTP_STATUS = {
     grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    # A request this cluster cannot run as it stands (beam search, no colocated node): vLLM answers
+    # an unsupported option 400, which the OpenAI client raises as BadRequestError.
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
     grpc.StatusCode.UNAUTHENTICATED: (401, "authentication_error"),
     grpc.StatusCode.NOT_FOUND: (404, "not_found_error"),
     grpc.StatusCode.RESOURCE_EXHAUSTED: (429, "rate_limit_error"),
@@ -40,7 +43,8 @@ HTTP_STATUS = {
 
 
 def status_name_of_http(status: int) -> str:
-    """The gRPC code's name an HTTP status answers for (HTTP_STATUS read backwards); `HTTP_<n>` otherwise."""
+    """The gRPC code's name an HTTP status answers for (HTTP_STATUS read backwards, the first code
+    that maps to it); `HTTP_<n>` otherwise."""
     for code, (http_status, _) in HTTP_STATUS.items():
         if http_status == status:
             return code.name
@@ -57,7 +61,7 @@ def error_of(error: BaseException) -> HTTPError:
     """OpenAI's error JSON and the HTTP status for a router error (500 for anything unexpected)."""
     code, message = status_of(error)
     status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
-    param = error.field if isinstance(error, InvalidRequest) else None
+    param = error.field if isinstance(error, (InvalidRequest, NeedsColocatedNode)) else None
     return HTTPError(status, {"error": {"message": message, "type": kind, "param": param, "code": code.name}})
 
 
@@ -106,7 +110,7 @@ def _logprobs_field(body: dict[str, Any]) -> int | None:
     return value
 
 
-def _set(params: pdserve_pb2.SamplingParams, name: str, value: object) -> None:
+def _set(params: pdserve_pb2.SamplingParams | pdserve_pb2.BeamSearch, name: str, value: object) -> None:
     try:
         setattr(params, name, value)
     except (TypeError, ValueError) as exc:
@@ -152,10 +156,36 @@ def echoes(body: dict[str, Any], prompts: list[str | list[int]], tokenizer) -> l
     return out
 
 
-def generate_request(prompt: str | list[int], params: pdserve_pb2.SamplingParams) -> pdserve_pb2.GenerateRequest:
+def beam_search(body: dict[str, Any], params: pdserve_pb2.SamplingParams) -> pdserve_pb2.BeamSearch | None:
+    """vLLM's extra params: `use_beam_search`, `best_of` (the beam width; default `n`) and
+    `length_penalty`; `n` beams come back, best first. Not streamed: beams change until the end.
+    Sets `n` explicitly (1 when unset), since the router's default for a beam search is every beam."""
+    use = body.get("use_beam_search", False)
+    if not isinstance(use, bool):
+        raise InvalidRequest("use_beam_search", "use_beam_search must be true or false")
+    if not use:
+        return None
+    if body.get("stream"):
+        raise InvalidRequest("stream", "stream must be false with use_beam_search: the beams change until the "
+                                       "search ends, so they come back whole")
+    if not params.HasField("n"):
+        params.n = 1
+    option = pdserve_pb2.BeamSearch()
+    _set(option, "beam_width", body.get("best_of") or params.n)
+    if body.get("length_penalty") is not None:
+        _set(option, "length_penalty", body["length_penalty"])
+    return option
+
+
+def generate_request(prompt: str | list[int], params: pdserve_pb2.SamplingParams,
+                     beam: pdserve_pb2.BeamSearch | None = None) -> pdserve_pb2.GenerateRequest:
     if isinstance(prompt, str):
-        return pdserve_pb2.GenerateRequest(text=prompt, sampling_params=params)
-    return pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling_params=params)
+        request = pdserve_pb2.GenerateRequest(text=prompt, sampling_params=params)
+    else:
+        request = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=prompt), sampling_params=params)
+    if beam is not None:
+        request.beam_search.CopyFrom(beam)
+    return request
 
 
 def chat_prompt(body: dict[str, Any], tokenizer, template: str | None) -> str:

@@ -7,7 +7,9 @@ colocated node is live, the colocated route (router/routes.py: one node runs bot
 phases — the baseline); otherwise the disaggregated route (a decode reservation, then a
 prefill), which needs a live prefill and a live decode node. With neither, the request
 is refused at once (UNAVAILABLE) naming what is missing. The responses of the n samples
-are multiplexed onto one stream in arrival order, each tagged with its `index`.
+are multiplexed onto one stream in arrival order, each tagged with its `index`. A beam
+search (`ValidatedRequest.beam`) is one call to a colocated node instead (router/beam.py),
+refused at once (FAILED_PRECONDITION) when none is live; its beams come back at its end.
 
 Cancellation flows one way: when the caller stops iterating (client cancel, deadline,
 an error in any sample), every sample task is cancelled, and each cancels its node
@@ -24,6 +26,7 @@ from collections.abc import AsyncIterator
 from functools import partial
 
 from pdserve.proto import pdserve_pb2
+from pdserve.router.beam import BeamSearchRoute
 from pdserve.router.driver import SampleDriver
 from pdserve.router.errors import NoNodeAvailable
 from pdserve.router.merge import Put, merged
@@ -42,7 +45,9 @@ class Orchestrator:
         self._router_id = uuid.uuid4().hex[:8]  # node request ids stay unique across routers
         self._sequence = itertools.count()
         config = state.config
-        self._colocated = ColocatedRoute(ColocatedPlacement(config.exhausted_cooldown_s, state.clock))
+        colocated = ColocatedPlacement(config.exhausted_cooldown_s, state.clock)  # samples and beam searches alike
+        self._colocated = ColocatedRoute(colocated)
+        self._beams = BeamSearchRoute(state.registry, colocated, state.model, config.block_size)
         self._disaggregated = DisaggregatedRoute(state.decode_placement, state.prefill_placement,
                                                  config.ready_timeout_s, config.prefill_timeout_s)
 
@@ -50,6 +55,11 @@ class Orchestrator:
         self, request: ValidatedRequest, timeout_s: float | None
     ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """Every sample's responses, as they come; raises the first sample's `RouterError`."""
+        if request.beam is not None:
+            node_req_id = f"{request.request_id}-beam-{self._router_id}{next(self._sequence)}"
+            for response in await self._beams.run(request, node_req_id, timeout_s):
+                yield response
+            return
         route = self._choose_route()
         received_at = self.state.clock()
         deadline = received_at + timeout_s if timeout_s is not None else None

@@ -22,6 +22,7 @@ from dataclasses import dataclass
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2
 from pdserve.proto.convert import sampling_kwargs
+from pdserve.router.beam import BeamOption, beam_option
 from pdserve.router.config import RequestLimits
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.model import RouterModel
@@ -42,6 +43,7 @@ class ValidatedRequest:
     request_id: str
     prompt_token_ids: tuple[int, ...]
     params: SamplingParams  # seed resolved; max_tokens fits the model and the pools
+    beam: BeamOption | None = None  # a beam search; params.n is then the number of beams returned
 
     def max_kv_blocks(self, block_size: int, max_model_len: int) -> int:
         """The most KV blocks a node may hold for one sample of this request: prompt +
@@ -111,7 +113,11 @@ class RequestValidator:
         capacity = self._capacity()
         params = self._sampling_params(request.sampling_params, len(prompt), capacity)
         _check_capacity(capacity, len(prompt), params.max_tokens, field)
-        return ValidatedRequest(request_id, prompt, params)
+        if not request.HasField("beam_search"):
+            return ValidatedRequest(request_id, prompt, params)
+        beam, num_returned = beam_option(request.beam_search, request.sampling_params, params,
+                                         len(self._model.eos_token_ids))
+        return ValidatedRequest(request_id, prompt, dataclasses.replace(params, n=num_returned), beam)
 
     def tokenize(self, text: str) -> list[int]:
         """`text` as token ids, refused like a prompt when it is too long to tokenize."""

@@ -1,4 +1,4 @@
-"""Greedy references from transformers `generate`, and the exactness check against them."""
+"""Greedy and beam search references from transformers `generate`, and the exactness check against them."""
 
 from __future__ import annotations
 
@@ -53,3 +53,22 @@ def assert_matches(outputs: list[list[int]], refs: list[Reference]) -> int:
         print(f"prompt {i}: diverged at token {mismatch} on a near-tie (top-2 gap {gap:.2e})")
         near_ties += 1
     return near_ties
+
+
+def transformers_beams(model_dir, prompt, params, eos: list[int] | None) -> tuple[list[list[int]], list[float] | None]:
+    """`params`: beam_width, max_tokens, length_penalty (a BeamSearchParams). Each beam's generated
+    tokens (cut after its eos), best first, and its score (None for width 1: greedy has none)."""
+    model = load_reference_model(model_dir, torch.float32)
+    with torch.inference_mode():
+        out = model.generate(
+            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+            num_beams=params.beam_width, num_return_sequences=params.beam_width, do_sample=False,
+            length_penalty=params.length_penalty, early_stopping=False, max_new_tokens=params.max_tokens,
+            eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
+        )
+    sequences = []
+    for row in out.sequences[:, len(prompt):].tolist():
+        end = next((i + 1 for i, t in enumerate(row) if eos and t in eos), len(row))
+        sequences.append(row[:end])
+    # num_beams=1 is greedy search in transformers, which reports no sequence scores.
+    return sequences, out.sequences_scores.tolist() if params.beam_width > 1 else None

@@ -8,12 +8,14 @@ import json
 import shutil
 
 import pytest
-import torch
 
 from pdserve import LLM
 from pdserve.engine.beam_search import BeamSearchParams
-from pdserve.engine.model_loader import load_reference_model
+from pdserve.engine.beam_runner import BeamSearches
 from pdserve.engine.request import FinishReason
+from pdserve.engine.sampling_params import SamplingParams
+
+from .reference import greedy_references, transformers_beams
 
 PROMPTS = [[5, 17, 99, 3, 44, 8, 21, 7, 60, 13, 2], list(range(1, 20)), [9, 9, 9]]
 # Tokens the tiny llama's beams produce mid-search on PROMPTS[0] (found by running it): made eos
@@ -30,23 +32,6 @@ def eos_model_dir(model_dirs, tmp_path_factory):
     config["eos_token_id"] = [*FREQUENT_TOKENS, 0]
     path.write_text(json.dumps(config))
     return target
-
-
-def transformers_beams(model_dir, prompt, params: BeamSearchParams, eos: list[int] | None) -> tuple[list[list[int]], list[float]]:
-    model = load_reference_model(model_dir, torch.float32)
-    with torch.inference_mode():
-        out = model.generate(
-            torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-            num_beams=params.beam_width, num_return_sequences=params.beam_width, do_sample=False,
-            length_penalty=params.length_penalty, early_stopping=False, max_new_tokens=params.max_tokens,
-            eos_token_id=eos, pad_token_id=0, return_dict_in_generate=True, output_scores=True,
-        )
-    sequences = []
-    for row in out.sequences[:, len(prompt):].tolist():
-        end = next((i + 1 for i, t in enumerate(row) if eos and t in eos), len(row))
-        sequences.append(row[:end])
-    # num_beams=1 is greedy search in transformers, which reports no sequence scores.
-    return sequences, out.sequences_scores.tolist() if params.beam_width > 1 else None
 
 
 def check_against_transformers(llm: LLM, model_dir, params: BeamSearchParams, eos) -> None:
@@ -110,3 +95,41 @@ def test_beam_width_beyond_the_logprobs_limit_is_refused(model_dirs):
         BeamSearchParams(beam_width=11, max_tokens=4, ignore_eos=True).beams_to_keep(0)
     with pytest.raises(ValueError, match="beam_width"):
         BeamSearchParams(beam_width=0, max_tokens=4)
+
+
+def test_searches_run_beside_ordinary_requests_in_the_same_steps(model_dirs):
+    """What a node's core loop does: every step's outputs go through `BeamSearches.take`; the
+    ordinary request's outputs come back untouched and token-exact, the beams equal transformers."""
+    llm = LLM(model_dirs["llama"], dtype="float32", block_size=8, max_num_batched_tokens=64, max_num_seqs=16)
+    engine = llm.engine
+    params = BeamSearchParams(beam_width=3, max_tokens=8, ignore_eos=True)
+    searches = BeamSearches(engine)
+    searches.add("s0", PROMPTS[0], params)
+    engine.add_request("plain", PROMPTS[1], SamplingParams(temperature=0.0, max_tokens=10, ignore_eos=True))
+    searches.add("s1", PROMPTS[2], params)
+    plain: list[int] = []
+    finished = {}
+    steps_with_both = 0
+    while engine.has_unfinished():
+        others, done = searches.take(engine.step())
+        steps_with_both += bool(others) and len(searches) > 0
+        plain += [o.new_token_id for o in others]
+        finished.update((f.search_id, f) for f in done)
+    assert steps_with_both > 0
+    assert plain == greedy_references(model_dirs["llama"], [PROMPTS[1]], [10])[0].token_ids
+    for search_id, prompt in (("s0", PROMPTS[0]), ("s1", PROMPTS[2])):
+        expected, _ = transformers_beams(model_dirs["llama"], prompt, params, None)
+        assert [h.token_ids for h in finished[search_id].hypotheses] == expected
+        assert finished[search_id].num_prompt_tokens == len(prompt)
+    assert engine.kv.num_used_blocks == 0
+
+
+def test_an_aborted_search_frees_every_beam(model_dirs):
+    llm = LLM(model_dirs["llama"], dtype="float32", block_size=4, max_num_batched_tokens=64, max_num_seqs=16)
+    searches = BeamSearches(llm.engine)
+    searches.add("s", PROMPTS[1], BeamSearchParams(beam_width=4, max_tokens=20, ignore_eos=True))
+    for _ in range(4):
+        assert searches.take(llm.engine.step()) == ([], [])
+    assert llm.engine.kv.num_used_blocks > 0
+    assert searches.abort("s") and not searches.abort("s")
+    assert llm.engine.kv.num_used_blocks == 0 and not llm.engine.has_unfinished()

@@ -1,4 +1,4 @@
-"""The colocated core's admission: the node's queue bounds, then the engine's own refusals.
+"""The colocated core's admission: the node's queue bounds, then the engine's own refusals; beam searches.
 
 A real tiny engine with the colocated handler in one process; the test plays the front
 (messages in) and the core loop (step, after_step). `--max-waiting-requests` bounds the
@@ -22,7 +22,7 @@ from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.config import NodeConfig, parse_node_args
 from pdserve.node.errors import ErrorCode
-from pdserve.node.messages import Abort, StreamSubmit, Message, RequestFailed, Tokens
+from pdserve.node.messages import Abort, BeamOption, BeamsDone, StreamSubmit, Message, RequestFailed, Tokens
 from pdserve.node.stats import QueueBounds
 
 from ..integration.reference import assert_matches, greedy_references
@@ -157,3 +157,36 @@ def test_the_node_flags_reach_the_colocated_handler(model):
     defaults = NodeConfig(EngineConfig(model[0]), kind="colocated")
     assert make_handler(defaults, node.engine, None, None, node.out.append).bounds == QueueBounds(
         defaults.max_waiting_requests, defaults.max_queued_tokens)
+
+
+def test_a_beam_search_runs_beside_streams_and_answers_once_with_every_beam(model):
+    node = Node(model, QueueBounds(max_waiting_requests=100, max_queued_tokens=10_000))
+    beam_params = SamplingParams(temperature=0.0, max_tokens=6, ignore_eos=True)
+    node.core.handle(StreamSubmit("beam", prompt(11), beam_params, 0, beam=BeamOption(3, 1.0)))
+    assert node.submit("plain", prompt(9, 1)) is None
+    while node.engine.has_unfinished():
+        node.core.after_step(node.engine.step())
+    (done,) = [m for m in node.out if isinstance(m, BeamsDone)]
+    streamed = [t for m in node.out if isinstance(m, Tokens) for t in m.token_ids]
+    assert all(m.req_id == "plain" for m in node.out if isinstance(m, Tokens))
+    assert_matches([streamed], greedy_references(model[0], [prompt(9, 1)], [GREEDY.max_tokens]))
+    assert (done.req_id, len(done.beams), done.num_prompt_tokens) == ("beam", 3, 11)
+    assert [len(b.token_ids) for b in done.beams] == [6, 6, 6]
+    assert [b.finish_reason for b in done.beams] == ["length"] * 3
+    assert [b.score for b in done.beams] == sorted((b.score for b in done.beams), reverse=True)
+    assert node.used_blocks() == 0
+
+
+def test_an_aborted_beam_search_frees_every_beam_and_bad_options_are_refused(model):
+    node = Node(model, QueueBounds(max_waiting_requests=100, max_queued_tokens=10_000))
+    beam_params = SamplingParams(temperature=0.0, max_tokens=40, ignore_eos=True)
+    node.core.handle(StreamSubmit("beam", prompt(11), beam_params, 0, beam=BeamOption(4, 1.0)))
+    for _ in range(4):
+        node.core.after_step(node.engine.step())
+    assert node.used_blocks() > 0 and not node.out
+    node.core.handle(Abort("beam"))
+    assert node.used_blocks() == 0 and not node.engine.has_unfinished()
+    node.core.handle(StreamSubmit("wide", prompt(5), beam_params, 0, beam=BeamOption(11, 1.0)))
+    (reply,) = node.out
+    assert isinstance(reply, RequestFailed) and reply.code is ErrorCode.INVALID_ARGUMENT
+    assert reply.message.startswith("beam_width 11 needs the top 22 log-probabilities")

@@ -188,3 +188,25 @@ def test_models_says_the_length_and_vocabulary_a_benchmark_needs():
 
     (entry,) = run(go())["data"]
     assert (entry["id"], entry["max_model_len"], entry["vocab_size"]) == ("tiny", 64, 256)
+
+
+def test_use_beam_search_sends_the_width_and_penalty_and_refuses_a_stream():
+    async def go(body):
+        runner = FakeRunner()
+        async with await client_of(front(runner)) as client:
+            resp = await client.post("/v1/completions", json={"prompt": "ab", "max_tokens": 2, **body})
+            return resp.status, await resp.json(), runner.requests
+
+    status, out, (request,) = run(go({"use_beam_search": True, "n": 2, "best_of": 4, "length_penalty": 0.5}))
+    assert status == 200 and [c["index"] for c in out["choices"]] == [0, 1]
+    assert (request.beam_search.beam_width, request.beam_search.length_penalty, request.sampling_params.n) == \
+        (4, 0.5, 2)
+    _, _, (request,) = run(go({"use_beam_search": True}))
+    assert (request.beam_search.beam_width, request.beam_search.HasField("length_penalty"),
+            request.sampling_params.n) == (1, False, 1)
+    _, _, (request,) = run(go({}))
+    assert not request.HasField("beam_search")
+    status, out, requests = run(go({"use_beam_search": True, "stream": True}))
+    assert status == 400 and out["error"]["param"] == "stream" and not requests
+    status, out, _ = run(go({"use_beam_search": "yes"}))
+    assert status == 400 and out["error"]["param"] == "use_beam_search"

@@ -15,7 +15,7 @@ from pdserve.node.convert import stats_to_proto, tokens_to_proto
 from pdserve.proto.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto, params_to_proto
 from pdserve.node.errors import ErrorCode, grpc_status
 from pdserve.node.kv_done import DoneStatus, KVDone
-from pdserve.node.messages import (Abort, CoreFailed, CoreStarted, StreamSubmit, FirstToken, Logprobs, MessageError,
+from pdserve.node.messages import (Abort, BeamOption, BeamResult, BeamsDone, CoreFailed, CoreStarted, StreamSubmit, FirstToken, Logprobs, MessageError,
                                    PrefillSubmit, PromptLogprobs, Ready, RequestFailed, Shutdown, StatsData, StatsQuery,
                                    StatsReply, Tokens, decode, encode)
 from pdserve.proto import pdserve_pb2
@@ -31,6 +31,9 @@ MESSAGES = [
     StreamSubmit("r2p", [9, 4, 7], SamplingParams(prompt_logprobs=3), 0),
     PrefillSubmit("r1b", [1, 2], PARAMS, 0, "{}", [4], [17, 18]),  # a resume
     StreamSubmit("r2b", [9], SamplingParams(), 2, [5, 6, 7]),
+    StreamSubmit("r2beam", [9, 8], SamplingParams(temperature=0.0, max_tokens=4), 0, beam=BeamOption(3, 0.5)),
+    BeamsDone("r2beam", [BeamResult([1, 2, 3, 4], "length", -4.5, -1.125), BeamResult([5, 2], "stop", -1.0, -2.0)],
+              2, 0),
     Abort("r3"),
     StatsQuery(7),
     Shutdown(),

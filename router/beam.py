@@ -1,0 +1,162 @@
+"""A beam search request (`GenerateRequest.beam_search`): its checks, and its one call to a colocated node.
+
+Checks (`beam_option`, from the validator): beam_width within what the logprobs cap allows,
+a finite length_penalty, n (beams returned) within beam_width, and no sampling field a beam
+search cannot honour — beams are chosen by log-probability, so temperature > 0, top_p,
+top_k, min_p and the penalties would be silently ignored, and stop strings, stop token ids,
+min_tokens and logprobs would change what a beam is; each is refused INVALID_ARGUMENT naming it.
+
+The run (`BeamSearchRoute`): beam search needs every step's top logprobs of every beam in
+one engine, so it runs only on a colocated node (none live: FAILED_PRECONDITION naming
+beam_width). The router ranks colocated nodes as for a sample, asks the best with the
+option (RESOURCE_EXHAUSTED: the next one), waits for the node's one `beams` event, and
+answers one GenerateResponse per returned beam, index = rank (best first). Nothing streams
+before the end: the beams change until the search ends. The node call is cancelled in a
+`finally`, so a client that leaves (cancel, deadline) frees every beam's blocks on the node.
+A node lost mid-search fails the request (UNAVAILABLE): a search is not resumed elsewhere.
+
+Must never: pick a status code itself (router/errors.py does) or change the registry.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, fields
+from typing import TYPE_CHECKING
+
+import grpc
+
+from pdserve.engine.detokenizer import IncrementalDetokenizer
+from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
+from pdserve.router.errors import InvalidRequest, NeedsColocatedNode, NodeFailed, Overloaded, from_node_error
+from pdserve.router.liveness import NodeGone, unless_gone
+from pdserve.router.model import RouterModel
+from pdserve.router.placement import ColocatedPlacement
+from pdserve.router.registry import NodeKind, NodeRegistry
+
+if TYPE_CHECKING:  # validation.py imports this module for its checks
+    from pdserve.router.validation import ValidatedRequest
+
+_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
+# Fields whose non-default value a beam search cannot honour (temperature is checked apart:
+# 0 and unset are both fine).
+_REFUSED_FIELDS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
+                   "min_tokens", "stop", "stop_token_ids", "logprobs", "prompt_logprobs")
+
+
+@dataclass(frozen=True, slots=True)
+class BeamOption:
+    beam_width: int
+    length_penalty: float
+
+    def to_proto(self) -> pdserve_pb2.BeamSearch:
+        return pdserve_pb2.BeamSearch(beam_width=self.beam_width, length_penalty=self.length_penalty)
+
+
+def max_beam_width(num_eos: int, ignore_eos: bool) -> int:
+    """engine BeamSearchParams.beams_to_keep's bound read backwards: each beam reports its top
+    max(2, 1 + #eos) * beam_width logprobs, at most MAX_LOGPROBS."""
+    return MAX_LOGPROBS // max(2, 1 + (0 if ignore_eos else num_eos))
+
+
+def beam_option(msg: pdserve_pb2.BeamSearch, sampling: pdserve_pb2.SamplingParams, params: SamplingParams,
+                num_eos: int) -> tuple[BeamOption, int]:
+    """The option and the number of beams to return, or InvalidRequest naming the field."""
+    cap = max_beam_width(num_eos, params.ignore_eos)
+    if not 1 <= msg.beam_width <= cap:
+        raise InvalidRequest("beam_width", f"beam_width must be in [1, {cap}] (each beam reports its top "
+                                           f"max(2, 1 + #eos ids) * beam_width logprobs, at most {MAX_LOGPROBS}), "
+                                           f"got {msg.beam_width}")
+    length_penalty = msg.length_penalty if msg.HasField("length_penalty") else 1.0
+    if not math.isfinite(length_penalty):
+        raise InvalidRequest("length_penalty", f"length_penalty must be finite, got {length_penalty}")
+    num_returned = sampling.n if sampling.HasField("n") else msg.beam_width
+    if not 1 <= num_returned <= msg.beam_width:
+        raise InvalidRequest("n", f"n (beams returned) must be in [1, beam_width {msg.beam_width}] with beam search, "
+                                  f"got {num_returned}")
+    if params.temperature > 0 and sampling.HasField("temperature"):
+        raise InvalidRequest("temperature", "temperature must be 0 or unset with beam search: beams are chosen by "
+                                            f"log-probability, never sampled; got {params.temperature}")
+    for name in _REFUSED_FIELDS:
+        if getattr(params, name) != _DEFAULTS[name]:
+            raise InvalidRequest(name, f"{name} cannot be honoured by beam search: leave it unset")
+    return BeamOption(msg.beam_width, length_penalty), num_returned
+
+
+class BeamSearchRoute:
+    """Runs one beam search on the best colocated node that takes it."""
+
+    def __init__(self, registry: NodeRegistry, placement: ColocatedPlacement, model: RouterModel,
+                 block_size: int) -> None:
+        self._registry = registry
+        self._placement = placement
+        self._model = model
+        self._block_size = block_size
+
+    def check_available(self) -> None:
+        if not self._registry.live(NodeKind.COLOCATED):
+            raise NeedsColocatedNode("beam_width", "beam_width: beam search runs only on a colocated node (every "
+                                                   "step needs every beam's top logprobs in one engine), and this "
+                                                   "cluster has no live colocated node")
+
+    async def run(self, request: ValidatedRequest, node_req_id: str, timeout_s: float | None) -> list[pdserve_pb2.GenerateResponse]:
+        """The returned beams' responses, best first."""
+        self.check_available()
+        beam = request.beam
+        assert beam is not None, "the orchestrator sends only beam searches here"
+        num_tokens = len(request.prompt_token_ids)
+        # At most every beam's own blocks (sharing makes it fewer): what placement counts.
+        num_blocks = beam.beam_width * request.max_kv_blocks(self._block_size, self._model.max_model_len)
+        sample = node_pb2.SampleRequest(request_id=node_req_id, prompt_token_ids=request.prompt_token_ids,
+                                        sampling_params=_node_params(request.params), seed=request.params.seed,
+                                        beam_search=beam.to_proto())
+        refused: list[str] = []
+        live = self._registry.live(NodeKind.COLOCATED)
+        for candidate in self._placement.rank([e.candidate() for e in live]):
+            entry = self._registry.get(candidate.node_id)
+            if entry is None:
+                continue
+            self._placement.assign(candidate, num_tokens, num_blocks)
+            call = node_pb2_grpc.ColocatedNodeStub(self._registry.channel(entry)).Generate(sample, timeout=timeout_s)
+            try:
+                event = await unless_gone(call.read(), [entry])
+            except grpc.aio.AioRpcError as exc:
+                self._placement.withdraw(candidate, num_tokens, num_blocks)
+                if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
+                    self._placement.mark_exhausted(candidate)
+                    refused.append(entry.address)
+                    continue
+                raise from_node_error("colocated", entry.address, exc) from exc
+            except NodeGone as gone:
+                self._placement.withdraw(candidate, num_tokens, num_blocks)
+                raise NodeFailed(f"{gone}: the beam search was lost") from gone
+            finally:
+                call.cancel()  # a no-op once the node answered; otherwise the node drops every beam
+            self._placement.prefilled(candidate, num_tokens)
+            return self._responses(request, event, entry.address)
+        nodes = ", ".join(refused) or "every colocated node refused moments ago"
+        raise Overloaded(f"no colocated node can take the beam search ({num_blocks} KV blocks at most): {nodes}")
+
+    def _responses(self, request: ValidatedRequest, event: node_pb2.DecodeEvent, address: str) -> list[pdserve_pb2.GenerateResponse]:
+        if event is grpc.aio.EOF or event.WhichOneof("event") != "beams":
+            what = "nothing" if event is grpc.aio.EOF else event.WhichOneof("event")
+            raise NodeFailed(f"colocated node {address} answered a beam search with {what}, not beams")
+        results = event.beams
+        return [self._response(request, i, hyp, results) for i, hyp in enumerate(results.beams[: request.params.n])]
+
+    def _response(self, request: ValidatedRequest, index: int, hyp: node_pb2.BeamHypothesis,
+                  results: node_pb2.BeamResults) -> pdserve_pb2.GenerateResponse:
+        detokenizer = IncrementalDetokenizer(self._model.tokenizer, request.prompt_token_ids)
+        text = "".join(detokenizer.push(t) for t in hyp.token_ids) + detokenizer.flush()
+        usage = pdserve_pb2.Usage(prompt_tokens=results.num_prompt_tokens, completion_tokens=len(hyp.token_ids),
+                                  cached_prompt_tokens=results.num_cached_tokens)
+        return pdserve_pb2.GenerateResponse(request_id=request.request_id, index=index, token_ids=hyp.token_ids,
+                                            text=text, finish_reason=hyp.finish_reason, stop_token_id=-1,
+                                            usage=usage, cumulative_logprob=hyp.cumulative_logprob,
+                                            beam_score=hyp.score)
+
+
+def _node_params(params: SamplingParams) -> pdserve_pb2.SamplingParams:
+    # The node reads max_tokens and ignore_eos; the rest are defaults the router already checked.
+    return pdserve_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
