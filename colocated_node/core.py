@@ -4,7 +4,8 @@
 colocated_node/server.py, with `uses_kv_transport=False`: nothing moves between nodes, so
 the core starts no KV transport and the handler gets `None` for it). A request's life here:
 
-    StreamSubmit ─▶ admit into the engine (prompt, plus resumed tokens on a resume)
+    StreamSubmit ─▶ admit into the engine (prompt, plus resumed tokens on a resume; a sibling
+        sample of a request still in its prefill is forked off it, node/sibling_forks.py)
         or RequestFailed at once:
           RESOURCE_EXHAUSTED — the queue bounds are full, or prompt + max_tokens need more
             KV blocks than this node has (another node may be bigger)
@@ -34,6 +35,7 @@ from pdserve.node.core_part import ToFront
 from pdserve.node.errors import NodeError, rejection_error
 from pdserve.node.messages import (Abort, BeamOption, BeamResult, BeamsDone, Logprobs, Message, PromptLogprobs,
                                    RequestFailed, StreamSubmit, Tokens)
+from pdserve.node.sibling_forks import add_sample
 from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
 
 logger = logging.getLogger(__name__)
@@ -66,8 +68,8 @@ class ColocatedCore:
             if msg.beam is not None:
                 self.beams.add(msg.req_id, msg.prompt_token_ids, _beam_params(msg.beam, msg))
                 return
-            self.engine.add_request(msg.req_id, msg.prompt_token_ids, msg.params, msg.sample_index,
-                                    msg.resumed_token_ids)
+            add_sample(self.engine, msg.req_id, msg.prompt_token_ids, msg.params, msg.sample_index,
+                       msg.resumed_token_ids)
         except RequestRejected as exc:
             raise rejection_error(exc) from exc
 

@@ -14,11 +14,15 @@ its blocks still held (`handoff_blocks`) — or through `abort` (blocks freed) o
 `fork` starts a request that shares another's computed prefix by reference (its blocks are
 copied only on write, engine/kv_cache_manager.py): the n samples of one prompt fork from
 sample 0's first step (`pending_forks`), and beam search (engine/beam_search.py) forks beams.
+`add_fork` attaches a sample that arrives later (a node's sibling sample) while the request it
+forks from has not sampled yet; a request aborted or detached with samples still pending leaves
+them in the engine as requests of their own (promoted), so none is lost.
 `pause` / `resume` hold a request out of the scheduler, blocks kept, between two of its tokens.
 """
 
 from __future__ import annotations
 
+import dataclasses
 import logging
 import random
 from collections.abc import Sequence
@@ -137,6 +141,8 @@ class EngineCore:
         self._requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._arrivals = 0
+        self._fork_parents: dict[str, str] = {}  # a pending fork's req_id -> the request it forks from
+        self.num_forked_samples = 0  # samples forked off another's first logits (`pending_forks`)
         if fanout is None:
             self.finish_start()
 
@@ -168,6 +174,10 @@ class EngineCore:
     def num_blocks(self) -> int:
         return self.kv.pool.num_blocks
 
+    def request(self, req_id: str) -> Request | None:
+        """The request under `req_id` while this engine holds it (a pending fork is not one yet)."""
+        return self._requests.get(req_id)
+
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int = 0,
         resumed_token_ids: Sequence[int] = (), forks: Sequence[PendingFork] = (),
@@ -175,13 +185,53 @@ class EngineCore:
         """`forks`: further samples of the same prompt, drawn from this request's first logits
         and forked off it then, sharing the prompt's blocks (each output under its own req_id)."""
         request = self.new_request(req_id, prompt_token_ids, params, sample_index, resumed_token_ids)
-        for fork in forks:
-            if fork.req_id in self._requests or fork.req_id == req_id:
-                del self._requests[req_id]
-                raise RequestRejected(f"req_id {fork.req_id!r} is already in use")
+        ids = [req_id, *(f.req_id for f in forks)]
+        taken = next((i for i in ids[1:] if self._is_taken(i) or ids.count(i) > 1), None)
+        if taken is not None:
+            del self._requests[req_id]
+            raise RequestRejected(f"req_id {taken!r} is already in use")
         request.pending_forks = list(forks)
+        self._fork_parents.update((f.req_id, req_id) for f in forks)
         self.scheduler.add(request)
         return request
+
+    def add_fork(self, parent_id: str, fork: PendingFork) -> bool:
+        """Draw `fork`'s first token from the parent's first logits and fork it off then, sharing
+        every prompt block (its partial last one included). False, nothing changed, when too late:
+        the parent is gone, is not scheduled here, or has sampled. The caller has checked that the
+        two are samples of one prompt with the same params; the child runs with the parent's."""
+        if self._is_taken(fork.req_id):
+            raise RequestRejected(f"req_id {fork.req_id!r} is already in use")
+        parent = self._requests.get(parent_id)
+        if parent is None or parent.num_output_tokens or not self.scheduler.holds(parent):
+            return False
+        parent.pending_forks.append(fork)
+        self._fork_parents[fork.req_id] = parent_id
+        return True
+
+    def _is_taken(self, req_id: str) -> bool:
+        return req_id in self._requests or req_id in self._fork_parents
+
+    def _drop_pending_fork(self, child_id: str) -> bool:
+        parent_id = self._fork_parents.pop(child_id, None)
+        if parent_id is None:
+            return False
+        parent = self._requests[parent_id]
+        parent.pending_forks = [f for f in parent.pending_forks if f.req_id != child_id]
+        return True
+
+    def _promote_pending_forks(self, parent: Request) -> None:
+        """The parent leaves before its first token: each pending sample becomes a request of its
+        own, computing the prompt itself (with the parent's seed, so the same draws)."""
+        params = dataclasses.replace(parent.params, prompt_logprobs=None)  # scored by the parent only
+        for fork in parent.pending_forks:
+            del self._fork_parents[fork.req_id]
+            child = Request(fork.req_id, parent.prompt_token_ids, params, self._arrivals, parent.seed,
+                            fork.sample_index)
+            self._arrivals += 1
+            self._requests[fork.req_id] = child
+            self.scheduler.add(child)
+        parent.pending_forks = []
 
     def fork(self, parent_id: str, child_id: str, token_id: int, logprobs: TokenLogprobs | None = None,
              sample_index: int | None = None) -> EngineCoreOutput:
@@ -273,9 +323,12 @@ class EngineCore:
         decode node's reserved blocks may still be receiving a prefill's KV, an aborted
         prefill's blocks may still be read by its pushes.
         """
+        if self._drop_pending_fork(req_id):
+            return []  # a pending fork holds no block of its own yet
         request = self._requests.get(req_id)
         if request is None:
             raise KeyError(f"unknown request {req_id!r}")
+        self._promote_pending_forks(request)
         request.finish(FinishReason.ABORT)
         return self._leave(request)
 
@@ -283,14 +336,18 @@ class EngineCore:
         request = self._requests.get(req_id)
         if request is None:
             raise KeyError(f"unknown request {req_id!r}")
-        if request in (*self.scheduler.running, *self.scheduler.waiting, *self.scheduler.swapped):
+        if self.scheduler.holds(request):
             raise ValueError(f"request {req_id!r} is already scheduled")
         return request
 
     def abort(self, req_id: str) -> bool:
+        """False once the request has ended. A pending fork is dropped from its parent's forks."""
+        if self._drop_pending_fork(req_id):
+            return True
         request = self._requests.pop(req_id, None)
         if request is None:
             return False
+        self._promote_pending_forks(request)
         request.finish(FinishReason.ABORT)
         self.scheduler.finish(request)
         return True
@@ -312,8 +369,11 @@ class EngineCore:
     def _process(self, sampled: SampledToken) -> list[EngineCoreOutput]:
         request = sampled.scheduled.request
         # Forks first: the parent's own token may finish it, and free the blocks they share.
-        forked = [self.fork(request.req_id, f.req_id, f.token_id, f.logprobs, f.sample_index) for f in sampled.forks]
+        for f in request.pending_forks:
+            del self._fork_parents[f.req_id]
         request.pending_forks = []
+        forked = [self.fork(request.req_id, f.req_id, f.token_id, f.logprobs, f.sample_index) for f in sampled.forks]
+        self.num_forked_samples += len(forked)
         return [self._accept_token(request, sampled.token_id, sampled.logprobs), *forked]
 
     def _accept_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> EngineCoreOutput:
@@ -348,7 +408,7 @@ class EngineCore:
 
     def _validate(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
                   resumed_token_ids: Sequence[int]) -> None:
-        if req_id in self._requests:
+        if self._is_taken(req_id):
             raise RequestRejected(f"req_id {req_id!r} is already in use")
         if not prompt_token_ids:
             raise RequestRejected("prompt_token_ids must not be empty")

@@ -117,6 +117,10 @@ class Scheduler:
         self.remove(request)
         self.kv.free(request)
 
+    def holds(self, request: Request) -> bool:
+        """Is the request in one of the queues (waiting, running or swapped)?"""
+        return request in self.running or request in self.waiting or request in self.swapped
+
     def remove(self, request: Request) -> None:
         """Take a request out of whichever queue holds it (if any); its device blocks stay held,
         a swapped request's host blocks are freed (nobody else reads them), and with them its KV."""

@@ -55,4 +55,5 @@ def stats_to_proto(stats: StatsData) -> node_pb2.NodeStats:
         used_swap_blocks=stats.used_swap_blocks,
         swaps_out=stats.swaps_out,
         swaps_in=stats.swaps_in,
+        forked_samples=stats.forked_samples,
     )

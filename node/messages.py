@@ -253,6 +253,7 @@ class StatsData:
     used_swap_blocks: int = 0
     swaps_out: int = 0
     swaps_in: int = 0
+    forked_samples: int = 0  # samples forked off a sibling sample's first logits (node/sibling_forks.py)
 
 
 @dataclass(slots=True)

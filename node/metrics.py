@@ -62,6 +62,8 @@ _COUNTERS = (
     ("pdserve_kv_transfer_seconds", "Sum of completed KV transfers' latency", lambda s: s.kv_transfer.latency_s),
     ("pdserve_swaps_out", "Preemptions that swapped a request out", lambda s: s.swaps_out),
     ("pdserve_swaps_in", "Swapped-out requests swapped back in", lambda s: s.swaps_in),
+    ("pdserve_forked_samples", "Samples forked off a sibling sample, sharing its prompt blocks",
+     lambda s: s.forked_samples),
 )
 
 

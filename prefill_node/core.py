@@ -5,7 +5,8 @@ prefill_node/server.py). `PrefillCore.handle` checks a `PrefillSubmit` against t
 decode node's descriptor (its block ids must name exactly one reserved block per prompt
 block, inside its cache: INVALID_ARGUMENT otherwise) and against the queue bounds
 (RESOURCE_EXHAUSTED at once when full), adds the request to the engine (prefill-only
-policy: RESOURCE_EXHAUSTED if its KV can never fit here) and hands it to the exporter;
+policy: RESOURCE_EXHAUSTED if its KV can never fit here; a sibling sample of a request still
+in its prefill is forked off it, node/sibling_forks.py) and hands it to the exporter;
 everything after that, the hand-off of its KV to the decode node, is the exporter's.
 
 Must never: answer a request itself once the exporter has it, or free blocks.
@@ -26,6 +27,7 @@ from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
 from pdserve.node.kv_ranks import NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import Abort, Message, PrefillSubmit, RequestFailed
+from pdserve.node.sibling_forks import add_sample
 from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
 from pdserve.prefill_node.exporter import KVExporter
 from pdserve.prefill_node.peers import PeerConnections
@@ -61,12 +63,11 @@ class PrefillCore:
         _check_dst_blocks(msg, descriptor, self.engine.kv.blocks_needed(num_tokens))
         self.bounds.check(len(self.engine.scheduler.waiting), queued_tokens(self.engine), num_tokens)
         try:
-            request = self.engine.add_request(msg.req_id, msg.prompt_token_ids,
-                                              prefill_params(msg.params, len(msg.resumed_token_ids)),
-                                              msg.sample_index, msg.resumed_token_ids)
+            add_sample(self.engine, msg.req_id, msg.prompt_token_ids,
+                       prefill_params(msg.params, len(msg.resumed_token_ids)), msg.sample_index, msg.resumed_token_ids)
         except RequestRejected as exc:
             raise rejection_error(exc) from exc
-        self.exporter.track(request, descriptor, msg.dst_block_ids, time.monotonic())
+        self.exporter.track(msg.req_id, descriptor, msg.dst_block_ids, time.monotonic())
 
     def after_step(self, outputs: list[EngineCoreOutput]) -> None:
         self.exporter.after_step(outputs, time.monotonic())

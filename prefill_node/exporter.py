@@ -30,6 +30,10 @@ One request's export, in the hand-off states of node/handoff.py (the core drives
 A preempted request starts pushing again from block 0 (recomputed, or swapped back in to other
 blocks: a push in flight may have read a block since reused); pushes on one connection land
 in order, so the fresh bytes overwrite anything stale. A swapped-out request pushes nothing.
+A sample pending as a fork of a sibling (node/sibling_forks.py) has no blocks in the engine and
+pushes nothing until its hand-off, which carries the sibling's prompt blocks by reference (ref
+counts: each export frees its own references); promoted to a request of its own when the sibling
+leaves first, it pushes like any other.
 
 Must never: free a block a push may still read, or free one twice; block on the network;
 answer an RPC twice.
@@ -41,7 +45,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
-from pdserve.engine.request import Request, RequestStatus
+from pdserve.engine.request import RequestStatus
 from pdserve.kv_transfer import KVTransferError, TransferState
 from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
@@ -54,7 +58,7 @@ from pdserve.prefill_node.peers import PeerConnections
 
 @dataclass(slots=True, eq=False)
 class Export:
-    request: Request
+    req_id: str
     peer_key: str
     dst_block_ids: list[int]
     arrived_at: float
@@ -69,10 +73,6 @@ class Export:
     first: EngineCoreOutput | None = None  # token 1, once the engine handed the request off
     first_at: float = 0.0
     answer_caller: bool = True  # False once the RPC is answered or its caller went away
-
-    @property
-    def req_id(self) -> str:
-        return self.request.req_id
 
     @property
     def peer_resolved(self) -> bool:
@@ -111,11 +111,11 @@ class KVExporter:
         """Blocks of handed-off or aborted requests still held for their pushes."""
         return sum(len(e.blocks) for e in self._exports.values() if e.blocks)
 
-    def track(self, request: Request, descriptor: NodeKVDescriptor, dst_block_ids: list[int], now: float) -> None:
-        export = Export(request, self.peers.request(descriptor), list(dst_block_ids), now, now + self.lease_s)
-        self._exports[request.req_id] = export
+    def track(self, req_id: str, descriptor: NodeKVDescriptor, dst_block_ids: list[int], now: float) -> None:
+        export = Export(req_id, self.peers.request(descriptor), list(dst_block_ids), now, now + self.lease_s)
+        self._exports[req_id] = export
         if self.on_move is not None:
-            self.on_move(request.req_id, export.state)
+            self.on_move(req_id, export.state)
 
     def after_step(self, outputs: list[EngineCoreOutput], now: float) -> None:
         for out in outputs:
@@ -173,7 +173,9 @@ class KVExporter:
                 self._move(export, HandoffState.WAITING_FOR_INPUT)
 
     def _push_computed(self, export: Export) -> None:
-        request = export.request
+        request = self.engine.request(export.req_id)
+        if request is None:
+            return  # a pending fork: its blocks are its parent's until the fork, then all pushed at hand-off
         if request.num_preemptions != export.preemptions_seen:
             export.preemptions_seen, export.num_pushed = request.num_preemptions, 0
         if request.status is RequestStatus.SWAPPED:
