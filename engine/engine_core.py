@@ -34,11 +34,11 @@ from pdserve.engine.admission import KVCapacityExceeded, RequestRejected
 from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.chunk_schedule import CHUNK_ALIGN, chunk_schedule_for
 from pdserve.engine.clock import MonotonicClock
-from pdserve.engine.config import DEFAULT_KV_CACHE_BYTES, EngineConfig
-from pdserve.engine.kv_budget import kv_cache_blocks, max_concurrency
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.kv_budget import max_concurrency
+from pdserve.engine.kv_capacity import num_kv_blocks
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel, load_model
-from pdserve.engine.memory_profile import profile_memory
 from pdserve.engine.model_runner import ModelRunner, PromptScores, SampledToken, kv_block_bytes
 from pdserve.engine.parallel import StepFanout, SwapFanout
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
@@ -84,29 +84,6 @@ def _record_prompt_scores(scores: PromptScores) -> None:
     collected = scores.request.prompt_logprobs
     assert collected is not None, "the runner scores only requests that collect prompt logprobs"
     collected.extend(scores.token_ids, scores.logprobs)
-
-
-def num_kv_blocks(config: EngineConfig, loaded: LoadedModel, max_model_len: int) -> int:
-    """The cache's blocks: `num_blocks`, else what `kv_cache_bytes` holds of this rank's KV heads
-    (a rank's memory, as a GPU's is: every rank of a node computes the same count), else what
-    `kv_cache_memory_fraction` leaves once weights and a step's activations are measured."""
-    block_bytes = kv_block_bytes(loaded, config.block_size, config.torch_dtype)
-    if config.num_blocks:
-        return config.num_blocks
-    if not config.sizes_kv_by_profiling:
-        return max(1, (config.kv_cache_bytes or DEFAULT_KV_CACHE_BYTES) // block_bytes)
-    facts = profile_memory(config, loaded, max_model_len, weight_bytes(loaded.model))
-    num_blocks = kv_cache_blocks(config.kv_cache_memory_fraction, facts, block_bytes)
-    logger.info("KV cache from --kv-cache-memory-fraction %s: %d MiB available, %d MiB held (weights %d MiB), "
-                "activations %d MiB", config.kv_cache_memory_fraction, facts.available_bytes >> 20,
-                facts.held_bytes >> 20, facts.weight_bytes >> 20, facts.activation_bytes >> 20)
-    return num_blocks
-
-
-def weight_bytes(model: torch.nn.Module) -> int:
-    """Bytes of the model's parameters and buffers, a tied tensor once."""
-    tensors = {t.data_ptr(): t for t in (*model.parameters(), *model.buffers())}
-    return sum(t.numel() * t.element_size() for t in tensors.values())
 
 
 class EngineCore:
