@@ -26,15 +26,13 @@ from __future__ import annotations
 import logging
 
 from pdserve.engine.admission import RequestRejected
-from pdserve.engine.beam_runner import BeamSearches, FinishedSearch
-from pdserve.engine.beam_search import BeamSearchParams
+from pdserve.engine.beam_runner import BeamSearches
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
-from pdserve.engine.request import FinishReason
 from pdserve.node.config import NodeConfig
 from pdserve.node.core_part import ToFront
 from pdserve.node.errors import NodeError, rejection_error
-from pdserve.node.messages import (Abort, BeamOption, BeamResult, BeamsDone, Logprobs, Message, PromptLogprobs,
-                                   RequestFailed, StreamSubmit, Tokens)
+from pdserve.node.beam_searches import beam_params, beams_done
+from pdserve.node.messages import Abort, Logprobs, Message, PromptLogprobs, RequestFailed, StreamSubmit, Tokens
 from pdserve.node.sibling_forks import add_sample
 from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
 
@@ -66,7 +64,7 @@ class ColocatedCore:
         self.bounds.check(len(self.engine.scheduler.waiting), queued_tokens(self.engine), new_tokens)
         try:
             if msg.beam is not None:
-                self.beams.add(msg.req_id, msg.prompt_token_ids, _beam_params(msg.beam, msg))
+                self.beams.add(msg.req_id, msg.prompt_token_ids, beam_params(msg.beam, msg))
                 return
             add_sample(self.engine, msg.req_id, msg.prompt_token_ids, msg.params, msg.sample_index,
                        msg.resumed_token_ids)
@@ -78,7 +76,7 @@ class ColocatedCore:
         for out in others:
             self._stream(out)
         for search in finished:
-            self.to_front(_beams_done(search))
+            self.to_front(beams_done(search))
 
     def poll(self, now: float) -> None:
         pass  # nothing outside the engine: no transfers, no leases
@@ -94,21 +92,6 @@ class ColocatedCore:
         self.to_front(Tokens(out.req_id, [out.new_token_id], [Logprobs.of(out.logprobs)],
                          reason.value if reason is not None else None, out.stop_token_id,
                          PromptLogprobs.of(out.prompt_logprobs)))
-
-
-def _beam_params(beam: BeamOption, msg: StreamSubmit) -> BeamSearchParams:
-    if msg.resumed_token_ids:
-        raise RequestRejected("resumed_token_ids: a beam search is never resumed")
-    try:
-        return BeamSearchParams(beam.beam_width, msg.params.max_tokens, beam.length_penalty, msg.params.ignore_eos)
-    except ValueError as exc:
-        raise RequestRejected(str(exc)) from exc
-
-
-def _beams_done(search: FinishedSearch) -> BeamsDone:
-    beams = [BeamResult(h.token_ids, (FinishReason.STOP if h.ended_by_eos else FinishReason.LENGTH).value,
-                        h.cum_logprob, h.score) for h in search.hypotheses]
-    return BeamsDone(search.search_id, beams, search.num_prompt_tokens, search.num_cached_tokens)
 
 
 def make_handler(config: NodeConfig, engine: EngineCore, transport: None, descriptor: None,

@@ -14,6 +14,13 @@ decode_node/server.py). A request's life here (its hand-off states: reservations
         request (blocks freed)
     a reservation's lease ─▶ RequestFailed(DEADLINE_EXCEEDED) (why: reservations.py)
 
+A beam search (StreamSubmit.beam set) reserves its prompt like any request, under its beams'
+params (greedy, the top 2k logprobs). Its prefill node computes the whole prompt and samples it
+with those params, so the done message carries the prompt's last position's top logprobs: the
+search's first step. On arrival the search is adopted by `BeamSearches` (engine/beam_runner.py),
+which forks the beams off the imported prompt and runs beside the ordinary requests, as on a
+colocated node; its answer is one BeamsDone at its end; an Abort drops every beam it holds.
+
 The core hands the table's `WritePermits` to the transport, so a push lands only in
 blocks its request still holds: that is what lets a cancelled reservation free at once.
 
@@ -21,7 +28,7 @@ The engine runs the colocated policy: requests only reach the scheduler with the
 prompt's KV present and token 1 known, so it just decodes.
 
 Must never: schedule a request before its done message, or stream token 1 (the
-prefill node returns it to the router).
+prefill node returns it to the router; a beam search's token 1 is only the first step's).
 """
 
 from __future__ import annotations
@@ -30,10 +37,14 @@ import logging
 import time
 
 from pdserve.decode_node.reservations import ReservationTable
+from pdserve.engine.admission import RequestRejected
+from pdserve.engine.beam_runner import BeamSearches
+from pdserve.engine.beam_search import BeamSearchParams, BeamTop
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
+from pdserve.node.beam_searches import beam_params, beams_done
 from pdserve.node.config import NodeConfig
 from pdserve.node.core_part import ToFront
-from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.errors import ErrorCode, NodeError, rejection_error
 from pdserve.node.handoff import HandoffState
 from pdserve.node.kv_done import KVDone
 from pdserve.node.kv_ranks import NodeKVDescriptor, RankedTransport
@@ -52,37 +63,54 @@ class DecodeCore:
         self.descriptor = descriptor
         self.to_front = to_front
         self.bounds = bounds
+        self.beams = BeamSearches(engine)
+        self._waiting_searches: dict[str, BeamSearchParams] = {}  # reserved beam searches, by req_id
         transport.guard_writes(table.permits)
 
     def handle(self, msg: Message) -> None:
         if isinstance(msg, StreamSubmit):
-            if msg.beam is not None:  # every beam's top logprobs each step: only a colocated node has them
-                self.to_front(RequestFailed(msg.req_id, ErrorCode.INVALID_ARGUMENT,
-                                            "beam_search runs only on a colocated node"))
-                return
             try:
                 # Only the waiting count: a decode node's tokens to compute are one per running request.
                 self.bounds.check(self.table.num_reserved + len(self.engine.scheduler.waiting), 0, 0)
-                block_ids = self.table.reserve(msg.req_id, msg.prompt_token_ids, msg.params, msg.sample_index,
-                                               time.monotonic(), msg.resumed_token_ids)
+                block_ids = self._reserve(msg)
             except NodeError as exc:
                 self.to_front(RequestFailed(msg.req_id, exc.code, exc.message))
                 return
             self.to_front(Ready(msg.req_id, self.descriptor, block_ids))
         elif isinstance(msg, Abort):
-            if not self.table.cancel(msg.req_id):  # not waiting for its KV: running, or already over
+            self._waiting_searches.pop(msg.req_id, None)
+            # Not waiting for its KV: a running search or request, or already over.
+            if not self.table.cancel(msg.req_id) and not self.beams.abort(msg.req_id):
                 self.engine.abort(msg.req_id)
         else:
             logger.warning("decode core ignores %s", type(msg).__name__)
 
+    def _reserve(self, msg: StreamSubmit) -> list[int]:
+        """The reserved block ids; a beam search's first request is reserved with its beams' params."""
+        if msg.beam is None:
+            return self.table.reserve(msg.req_id, msg.prompt_token_ids, msg.params, msg.sample_index,
+                                      time.monotonic(), msg.resumed_token_ids)
+        try:
+            params = beam_params(msg.beam, msg)
+            request_params = self.beams.request_params(msg.req_id, msg.prompt_token_ids, params)
+        except RequestRejected as exc:
+            raise rejection_error(exc) from exc
+        block_ids = self.table.reserve(msg.req_id, msg.prompt_token_ids, request_params, 0, time.monotonic())
+        self._waiting_searches[msg.req_id] = params
+        return block_ids
+
     def after_step(self, outputs: list[EngineCoreOutput]) -> None:
-        for out in outputs:
+        others, finished = self.beams.take(outputs)
+        for out in others:
             self._stream(out, [out.new_token_id])
+        for search in finished:
+            self.to_front(beams_done(search))
 
     def poll(self, now: float) -> None:
         for req_id, payload in self.transport.poll_done():
             self._arrive(req_id, payload)
         for req_id in self.table.expire(now):
+            self._waiting_searches.pop(req_id, None)
             self.to_front(RequestFailed(req_id, ErrorCode.DEADLINE_EXCEEDED,
                                     f"the prompt's KV did not arrive within the {self.table.lease_s}s lease"))
 
@@ -103,9 +131,27 @@ class DecodeCore:
             return
         state, out = self.table.arrive(req_id, done)
         if state is HandoffState.FAILED:
+            self._waiting_searches.pop(req_id, None)
             self.to_front(RequestFailed(req_id, ErrorCode.UNAVAILABLE, "the prefill node gave up on this request"))
         elif state is HandoffState.SUCCESS and out is not None:
+            search = self._waiting_searches.pop(req_id, None)
+            if search is not None:
+                self._start_search(out, search, done)
+                return
             self._stream(out, [])  # token 1 is the router's already; only its finish matters here
+
+    def _start_search(self, first: EngineCoreOutput, params: BeamSearchParams, done: KVDone) -> None:
+        """The prompt's KV is here, and the prefill node's top logprobs of its last position: the
+        search's first step, taken at once."""
+        top = BeamTop(done.logprobs.top_token_ids, done.logprobs.top_logprobs) if done.logprobs else BeamTop([], [])
+        try:
+            finished = self.beams.adopt(first.req_id, params, first, top)
+        except ValueError as exc:
+            self.engine.abort(first.req_id)
+            self.to_front(RequestFailed(first.req_id, ErrorCode.INTERNAL, f"cannot start the beam search: {exc}"))
+            return
+        for search in finished:
+            self.to_front(beams_done(search))
 
     def _stream(self, out: EngineCoreOutput, token_ids: list[int]) -> None:
         reason = out.finish_reason

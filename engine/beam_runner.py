@@ -6,7 +6,9 @@ beams' outputs, advances the searches they complete and hands back the other req
 outputs untouched, with the searches that ended. `BeamSearchRunner` (the offline
 `LLM.beam_search`) is the same object driven by a loop of its own.
 
-A search starts as one request (its prompt). Each step every running beam samples (greedy,
+A search starts as one request (its prompt): `add` computes it here; `adopt` takes over one whose
+prompt KV a prefill node computed and imported (`EngineCore.add_prefilled`), with the prompt's top
+log-probabilities that node reported, so its first step is already taken. Each step every running beam samples (greedy,
 reporting its top `beams_to_keep` log-probabilities) and is paused; once all beams of a search
 have reported, `BeamSearchState` picks the next beams and this module turns them into requests:
   - a next beam that extends beam b with b's own greedy token *is* b (resumed as it is);
@@ -20,6 +22,7 @@ Must never: choose tokens itself (BeamSearchState does) or touch blocks (the eng
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -27,6 +30,7 @@ from dataclasses import dataclass, field
 from pdserve.engine.admission import RequestRejected
 from pdserve.engine.beam_search import BeamSearchParams, BeamSearchState, BeamTop, Hypothesis, NextBeam
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
+from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
 
@@ -66,6 +70,14 @@ class BeamSearches:
 
     def add(self, search_id: str, prompt: list[int], params: BeamSearchParams) -> None:
         """Start a search; RequestRejected (naming the field) when it can never run here."""
+        beam_params = self.request_params(search_id, prompt, params)
+        req_id = self._beam_id(search_id)
+        self.engine.add_request(req_id, prompt, beam_params)
+        self._register(search_id, params, req_id)
+
+    def request_params(self, search_id: str, prompt: list[int], params: BeamSearchParams) -> SamplingParams:
+        """The params of the search's first request (every beam's), once the search is known to fit
+        here; RequestRejected (naming the field) when it can never run here."""
         _check_single_rank(self.engine)
         if search_id in self._searches:
             raise RequestRejected(f"request_id {search_id!r} is already in use")
@@ -75,9 +87,24 @@ class BeamSearches:
             raise RequestRejected(str(exc)) from exc
         self._check_fits(prompt, params)
         # The engine never ends a beam itself: eos and max_tokens are the search's to apply.
-        beam_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens + 1, ignore_eos=True, logprobs=keep)
-        req_id = self._beam_id(search_id)
-        self.engine.add_request(req_id, prompt, beam_params)
+        return SamplingParams(temperature=0.0, max_tokens=params.max_tokens + 1, ignore_eos=True, logprobs=keep)
+
+    def adopt(self, search_id: str, params: BeamSearchParams, first: EngineCoreOutput,
+              top: BeamTop) -> list[FinishedSearch]:
+        """Start a search whose prompt was computed elsewhere (a prefill node): `first` is its request's
+        first output here (`EngineCore.add_prefilled`, made with `request_params`), `top` the prompt's
+        last position's top log-probabilities as the prefill node reported them. Its first step is
+        taken at once; the search, if that already ended it."""
+        keep = params.beams_to_keep(len(self._eos))
+        if len(top.token_ids) < keep or len(top.logprobs) != len(top.token_ids):
+            raise ValueError(f"search {search_id!r} needs the prompt's top {keep} log-probabilities; "
+                             f"got {len(top.token_ids)}")
+        self._register(search_id, params, first.req_id)
+        logprobs = TokenLogprobs(top.logprobs[0], list(top.token_ids[:keep]), list(top.logprobs[:keep]))
+        _, finished = self.take([dataclasses.replace(first, logprobs=logprobs)])
+        return finished
+
+    def _register(self, search_id: str, params: BeamSearchParams, req_id: str) -> None:
         search = _Search(search_id, BeamSearchState(params, self._eos), [req_id])
         self._searches[search_id] = search
         self._owner[req_id] = search

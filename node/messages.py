@@ -128,7 +128,7 @@ class StreamSubmit(_Message):
     # Tokens the sample already generated elsewhere (a resume): they count as output, and
     # their KV arrives with the prompt's (decode) or is computed with it (colocated).
     resumed_token_ids: list[int] = field(default_factory=list)
-    beam: BeamOption | None = None  # a colocated node's beam search (sample_index, seed unused)
+    beam: BeamOption | None = None  # a beam search, colocated or decode node (sample_index, seed unused)
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> StreamSubmit:

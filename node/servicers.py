@@ -9,7 +9,7 @@ KV to receive and streams token 1 too). A request's life through it:
 
     SampleRequest ─▶ checked (request_id, sampling params: INVALID_ARGUMENT) ─▶ StreamSubmit ─▶ core
     core ─Ready─▶ ready event;  ─Tokens─▶ tokens event (the last with finish_reason ends the call)
-    core ─BeamsDone─▶ beams event (a colocated node's beam search: its one event ends the call)
+    core ─BeamsDone─▶ beams event (a beam search: its one event ends the call)
     core ─RequestFailed─▶ the call fails with its code
     the call ends early (cancel, deadline, client gone) ─▶ Abort ─▶ core
 

@@ -52,7 +52,9 @@ class DecodeNodeServicer:
     def Decode(self, request, context):
         """First event: `ready` once blocks are reserved for the prompt (or the call fails with
         RESOURCE_EXHAUSTED). Then `tokens` for tokens 2..n as they are decoded; the last event
-        has finish_reason set. Cancelling the call aborts the request and frees its blocks.
+        has finish_reason set. A beam search (SampleRequest.beam_search) answers `ready`, then one
+        `beams` event at its end: its prefill node samples the prompt with the search's top logprobs,
+        which the done message carries. Cancelling the call aborts the request and frees its blocks.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
