@@ -1,4 +1,4 @@
-"""A beam search request (`GenerateRequest.beam_search`): its checks, and its one call to a colocated node.
+"""A beam search request (`GenerateRequest.beam_search`): its checks, and its run on a colocated node or a pair.
 
 Checks (`beam_option`, from the validator): beam_width within what the logprobs cap allows,
 a finite length_penalty, n (beams returned) within beam_width, and no sampling field a beam
@@ -7,13 +7,15 @@ top_k, min_p and the penalties would be silently ignored, and stop strings, stop
 min_tokens and logprobs would change what a beam is; each is refused INVALID_ARGUMENT naming it.
 
 The run (`BeamSearchRoute`): beam search needs every step's top logprobs of every beam in
-one engine, so it runs only on a colocated node (none live: FAILED_PRECONDITION naming
-beam_width). The router ranks colocated nodes as for a sample, asks the best with the
-option (RESOURCE_EXHAUSTED: the next one), waits for the node's one `beams` event, and
-answers one GenerateResponse per returned beam, index = rank (best first). Nothing streams
-before the end: the beams change until the search ends. The node call is cancelled in a
-`finally`, so a client that leaves (cancel, deadline) frees every beam's blocks on the node.
-A node lost mid-search fails the request (UNAVAILABLE): a search is not resumed elsewhere.
+one engine. On a colocated node, when one is live: the router ranks colocated nodes as for a
+sample, asks the best with the option (RESOURCE_EXHAUSTED: the next one) and waits for the
+node's one `beams` event. Else on a prefill + decode pair (router/beam_pair.py): the decode
+node runs the search from the prompt a prefill node computed. With neither live:
+FAILED_PRECONDITION naming beam_width. The beams come back as one GenerateResponse each,
+index = rank (best first). Nothing streams before the end: the beams change until the search
+ends. The node calls are cancelled in a `finally`, so a client that leaves (cancel, deadline)
+frees every beam's blocks. A node lost mid-search fails the request (UNAVAILABLE): a search
+is not resumed elsewhere.
 
 Must never: pick a status code itself (router/errors.py does) or change the registry.
 """
@@ -29,7 +31,8 @@ import grpc
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
-from pdserve.router.errors import InvalidRequest, NeedsColocatedNode, NodeFailed, Overloaded, from_node_error
+from pdserve.router.beam_pair import BeamSearchPair
+from pdserve.router.errors import InvalidRequest, NeedsNodes, NodeFailed, Overloaded, from_node_error
 from pdserve.router.liveness import NodeGone, unless_gone
 from pdserve.router.model import RouterModel
 from pdserve.router.placement import ColocatedPlacement
@@ -52,6 +55,11 @@ class BeamOption:
 
     def to_proto(self) -> pdserve_pb2.BeamSearch:
         return pdserve_pb2.BeamSearch(beam_width=self.beam_width, length_penalty=self.length_penalty)
+
+
+def beams_to_keep(beam_width: int, num_eos: int, ignore_eos: bool) -> int:
+    """engine BeamSearchParams.beams_to_keep: the top logprobs every beam reports each step."""
+    return max(2, 1 + (0 if ignore_eos else num_eos)) * beam_width
 
 
 def max_beam_width(num_eos: int, ignore_eos: bool) -> int:
@@ -85,32 +93,45 @@ def beam_option(msg: pdserve_pb2.BeamSearch, sampling: pdserve_pb2.SamplingParam
 
 
 class BeamSearchRoute:
-    """Runs one beam search on the best colocated node that takes it."""
+    """Runs one beam search on the best colocated node that takes it, else on a prefill + decode pair."""
 
     def __init__(self, registry: NodeRegistry, placement: ColocatedPlacement, model: RouterModel,
-                 block_size: int) -> None:
+                 block_size: int, pair: BeamSearchPair | None = None) -> None:
         self._registry = registry
         self._placement = placement
         self._model = model
         self._block_size = block_size
+        self._pair = pair
 
     def check_available(self) -> None:
-        if not self._registry.live(NodeKind.COLOCATED):
-            raise NeedsColocatedNode("beam_width", "beam_width: beam search runs only on a colocated node (every "
-                                                   "step needs every beam's top logprobs in one engine), and this "
-                                                   "cluster has no live colocated node")
+        if self._registry.live(NodeKind.COLOCATED) or (self._pair is not None and self._pair.available()):
+            return
+        raise NeedsNodes("beam_width", "beam_width: beam search runs on a colocated node or a prefill + decode "
+                                       "pair (every step needs every beam's top logprobs in one engine), and this "
+                                       "cluster has neither live")
 
     async def run(self, request: ValidatedRequest, node_req_id: str, timeout_s: float | None) -> list[pdserve_pb2.GenerateResponse]:
         """The returned beams' responses, best first."""
         self.check_available()
         beam = request.beam
         assert beam is not None, "the orchestrator sends only beam searches here"
-        num_tokens = len(request.prompt_token_ids)
         # At most every beam's own blocks (sharing makes it fewer): what placement counts.
         num_blocks = beam.beam_width * request.max_kv_blocks(self._block_size, self._model.max_model_len)
         sample = node_pb2.SampleRequest(request_id=node_req_id, prompt_token_ids=request.prompt_token_ids,
                                         sampling_params=_node_params(request.params), seed=request.params.seed,
                                         beam_search=beam.to_proto())
+        if self._registry.live(NodeKind.COLOCATED) or self._pair is None:
+            event, address = await self._run_colocated(request, sample, num_blocks, timeout_s)
+            return self._responses(request, event, f"colocated node {address}")
+        keep = beams_to_keep(beam.beam_width, len(self._model.eos_token_ids), request.params.ignore_eos)
+        prefill_params = pdserve_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=request.params.max_tokens,
+                                                    logprobs=keep)
+        event = await self._pair.run(sample, prefill_params, num_blocks, timeout_s)
+        return self._responses(request, event, "the decode node")
+
+    async def _run_colocated(self, request: ValidatedRequest, sample: node_pb2.SampleRequest, num_blocks: int,
+                             timeout_s: float | None) -> tuple[node_pb2.DecodeEvent, str]:
+        num_tokens = len(request.prompt_token_ids)
         refused: list[str] = []
         live = self._registry.live(NodeKind.COLOCATED)
         for candidate in self._placement.rank([e.candidate() for e in live]):
@@ -134,14 +155,14 @@ class BeamSearchRoute:
             finally:
                 call.cancel()  # a no-op once the node answered; otherwise the node drops every beam
             self._placement.prefilled(candidate, num_tokens)
-            return self._responses(request, event, entry.address)
+            return event, entry.address
         nodes = ", ".join(refused) or "every colocated node refused moments ago"
         raise Overloaded(f"no colocated node can take the beam search ({num_blocks} KV blocks at most): {nodes}")
 
-    def _responses(self, request: ValidatedRequest, event: node_pb2.DecodeEvent, address: str) -> list[pdserve_pb2.GenerateResponse]:
+    def _responses(self, request: ValidatedRequest, event: node_pb2.DecodeEvent, node: str) -> list[pdserve_pb2.GenerateResponse]:
         if event is grpc.aio.EOF or event.WhichOneof("event") != "beams":
             what = "nothing" if event is grpc.aio.EOF else event.WhichOneof("event")
-            raise NodeFailed(f"colocated node {address} answered a beam search with {what}, not beams")
+            raise NodeFailed(f"{node} answered a beam search with {what}, not beams")
         results = event.beams
         return [self._response(request, i, hyp, results) for i, hyp in enumerate(results.beams[: request.params.n])]
 

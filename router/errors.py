@@ -56,10 +56,11 @@ class NodeRefused(RouterError):
     code = grpc.StatusCode.FAILED_PRECONDITION
 
 
-class NeedsColocatedNode(RouterError):
-    """A valid request this cluster cannot run as it stands (a beam search with no live colocated
-    node): FAILED_PRECONDITION, not INVALID_ARGUMENT (the same request runs once one joins) nor
-    UNAVAILABLE (retrying the same cluster does not help). `field` names the option that needs it."""
+class NeedsNodes(RouterError):
+    """A valid request this cluster cannot run as it stands (a beam search with neither a live
+    colocated node nor a live prefill + decode pair): FAILED_PRECONDITION, not INVALID_ARGUMENT
+    (the same request runs once those nodes join) nor UNAVAILABLE (retrying the same cluster does
+    not help). `field` names the option that needs them."""
 
     code = grpc.StatusCode.FAILED_PRECONDITION
 

@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router.errors import InvalidRequest, ModelNotFound, NeedsColocatedNode, status_of
+from pdserve.router.errors import InvalidRequest, ModelNotFound, NeedsNodes, status_of
 
 FINISH_REASONS = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length",
                   pdserve_pb2.FINISH_REASON_ABORT: "abort"}
@@ -61,7 +61,7 @@ def error_of(error: BaseException) -> HTTPError:
     """OpenAI's error JSON and the HTTP status for a router error (500 for anything unexpected)."""
     code, message = status_of(error)
     status, kind = HTTP_STATUS.get(code, (500, "internal_error"))
-    param = error.field if isinstance(error, (InvalidRequest, NeedsColocatedNode)) else None
+    param = error.field if isinstance(error, (InvalidRequest, NeedsNodes)) else None
     return HTTPError(status, {"error": {"message": message, "type": kind, "param": param, "code": code.name}})
 
 

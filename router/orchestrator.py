@@ -8,8 +8,9 @@ phases — the baseline); otherwise the disaggregated route (a decode reservatio
 prefill), which needs a live prefill and a live decode node. With neither, the request
 is refused at once (UNAVAILABLE) naming what is missing. The responses of the n samples
 are multiplexed onto one stream in arrival order, each tagged with its `index`. A beam
-search (`ValidatedRequest.beam`) is one call to a colocated node instead (router/beam.py),
-refused at once (FAILED_PRECONDITION) when none is live; its beams come back at its end.
+search (`ValidatedRequest.beam`) runs once instead (router/beam.py): on a colocated node when
+one is live, else on a prefill + decode pair, refused at once (FAILED_PRECONDITION) with
+neither; its beams come back at its end.
 
 Cancellation flows one way: when the caller stops iterating (client cancel, deadline,
 an error in any sample), every sample task is cancelled, and each cancels its node
@@ -27,6 +28,7 @@ from functools import partial
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.beam import BeamSearchRoute
+from pdserve.router.beam_pair import BeamSearchPair
 from pdserve.router.driver import SampleDriver
 from pdserve.router.errors import NoNodeAvailable
 from pdserve.router.merge import Put, merged
@@ -47,7 +49,9 @@ class Orchestrator:
         config = state.config
         colocated = ColocatedPlacement(config.exhausted_cooldown_s, state.clock)  # samples and beam searches alike
         self._colocated = ColocatedRoute(colocated)
-        self._beams = BeamSearchRoute(state.registry, colocated, state.model, config.block_size)
+        pair = BeamSearchPair(state.registry, state.decode_placement, state.prefill_placement, config.ready_timeout_s,
+                              config.prefill_timeout_s, state.clock)
+        self._beams = BeamSearchRoute(state.registry, colocated, state.model, config.block_size, pair)
         self._disaggregated = DisaggregatedRoute(state.decode_placement, state.prefill_placement,
                                                  config.ready_timeout_s, config.prefill_timeout_s)
 

@@ -1,11 +1,13 @@
-"""Beam search served end to end: a real `pdserve cluster --colocated 1` (router + one node) in float32.
+"""Beam search served end to end, in float32, on a real `pdserve cluster --colocated 1` (router + one
+node) and on a real 1P1D one (router + a prefill node + a decode node: the prefill node computes the
+prompt with the search's top logprobs, the decode node runs the search, router/beam_pair.py).
 
 Over gRPC (`GenerateRequest.beam_search`) and HTTP (the openai client with vLLM's
 `use_beam_search`), the beams equal transformers `generate(num_beams=k, num_return_sequences=k,
 do_sample=False, early_stopping=False, length_penalty)`, best first, scores included, while an
-ordinary greedy stream runs beside them on the same node, token-exact. A client that cancels
-mid-search frees every beam's blocks; a disaggregated cluster refuses the option
-FAILED_PRECONDITION (HTTP 400) naming beam_width. Every node ends each test with no block used.
+ordinary greedy stream runs beside them, token-exact. A client that cancels mid-search frees
+every beam's blocks. Every node ends each test with no block used or reserved, nothing running
+or waiting. (A cluster with neither a colocated node nor a pair: tests/unit/test_router_beam.py.)
 """
 
 from __future__ import annotations
@@ -33,9 +35,10 @@ def model_dir(tmp_path_factory) -> str:
     return str(make_model(tmp_path_factory.mktemp("beam") / "tiny", "llama", "tiny", dtype=torch.float32))
 
 
-@pytest.fixture(scope="module")
-def cluster(model_dir):
-    with running_cluster(model_dir, 0, 0, NodeSettings(), num_colocated=1) as running:
+@pytest.fixture(scope="module", params=["colocated", "1p1d"])
+def cluster(request, model_dir):
+    pools = (0, 0, 1) if request.param == "colocated" else (1, 1, 0)
+    with running_cluster(model_dir, pools[0], pools[1], NodeSettings(), num_colocated=pools[2]) as running:
         yield running
 
 
@@ -44,7 +47,7 @@ def no_blocks_left(request):
     yield
     if "cluster" in request.fixturenames:
         held = request.getfixturevalue("cluster").wait_all_blocks_free(timeout_s=30)
-        assert [(s.used_blocks, s.num_running, s.num_waiting) for s in held] == [(0, 0, 0)]
+        assert {(s.used_blocks, s.reserved_blocks, s.num_running, s.num_waiting) for s in held} == {(0, 0, 0, 0)}
 
 
 def beam_request(prompt: list[int], params: BeamSearchParams) -> pdserve_pb2.GenerateRequest:
@@ -123,29 +126,14 @@ def test_a_client_cancelling_mid_search_frees_every_beam(cluster):
             search = asyncio.ensure_future(collect(stub.Generate(beam_request(PROMPTS[1], params), timeout=120)))
             deadline = time.monotonic() + 60
             used = 0
-            while used == 0 and time.monotonic() < deadline and not search.done():
+            while used <= prompt_blocks and time.monotonic() < deadline and not search.done():
                 await asyncio.sleep(0.2)
-                used = cluster.stats()[0].used_blocks  # the beams hold blocks: the search is under way
+                used = sum(s.used_blocks for s in cluster.stats())  # the beams hold blocks: the search is under way
             search.cancel()  # the client leaves: the router cancels its node call
             with pytest.raises(asyncio.CancelledError):
                 await search
             return used
 
-    assert asyncio.run(cancel_mid_search()) > 0
+    prompt_blocks = -(-len(PROMPTS[1]) // NodeSettings().block_size)
+    assert asyncio.run(cancel_mid_search()) > prompt_blocks  # more than the prompt's: the beams have forked
     # The autouse fixture checks that every block is free again, and nothing runs or waits.
-
-
-def test_a_disaggregated_cluster_refuses_beam_search_naming_beam_width(model_dir):
-    with running_cluster(model_dir, 1, 1, NodeSettings()) as disaggregated:
-        with grpc.insecure_channel(disaggregated.router) as channel, pytest.raises(grpc.RpcError) as err:
-            request = beam_request(PROMPTS[0], BeamSearchParams(2, 4, ignore_eos=True))
-            list(pdserve_pb2_grpc.GenerationStub(channel).Generate(request, timeout=30))
-        assert err.value.code() is grpc.StatusCode.FAILED_PRECONDITION
-        assert err.value.details().startswith("beam_width: beam search runs only on a colocated node")
-        client = openai.OpenAI(base_url=disaggregated.state.http, api_key="unused", max_retries=0)
-        with pytest.raises(openai.BadRequestError) as http_err:
-            client.completions.create(model=cluster_model_name(client), prompt=PROMPTS[0], max_tokens=4,
-                                      extra_body={"use_beam_search": True, "best_of": 2})
-        assert http_err.value.body["param"] == "beam_width"
-        held = disaggregated.wait_all_blocks_free(timeout_s=30)
-        assert [(s.used_blocks, s.reserved_blocks) for s in held] == [(0, 0), (0, 0)]

@@ -2,13 +2,15 @@
 
 n is the number of beams returned (unset: all beam_width of them, vLLM's meaning); beam_width
 is bounded by what the logprobs cap lets every beam report; sampling fields a beam search
-cannot honour are refused rather than silently ignored. Without a live colocated node the
-search is refused FAILED_PRECONDITION naming beam_width, which the HTTP front answers 400.
+cannot honour are refused rather than silently ignored. Without a live colocated node or a
+live prefill + decode pair the search is refused FAILED_PRECONDITION naming beam_width, which
+the HTTP front answers 400.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import time
 
 import grpc
 import pytest
@@ -16,12 +18,13 @@ import torch
 
 from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2
-from pdserve.router.beam import BeamOption, BeamSearchRoute, max_beam_width
-from pdserve.router.errors import InvalidRequest, NeedsColocatedNode
+from pdserve.router.beam import BeamOption, BeamSearchRoute, beams_to_keep, max_beam_width
+from pdserve.router.beam_pair import BeamSearchPair
+from pdserve.router.errors import InvalidRequest, NeedsNodes
 from pdserve.router.model import load_router_model
 from pdserve.router.openai_api import error_of
-from pdserve.router.placement import ColocatedPlacement
-from pdserve.router.registry import NodeRegistry
+from pdserve.router.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
+from pdserve.router.registry import NodeKind, NodeRegistry
 from pdserve.router.validation import RequestValidator
 
 
@@ -87,13 +90,25 @@ def test_a_non_finite_length_penalty_is_refused(validator):
     assert refused(validator, beam_request(2, float("nan"))).field == "length_penalty"
 
 
-def test_no_colocated_node_is_failed_precondition_naming_beam_width_and_http_400(model):
+def test_neither_a_colocated_node_nor_a_pair_is_failed_precondition_naming_beam_width_and_http_400(model):
     registry = NodeRegistry(heartbeat_timeout_s=3.0, channel_close_grace_s=0.1)
     route = BeamSearchRoute(registry, ColocatedPlacement(1.0), model, block_size=8)
-    with pytest.raises(NeedsColocatedNode) as err:
+    with pytest.raises(NeedsNodes) as err:
         route.check_available()
     assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION and err.value.field == "beam_width"
-    assert str(err.value).startswith("beam_width: beam search runs only on a colocated node")
+    assert str(err.value).startswith("beam_width: beam search runs on a colocated node or a prefill + decode pair")
     http = error_of(err.value)
     assert http.status == 400 and http.body["error"]["param"] == "beam_width"
     assert http.body["error"]["code"] == "FAILED_PRECONDITION"
+
+
+def test_a_live_prefill_and_decode_pair_can_run_a_beam_search_and_one_kind_alone_cannot(model):
+    registry = NodeRegistry(heartbeat_timeout_s=3.0, channel_close_grace_s=0.1, channel_factory=lambda _: None)
+    pair = BeamSearchPair(registry, DecodePlacement(1.0), PrefillPlacement(8, 0, 16), 30.0, 600.0, time.monotonic)
+    route = BeamSearchRoute(registry, ColocatedPlacement(1.0), model, block_size=8, pair=pair)
+    registry.register(NodeKind.PREFILL, "127.0.0.1:7002", "p0")
+    with pytest.raises(NeedsNodes):
+        route.check_available()
+    registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
+    route.check_available()
+    assert beams_to_keep(3, num_eos=1, ignore_eos=False) == 6 and beams_to_keep(3, 2, False) == 9
