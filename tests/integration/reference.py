@@ -1,7 +1,10 @@
-"""Greedy and beam search references from transformers `generate`, and the exactness check against them."""
+"""Greedy and beam search references from transformers `generate`, the exactness check against
+them, and the peak of an `LLM`'s KV blocks over a call."""
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 
 import torch
@@ -72,3 +75,20 @@ def transformers_beams(model_dir, prompt, params, eos: list[int] | None) -> tupl
         sequences.append(row[:end])
     # num_beams=1 is greedy search in transformers, which reports no sequence scores.
     return sequences, out.sequences_scores.tolist() if params.beam_width > 1 else None
+
+
+@contextlib.contextmanager
+def peak_blocks(llm) -> Iterator[list[int]]:
+    """The most KV blocks `llm`'s engine held after any step inside the block, as `[peak]`."""
+    kv, step, peak = llm.engine.kv, llm.engine.step, [0]
+
+    def counting_step():
+        outputs = step()
+        peak[0] = max(peak[0], kv.num_used_blocks)
+        return outputs
+
+    llm.engine.step = counting_step
+    try:
+        yield peak
+    finally:
+        del llm.engine.step

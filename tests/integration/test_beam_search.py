@@ -15,7 +15,7 @@ from pdserve.engine.beam_runner import BeamSearches
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
 
-from .reference import greedy_references, transformers_beams
+from .reference import greedy_references, peak_blocks, transformers_beams
 
 PROMPTS = [[5, 17, 99, 3, 44, 8, 21, 7, 60, 13, 2], list(range(1, 20)), [9, 9, 9]]
 # Tokens the tiny llama's beams produce mid-search on PROMPTS[0] (found by running it): made eos
@@ -68,22 +68,13 @@ def test_beams_share_blocks_and_copy_only_partial_blocks_they_write(model_dirs):
               enable_prefix_caching=False)
     kv = llm.engine.kv
     params = BeamSearchParams(beam_width=3, max_tokens=1 + 4, ignore_eos=True)
-    peak = 0
-    step = llm.engine.step
-
-    def counting_step():
-        nonlocal peak
-        outputs = step()
-        peak = max(peak, kv.num_used_blocks)
-        return outputs
-
-    llm.engine.step = counting_step
-    (out,) = llm.beam_search(PROMPTS[:1], params)
+    with peak_blocks(llm) as peak:
+        (out,) = llm.beam_search(PROMPTS[:1], params)
     expected, _ = transformers_beams(model_dirs["llama"], PROMPTS[0], params, None)
     assert [s.token_ids for s in out.sequences] == expected
     # Unshared, 3 beams of 11 + 4 computed tokens would hold 3 * 4 = 12 blocks; sharing the 2 full
     # prompt blocks holds at most 2 + 3 * 2 = 8.
-    assert peak <= 8
+    assert peak[0] <= 8
     # Every copy is of a partial block one beam wrote while another held it: at most one per
     # beam per step after the first, so fewer than width * (max_tokens - 1).
     assert 0 < kv.num_cow_copies <= 3 * 4

@@ -15,6 +15,8 @@ from pdserve import LLM, SamplingParams
 from pdserve.engine.engine_core import RequestRejected
 from pdserve.engine.request import FinishReason
 
+from .reference import peak_blocks
+
 
 @pytest.fixture(scope="module")
 def llm(model_dirs) -> LLM:
@@ -56,21 +58,9 @@ def test_n_samples_share_the_prompt_blocks(llm):
     prompt = list(range(1, 100))  # 12 full blocks of 8 and a partial one of 3 tokens
     kv = llm.engine.kv
     copies_before = kv.num_cow_copies
-    peak = 0
-    step = llm.engine.step
-
-    def counting_step():
-        nonlocal peak
-        outputs = step()
-        peak = max(peak, kv.num_used_blocks)
-        return outputs
-
-    llm.engine.step = counting_step
-    try:
+    with peak_blocks(llm) as peak:
         params = SamplingParams(n=3, temperature=1.0, seed=3, max_tokens=16, ignore_eos=True)
         (out,) = llm.generate([prompt], params, use_tqdm=False)
-    finally:
-        del llm.engine.step
     assert [o.index for o in out.outputs] == [0, 1, 2]
     assert all(len(o.token_ids) == 16 for o in out.outputs)
     assert len({tuple(o.token_ids) for o in out.outputs}) == 3  # distinct random streams
@@ -78,7 +68,7 @@ def test_n_samples_share_the_prompt_blocks(llm):
     # into the shared partial block copies it for two of them (the last writer holds it alone by
     # then); every later token goes to blocks of their own: 12 + 3 * 3 blocks at most, not 3 * 15.
     assert kv.num_cow_copies - copies_before == 2
-    assert peak == 12 + 3 * 3
+    assert peak[0] == 12 + 3 * 3
 
 
 def test_n_samples_draw_what_separate_seeded_requests_draw(llm):
