@@ -20,7 +20,7 @@ def test_the_fraction_sizes_the_cache_from_measured_memory(model_dirs, monkeypat
         measured.append(profile(*args))
         return measured[-1]
 
-    monkeypatch.setattr("pdserve.engine.engine_core.profile_memory", recording)
+    monkeypatch.setattr("pdserve.engine.kv_capacity.profile_memory", recording)
     llm = LLM(model_dirs["llama"], dtype="float32", kv_cache_memory_fraction=0.5, max_num_batched_tokens=128)
     (facts,) = measured
     assert facts.held_bytes > facts.weight_bytes > 0 and facts.activation_bytes > 0
