@@ -14,14 +14,18 @@ node runs the search from the prompt a prefill node computed. With neither live:
 FAILED_PRECONDITION naming beam_width. The beams come back as one GenerateResponse each,
 index = rank (best first). Nothing streams before the end: the beams change until the search
 ends. The node calls are cancelled in a `finally`, so a client that leaves (cancel, deadline)
-frees every beam's blocks. A node lost mid-search fails the request (UNAVAILABLE): a search
-is not resumed elsewhere.
+frees every beam's blocks. A node lost mid-search (UNAVAILABLE, a dropped node) costs the client
+nothing it saw, since nothing streamed: the whole search runs again, under a new node request
+id, on another node (a colocated node that failed this request is skipped), at most
+`--max-resumes` times; beam search is deterministic, so the answer is the same.
 
 Must never: pick a status code itself (router/errors.py does) or change the registry.
 """
 
 from __future__ import annotations
 
+import itertools
+import logging
 import math
 from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
@@ -40,6 +44,8 @@ from pdserve.router.registry import NodeKind, NodeRegistry
 
 if TYPE_CHECKING:  # validation.py imports this module for its checks
     from pdserve.router.validation import ValidatedRequest
+
+log = logging.getLogger(__name__)
 
 _DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 # Fields whose non-default value a beam search cannot honour (temperature is checked apart:
@@ -96,12 +102,13 @@ class BeamSearchRoute:
     """Runs one beam search on the best colocated node that takes it, else on a prefill + decode pair."""
 
     def __init__(self, registry: NodeRegistry, placement: ColocatedPlacement, model: RouterModel,
-                 block_size: int, pair: BeamSearchPair | None = None) -> None:
+                 block_size: int, pair: BeamSearchPair | None = None, max_retries: int = 0) -> None:
         self._registry = registry
         self._placement = placement
         self._model = model
         self._block_size = block_size
         self._pair = pair
+        self._max_retries = max_retries  # whole searches run again after a lost node
 
     def check_available(self) -> None:
         if self._registry.live(NodeKind.COLOCATED) or (self._pair is not None and self._pair.available()):
@@ -112,6 +119,18 @@ class BeamSearchRoute:
 
     async def run(self, request: ValidatedRequest, node_req_id: str, timeout_s: float | None) -> list[pdserve_pb2.GenerateResponse]:
         """The returned beams' responses, best first."""
+        failed: set[str] = set()  # colocated nodes lost by this search
+        for attempt in itertools.count():  # ends by returning or raising
+            req_id = node_req_id if attempt == 0 else f"{node_req_id}~{attempt}"
+            try:
+                return await self._run_once(request, req_id, timeout_s, failed)
+            except NodeFailed as exc:
+                if attempt >= self._max_retries:
+                    raise
+                log.warning("beam search %s runs again on another node: %s", request.request_id, exc)
+
+    async def _run_once(self, request: ValidatedRequest, node_req_id: str, timeout_s: float | None,
+                        failed: set[str]) -> list[pdserve_pb2.GenerateResponse]:
         self.check_available()
         beam = request.beam
         assert beam is not None, "the orchestrator sends only beam searches here"
@@ -121,7 +140,7 @@ class BeamSearchRoute:
                                         sampling_params=_node_params(request.params), seed=request.params.seed,
                                         beam_search=beam.to_proto())
         if self._registry.live(NodeKind.COLOCATED) or self._pair is None:
-            event, address = await self._run_colocated(request, sample, num_blocks, timeout_s)
+            event, address = await self._run_colocated(request, sample, num_blocks, timeout_s, failed)
             return self._responses(request, event, f"colocated node {address}")
         keep = beams_to_keep(beam.beam_width, len(self._model.eos_token_ids), request.params.ignore_eos)
         prefill_params = pdserve_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=request.params.max_tokens,
@@ -130,10 +149,12 @@ class BeamSearchRoute:
         return self._responses(request, event, "the decode node")
 
     async def _run_colocated(self, request: ValidatedRequest, sample: node_pb2.SampleRequest, num_blocks: int,
-                             timeout_s: float | None) -> tuple[node_pb2.DecodeEvent, str]:
+                             timeout_s: float | None, failed: set[str]) -> tuple[node_pb2.DecodeEvent, str]:
         num_tokens = len(request.prompt_token_ids)
         refused: list[str] = []
-        live = self._registry.live(NodeKind.COLOCATED)
+        live = [e for e in self._registry.live(NodeKind.COLOCATED) if e.node_id not in failed]
+        if not live:
+            raise NodeFailed(f"no colocated node is left for the beam search (lost: {', '.join(sorted(failed))})")
         for candidate in self._placement.rank([e.candidate() for e in live]):
             entry = self._registry.get(candidate.node_id)
             if entry is None:
@@ -148,9 +169,13 @@ class BeamSearchRoute:
                     self._placement.mark_exhausted(candidate)
                     refused.append(entry.address)
                     continue
-                raise from_node_error("colocated", entry.address, exc) from exc
+                error = from_node_error("colocated", entry.address, exc)
+                if isinstance(error, NodeFailed):
+                    failed.add(entry.node_id)
+                raise error from exc
             except NodeGone as gone:
                 self._placement.withdraw(candidate, num_tokens, num_blocks)
+                failed.add(entry.node_id)
                 raise NodeFailed(f"{gone}: the beam search was lost") from gone
             finally:
                 call.cancel()  # a no-op once the node answered; otherwise the node drops every beam

@@ -51,7 +51,8 @@ class Orchestrator:
         self._colocated = ColocatedRoute(colocated)
         pair = BeamSearchPair(state.registry, state.decode_placement, state.prefill_placement, config.ready_timeout_s,
                               config.prefill_timeout_s, state.clock)
-        self._beams = BeamSearchRoute(state.registry, colocated, state.model, config.block_size, pair)
+        self._beams = BeamSearchRoute(state.registry, colocated, state.model, config.block_size, pair,
+                                      max_retries=config.max_resumes)
         self._disaggregated = DisaggregatedRoute(state.decode_placement, state.prefill_placement,
                                                  config.ready_timeout_s, config.prefill_timeout_s)
 

@@ -267,3 +267,52 @@ def test_a_client_cancel_cancels_the_node_call(model, output_ids):
 
     run(scenario())
     assert node.cancelled == [node.requests[0].request_id]
+
+
+@dataclass
+class FakeBeamNode(FakeColocated):
+    """Answers a beam search with one `beams` event, or dies first (UNAVAILABLE)."""
+
+    dies: bool = False
+
+    async def Generate(self, request, context):
+        self.requests.append(request)
+        if self.dies:
+            await context.abort(grpc.StatusCode.UNAVAILABLE, "fake colocated: node went away")
+        beams = [node_pb2.BeamHypothesis(token_ids=self.output_ids[: 3 - i], finish_reason=LENGTH,
+                                         cumulative_logprob=-1.0 - i, score=-0.5 - i) for i in range(2)]
+        yield node_pb2.DecodeEvent(beams=node_pb2.BeamResults(beams=beams, num_prompt_tokens=2))
+
+
+def beam_request() -> pdserve_pb2.GenerateRequest:
+    params = pdserve_pb2.SamplingParams(max_tokens=3, temperature=0.0)
+    return pdserve_pb2.GenerateRequest(text="hello world", request_id="req-b", sampling_params=params,
+                                       beam_search=pdserve_pb2.BeamSearch(beam_width=2))
+
+
+def test_a_beam_search_whose_node_is_lost_runs_again_on_another_node(model, output_ids):
+    dying = FakeBeamNode(output_ids, queued_tokens=0, dies=True)  # ranked first
+    healthy = FakeBeamNode(output_ids, queued_tokens=500)
+
+    async def scenario():
+        async with router(model) as address, colocated_nodes(address, dying, healthy):
+            return await generate(address, beam_request())
+
+    responses = run(scenario())
+    assert [(r.index, list(r.token_ids), r.beam_score) for r in responses] == [
+        (0, output_ids[:3], -0.5), (1, output_ids[:2], -1.5)]
+    [lost], [again] = dying.requests, healthy.requests
+    assert again.request_id == f"{lost.request_id}~1" and again.beam_search.beam_width == 2
+
+
+def test_a_beam_search_fails_unavailable_once_every_node_is_lost(model, output_ids):
+    nodes = [FakeBeamNode(output_ids, queued_tokens=i, dies=True) for i in range(2)]
+
+    async def scenario():
+        async with router(model) as address, colocated_nodes(address, *nodes):
+            return await status_of(lambda: generate(address, beam_request()))
+
+    error = run(scenario())
+    assert error.code() is grpc.StatusCode.UNAVAILABLE
+    assert "no colocated node is left for the beam search (lost: c0, c1)" in error.details()
+    assert [len(n.requests) for n in nodes] == [1, 1]
