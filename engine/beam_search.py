@@ -26,7 +26,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-from pdserve.engine.sampling_params import MAX_LOGPROBS, _as_float, _as_int
+from pdserve.engine.sampling_params import MAX_LOGPROBS, _as_float, _as_int, beams_to_keep
 
 
 @dataclass(frozen=True, slots=True)
@@ -49,7 +49,7 @@ class BeamSearchParams:
 
     def beams_to_keep(self, num_eos: int) -> int:
         """Candidates taken per step; each beam must report this many top log-probabilities."""
-        keep = max(2, 1 + (0 if self.ignore_eos else num_eos)) * self.beam_width
+        keep = beams_to_keep(self.beam_width, num_eos, self.ignore_eos)
         if keep > MAX_LOGPROBS:
             raise ValueError(f"beam_width {self.beam_width} needs the top {keep} log-probabilities of every beam "
                              f"(model with {num_eos} eos ids); at most {MAX_LOGPROBS}")

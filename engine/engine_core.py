@@ -345,6 +345,8 @@ class EngineCore:
 
     def _process(self, sampled: SampledToken) -> list[EngineCoreOutput]:
         request = sampled.scheduled.request
+        if not sampled.forks and not request.pending_forks:  # the common case: no siblings
+            return [self._accept_token(request, sampled.token_id, sampled.logprobs)]
         # Forks first: the parent's own token may finish it, and free the blocks they share.
         for f in request.pending_forks:
             del self._fork_parents[f.req_id]

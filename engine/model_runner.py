@@ -120,10 +120,10 @@ class RankForward:
         copy_blocks(host, device, swap_in)
 
     @torch.inference_mode()
-    def __call__(self, batch: PackedBatch) -> torch.Tensor:  # [num_sampled, vocab] (rank 0)
-        # Before the forward: its writes land in the copies, never in the blocks they came from.
-        caches = (*self.k_caches, *self.v_caches)
-        copy_blocks(caches, caches, batch.block_copies)
+    def __call__(self, batch: PackedBatch) -> torch.Tensor:  # [num_sampled + num_scored, vocab] (rank 0)
+        if batch.block_copies:  # before the forward: its writes land in the copies, not their sources
+            caches = (*self.k_caches, *self.v_caches)
+            copy_blocks(caches, caches, batch.block_copies)
         ctx = ForwardContext(batch.metadata, self.k_caches, self.v_caches, self.backend)
         return self.loaded.model(batch.input_ids, batch.positions, ctx, batch.logits_indices)
 
@@ -204,14 +204,21 @@ class ModelRunner:
             input_ids=torch.tensor(input_ids),
             positions=positions,
             metadata=metadata,
-            logits_indices=torch.cat([query_start_loc[1:][sampled_pos].long() - 1, scored_rows]),
+            logits_indices=_logits_indices(query_start_loc[1:][sampled_pos].long() - 1, scored_rows),
             sampled=[seqs[i] for i in sampled_pos],
             scored=scored,
         )
 
 
+def _logits_indices(sampled_rows: torch.Tensor, scored_rows: list[int]) -> torch.Tensor:
+    """The rows the lm_head runs on: the sampled ones, then those scoring prompt tokens (if any)."""
+    if not scored_rows:
+        return sampled_rows
+    return torch.cat([sampled_rows, torch.tensor(scored_rows, dtype=torch.long)])
+
+
 def _prompt_rows(seqs: list[ScheduledRequest], starts: list[int],
-                 query_start_loc: torch.Tensor) -> tuple[list[ScoredRows], torch.Tensor]:
+                 query_start_loc: torch.Tensor) -> tuple[list[ScoredRows], list[int]]:
     """The chunks' rows that score prompt tokens, for the requests that ask (none: no rows)."""
     scored: list[ScoredRows] = []
     rows: list[int] = []
@@ -224,7 +231,7 @@ def _prompt_rows(seqs: list[ScheduledRequest], starts: list[int],
         scored.append(ScoredRows(s.request, positions))
         first_row = int(query_start_loc[i]) + positions.start - starts[i]
         rows.extend(range(first_row, first_row + len(positions)))
-    return scored, torch.tensor(rows, dtype=torch.long)
+    return scored, rows
 
 
 def _score_prompts(scored: list[ScoredRows], logits: torch.Tensor) -> list[PromptScores]:

@@ -56,9 +56,11 @@ class PromptAdmission:
         if self._prev_step_admitted:
             self.last_prompt_latency = now - self._prev_step_time
         self._prev_step_time, self._prev_step_admitted = now, False
-        arrivals = [r.arrival_time for r in waiting if is_new_prompt(r)]
-        self._passed_delay = (self.delay_factor <= 0 or not arrivals or not anything_running
-                              or now - min(arrivals) > self.delay_factor * self.last_prompt_latency)
+        if self.delay_factor <= 0 or not anything_running:  # off, or nothing to hold prompts for
+            self._passed_delay = True
+            return
+        earliest = min((r.arrival_time for r in waiting if is_new_prompt(r)), default=None)
+        self._passed_delay = earliest is None or now - earliest > self.delay_factor * self.last_prompt_latency
 
     def blocks_to_keep_free(self, request: Request, anything_running: bool) -> int | None:
         """Blocks that must stay free once `request` has its blocks; None: hold it this step."""

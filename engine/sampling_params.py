@@ -15,6 +15,18 @@ from dataclasses import dataclass
 from numbers import Integral, Real
 
 MAX_LOGPROBS = 20
+
+
+def beams_to_keep(beam_width: int, num_eos: int, ignore_eos: bool) -> int:
+    """The candidates a beam search takes per step, so the top log-probabilities every beam must
+    report: 2 per beam, or 1 + #eos ids when more (a beam ended by eos must not leave fewer than
+    `beam_width` to go on), as transformers' beam search takes them."""
+    return max(2, 1 + (0 if ignore_eos else num_eos)) * beam_width
+
+
+def max_beam_width(num_eos: int, ignore_eos: bool) -> int:
+    """The widest beam search whose candidates fit MAX_LOGPROBS."""
+    return MAX_LOGPROBS // beams_to_keep(1, num_eos, ignore_eos)
 # The additive penalties take OpenAI's (and vLLM's) range.
 MAX_ABS_PENALTY = 2.0
 # The repetition penalty divides a seen token's positive logit and multiplies a negative

@@ -43,9 +43,6 @@ class StepTimeModel:
         slope = max(slope, 0.0)
         return cls(max(my - slope * mx, 0.0), slope)
 
-    def seconds(self, num_tokens: int) -> float:
-        return self.base_s + self.per_token_s * num_tokens
-
     def tokens_within(self, target_s: float, low: int, high: int) -> int:
         """The most tokens in [low, high] whose modelled step time is at most `target_s` (low
         when even that exceeds it: a step must make progress)."""

@@ -49,9 +49,6 @@ class SwapSpace:
     def block_ids(self, req_id: str) -> list[int]:
         return list(self._req_blocks.get(req_id, ()))
 
-    def holds(self, request: Request) -> bool:
-        return request.req_id in self._req_blocks
-
     def can_hold(self, num_blocks: int) -> bool:
         return 0 < num_blocks <= len(self._free)
 

@@ -33,7 +33,7 @@ from typing import TYPE_CHECKING
 import grpc
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams
+from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, beams_to_keep, max_beam_width
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
 from pdserve.router.beam_pair import BeamSearchPair
 from pdserve.router.errors import InvalidRequest, NeedsNodes, NodeFailed, Overloaded, from_node_error
@@ -61,17 +61,6 @@ class BeamOption:
 
     def to_proto(self) -> pdserve_pb2.BeamSearch:
         return pdserve_pb2.BeamSearch(beam_width=self.beam_width, length_penalty=self.length_penalty)
-
-
-def beams_to_keep(beam_width: int, num_eos: int, ignore_eos: bool) -> int:
-    """engine BeamSearchParams.beams_to_keep: the top logprobs every beam reports each step."""
-    return max(2, 1 + (0 if ignore_eos else num_eos)) * beam_width
-
-
-def max_beam_width(num_eos: int, ignore_eos: bool) -> int:
-    """engine BeamSearchParams.beams_to_keep's bound read backwards: each beam reports its top
-    max(2, 1 + #eos) * beam_width logprobs, at most MAX_LOGPROBS."""
-    return MAX_LOGPROBS // max(2, 1 + (0 if ignore_eos else num_eos))
 
 
 def beam_option(msg: pdserve_pb2.BeamSearch, sampling: pdserve_pb2.SamplingParams, params: SamplingParams,

@@ -204,26 +204,25 @@ class HTTPFront:
         events = merged([_prompt_producer(self._run, i, r, n) for i, r in enumerate(requests)])
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
-            return await self._stream(request, events, request_id, kind, make_choice, opening, include_usage)
+            return await self._stream(request, events, request_id, kind, make_choice, opening,
+                                      oa.UsageTally(n) if include_usage else None)
         choices = [oa.Choice(i) for i in range(len(requests) * n)]
-        prompt_tokens = completion_tokens = 0
+        usage = oa.UsageTally(n)
         async for index, response in events:
             choices[index].add(response)
-            if response.HasField("usage") and response.finish_reason:
-                completion_tokens += response.usage.completion_tokens
-                prompt_tokens += response.usage.prompt_tokens if index % n == 0 else 0
+            usage.add(index, response)
         for choice in choices:  # a prompt's scores come with its first sample: every sample shows them
             choice.prompt_logprobs = choices[choice.index - choice.index % n].prompt_logprobs
         return web.json_response({**oa.envelope(kind, request_id, self._served_name),
                                   "choices": [make_choice(c, None) for c in choices],
-                                  "usage": oa.usage(prompt_tokens, completion_tokens)})
+                                  "usage": usage.as_dict()})
 
     async def _stream(self, request, events, request_id, kind, make_choice, opening,
-                      include_usage) -> web.StreamResponse:
+                      usage: oa.UsageTally | None) -> web.StreamResponse:
+        """`usage`: counted and sent as the last chunk (`stream_options.include_usage`), or None."""
         chunk_kind = "chat.completion.chunk" if kind == "chat.completion" else kind
         head = oa.envelope(chunk_kind, request_id, self._served_name)
         opened: set[int] = set()  # choices whose opening chunk is sent
-        prompt_tokens = completion_tokens = 0
         try:
             first_event = await anext(events)  # a refusal before any token is an HTTP error, not a stream
         except StopAsyncIteration:
@@ -239,11 +238,10 @@ class HTTPFront:
                     if (first := opening(index, delta)) is not None:
                         await _send(response, {**head, "choices": [first]})
                 await _send(response, {**head, "choices": [make_choice(oa.Choice(index), delta)]})
-                if delta.HasField("usage") and delta.finish_reason:
-                    completion_tokens += delta.usage.completion_tokens
-                    prompt_tokens = max(prompt_tokens, delta.usage.prompt_tokens)
-            if include_usage:
-                await _send(response, {**head, "choices": [], "usage": oa.usage(prompt_tokens, completion_tokens)})
+                if usage is not None:
+                    usage.add(index, delta)
+            if usage is not None:
+                await _send(response, {**head, "choices": [], "usage": usage.as_dict()})
         except RouterError as exc:  # after the first token the status is sent: the error rides the stream
             await _send(response, oa.error_of(exc).body)
         await response.write(b"data: [DONE]\n\n")

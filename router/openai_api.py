@@ -221,7 +221,8 @@ class Choice:
         if response.prompt_logprobs:
             self.prompt_logprobs = list(response.prompt_logprobs)
         if response.logprobs:
-            self.logprobs = [*(self.logprobs or []), *response.logprobs]
+            self.logprobs = self.logprobs or []
+            self.logprobs.extend(response.logprobs)
         if response.finish_reason:
             self.finish_reason = FINISH_REASONS[response.finish_reason]
 
@@ -279,6 +280,25 @@ def chat_logprobs(entries: Sequence[pdserve_pb2.TokenLogprobs], tokenizer) -> di
         return {"token": text, "logprob": logprob, "bytes": list(text.encode())}
     return {"content": [{**item(e.token_id, e.logprob), "top_logprobs": [item(t.token_id, t.logprob) for t in e.top]}
                         for e in entries]}
+
+
+@dataclass
+class UsageTally:
+    """One HTTP request's usage over its prompts × `n` samples: every sample's completion tokens,
+    each prompt's tokens once (from its first sample's last response)."""
+
+    n: int
+    prompt_tokens: int = 0
+    completion_tokens: int = 0
+
+    def add(self, index: int, response: pdserve_pb2.GenerateResponse) -> None:
+        if response.HasField("usage") and response.finish_reason:
+            self.completion_tokens += response.usage.completion_tokens
+            if index % self.n == 0:
+                self.prompt_tokens += response.usage.prompt_tokens
+
+    def as_dict(self) -> dict[str, int]:
+        return usage(self.prompt_tokens, self.completion_tokens)
 
 
 def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:

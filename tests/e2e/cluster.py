@@ -225,3 +225,10 @@ def _alive(pid: int) -> bool:
     except ProcessLookupError:
         return False
     return True
+
+
+def assert_every_block_free(cluster: Cluster, timeout_s: float = 30.0) -> None:
+    """No node of `cluster` holds a block, used or reserved (waiting up to `timeout_s` for the last
+    frees to land)."""
+    held = cluster.wait_all_blocks_free(timeout_s=timeout_s)
+    assert [(s.used_blocks, s.reserved_blocks) for s in held] == [(0, 0)] * len(held)

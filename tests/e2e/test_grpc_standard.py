@@ -22,7 +22,7 @@ from grpc_status import rpc_status
 
 from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
-from tests.e2e.cluster import NodeSettings, free_port, running_cluster
+from tests.e2e.cluster import NodeSettings, assert_every_block_free, free_port, running_cluster
 
 SERVING, NOT_SERVING = health_pb2.HealthCheckResponse.SERVING, health_pb2.HealthCheckResponse.NOT_SERVING
 NODE_SERVICES = {"prefill": "pdserve.node.v1.PrefillNode", "decode": "pdserve.node.v1.DecodeNode"}
@@ -45,8 +45,7 @@ def cluster(model_dir):
 def no_blocks_left(cluster):
     """Every test ends with no block used or reserved on any node."""
     yield
-    held = cluster.wait_all_blocks_free(timeout_s=30)
-    assert [(s.used_blocks, s.reserved_blocks) for s in held] == [(0, 0)] * len(held)
+    assert_every_block_free(cluster)
 
 
 def health_of(address: str, service: str = "") -> int:

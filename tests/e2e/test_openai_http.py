@@ -20,7 +20,7 @@ from transformers import AutoTokenizer
 
 from pdserve.engine.model_loader import load_reference_model
 from pdserve.model_factory import make_model
-from tests.e2e.cluster import NodeSettings, running_cluster
+from tests.e2e.cluster import NodeSettings, assert_every_block_free, running_cluster
 from tests.integration.reference import greedy_references
 
 PROMPT_LENS = [3, 17, 40]
@@ -42,8 +42,7 @@ def cluster(model_dir):
 def no_blocks_left(cluster):
     """Every test ends with no block used or reserved on any node."""
     yield
-    held = cluster.wait_all_blocks_free(timeout_s=30)
-    assert [(s.used_blocks, s.reserved_blocks) for s in held] == [(0, 0)] * len(held)
+    assert_every_block_free(cluster)
 
 
 @pytest.fixture(scope="module")

@@ -210,3 +210,14 @@ def test_use_beam_search_sends_the_width_and_penalty_and_refuses_a_stream():
     assert status == 400 and out["error"]["param"] == "stream" and not requests
     status, out, _ = run(go({"use_beam_search": "yes"}))
     assert status == 400 and out["error"]["param"] == "use_beam_search"
+
+
+def test_a_streamed_answer_for_several_prompts_counts_every_prompts_tokens_once():
+    async def go():
+        async with await client_of(front(FakeRunner())) as client:
+            resp = await client.post("/v1/completions", json={"prompt": ["ab", "xyz"], "max_tokens": 2, "n": 2,
+                                                               "stream": True, "stream_options": {"include_usage": True}})
+            return await resp.text()
+
+    chunks = [json.loads(e.removeprefix("data: ")) for e in run(go()).split("\n\n") if e and e != "data: [DONE]"]
+    assert chunks[-1]["usage"] == {"prompt_tokens": 5, "completion_tokens": 8, "total_tokens": 13}
