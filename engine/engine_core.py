@@ -35,6 +35,7 @@ from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.chunk_schedule import CHUNK_ALIGN, chunk_schedule_for
 from pdserve.engine.clock import MonotonicClock
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.first_steps import check_first_steps
 from pdserve.engine.kv_budget import max_concurrency
 from pdserve.engine.kv_capacity import num_kv_blocks
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -124,8 +125,10 @@ class EngineCore:
             self.finish_start()
 
     def finish_start(self) -> None:
-        """The part of starting that runs steps: the chunk schedule (target-step times the model).
+        """The part of starting that runs steps: the first steps that prove the model runs here
+        (engine/first_steps.py), then the chunk schedule (target-step times the model).
         A tensor-parallel node calls it once every rank has its caches (node/tp_group.py)."""
+        check_first_steps(self.runner, self.config.model)
         self.scheduler.chunks = chunk_schedule_for(self.config, self._step_tokens_within_target)
 
     def _step_tokens_within_target(self) -> int:

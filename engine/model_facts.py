@@ -19,6 +19,8 @@ def optional(config: PretrainedConfig, key: str):
 
 
 def num_kv_heads(text: PretrainedConfig) -> int:
+    if optional(text, "multi_query"):  # GPT-BigCode: one KV head, whatever the other keys say
+        return 1
     kv = optional(text, "num_key_value_heads")
     return kv if kv is not None else text.num_attention_heads
 

@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from transformers import AutoConfig, AutoTokenizer, PretrainedConfig
-from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
+from transformers.models.auto.modeling_auto import (MODEL_FOR_CAUSAL_LM_MAPPING_NAMES, MODEL_FOR_MASKED_LM_MAPPING_NAMES,
+                                                    MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES)
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 
 from pdserve.common.config_flags import flag_name
@@ -74,7 +75,7 @@ def open_model_folder(folder: str | os.PathLike) -> ModelFolder:
     try:
         config = AutoConfig.from_pretrained(path, local_files_only=True)
     except (ValueError, OSError, KeyError) as exc:  # unparsable JSON, an unknown model_type
-        raise ModelRefused("model", folder, f"config.json: {_one_line(exc)}") from exc
+        raise ModelRefused("model", folder, f"config.json: {one_line(exc)}") from exc
     reason = unservable_reason(config) or _weights_reason(path, config)
     if reason is not None:
         raise ModelRefused("model", folder, reason)
@@ -87,10 +88,13 @@ def unservable_reason(config: PretrainedConfig) -> str | None:
     name = config.model_type
     if config.is_encoder_decoder:
         return f"{name}: encoder-decoder models are not supported (decoder-only causal LMs only)"
-    reason = _not_causal_reason(config)
+    reason = _not_causal_reason(config) or _not_decoder_only_reason(config)
     if reason is not None:
         return reason
     text = config.get_text_config()
+    reason = _attention_shape_reason(name, text)
+    if reason is not None:
+        return reason
     # transformers 5 lists each layer's attention kind; anything else than full
     # attention (sliding, chunked, linear/recurrent) would silently differ.
     layer_types = set(optional(text, "layer_types") or [])
@@ -120,6 +124,34 @@ def _not_causal_reason(config: PretrainedConfig) -> str | None:
         return f"{', '.join(architectures)} is not a causal language model (...ForCausalLM)"
     if not architectures and config.model_type not in MODEL_FOR_CAUSAL_LM_MAPPING_NAMES:
         return f"model type {config.model_type!r} has no causal language model (...ForCausalLM) in transformers"
+    return None
+
+
+def _not_decoder_only_reason(config: PretrainedConfig) -> str | None:
+    """A `...ForCausalLM` class whose family is not decoder-only: an encoder's (BERT, RoBERTa:
+    attention both ways unless reconfigured, position ids offset by the padding id) or the
+    decoder half of an encoder-decoder (BART, Pegasus: its layer shapes are the decoder_* keys)."""
+    name = config.model_type
+    if name in MODEL_FOR_SEQ_TO_SEQ_CAUSAL_LM_MAPPING_NAMES:
+        return f"{name}: the decoder of an encoder-decoder architecture, not a decoder-only causal LM"
+    if name in MODEL_FOR_MASKED_LM_MAPPING_NAMES:
+        return (f"{name}: an encoder architecture (transformers has it as a masked LM too), "
+                "not a decoder-only causal LM")
+    return None
+
+
+def _attention_shape_reason(name: str, text: PretrainedConfig) -> str | None:
+    """Layers the paged KV cache (per layer: K and V of `num_kv_heads` heads of one size,
+    positions up to a known maximum) cannot hold."""
+    if not hasattr(text, "num_attention_heads"):
+        return f"{name}: no attention heads (a state-space or recurrent model); the engine serves attention models"
+    if optional(text, "kv_lora_rank") is not None:
+        return f"{name}: multi-head latent attention (kv_lora_rank) is not supported; the KV cache holds K and V per head"
+    if not hasattr(text, "max_position_embeddings"):
+        return (f"{name}: the config names no maximum length (max_position_embeddings; ALiBi and recurrent "
+                "models have none)")
+    if any(key.startswith("mamba_") for key in text.to_dict()):
+        return f"{name}: Mamba layers beside attention; their state is not in the paged KV cache"
     return None
 
 
@@ -156,12 +188,13 @@ def _tokenizer(path: Path, folder: str | os.PathLike) -> PreTrainedTokenizerBase
     try:
         tokenizer = AutoTokenizer.from_pretrained(path, local_files_only=True)
     except Exception as exc:  # noqa: BLE001 - transformers raises many types for a broken tokenizer
-        raise ModelRefused("model", folder, f"the tokenizer does not load: {_one_line(exc)}") from exc
+        raise ModelRefused("model", folder, f"the tokenizer does not load: {one_line(exc)}") from exc
     if not tokenizer.encode(PROBE_TEXT, add_special_tokens=False):
         raise ModelRefused("model", folder, f"the tokenizer turns {PROBE_TEXT!r} into no tokens")
     return tokenizer
 
 
-def _one_line(exc: BaseException) -> str:
+def one_line(exc: BaseException) -> str:
+    """An exception as one line of at most MAX_REASON_CHARS, for a refusal's reason."""
     text = " ".join(str(exc).split()) or type(exc).__name__
     return text if len(text) <= MAX_REASON_CHARS else text[: MAX_REASON_CHARS - 3] + "..."

@@ -25,7 +25,7 @@ from transformers.tokenization_utils_base import PreTrainedTokenizerBase
 from pdserve.engine.attention import register_paged_attention
 from pdserve.engine.config import MODEL_IMPLS
 from pdserve.engine.model_facts import eos_token_ids, head_dim, num_kv_heads
-from pdserve.engine.model_folder import ModelRefused, open_model_folder
+from pdserve.engine.model_folder import ModelRefused, one_line, open_model_folder
 from pdserve.engine.models import CausalLM
 from pdserve.engine.models.hf import TransformersCausalLM
 from pdserve.engine.models.llama import load_native_llama, unsupported_reason
@@ -125,7 +125,10 @@ def _load_transformers(path: Path, dtype: torch.dtype, shard: TPShard) -> torch.
     # $WORLD_SIZE and, unset, silently loads the whole model on every rank. Each rank holds a
     # contiguous block of the heads, as engine/parallel.py says; every rank gets the whole logits.
     parallel = {} if shard.is_single else {"distributed_config": DistributedConfig(tp_size=shard.size)}
-    model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **parallel)
+    try:
+        model = AutoModelForCausalLM.from_pretrained(path, dtype=dtype, local_files_only=True, **parallel)
+    except Exception as exc:  # noqa: BLE001 - an unknown class, missing or mismatched weights, a missing package
+        raise ModelRefused("model", path, f"transformers cannot load it as a causal LM: {one_line(exc)}") from exc
     try:
         model.set_attn_implementation(register_paged_attention())
     except (ValueError, NotImplementedError) as exc:
@@ -134,8 +137,10 @@ def _load_transformers(path: Path, dtype: torch.dtype, shard: TPShard) -> torch.
     return model
 
 
-def load_reference_model(model_dir: str | os.PathLike, dtype: torch.dtype | str) -> torch.nn.Module:
-    """An independent copy with transformers' stock attention, for tests and benchmarks.
+def load_reference_model(model_dir: str | os.PathLike, dtype: torch.dtype | str,
+                         attention: str = REFERENCE_ATTENTION) -> torch.nn.Module:
+    """An independent copy with transformers' stock attention (`attention`: sdpa, or eager, which
+    every class that takes one has), for tests, benchmarks and the model sweep.
 
     The config is deep-copied: `set_attn_implementation` writes into the config
     object, and a config shared with the engine's model would switch both.
@@ -143,7 +148,7 @@ def load_reference_model(model_dir: str | os.PathLike, dtype: torch.dtype | str)
     path = Path(model_dir)
     config = copy.deepcopy(AutoConfig.from_pretrained(path, local_files_only=True))
     model = AutoModelForCausalLM.from_pretrained(
-        path, config=config, dtype=_as_dtype(dtype), attn_implementation=REFERENCE_ATTENTION, local_files_only=True
+        path, config=config, dtype=_as_dtype(dtype), attn_implementation=attention, local_files_only=True
     )
     return model.eval().requires_grad_(False)
 

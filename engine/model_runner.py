@@ -62,6 +62,7 @@ class PromptScores:
 class StepResult:
     sampled: list[SampledToken]
     prompt_scores: list[PromptScores]
+    logits: torch.Tensor | None = None  # [num_sampled, vocab]: the rows `sampled` drew from, in order
 
 
 @dataclass(slots=True)
@@ -165,7 +166,8 @@ class ModelRunner:
         if len(rows) > num_sampled:  # forked samples draw from their parent's row
             sampled_logits = sampled_logits[torch.tensor(sources)]  # [len(rows), vocab]
         result = self.sampler(sampled_logits, rows)
-        return StepResult(_sampled_tokens(batch.sampled, result.token_ids, result.logprobs), scores)
+        return StepResult(_sampled_tokens(batch.sampled, result.token_ids, result.logprobs), scores,
+                          logits[:num_sampled])
 
     def _pack(self, scheduled: list[ScheduledRequest]) -> PackedBatch:
         # Decodes first (stable sort) so the kernels can batch them in one call.

@@ -36,6 +36,7 @@ DELEGATED_COMMANDS: dict[str, tuple[str, str]] = {
     "colocated": ("pdserve.colocated_node.server", "run a colocated node (both phases; the baseline)"),
     "cluster": ("pdserve.cluster", "run a local cluster: router + N prefill + M decode (or N colocated) nodes"),
     "generate": ("pdserve.router.client", "stream a generation from a running cluster"),
+    "sweep-models": ("pdserve.model_sweep", "every transformers causal-LM architecture, tiny: served exactly or refused"),
 }
 
 # `pdserve bench NAME ...` -> (module whose main(argv) runs it, one-line help)
