@@ -30,7 +30,7 @@ from pdserve.engine.beam_runner import BeamSearches
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.node.config import NodeConfig
 from pdserve.node.core_part import ToFront
-from pdserve.node.errors import NodeError, rejection_error
+from pdserve.node.errors import ErrorCode, NodeError, rejection_error
 from pdserve.node.beam_searches import beam_params, beams_done
 from pdserve.node.messages import Abort, Logprobs, Message, PromptLogprobs, RequestFailed, StreamSubmit, Tokens
 from pdserve.node.sibling_forks import add_sample
@@ -58,6 +58,11 @@ class ColocatedCore:
                 self.engine.abort(msg.req_id)
         else:
             logger.warning("colocated core ignores %s", type(msg).__name__)
+
+    def fail(self, req_id: str, message: str) -> None:
+        caller = self.beams.search_of(req_id) or req_id  # a beam fails its whole search
+        self.to_front(RequestFailed(caller, ErrorCode.INTERNAL, message))
+        self.handle(Abort(caller))
 
     def _admit(self, msg: StreamSubmit) -> None:
         new_tokens = len(msg.prompt_token_ids) + len(msg.resumed_token_ids)  # all of it is prefilled here

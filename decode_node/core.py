@@ -85,6 +85,11 @@ class DecodeCore:
         else:
             logger.warning("decode core ignores %s", type(msg).__name__)
 
+    def fail(self, req_id: str, message: str) -> None:
+        caller = self.beams.search_of(req_id) or req_id  # a beam fails its whole search
+        self.to_front(RequestFailed(caller, ErrorCode.INTERNAL, message))
+        self.handle(Abort(caller))
+
     def _reserve(self, msg: StreamSubmit) -> list[int]:
         """The reserved block ids; a beam search's first request is reserved with its beams' params."""
         if msg.beam is None:

@@ -127,6 +127,11 @@ class BeamSearches:
         finished = [self._advance(s) for s in touched.values() if s.complete]
         return others, [f for f in finished if f is not None]
 
+    def search_of(self, req_id: str) -> str | None:
+        """The search a beam's engine request belongs to (None: not a beam)."""
+        search = self._owner.get(req_id)
+        return search.search_id if search is not None else None
+
     def abort(self, search_id: str) -> bool:
         """Drop a search and every beam it holds (their blocks are freed); False if unknown."""
         search = self._searches.pop(search_id, None)

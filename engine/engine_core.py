@@ -81,6 +81,17 @@ class EngineCoreOutput:
         return self.finish_reason is not None or self.handoff_blocks is not None
 
 
+class StepFailed(Exception):
+    """The model raised during a step: `req_ids` were in it and cannot go on. The engine stays
+    usable (the caller aborts them, which frees their blocks; nothing else changed: the step's
+    tokens were never recorded). Raised only on a single rank: with tensor-parallel workers in
+    the middle of the same step, the original exception ends the node."""
+
+    def __init__(self, req_ids: list[str], cause: BaseException) -> None:
+        super().__init__(f"{type(cause).__name__}: {cause}")
+        self.req_ids = req_ids
+
+
 def _record_prompt_scores(scores: PromptScores) -> None:
     collected = scores.request.prompt_logprobs
     assert collected is not None, "the runner scores only requests that collect prompt logprobs"
@@ -121,6 +132,7 @@ class EngineCore:
         self._arrivals = 0
         self._fork_parents: dict[str, str] = {}  # a pending fork's req_id -> the request it forks from
         self.num_forked_samples = 0  # samples forked off another's first logits (`pending_forks`)
+        self.num_failed_requests = 0  # requests in a step that raised (StepFailed)
         if fanout is None:
             self.finish_start()
 
@@ -340,7 +352,14 @@ class EngineCore:
         self.runner.copy_swapped_blocks(out)  # before the forward, even of a step that runs nothing
         if out.is_empty:
             return []
-        result = self.runner.execute(out)
+        try:
+            result = self.runner.execute(out)
+        except Exception as exc:
+            if self.runner.fanout is not None:
+                raise
+            req_ids = [s.request.req_id for s in out.scheduled]
+            self.num_failed_requests += len(req_ids)
+            raise StepFailed(req_ids, exc) from exc
         self.scheduler.update_after_step(out)
         for scores in result.prompt_scores:
             _record_prompt_scores(scores)

@@ -27,6 +27,8 @@ from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.node.affinity import cpu_list_arg
 
+POISON_ACTIONS = ("raise", "exit")  # node/fault_drills.py
+
 NODE_KINDS = ("prefill", "decode", "colocated")
 TRANSFER_FLAG_PREFIX = "kv_"
 # Transport fields a node sets from its own (see __post_init__), so never flags.
@@ -76,6 +78,12 @@ class NodeConfig:
     # Fault drills and tests only: the core sleeps this long after every engine step.
     debug_step_delay_s: float = field(default=0.0, metadata={
         "help": "fault drills and tests: sleep this long after every engine step"})
+    # ... and a step computing a prompt that holds this token fails as a model bug would.
+    debug_poison_token_id: int | None = field(default=None, metadata={
+        "help": "fault drills and tests: a step that computes a prompt holding this token id fails"})
+    debug_poison_action: str = field(default="raise", metadata={
+        "choices": POISON_ACTIONS,
+        "help": "how a poisoned step fails: raise inside the step, or exit the engine core at once (a crash)"})
     # Core loop: poll timeout while transfers are outstanding / while fully idle.
     busy_poll_ms: int = 1
     idle_poll_ms: int = 50

@@ -56,4 +56,5 @@ def stats_to_proto(stats: StatsData) -> node_pb2.NodeStats:
         swaps_out=stats.swaps_out,
         swaps_in=stats.swaps_in,
         forked_samples=stats.forked_samples,
+        failed_requests=stats.failed_requests,
     )

@@ -12,6 +12,7 @@ one line the front prints), then loops:
 
     drain front messages (non-blocking; a short poll timeout only when there is no work)
     step the engine when it has work       → handler.after_step(outputs)
+        (a step that raised on one rank: handler.fail for each of its requests; the node serves on)
     handler.poll(now): transfers, done messages, leases
     push a stats snapshot to the front when stats_push_interval_s has passed (after a
         step, or on an idle poll timeout): the front heartbeats the router with it, so a
@@ -32,13 +33,13 @@ import time
 import zmq
 
 from pdserve.common.refusal import Refused
-from pdserve.engine.engine_core import EngineCore
+from pdserve.engine.engine_core import EngineCore, StepFailed
 from pdserve.kv_transfer import KVCacheSpec
 from pdserve.node.affinity import format_cpu_list
 from pdserve.node.config import NodeConfig
 from pdserve.node.core import CoreAddresses
 from pdserve.node.core_part import CoreHandler, CorePart, ToFront
-from pdserve.node.fault_drills import slow_every_step
+from pdserve.node.fault_drills import poison_token, slow_every_step
 from pdserve.node.kv_ranks import LocalRank, RankedTransport, rank_cache_spec
 from pdserve.node.messages import (CoreFailed, CoreStarted, Message, MessageError, Shutdown, StatsData, StatsPush,
                                    StatsQuery, StatsReply, decode, encode)
@@ -123,7 +124,8 @@ def _build(config: NodeConfig, part: CorePart, to_front: ToFront, owned: _Owned)
     make_handler = part.load_handler_factory()  # before the model loads: a bad part fails fast
     engine, owned.group = start_engine(config.engine, part.policy(), config.transfer if part.uses_kv_transport else None,
                                        config.cpus, config.kind)
-    slow_every_step(engine, config.debug_step_delay_s)  # fault drills only; a no-op by default
+    slow_every_step(engine, config.debug_step_delay_s)  # fault drills only; no-ops by default
+    poison_token(engine, config.debug_poison_token_id, config.debug_poison_action)
     # What the node really runs on (tests and operators read this line; cores as devices).
     ranks = engine.loaded.shard.size
     logger.info("engine core%s on cpus %s with %d torch threads", f" (rank 0 of {ranks})" if ranks > 1 else "",
@@ -227,7 +229,15 @@ class _CoreLoop:
         if not self.engine.has_unfinished():
             self._stalled = False
             return
-        outputs = self.engine.step()
+        try:
+            outputs = self.engine.step()
+        except StepFailed as failed:
+            # One request's poison fails the requests of its step, not the node: the router
+            # retries them elsewhere at most --max-node-failures-per-request times in all.
+            logger.error("a step failed; failing its %d requests %s: %s", len(failed.req_ids), failed.req_ids, failed)
+            for req_id in failed.req_ids:
+                self.handler.fail(req_id, f"the model failed on a step of this request: {failed}")
+            outputs = []
         self.handler.after_step(outputs)
         # Waiting requests that no free block can admit: poll gently until blocks free up.
         self._stalled = self.engine.has_unfinished() and not self.engine.scheduler.running

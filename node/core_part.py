@@ -47,6 +47,10 @@ class CoreHandler(Protocol):
     def poll(self, now: float) -> None:
         """Advance transfers, take done messages, enforce leases."""
 
+    def fail(self, req_id: str, message: str) -> None:
+        """A step this engine request was in raised: answer its caller RequestFailed(INTERNAL,
+        message) and free everything the request holds here."""
+
     def wants_fast_poll(self) -> bool:
         """Is something outstanding that only polling advances, and soon (push acknowledgements)?"""
 

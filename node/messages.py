@@ -254,6 +254,7 @@ class StatsData:
     swaps_out: int = 0
     swaps_in: int = 0
     forked_samples: int = 0  # samples forked off a sibling sample's first logits (node/sibling_forks.py)
+    failed_requests: int = 0  # failed because a step they were in raised (engine StepFailed)
 
 
 @dataclass(slots=True)

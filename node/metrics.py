@@ -64,6 +64,8 @@ _COUNTERS = (
     ("pdserve_swaps_in", "Swapped-out requests swapped back in", lambda s: s.swaps_in),
     ("pdserve_forked_samples", "Samples forked off a sibling sample, sharing its prompt blocks",
      lambda s: s.forked_samples),
+    ("pdserve_failed_requests", "Requests failed because a model step they were in raised",
+     lambda s: s.failed_requests),
 )
 
 

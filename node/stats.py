@@ -66,6 +66,7 @@ def build_stats(kind: str, engine: EngineCore, transport: RankedTransport | None
         swaps_out=scheduler.num_swaps_out,
         swaps_in=scheduler.num_swaps_in,
         forked_samples=engine.num_forked_samples,
+        failed_requests=engine.num_failed_requests,
     )
 
 

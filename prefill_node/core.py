@@ -54,6 +54,9 @@ class PrefillCore:
         else:
             logger.warning("prefill core ignores %s", type(msg).__name__)
 
+    def fail(self, req_id: str, message: str) -> None:
+        self.exporter.fail(req_id, message)
+
     def _submit(self, msg: PrefillSubmit) -> None:
         if self.exporter.is_tracking(msg.req_id):
             # Its blocks may still be read by pushes: the id is taken until they finish.

@@ -136,6 +136,12 @@ class KVExporter:
         if export.blocks is None:  # still in the engine; after token 1 the transfer just completes
             self._fail(export, None)
 
+    def fail(self, req_id: str, message: str) -> None:
+        """A step of the request raised: answer its caller INTERNAL, free it, tell its decode node."""
+        export = self._exports.get(req_id)
+        if export is not None:
+            self._fail(export, NodeError(ErrorCode.INTERNAL, message))
+
     def poll(self, now: float) -> None:
         for export in list(self._exports.values()):
             self._advance(export, now)

@@ -40,6 +40,7 @@ from pdserve.router.errors import InvalidRequest, NeedsNodes, NodeFailed, Overlo
 from pdserve.router.liveness import NodeGone, unless_gone
 from pdserve.router.model import RouterModel
 from pdserve.router.placement import ColocatedPlacement
+from pdserve.router.recovery import check_node_failures
 from pdserve.router.registry import NodeKind, NodeRegistry
 
 if TYPE_CHECKING:  # validation.py imports this module for its checks
@@ -91,13 +92,15 @@ class BeamSearchRoute:
     """Runs one beam search on the best colocated node that takes it, else on a prefill + decode pair."""
 
     def __init__(self, registry: NodeRegistry, placement: ColocatedPlacement, model: RouterModel,
-                 block_size: int, pair: BeamSearchPair | None = None, max_retries: int = 0) -> None:
+                 block_size: int, pair: BeamSearchPair | None = None, max_retries: int = 0,
+                 max_node_failures: int = 1) -> None:
         self._registry = registry
         self._placement = placement
         self._model = model
         self._block_size = block_size
         self._pair = pair
         self._max_retries = max_retries  # whole searches run again after a lost node
+        self._max_node_failures = max_node_failures  # ... while fewer attempts than this have failed
 
     def check_available(self) -> None:
         if self._registry.live(NodeKind.COLOCATED) or (self._pair is not None and self._pair.available()):
@@ -114,6 +117,7 @@ class BeamSearchRoute:
             try:
                 return await self._run_once(request, req_id, timeout_s, failed)
             except NodeFailed as exc:
+                check_node_failures(attempt + 1, self._max_node_failures, exc, exc)
                 if attempt >= self._max_retries:
                     raise
                 log.warning("beam search %s runs again on another node: %s", request.request_id, exc)

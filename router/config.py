@@ -94,6 +94,11 @@ class RouterConfig:
     # (skipped) until it does.
     max_resumes: int = 2
     max_prefill_retries: int = 2
+    # A query of death: a request whose node attempts failed this many times in all (nodes lost,
+    # or a node's step raising on it) ends INTERNAL instead of going to the next node.
+    max_node_failures_per_request: int = field(default=3, metadata={
+        "help": "end a request INTERNAL once this many of its node attempts have failed (resumes and retries "
+                "together), instead of sending it on to kill the next node"})
     failure_probe_timeout_s: float = 1.0
     max_n: int = 64
     limits: RequestLimits = field(default_factory=RequestLimits)
@@ -124,6 +129,8 @@ class RouterConfig:
             (self.max_n >= 1, "max_n", "must be >= 1", self.max_n),
             (self.max_resumes >= 0, "max_resumes", "must be >= 0", self.max_resumes),
             (self.max_prefill_retries >= 0, "max_prefill_retries", "must be >= 0", self.max_prefill_retries),
+            (self.max_node_failures_per_request >= 1, "max_node_failures_per_request", "must be >= 1",
+             self.max_node_failures_per_request),
             (self.failure_probe_timeout_s > 0, "failure_probe_timeout_s", "must be > 0",
              self.failure_probe_timeout_s),
             (self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1024", self.max_message_bytes),

@@ -61,7 +61,8 @@ class SampleDriver:
         self.spec = spec
         self.relay = TokenRelay(spec.request, spec.index, state.model, spec.received_at, state.clock, send)
         self._route = route
-        self._budget = RecoveryBudget(state.config.max_resumes, state.config.max_prefill_retries)
+        config = state.config
+        self._budget = RecoveryBudget(config.max_resumes, config.max_prefill_retries, config.max_node_failures_per_request)
         self._excluded: dict[str, tuple[NodeEntry, str]] = {}  # by node id: lost during this sample, and why
 
     async def run(self) -> None:

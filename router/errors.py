@@ -75,6 +75,13 @@ class ModelNotFound(RouterError):
     code = grpc.StatusCode.NOT_FOUND
 
 
+class RequestKillsNodes(RouterError):
+    """A request whose node attempts failed `--max-node-failures-per-request` times: it may be
+    what fails them (a query of death), so it goes to no further node."""
+
+    code = grpc.StatusCode.INTERNAL
+
+
 class DeadlineExceeded(RouterError):
     code = grpc.StatusCode.DEADLINE_EXCEEDED
 

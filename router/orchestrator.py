@@ -52,7 +52,8 @@ class Orchestrator:
         pair = BeamSearchPair(state.registry, state.decode_placement, state.prefill_placement, config.ready_timeout_s,
                               config.prefill_timeout_s, state.clock)
         self._beams = BeamSearchRoute(state.registry, colocated, state.model, config.block_size, pair,
-                                      max_retries=config.max_resumes)
+                                      max_retries=config.max_resumes,
+                                      max_node_failures=config.max_node_failures_per_request)
         self._disaggregated = DisaggregatedRoute(state.decode_placement, state.prefill_placement,
                                                  config.ready_timeout_s, config.prefill_timeout_s)
 

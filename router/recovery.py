@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.router.errors import DeadlineExceeded, RouterError
+from pdserve.router.errors import DeadlineExceeded, RequestKillsNodes, RouterError
 from pdserve.router.registry import NodeEntry
 
 # Codes of a call whose node may be gone (killed, unreachable, its core dead): another
@@ -39,10 +39,13 @@ class NodeLost(Exception):
 
 @dataclass(slots=True)
 class RecoveryBudget:
-    """How many more attempts a sample may start after losing a node."""
+    """How many more attempts a sample may start after losing a node: per kind (resumes while
+    decoding, retries before the next token), and in all (`max_node_failures`, the bound on how
+    many nodes one request can take down)."""
 
     max_resumes: int
     max_retries: int
+    max_node_failures: int
     resumes: int = 0
     retries: int = 0
 
@@ -58,11 +61,20 @@ class RecoveryBudget:
         """Count one recovery and name it ("resume" or "retry"); raise `error`'s kind once
         the budget is spent, or DeadlineExceeded once the deadline has passed."""
         what = "resume" if decoding else "retry"
+        check_node_failures(self.resumes + self.retries + 1, self.max_node_failures, error, cause)
         if not self.spend(decoding):
             raise type(error)(f"{error} (no {what} left for this sample)") from cause
         if remaining_s is not None and remaining_s <= 0:
             raise DeadlineExceeded(f"the deadline passed while recovering from: {error}") from cause
         return what
+
+
+def check_node_failures(num_failures: int, max_failures: int, error: RouterError, cause: BaseException) -> None:
+    """Raise RequestKillsNodes once a request's node attempts have failed `max_failures` times."""
+    if num_failures >= max_failures:
+        raise RequestKillsNodes(f"{num_failures} of this request's node attempts failed, the last: {error}; not sent "
+                                f"to another node (--max-node-failures-per-request {max_failures}): the request "
+                                "itself may be what fails them") from cause
 
 
 def attempt_ids(node_req_id: str) -> Iterator[str]:

@@ -130,6 +130,7 @@ class FaultSettings:
     # The launcher restarts a killed node after this long: long enough that a test sees the
     # cluster without it first (the router notices a kill within a heartbeat timeout).
     restart_backoff_s: float = 5.0
+    router_args: tuple[str, ...] = ()  # more router flags
 
 
 class FaultCluster:
@@ -144,7 +145,7 @@ class FaultCluster:
         lease = ("--lease-s", str(settings.lease_s))
         flags = cluster_flags(
             num_prefill, num_decode, node,
-            router_args=("--heartbeat-timeout-s", str(settings.heartbeat_timeout_s)),
+            router_args=("--heartbeat-timeout-s", str(settings.heartbeat_timeout_s), *settings.router_args),
             prefill_args=(*lease, "--debug-step-delay-s", str(settings.prefill_step_delay_s), *settings.prefill_args),
             decode_args=(*lease, "--debug-step-delay-s", str(settings.decode_step_delay_s), *settings.decode_args))
         flags += ["--restart-backoff-s", str(settings.restart_backoff_s),

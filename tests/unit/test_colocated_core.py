@@ -190,3 +190,20 @@ def test_an_aborted_beam_search_frees_every_beam_and_bad_options_are_refused(mod
     (reply,) = node.out
     assert isinstance(reply, RequestFailed) and reply.code is ErrorCode.INVALID_ARGUMENT
     assert reply.message.startswith("beam_width 11 needs the top 22 log-probabilities")
+
+
+def test_a_failed_step_answers_its_requests_internal_and_frees_them(model):
+    # What the core loop does with an engine's StepFailed: `fail` each of the step's requests.
+    node = Node(model, QueueBounds(max_waiting_requests=100, max_queued_tokens=10_000))
+    assert node.submit("plain", prompt(9)) is None
+    node.core.handle(StreamSubmit("search", prompt(11, 1), GREEDY, 0, beam=BeamOption(2, 1.0)))
+    node.core.after_step(node.engine.step())
+    engine_ids = [r.req_id for r in node.engine.scheduler.running]
+    assert engine_ids == ["plain", "search/beam-0"]  # a search runs its beams under ids of their own
+    for req_id in engine_ids:
+        node.core.fail(req_id, "the model failed on a step of this request: KeyError: 'x'")
+    failed = [m for m in node.out if isinstance(m, RequestFailed)]
+    assert {(m.req_id, m.code, m.message) for m in failed} == {
+        (req_id, ErrorCode.INTERNAL, "the model failed on a step of this request: KeyError: 'x'")
+        for req_id in ("plain", "search")}
+    assert not node.engine.has_unfinished() and node.used_blocks() == 0

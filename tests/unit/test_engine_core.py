@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from pdserve.engine.admission import KVCapacityExceeded, RequestRejected
-from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
+from pdserve.engine.engine_core import EngineCore, EngineCoreOutput, StepFailed
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
 from pdserve.engine.request import FinishReason, RequestStatus
@@ -134,3 +134,31 @@ def test_bad_input_stays_invalid_argument(model):
     assert not isinstance(refused.value, KVCapacityExceeded)
     error = rejection_error(refused.value)
     assert error.code is ErrorCode.INVALID_ARGUMENT and error.message.startswith("prompt_token_ids contains")
+
+
+def test_a_step_that_raises_fails_its_requests_and_the_engine_serves_on(model):
+    core = engine(model, ColocatedPolicy())
+    params = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
+    poisoned = [1, 2, 3, 901]
+    execute = core.runner.execute
+
+    def raising_on_the_poison(out):
+        if any(901 in s.request.prompt_token_ids for s in out.scheduled):
+            raise KeyError("a model bug on this input")
+        return execute(out)
+
+    core.runner.execute = raising_on_the_poison
+    core.add_request("poisoned", poisoned, params)
+    core.add_request("bystander", PROMPT, params)
+    with pytest.raises(StepFailed) as failed:
+        core.step()
+    assert failed.value.req_ids == ["poisoned", "bystander"]  # one packed step: both were in it
+    assert str(failed.value) == "KeyError: 'a model bug on this input'"
+    assert core.num_failed_requests == 2
+    for req_id in failed.value.req_ids:
+        assert core.abort(req_id)
+    assert core.kv.num_used_blocks == 0 and not core.has_unfinished()
+    # Nothing else changed: the next request runs exactly as on a fresh engine.
+    core.add_request("next", PROMPT, params)
+    assert [out.new_token_id for out in run(core)] == greedy_tokens(model, 5)
+    assert core.kv.num_used_blocks == 0

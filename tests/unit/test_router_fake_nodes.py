@@ -331,13 +331,17 @@ def test_a_resume_does_not_score_the_prompt_again(model, output_ids):
     assert [r.sampling_params.HasField("prompt_logprobs") for r in calls.prefill_requests] == [True, False]
 
 
-def test_a_decode_node_that_keeps_dying_is_unavailable_after_the_resumes(model, output_ids):
+def dying_decode_script(output_ids):
     script = resumable(output_ids, fail_decode_after_events=True)
     script.decode_events = lambda index: [node_pb2.DecodeTokens(token_ids=[output_ids[1]])]
     script.resumed_events = lambda resumed: [node_pb2.DecodeTokens(token_ids=[output_ids[len(resumed) + 1]])]
+    return script
 
+
+def test_a_decode_node_that_keeps_dying_is_unavailable_after_the_resumes(model, output_ids):
     async def scenario():
-        async with router(model) as address, fake_nodes(address, script):
+        async with router(model, max_node_failures_per_request=5) as address, \
+                fake_nodes(address, dying_decode_script(output_ids)):
             return await collect(address, text_request(max_tokens=len(output_ids)))
 
     received, error = run(scenario())
@@ -345,6 +349,35 @@ def test_a_decode_node_that_keeps_dying_is_unavailable_after_the_resumes(model, 
     assert "no resume left" in error.details()
     # Two resumes (max_resumes), each adding the prefill's token and one decoded token.
     assert [t for r in received for t in r.token_ids] == output_ids[:6]
+
+
+def test_a_request_that_fails_its_nodes_ends_internal_after_max_node_failures(model, output_ids):
+    # The default (3) comes before the resume budget runs out: the request may be what kills them.
+    async def scenario():
+        async with router(model) as address, fake_nodes(address, dying_decode_script(output_ids)) as (calls, _):
+            received, error = await collect(address, text_request(max_tokens=len(output_ids)))
+            return received, error, calls
+
+    received, error, calls = run(scenario())
+    assert error.code() is grpc.StatusCode.INTERNAL
+    assert error.details().startswith("3 of this request's node attempts failed, the last: decode node ")
+    assert error.details().endswith("engine core died; not sent to another node (--max-node-failures-per-request 3): "
+                                    "the request itself may be what fails them")
+    assert len(calls.decode_requests) == 3
+    assert [t for r in received for t in r.token_ids] == output_ids[:6]
+
+
+def test_one_node_failure_allowed_ends_the_request_at_the_first(model, output_ids):
+    async def scenario():
+        async with router(model, max_node_failures_per_request=1) as address, \
+                fake_nodes(address, dying_decode_script(output_ids)) as (calls, _):
+            received, error = await collect(address, text_request(max_tokens=len(output_ids)))
+            return received, error, calls
+
+    received, error, calls = run(scenario())
+    assert error.code() is grpc.StatusCode.INTERNAL and error.details().startswith("1 of this request's node attempts failed")
+    assert len(calls.decode_requests) == 1
+    assert [t for r in received for t in r.token_ids] == output_ids[:2]
 
 
 def test_a_full_prefill_queue_sends_the_same_reservation_to_the_next(model, output_ids):
