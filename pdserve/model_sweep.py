@@ -11,7 +11,7 @@ Each type ends as one `SweepResult`:
 - WRONG or CRASHED: served with other tokens than transformers, or failed otherwise than by a
   refusal. Neither may ever appear: tests/integration/test_model_sweep.py fails on them.
 
-`--markdown` prints the table docs/models.md holds. Must never download anything.
+`--markdown` prints the report docs/models.md holds. Must never download anything.
 """
 
 from __future__ import annotations
@@ -19,6 +19,7 @@ from __future__ import annotations
 import argparse
 import enum
 import logging
+import re
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -107,11 +108,28 @@ def first_mismatch(folder: Path, prompts: list[list[int]], outputs: list[list[in
     return None
 
 
-def markdown_table(results: list[SweepResult]) -> str:
-    lines = ["| model type | outcome | path or reason |", "| --- | --- | --- |"]
-    for r in results:
-        lines.append(f"| `{r.model_type}` | {r.outcome.value} | {r.detail.replace('|', '/')} |")
+def markdown_report(results: list[SweepResult]) -> str:
+    """What docs/models.md holds: the served types by path, the others grouped by reason."""
+    exact = [r for r in results if r.outcome is Outcome.EXACT]
+    lines = [summary(results), "", f"### Served, token-exact against transformers ({len(exact)})", ""]
+    for impl in ("native", "transformers"):
+        names = [f"`{r.model_type}`" for r in exact if r.detail == impl]
+        lines.append(f"- {impl} path ({len(names)}): {', '.join(names)}")
+    for outcome in (Outcome.REFUSED, Outcome.NOT_BUILT, Outcome.WRONG, Outcome.CRASHED):
+        group = [r for r in results if r.outcome is outcome]
+        if not group:
+            continue
+        lines += ["", f"### {outcome.value.capitalize()} ({len(group)})", "", "| reason | model types |", "| --- | --- |"]
+        by_reason: dict[str, list[str]] = {}
+        for r in group:
+            by_reason.setdefault(_without_name(r.detail), []).append(f"`{r.model_type}`")
+        lines += [f"| {reason.replace('|', '/')} | {', '.join(names)} |" for reason, names in by_reason.items()]
     return "\n".join(lines)
+
+
+def _without_name(reason: str) -> str:
+    """A refusal's reason less the model type or class it starts with, so that alike ones group."""
+    return re.sub(r"^[^\s:]+: ", "", reason)
 
 
 def summary(results: list[SweepResult]) -> str:
@@ -125,7 +143,7 @@ def summary(results: list[SweepResult]) -> str:
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="pdserve sweep-models", description=__doc__.splitlines()[0])
     parser.add_argument("model_types", nargs="*", help="model types to sweep (default: every one)")
-    parser.add_argument("--markdown", action="store_true", help="print the results as a markdown table")
+    parser.add_argument("--markdown", action="store_true", help="print the results as docs/models.md holds them")
     args = parser.parse_args(argv)
     unknown = sorted(set(args.model_types) - set(causal_lm_types()))
     if unknown:
@@ -136,7 +154,7 @@ def main(argv: list[str] | None = None) -> int:
     with tempfile.TemporaryDirectory(prefix="pdserve-sweep-") as root:
         results = sweep(args.model_types or causal_lm_types(), Path(root))
     if args.markdown:
-        print(markdown_table(results))
+        print(markdown_report(results))
     else:
         for r in results:
             print(f"{r.model_type:28} {r.outcome.value:18} {r.detail}")
