@@ -92,9 +92,13 @@ def unservable_reason(config: PretrainedConfig) -> str | None:
     if reason is not None:
         return reason
     text = config.get_text_config()
-    reason = _attention_shape_reason(name, text)
-    if reason is not None:
-        return reason
+    try:
+        return _attention_shape_reason(name, text) or _layers_reason(name, text)
+    except RuntimeError as exc:  # a config of per-layer shapes refuses a read of one global shape
+        return f"{name}: layers of different shapes are not supported ({one_line(exc)})"
+
+
+def _layers_reason(name: str, text: PretrainedConfig) -> str | None:
     # transformers 5 lists each layer's attention kind; anything else than full
     # attention (sliding, chunked, linear/recurrent) would silently differ.
     layer_types = set(optional(text, "layer_types") or [])

@@ -6,8 +6,11 @@ Each type ends as one `SweepResult`:
 - EXACT: served, and greedy output equals transformers `generate` token for token (a divergence
   only after a near-tie in the reference, top-2 logits within `NEAR_TIE`), on the native or the
   transformers path;
-- REFUSED: `LLM` refused the folder at start, with the one line naming it and the reason;
-- NOT_BUILT: the generic recipe cannot make this family tiny (the reason is transformers');
+- REFUSED: `LLM` refused the folder at start, with the one line naming it and the reason; for a
+  family the recipe cannot make tiny, a folder of its default config (no weights) was refused
+  by the checks every entry point runs before loading;
+- NOT_BUILT: the generic recipe cannot make this family tiny and its default config passes
+  those checks (the reason is transformers');
 - WRONG or CRASHED: served with other tokens than transformers, or failed otherwise than by a
   refusal. Neither may ever appear: tests/integration/test_model_sweep.py fails on them.
 
@@ -26,10 +29,11 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import torch
+from transformers import AutoConfig
 from transformers.models.auto.modeling_auto import MODEL_FOR_CAUSAL_LM_MAPPING_NAMES
 from transformers.utils import logging as hf_logging
 
-from pdserve.engine.model_folder import ModelRefused, one_line
+from pdserve.engine.model_folder import ModelRefused, one_line, open_model_folder
 from pdserve.engine.model_loader import load_reference_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model_factory import SMALL_TOKENIZER_VOCAB, build_tokenizer
@@ -71,7 +75,7 @@ def sweep_one(model_type: str, folder: Path, tokenizer) -> SweepResult:
     try:
         build_tiny_model(model_type, folder, tokenizer)
     except NotBuilt as exc:
-        return SweepResult(model_type, Outcome.NOT_BUILT, str(exc))
+        return _default_config_result(model_type, folder, tokenizer, str(exc))
     prompts = [tokenizer.encode(p) for p in SWEEP_PROMPTS]
     try:
         llm = LLM(folder, dtype="float32", num_blocks=64)
@@ -86,6 +90,23 @@ def sweep_one(model_type: str, folder: Path, tokenizer) -> SweepResult:
     if mismatch is not None:
         return SweepResult(model_type, Outcome.WRONG, mismatch)
     return SweepResult(model_type, Outcome.EXACT, llm.engine.loaded.impl)
+
+
+def _default_config_result(model_type: str, folder: Path, tokenizer, not_built: str) -> SweepResult:
+    """A type the recipe cannot make tiny: is a folder of its default config (no weights) refused
+    by the checks every entry point runs before loading? Then every such checkpoint is."""
+    try:
+        AutoConfig.for_model(model_type).save_pretrained(folder)
+        tokenizer.save_pretrained(folder)
+    except Exception:  # noqa: BLE001 - its default config does not even save
+        return SweepResult(model_type, Outcome.NOT_BUILT, not_built)
+    try:
+        open_model_folder(folder)
+    except ModelRefused as exc:
+        return SweepResult(model_type, Outcome.REFUSED, exc.reason)
+    except Exception as exc:  # noqa: BLE001 - what the router and every node would crash on
+        return SweepResult(model_type, Outcome.CRASHED, f"{type(exc).__name__}: {one_line(exc)}")
+    return SweepResult(model_type, Outcome.NOT_BUILT, not_built)
 
 
 @torch.inference_mode()
