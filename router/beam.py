@@ -36,7 +36,7 @@ from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, beams_to_keep, max_beam_width
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
 from pdserve.router.beam_pair import BeamSearchPair
-from pdserve.router.errors import InvalidRequest, NeedsNodes, NodeFailed, Overloaded, from_node_error
+from pdserve.router.errors import InvalidRequest, NeedsNodes, NodeFailed, NoNodeAvailable, Overloaded, from_node_error
 from pdserve.router.liveness import NodeGone, unless_gone
 from pdserve.router.model import RouterModel
 from pdserve.router.placement import ColocatedPlacement
@@ -147,7 +147,7 @@ class BeamSearchRoute:
         refused: list[str] = []
         live = [e for e in self._registry.live(NodeKind.COLOCATED) if e.node_id not in failed]
         if not live:
-            raise NodeFailed(f"no colocated node is left for the beam search (lost: {', '.join(sorted(failed))})")
+            raise NoNodeAvailable(f"no colocated node is left for the beam search (lost: {', '.join(sorted(failed))})")
         for candidate in self._placement.rank([e.candidate() for e in live]):
             entry = self._registry.get(candidate.node_id)
             if entry is None:
