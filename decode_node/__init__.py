@@ -1,6 +1,5 @@
-"""The decode node: gRPC front (server.py), block reservations, KV import, token streaming.
-
-The front (server.py) never imports the engine; the engine-core process runs core.py
-(reserve → admit on the done message → decode → stream) and reservations.py (the
-reservation table with its write permits and leases).
+"""The decode node's KV import stage: block reservations (reservations.py) and the stage that
+reserves, receives a prefill node's KV and hands the request to the node core to decode
+(kv_import.py). A decode node is the node core with this stage (pdserve/node_kinds.py); its
+front is node/servicers.py's `StreamServicer`, which never imports the engine.
 """

@@ -44,6 +44,10 @@ class NodeConfig:
     port: int = field(default=0, metadata={"help": "gRPC port (0: the OS picks)"})
     router: str = field(default="127.0.0.1:50051", metadata={"help": "HOST:PORT of the router's Registry"})
     node_id: str | None = field(default=None, metadata={"help": "default: <kind>-<host>:<port>"})
+    # A decode node that also computes prompts of its own (a hybrid: the ColocatedNode service too).
+    local_prefill: bool = field(default=False, metadata={
+        "help": "decode nodes: also compute whole requests sent to this node's Generate (ColocatedNode) "
+                "service, beside the requests whose KV a prefill node sends"})
     transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     # Cores as devices: the front and the engine core pin themselves to these (None: no pinning).
     cpus: tuple[int, ...] | None = field(default=None, metadata={
@@ -102,6 +106,8 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         _require(self.kind in NODE_KINDS, "kind", f"must be one of {NODE_KINDS}, got {self.kind!r}")
+        _require(not self.local_prefill or self.kind == "decode", "local_prefill",
+                 f"is for decode nodes (a {self.kind} node's own prompts are its kind's to say)")
         _require(bool(self.host), "host", "must be non-empty")
         _require(0 <= self.port <= 65535, "port", "out of range")
         _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port", "out of range")

@@ -1,11 +1,11 @@
 """The engine-core process of a node: engine + KV transport (if its kind moves KV) + the step loop.
 
 Runs only in the child that node/core.py spawns. `core_main` gets the node kind's
-`CorePart` (node/core_part.py): it imports the kind's handler factory, builds the
+`CorePart` (node/core_part.py): it imports the kind's KV stage factories, builds the
 `EngineCore` with the kind's policy (with `--tensor-parallel-size T`, as rank 0 of T: the
 worker ranks start first, node/tp_group.py), registers rank 0's KV caches with a
 `UcxTransport` beside the workers' own in one `RankedTransport` (node/kv_ranks.py; not for a
-kind whose part says `uses_kv_transport=False`), builds the kind's `CoreHandler`, logs the cpus and torch
+kind without KV stages), builds the node core (node/node_core.py) with the kind's stages, logs the cpus and torch
 threads it runs on, says `CoreStarted` with the KV fingerprint every kind registers with
 (or `CoreFailed`; `refused=True` and no traceback for a model folder the engine refuses, whose
 one line the front prints), then loops:
@@ -44,6 +44,7 @@ from pdserve.node.kv_ranks import LocalRank, RankedTransport, rank_cache_spec
 from pdserve.node.messages import (CoreFailed, CoreStarted, Message, MessageError, Shutdown, StatsData, StatsPush,
                                    StatsQuery, StatsReply, decode, encode)
 from pdserve.node.stats import build_stats
+from pdserve.node.node_core import make_node_core
 from pdserve.node.tp_group import TPGroup, start_engine
 
 logger = logging.getLogger(__name__)
@@ -121,7 +122,7 @@ def _build(config: NodeConfig, part: CorePart, to_front: ToFront, owned: _Owned)
     # No progress bars in a server's log; their tqdm lock would also be a named semaphore
     # in this spawned process that `os._exit` leaves for the resource tracker to reap.
     hf_logging.disable_progress_bar()
-    make_handler = part.load_handler_factory()  # before the model loads: a bad part fails fast
+    make_stages = part.load_stage_factories()  # before the model loads: a bad part fails fast
     engine, owned.group = start_engine(config.engine, part.policy(), config.transfer if part.uses_kv_transport else None,
                                        config.cpus, config.kind)
     slow_every_step(engine, config.debug_step_delay_s)  # fault drills only; no-ops by default
@@ -135,7 +136,8 @@ def _build(config: NodeConfig, part: CorePart, to_front: ToFront, owned: _Owned)
     if part.uses_kv_transport:
         owned.transport = _start_transport(config, engine, spec, owned.group)
         descriptor = owned.transport.descriptor()
-    handler = make_handler(config, engine, owned.transport, descriptor, to_front)
+    handler = make_node_core(config, engine, to_front, part.local_prefill)
+    handler.stages = [make(config, handler, owned.transport, descriptor) for make in make_stages]
     to_front(CoreStarted(spec.fingerprint()))
     return engine, handler
 

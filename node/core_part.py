@@ -1,17 +1,17 @@
 """What a node kind plugs into its engine-core process, declared by its front without loading it.
 
-To the shared machinery a node kind is three things: the engine's scheduling policy, a
-`CoreHandler` (the kind's request-level logic: submit and abort messages, what follows
-each engine step, polling transfers and leases) and whether it moves KV between nodes.
-Its front declares them in one `CorePart`, e.g.
+To the shared machinery a node kind is three things: the engine's scheduling policy, the KV
+stages its node core runs (node/node_core.py: a decode node's import, a prefill node's export;
+none for a colocated node) and whether its node core computes prompts of its own. Its front
+declares them in one `CorePart` (a row of pdserve/node_kinds.py), e.g.
 
-    CorePart(PrefillPolicy, "pdserve.prefill_node.core:make_handler")
+    CorePart(PrefillPolicy, stages=("pdserve.prefill_node.kv_export:make_stage",), local_prefill=False)
 
-The policy class is light (no torch) and named directly. The handler's module loads the
-engine and a KV transport, so the front names its factory as "module:function" and only
-the engine-core process imports it (`load_handler_factory`). The kinds import this
-module, never node/core_loop.py, and the core loop gets the part as an argument: no
-import cycle, and a front that never loads torch.
+The policy class is light (no torch) and named directly. A stage's module loads the engine and a
+KV transport, so the part names its factory as "module:function" and only the engine-core
+process imports it (`load_stage_factories`). A kind with stages starts a KV transport; one
+without starts none. The kinds import this module, never node/core_loop.py, and the core loop
+gets the part as an argument: no import cycle, and a front that never loads torch.
 
 Must never: import torch, the engine core or a KV transport at module level.
 """
@@ -26,17 +26,18 @@ from typing import TYPE_CHECKING, Protocol
 from pdserve.node.messages import Message
 
 if TYPE_CHECKING:
-    from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
+    from pdserve.engine.engine_core import EngineCoreOutput
     from pdserve.engine.policy import SchedulingPolicy
-    from pdserve.node.kv_ranks import NodeKVDescriptor, RankedTransport
     from pdserve.node.config import NodeConfig
+    from pdserve.node.kv_ranks import NodeKVDescriptor, RankedTransport
+    from pdserve.node.node_core import KVStage, NodeCore
 
 ToFront = Callable[[Message], None]
 """Sends one message from the engine core to its front (in tests: a list's `append`)."""
 
 
 class CoreHandler(Protocol):
-    """What differs between the engine cores of the node kinds, driven by the core loop."""
+    """What the core loop drives: the node core (node/node_core.py), whatever the kind."""
 
     def handle(self, msg: Message) -> None:
         """A request-level message from the front (submit / abort)."""
@@ -59,28 +60,37 @@ class CoreHandler(Protocol):
         a prefill node's blocks awaiting push acknowledgements); stats report them as reserved."""
 
 
-class MakeHandler(Protocol):
-    """A node kind's handler factory; transport and descriptor are None for a kind that moves no KV."""
+class MakeStage(Protocol):
+    """A KV stage's factory, called in the engine-core process once the node core exists."""
 
-    def __call__(self, config: NodeConfig, engine: EngineCore, transport: RankedTransport | None,
-                 descriptor: NodeKVDescriptor | None, to_front: ToFront) -> CoreHandler: ...
+    def __call__(self, config: NodeConfig, core: NodeCore, transport: RankedTransport,
+                 descriptor: NodeKVDescriptor) -> KVStage: ...
 
 
 @dataclass(frozen=True)
 class CorePart:
     policy: type[SchedulingPolicy]
-    handler: str  # "module:function", a MakeHandler; imported by the engine-core process only
-    uses_kv_transport: bool = True  # False: the core starts no KV listener (colocated)
+    stages: tuple[str, ...] = ()  # "module:function" MakeStage factories; imported by the core process only
+    local_prefill: bool = True  # does the node core compute prompts of its own (a `Generate` call)?
 
     def __post_init__(self) -> None:
-        module, _, function = self.handler.partition(":")
-        if not module or not function:
-            raise ValueError(f"handler must be 'module:function', got {self.handler!r}")
+        for stage in self.stages:
+            module, _, function = stage.partition(":")
+            if not module or not function:
+                raise ValueError(f"a stage must be 'module:function', got {stage!r}")
 
-    def load_handler_factory(self) -> MakeHandler:
-        """Import the handler's module (engine-core process only: it loads torch)."""
-        module, _, function = self.handler.partition(":")
-        factory = getattr(importlib.import_module(module), function, None)
-        if not callable(factory):
-            raise TypeError(f"{self.handler} is not a core handler factory")
-        return factory
+    @property
+    def uses_kv_transport(self) -> bool:
+        """A kind with KV stages moves KV between nodes; one without starts no KV listener."""
+        return bool(self.stages)
+
+    def load_stage_factories(self) -> list[MakeStage]:
+        """Import each stage's module (engine-core process only: they load torch)."""
+        factories = []
+        for stage in self.stages:
+            module, _, function = stage.partition(":")
+            factory = getattr(importlib.import_module(module), function, None)
+            if not callable(factory):
+                raise TypeError(f"{stage} is not a KV stage factory")
+            factories.append(factory)
+        return factories

@@ -119,7 +119,7 @@ class PrefillSubmit(_Message):
 
 @dataclass(slots=True)
 class StreamSubmit(_Message):
-    """A request whose tokens stream back (a decode or a colocated node)."""
+    """A request whose tokens stream back (a decode or a colocated node's call)."""
 
     req_id: str
     prompt_token_ids: list[int]
@@ -129,6 +129,9 @@ class StreamSubmit(_Message):
     # their KV arrives with the prompt's (decode) or is computed with it (colocated).
     resumed_token_ids: list[int] = field(default_factory=list)
     beam: BeamOption | None = None  # a beam search, colocated or decode node (sample_index, seed unused)
+    # Its KV comes from a prefill node (a decode node's `Decode` call: the KV import stage takes
+    # it), or is computed here (`Generate`: a colocated node, a decode node with --local-prefill).
+    imports_kv: bool = False
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> StreamSubmit:

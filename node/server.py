@@ -1,6 +1,7 @@
 """Running one node: core process + gRPC front + registration, until a signal.
 
-`run_node(argv, kind, part, add_servicer)` is the body of `pdserve prefill|decode|colocated`:
+`run_node(argv, kind)` is the body of `pdserve prefill|decode|colocated`, for one `NodeKind` (a
+row of pdserve/node_kinds.py: policy, KV stages, whether it computes its own prompts, services):
 parse the flags, check that its ports are free (`--port`, `--metrics-port`, `--kv-port`: a busy
 one is one line naming the flag, exit status 2, before anything slow), pin the process to
 `--cpus` (node/affinity.py), serve Prometheus `/metrics` and `/health` when `--metrics-port`
@@ -25,6 +26,8 @@ import os
 import sys
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import grpc
 import uvloop
@@ -42,28 +45,57 @@ from pdserve.node.core_part import CorePart
 from pdserve.node.errors import NodeError
 from pdserve.node.metrics import NodeHealth, serve_node_metrics
 from pdserve.node.registration import run_registration
-from pdserve.proto import node_pb2
+from pdserve.node.servicers import StreamServicer
+from pdserve.proto import node_pb2, node_pb2_grpc
+
+if TYPE_CHECKING:
+    from pdserve.engine.policy import SchedulingPolicy
 
 logger = logging.getLogger(__name__)
 
-AddServicer = Callable[[grpc.aio.Server, CoreClient], None]
+Servicer = Callable[[CoreClient], object]  # a servicer class of node/servicers.py or a kind's front
 
 
-def run_node(argv: list[str] | None, kind: str, part: CorePart, add_servicer: AddServicer) -> int:
-    config = parse_node_args(argv, kind, os.environ)
+@dataclass(frozen=True)
+class NodeKind:
+    """A kind of node: its engine's policy, its node core's KV stages, and its gRPC services."""
+
+    name: str
+    policy: type[SchedulingPolicy]
+    stages: tuple[str, ...]  # CorePart.stages: "module:function" factories
+    own_prompts: bool | None  # does its node core compute prompts of its own? None: --local-prefill says
+    services: dict[str, Servicer]  # node.proto service name -> servicer
+    own_prompt_service: str | None = None  # served too when it computes its own prompts
+
+    def computes_own_prompts(self, config: NodeConfig) -> bool:
+        return config.local_prefill if self.own_prompts is None else self.own_prompts
+
+    def core_part(self, config: NodeConfig) -> CorePart:
+        return CorePart(self.policy, self.stages, self.computes_own_prompts(config))
+
+    def services_for(self, config: NodeConfig) -> dict[str, Servicer]:
+        services = dict(self.services)
+        if self.own_prompt_service is not None and self.computes_own_prompts(config):
+            services[self.own_prompt_service] = StreamServicer
+        return services
+
+
+def run_node(argv: list[str] | None, kind: NodeKind) -> int:
+    config = parse_node_args(argv, kind.name, os.environ)
+    part = kind.core_part(config)
     try:
         for listen in _listens(config, part):  # before anything slow: a busy port fails at once
             check_free(listen)
         pin_to_cpus(config.cpus)  # first: every thread and child of this process inherits it
     except (PortUnavailable, ValueError) as exc:  # ValueError: --cpus names a core not usable here
-        return _usage_error(kind, exc)
-    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind}-node %(levelname)s %(message)s")
+        return _usage_error(kind.name, exc)
+    logging.basicConfig(level=logging.INFO, format=f"%(asctime)s {kind.name}-node %(levelname)s %(message)s")
     try:
-        return uvloop.run(serve_node(config, part, add_servicer))
+        return uvloop.run(serve_node(config, part, kind.services_for(config)))
     except PortUnavailable as exc:  # taken between the check and the bind
-        return _usage_error(kind, exc)
+        return _usage_error(kind.name, exc)
     except Refused as exc:  # printed once everything has stopped, so it is the node's last line
-        print(f"pdserve {kind}: {exc.cli_message()}", file=sys.stderr, flush=True)
+        print(f"pdserve {kind.name}: {exc.cli_message()}", file=sys.stderr, flush=True)
         return exc.exit_code
     except KeyboardInterrupt:  # Ctrl-C while the engine core starts: serve_node has stopped it
         return ExitStatus.INTERRUPTED
@@ -74,12 +106,7 @@ def _usage_error(kind: str, exc: Exception) -> ExitStatus:
     return ExitStatus.USAGE
 
 
-# Each kind's node service, by full name: what reflection lists and Health reports on.
-NODE_SERVICES = {kind: node_pb2.DESCRIPTOR.services_by_name[f"{kind.capitalize()}Node"].full_name
-                 for kind in ("prefill", "decode", "colocated")}
-
-
-async def serve_node(config: NodeConfig, part: CorePart, add_servicer: AddServicer) -> int:
+async def serve_node(config: NodeConfig, part: CorePart, services: dict[str, Servicer]) -> int:
     client = CoreClient(config, part)
     health = NodeHealth(config.kind, client.core_alive)
     server: grpc.aio.Server | None = None
@@ -90,8 +117,11 @@ async def serve_node(config: NodeConfig, part: CorePart, add_servicer: AddServic
         metrics = _start_metrics(config, client, health)
         server = grpc.aio.server(interceptors=server_interceptors(config.auth_token),
                                  options=server_options(config.max_message_bytes))
-        add_servicer(server, client)
-        standard = StandardServices(server, (NODE_SERVICES[config.kind],), lambda: health().serving)
+        for name, servicer in services.items():
+            getattr(node_pb2_grpc, f"add_{name}Servicer_to_server")(servicer(client), server)
+        # What reflection lists and Health reports on, by full name.
+        full_names = tuple(node_pb2.DESCRIPTOR.services_by_name[name].full_name for name in services)
+        standard = StandardServices(server, full_names, lambda: health().serving)
         port = _bind(server, config)  # before the core loads the model: the port is ours from here
         await standard.refresh()  # NOT_SERVING until the engine core runs (grpc's default says SERVING)
         await client.start()

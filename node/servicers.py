@@ -45,20 +45,28 @@ class NodeServicer:
 
 
 class StreamServicer(NodeServicer):
-    """`DecodeNode` and `ColocatedNode` alike: one streamed request per call."""
+    """`DecodeNode` and `ColocatedNode` alike: one streamed request per call. `Decode`'s KV comes
+    from a prefill node (the core's KV import stage takes it); `Generate`'s prompt is computed
+    here (a colocated node, a decode node with --local-prefill)."""
 
-    async def stream(self, request: node_pb2.SampleRequest,
+    async def Decode(self, request: node_pb2.SampleRequest,
                      context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.DecodeEvent]:
+        async for event in self._stream(request, context, imports_kv=True):
+            yield event
+
+    async def Generate(self, request: node_pb2.SampleRequest,
+                       context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.DecodeEvent]:
+        async for event in self._stream(request, context, imports_kv=False):
+            yield event
+
+    async def _stream(self, request: node_pb2.SampleRequest, context: grpc.aio.ServicerContext,
+                      imports_kv: bool) -> AsyncIterator[node_pb2.DecodeEvent]:
         try:
-            submit = stream_submit(request)
+            submit = stream_submit(request, imports_kv)
         except NodeError as exc:
             await abort_rpc(context, exc)
         async for event in _stream_events(self.client, context, submit):
             yield event
-
-    # The two services' names for the same call (grpc looks the handler up by name).
-    Decode = stream
-    Generate = stream
 
 
 def request_params(request: node_pb2.SampleRequest | node_pb2.PrefillRequest) -> SamplingParams:
@@ -71,7 +79,7 @@ def request_params(request: node_pb2.SampleRequest | node_pb2.PrefillRequest) ->
         raise NodeError(ErrorCode.INVALID_ARGUMENT, f"sampling_params: {exc}") from exc
 
 
-def stream_submit(request: node_pb2.SampleRequest) -> StreamSubmit:
+def stream_submit(request: node_pb2.SampleRequest, imports_kv: bool) -> StreamSubmit:
     """What the core gets for a decode or colocated node's request (params checked as above)."""
     params = request_params(request)
     beam = None
@@ -80,7 +88,7 @@ def stream_submit(request: node_pb2.SampleRequest) -> StreamSubmit:
         beam = BeamOption(option.beam_width, option.length_penalty if option.HasField("length_penalty") else 1.0)
     return StreamSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
                         sample_index=request.sample_index, resumed_token_ids=list(request.resumed_token_ids),
-                        beam=beam)
+                        beam=beam, imports_kv=imports_kv)
 
 
 async def _stream_events(client: CoreClient, context: grpc.aio.ServicerContext,

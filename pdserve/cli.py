@@ -28,12 +28,12 @@ DEMO_PROMPTS = [
 ]
 
 
-# command -> (module whose main(argv) runs it, one-line help)
+# command -> (module whose main(argv) runs it, or "module:kind" for a node kind's, one-line help)
 DELEGATED_COMMANDS: dict[str, tuple[str, str]] = {
     "router": ("pdserve.router.server", "run the router (public gRPC API, placement, registry)"),
-    "prefill": ("pdserve.prefill_node.server", "run a prefill node"),
-    "decode": ("pdserve.decode_node.server", "run a decode node"),
-    "colocated": ("pdserve.colocated_node.server", "run a colocated node (both phases; the baseline)"),
+    "prefill": ("pdserve.node_kinds:prefill", "run a prefill node"),
+    "decode": ("pdserve.node_kinds:decode", "run a decode node (--local-prefill: a hybrid that also prefills)"),
+    "colocated": ("pdserve.node_kinds:colocated", "run a colocated node (both phases; the baseline)"),
     "cluster": ("pdserve.cluster", "run a local cluster: router + N prefill + M decode (or N colocated) nodes"),
     "generate": ("pdserve.router.client", "stream a generation from a running cluster"),
     "sweep-models": ("pdserve.model_sweep", "every transformers causal-LM architecture, tiny: served exactly or refused"),
@@ -99,7 +99,8 @@ def _parser() -> argparse.ArgumentParser:
     return parser
 
 
-def _delegate(module_name: str, rest: list[str]) -> int:
+def _delegate(target: str, rest: list[str]) -> int:
+    module_name, _, kind = target.partition(":")
     try:
         module = importlib.import_module(module_name)
     except ModuleNotFoundError as err:
@@ -107,6 +108,8 @@ def _delegate(module_name: str, rest: list[str]) -> int:
             raise
         print(f"pdserve: {module_name} is not part of this installation", file=sys.stderr)
         return ExitStatus.USAGE
+    if kind:  # a node kind's row (pdserve/node_kinds.py)
+        return module.main(kind, rest) or 0
     return module.main(rest) or 0
 
 

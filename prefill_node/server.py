@@ -1,4 +1,5 @@
-"""The prefill node's gRPC front (`PrefillNode` service) and `pdserve prefill`'s `main`.
+"""The prefill node's gRPC front: the `PrefillNode` service, the front of the KV export stage
+(prefill_node/kv_export.py); `pdserve prefill` runs it as a row of pdserve/node_kinds.py.
 
 `Prefill(req)` hands the request to the engine core (which runs the prompt and pushes
 its KV into the decode node's reserved blocks) and answers token 1 as soon as it is
@@ -10,21 +11,14 @@ Must never: run model code, or choose a status code outside node/errors.py.
 
 from __future__ import annotations
 
-import sys
-
 import grpc
 
 from pdserve.node.client import CoreClient
 from pdserve.proto.convert import logprobs_to_proto, prompt_logprobs_to_proto
-from pdserve.node.core_part import CorePart
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import FirstToken, PrefillSubmit, RequestFailed
-from pdserve.node.server import run_node
 from pdserve.node.servicers import NodeServicer, request_params
-from pdserve.prefill_node.policy import PrefillPolicy
-from pdserve.proto import node_pb2, node_pb2_grpc
-
-CORE = CorePart(PrefillPolicy, "pdserve.prefill_node.core:make_handler")
+from pdserve.proto import node_pb2
 
 
 class PrefillServicer(NodeServicer):
@@ -72,15 +66,3 @@ def _response(reply: FirstToken) -> node_pb2.PrefillResponse:
     if reply.prompt_logprobs is not None:
         response.prompt_logprobs.extend(prompt_logprobs_to_proto(reply.prompt_logprobs))
     return response
-
-
-def _add_servicer(server: grpc.aio.Server, client: CoreClient) -> None:
-    node_pb2_grpc.add_PrefillNodeServicer_to_server(PrefillServicer(client), server)
-
-
-def main(argv: list[str] | None = None) -> int:
-    return run_node(argv, "prefill", CORE, _add_servicer)
-
-
-if __name__ == "__main__":
-    sys.exit(main())

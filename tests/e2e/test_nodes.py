@@ -4,8 +4,10 @@ The test plays the router: Decode → READY{descriptor, block ids} → Prefill(d
 block ids) → token 1 from the Prefill response, tokens 2..n from the Decode stream.
 It checks what the router relies on: greedy tokens identical to transformers, both
 nodes ending with zero blocks in use, exact KV byte counts on both sides, and a
-cancelled Decode stream freeing its blocks before a shorter stream beside it ends. The
-nodes are pointed at a router address where nothing listens: they must keep retrying quietly.
+cancelled Decode stream freeing its blocks before a shorter stream beside it ends. The decode
+node runs with --local-prefill (a hybrid): whole requests sent to its Generate run beside the
+imported ones, exactly. The nodes are pointed at a router address where nothing listens: they
+must keep retrying quietly.
 """
 
 from __future__ import annotations
@@ -47,9 +49,11 @@ class Node:
         self.out_path = log_dir / f"{kind}.out"
         self._log = open(self.log_path, "w")
         self._out = open(self.out_path, "w")
-        args = [sys.executable, "-m", f"pdserve.{kind}_node.server", "--model", str(model_dir), "--port", "0",
+        args = [sys.executable, "-m", "pdserve", kind, "--model", str(model_dir), "--port", "0",
                 "--router", router, "--dtype", "float32", "--block-size", str(BLOCK_SIZE), "--num-blocks", "128",
                 "--max-num-batched-tokens", "32", "--max-num-seqs", "16", "--threads", "1", "--lease-s", "20"]
+        if kind == "decode":  # a hybrid: it also computes whole requests of its own (Generate)
+            args.append("--local-prefill")
         # Own session: teardown signals the whole group (front and its engine-core child).
         self.proc = subprocess.Popen(args, stdout=self._out, stderr=self._log, start_new_session=True)
         self.address = ""
@@ -291,8 +295,34 @@ def test_a_reservation_cancelled_before_its_kv_is_freed_at_once_and_a_late_prefi
     assert stats["prefill"].used_blocks == 0
 
 
+HYBRID_TOKENS = 12
+
+
+def test_a_hybrid_decode_node_serves_its_own_prompts_beside_imported_ones(nodes, model_dir):
+    all_prompts = prompts()[:4]
+    refs = greedy_references(model_dir, all_prompts, [HYBRID_TOKENS] * len(all_prompts))
+
+    async def generate(channels, req_id: str, prompt: list[int]) -> list[int]:
+        call = node_pb2_grpc.ColocatedNodeStub(channels["decode"]).Generate(node_pb2.SampleRequest(
+            request_id=req_id, prompt_token_ids=prompt, sampling_params=sampling(HYBRID_TOKENS), seed=SEED),
+            timeout=RPC_TIMEOUT_S)
+        return [t async for event in call for t in event.tokens.token_ids]
+
+    async def body(channels):
+        # Two computed on the decode node itself, two prefilled elsewhere: one engine, one batch.
+        outs = await asyncio.gather(generate(channels, "own-0", all_prompts[0]),
+                                    play_router(channels, "imported-1", all_prompts[1], HYBRID_TOKENS),
+                                    generate(channels, "own-2", all_prompts[2]),
+                                    play_router(channels, "imported-3", all_prompts[3], HYBRID_TOKENS))
+        return outs, await wait_idle(channels)
+
+    outs, stats = run_async(nodes, body)
+    assert_matches(outs, refs)
+    assert all(s.used_blocks == 0 and s.reserved_blocks == 0 for s in stats.values())
+
+
 def test_the_front_never_imports_torch():
-    code = ("import sys, pdserve.prefill_node.server, pdserve.decode_node.server; "
+    code = ("import sys, pdserve.node_kinds, pdserve.node.server; "
             "print(sorted(m for m in ('torch', 'transformers', 'ucxx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"

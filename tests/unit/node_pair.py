@@ -1,7 +1,7 @@
 """A prefill core and a decode core in one process, joined by the in-process transport.
 
-The same handler objects the node processes run (PrefillCore with its KVExporter,
-DecodeCore with its ReservationTable), driven step by step by the test instead of the
+The same handler objects the node processes run (the node core with the KV export stage and
+its KVExporter; the node core with the KV import stage and its ReservationTable), driven step by step by the test instead of the
 core loop, on tiny real engines sharing one loaded model. Nothing here spawns or sleeps.
 Every hand-off state each side enters is recorded (`p_moves`, `d_moves`), and so is
 every block reference each pool hands out and takes back (`p_ledger`, `d_ledger`).
@@ -15,7 +15,7 @@ from collections.abc import Callable, Iterable
 from concurrent.futures import Executor, Future
 from dataclasses import dataclass, field
 
-from pdserve.decode_node.core import DecodeCore
+from pdserve.decode_node.kv_import import KVImportStage
 from pdserve.decode_node.reservations import ReservationTable
 from pdserve.engine.block_pool import BlockPool, KVBlock
 from pdserve.engine.config import EngineConfig
@@ -27,7 +27,8 @@ from pdserve.kv_transfer import InProcessFabric, InProcessTransport, KVCacheSpec
 from pdserve.node.handoff import HandoffState
 from pdserve.node.kv_ranks import LocalRank, NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import StreamSubmit, FirstToken, Message, PrefillSubmit, Ready, RequestFailed, Tokens
-from pdserve.prefill_node.core import PrefillCore
+from pdserve.node.node_core import NodeCore
+from pdserve.prefill_node.kv_export import KVExportStage
 from pdserve.prefill_node.exporter import KVExporter
 from pdserve.prefill_node.peers import PeerConnections
 from pdserve.prefill_node.policy import PrefillPolicy
@@ -111,6 +112,7 @@ class Pair:
     lease_s: float = 30.0
     d_model_name: str = "tiny"  # another name: a fingerprint mismatch
     connector: Executor | None = None  # None: P connects at once (on the test's thread)
+    d_local_prefill: bool = False  # a hybrid decode node: it also computes prompts of its own
     p_out: list[Message] = field(default_factory=list)
     d_out: list[Message] = field(default_factory=list)
     p_moves: defaultdict[str, list[HandoffState]] = field(default_factory=lambda: defaultdict(list))
@@ -131,15 +133,17 @@ class Pair:
         self.exporter = KVExporter(self.p_engine, self.p_node, PeerConnections(self.p_node, self.connector),
                                    self.lease_s, self.p_out.append,
                                    lambda req_id, state: self.p_moves[req_id].append(state))
-        self.prefill = PrefillCore(self.p_engine, self.exporter, self.p_out.append)
+        self.prefill = NodeCore(self.p_engine, self.p_out.append, local_prefill=False)
+        self.prefill.stages = [KVExportStage(self.prefill, self.exporter)]
         self.table = ReservationTable(self.d_engine, self.lease_s, 3 * self.lease_s,
                                       lambda req_id, state: self.d_moves[req_id].append(state))
-        self.decode = DecodeCore(self.d_engine, self.d_node, self.table, NodeKVDescriptor((d_desc,)).to_bytes().decode(),
-                                 self.d_out.append)
+        self.decode = NodeCore(self.d_engine, self.d_out.append, local_prefill=self.d_local_prefill)
+        self.decode.stages = [KVImportStage(self.decode, self.d_node, self.table,
+                                            NodeKVDescriptor((d_desc,)).to_bytes().decode())]
 
     # -- playing the router ---------------------------------------------------------
     def reserve(self, req_id: str, prompt: list[int], params: SamplingParams) -> Ready | RequestFailed:
-        self.decode.handle(StreamSubmit(req_id, prompt, params, 0))
+        self.decode.handle(StreamSubmit(req_id, prompt, params, 0, imports_kv=True))
         reply = self.d_out.pop()
         assert isinstance(reply, (Ready, RequestFailed)) and reply.req_id == req_id
         return reply

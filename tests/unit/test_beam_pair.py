@@ -18,7 +18,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model_factory import make_model
 from pdserve.node.errors import ErrorCode
 from pdserve.node.messages import Abort, BeamOption, BeamsDone, PrefillSubmit, Ready, RequestFailed, StreamSubmit
-from pdserve.prefill_node.core import prefill_params
+from pdserve.prefill_node.kv_export import prefill_params
 
 from .node_pair import Pair, engine_config
 
@@ -32,7 +32,7 @@ def model(tmp_path_factory):
 def start(pair: Pair, req_id: str, prompt: list[int], params: BeamSearchParams, keep: int | None = None) -> Ready:
     """Play the router: reserve on the decode node, then prefill with the search's logprobs."""
     node_params = SamplingParams(temperature=0.0, max_tokens=params.max_tokens, ignore_eos=params.ignore_eos)
-    pair.decode.handle(StreamSubmit(req_id, prompt, node_params, 0, beam=BeamOption(params.beam_width,
+    pair.decode.handle(StreamSubmit(req_id, prompt, node_params, 0, imports_kv=True, beam=BeamOption(params.beam_width,
                                                                                     params.length_penalty)))
     ready = pair.d_out.pop()
     assert isinstance(ready, Ready), ready
@@ -78,7 +78,7 @@ def test_an_aborted_search_frees_every_beam_and_its_reservation(model):
     pair.run()
     assert len(pair.decode.beams) == 0 and not [m for m in pair.d_out if isinstance(m, BeamsDone)]
     # Before its KV arrives: the reservation alone is freed.
-    pair.decode.handle(StreamSubmit("early", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), 0,
+    pair.decode.handle(StreamSubmit("early", [5, 6, 7], SamplingParams(temperature=0.0, max_tokens=4), 0, imports_kv=True,
                                     beam=BeamOption(2, 1.0)))
     assert isinstance(pair.d_out.pop(), Ready) and pair.table.num_reserved_blocks == 1
     pair.decode.handle(Abort("early"))

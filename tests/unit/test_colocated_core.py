@@ -1,4 +1,5 @@
-"""The colocated core's admission: the node's queue bounds, then the engine's own refusals; beam searches.
+"""The node core's own admission (a colocated node's: no KV stage): the node's queue bounds, then the
+engine's own refusals; beam searches; a decode node's core that computes no prompts of its own.
 
 A real tiny engine with the colocated handler in one process; the test plays the front
 (messages in) and the core loop (step, after_step). `--max-waiting-requests` bounds the
@@ -14,7 +15,7 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.colocated_node.core import ColocatedCore, make_handler
+from pdserve.node.node_core import NodeCore, make_node_core
 from pdserve.engine.engine_core import EngineCore
 from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
@@ -49,7 +50,7 @@ class Node:
         model_dir, loaded = model
         self.engine = EngineCore(engine_config(model_dir, NUM_BLOCKS, budget=16), ColocatedPolicy(), loaded)
         self.out: list[Message] = []
-        self.core = ColocatedCore(self.engine, self.out.append, bounds)
+        self.core = NodeCore(self.engine, self.out.append, bounds)  # a colocated node: no KV stage
 
     def submit(self, req_id: str, tokens: list[int], resumed: list[int] | None = None) -> RequestFailed | None:
         return self.submit_params(req_id, tokens, GREEDY, resumed)
@@ -152,10 +153,10 @@ def test_the_node_flags_reach_the_colocated_handler(model):
                              "colocated", {})
     assert (config.max_waiting_requests, config.max_queued_tokens) == (3, 50)
     node = Node(model, QueueBounds(1, 1))
-    handler = make_handler(config, node.engine, None, None, node.out.append)
+    handler = make_node_core(config, node.engine, node.out.append, local_prefill=True)
     assert handler.bounds == QueueBounds(max_waiting_requests=3, max_queued_tokens=50)
     defaults = NodeConfig(EngineConfig(model[0]), kind="colocated")
-    assert make_handler(defaults, node.engine, None, None, node.out.append).bounds == QueueBounds(
+    assert make_node_core(defaults, node.engine, node.out.append, local_prefill=True).bounds == QueueBounds(
         defaults.max_waiting_requests, defaults.max_queued_tokens)
 
 

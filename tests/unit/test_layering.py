@@ -23,7 +23,6 @@ ALLOWED: dict[str, set[str]] = {
     "node": {"engine", "kernels", "kv_transfer", "proto", "common"},
     "prefill_node": {"node", "engine", "kernels", "kv_transfer", "proto", "common"},
     "decode_node": {"node", "engine", "kernels", "kv_transfer", "proto", "common"},
-    "colocated_node": {"node", "engine", "kernels", "proto", "common"},
     "router": {"engine", "proto", "common"},
 }
 # Third-party modules a part must never load: the engine and its kernels run in a node's core

@@ -1,4 +1,5 @@
-"""Each node kind's `CorePart`: what its front declares, what the core process loads, and a light front."""
+"""Each node kind as a row of pdserve/node_kinds.py: its policy, its node core's KV stages, whether
+it computes prompts of its own, its services; what the core process loads; a light front."""
 
 from __future__ import annotations
 
@@ -7,38 +8,51 @@ import sys
 
 import pytest
 
-from pdserve.colocated_node.core import ColocatedCore
-from pdserve.colocated_node.server import CORE as COLOCATED
-from pdserve.decode_node.core import DecodeCore
-from pdserve.decode_node.server import CORE as DECODE
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.policy import ColocatedPolicy
+from pdserve.node.config import NodeConfig
 from pdserve.node.core_part import CorePart
-from pdserve.prefill_node.core import PrefillCore
+from pdserve.node.servicers import StreamServicer
+from pdserve.node_kinds import KINDS
 from pdserve.prefill_node.policy import PrefillPolicy
-from pdserve.prefill_node.server import CORE as PREFILL
+from pdserve.prefill_node.server import PrefillServicer
 
 
-@pytest.mark.parametrize("part, policy, hands_off, uses_kv, handler", [
-    (PREFILL, PrefillPolicy, True, True, PrefillCore),
-    (DECODE, ColocatedPolicy, False, True, DecodeCore),
-    (COLOCATED, ColocatedPolicy, False, False, ColocatedCore),
-], ids=["prefill", "decode", "colocated"])
-def test_each_kind_declares_its_policy_transport_and_handler(part, policy, hands_off, uses_kv, handler):
+def config(kind: str, **flags) -> NodeConfig:
+    return NodeConfig(EngineConfig("/m"), kind=kind, **flags)
+
+
+@pytest.mark.parametrize("kind, flags, policy, hands_off, stages, own_prompts, services", [
+    ("prefill", {}, PrefillPolicy, True, ["pdserve.prefill_node.kv_export"], False, {"PrefillNode": PrefillServicer}),
+    ("decode", {}, ColocatedPolicy, False, ["pdserve.decode_node.kv_import"], False, {"DecodeNode": StreamServicer}),
+    ("decode", {"local_prefill": True}, ColocatedPolicy, False, ["pdserve.decode_node.kv_import"], True,
+     {"DecodeNode": StreamServicer, "ColocatedNode": StreamServicer}),
+    ("colocated", {}, ColocatedPolicy, False, [], True, {"ColocatedNode": StreamServicer}),
+], ids=["prefill", "decode", "hybrid-decode", "colocated"])
+def test_each_kind_is_a_row(kind, flags, policy, hands_off, stages, own_prompts, services):
+    row = KINDS[kind]
+    part = row.core_part(config(kind, **flags))
     assert part.policy is policy and part.policy().hands_off_after_first_token() is hands_off
-    assert part.uses_kv_transport is uses_kv
-    factory = part.load_handler_factory()
-    assert factory.__module__ == handler.__module__ and factory.__annotations__["return"] == handler.__name__
+    assert [f.__module__ for f in part.load_stage_factories()] == stages
+    assert part.uses_kv_transport is bool(stages)
+    assert part.local_prefill is own_prompts
+    assert row.services_for(config(kind, **flags)) == services
+
+
+def test_only_a_decode_node_takes_local_prefill():
+    with pytest.raises(ValueError, match="local_prefill"):
+        config("prefill", local_prefill=True)
 
 
 def test_a_malformed_core_part_is_refused():
     with pytest.raises(ValueError, match="module:function"):
-        CorePart(ColocatedPolicy, "pdserve.colocated_node.core")
-    with pytest.raises(TypeError, match="not a core handler factory"):
-        CorePart(ColocatedPolicy, "pdserve.colocated_node.core:ColocatedCoreMissing").load_handler_factory()
+        CorePart(ColocatedPolicy, ("pdserve.decode_node.kv_import",))
+    with pytest.raises(TypeError, match="not a KV stage factory"):
+        CorePart(ColocatedPolicy, ("pdserve.decode_node.kv_import:missing",)).load_stage_factories()
 
 
 def test_no_front_loads_torch_transformers_or_ucx():
-    code = ("import sys, pdserve.prefill_node.server, pdserve.decode_node.server, pdserve.colocated_node.server; "
+    code = ("import sys, pdserve.node_kinds, pdserve.node.server; "
             "print(sorted(m for m in ('torch', 'transformers', 'ucxx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stderr

@@ -21,7 +21,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model_factory import make_model
 from pdserve.node.messages import Abort, FirstToken, PrefillSubmit, Ready, StreamSubmit
 from pdserve.node.sibling_forks import add_sample
-from pdserve.prefill_node.core import prefill_params
+from pdserve.prefill_node.kv_export import prefill_params
 
 from .node_pair import Pair, engine_config
 
@@ -163,7 +163,7 @@ def test_prefill_node_forks_samples_and_exports_each_to_its_own_reservation(mode
     pair = Pair(*model)
     readies: dict[str, Ready] = {}
     for i in range(3):  # the router reserves on the decode node first, then asks the prefill node
-        pair.decode.handle(StreamSubmit(f"s{i}", PROMPT, SEEDED, i))
+        pair.decode.handle(StreamSubmit(f"s{i}", PROMPT, SEEDED, i, imports_kv=True))
         readies[f"s{i}"] = pair.d_out.pop()
     for i, (req_id, ready) in enumerate(readies.items()):
         pair.prefill.handle(PrefillSubmit(req_id, PROMPT, prefill_params(SEEDED), i, ready.kv_descriptor,
@@ -186,7 +186,7 @@ def test_prefill_node_abort_of_the_parent_lets_its_pending_samples_go_on(model):
     pair = Pair(*model)
     readies = {}
     for i in range(2):
-        pair.decode.handle(StreamSubmit(f"s{i}", PROMPT, SEEDED, i))
+        pair.decode.handle(StreamSubmit(f"s{i}", PROMPT, SEEDED, i, imports_kv=True))
         readies[f"s{i}"] = pair.d_out.pop()
         pair.prefill.handle(PrefillSubmit(f"s{i}", PROMPT, prefill_params(SEEDED), i, readies[f"s{i}"].kv_descriptor,
                                           readies[f"s{i}"].block_ids))

@@ -1,13 +1,14 @@
-"""The prefill node's part of the engine core: admit prefills, export their KV.
+"""The prefill node's KV export stage: admit prefills, export their KV.
 
-`make_handler` builds it in the engine-core process (the front names it in its `CorePart`,
-prefill_node/server.py). `PrefillCore.handle` checks a `PrefillSubmit` against the
-decode node's descriptor (its block ids must name exactly one reserved block per prompt
-block, inside its cache: INVALID_ARGUMENT otherwise) and against the queue bounds
-(RESOURCE_EXHAUSTED at once when full), adds the request to the engine (prefill-only
-policy: RESOURCE_EXHAUSTED if its KV can never fit here; a sibling sample of a request still
-in its prefill is forked off it, node/sibling_forks.py) and hands it to the exporter;
-everything after that, the hand-off of its KV to the decode node, is the exporter's.
+A stage of the node core (node/node_core.py); `make_stage` builds it in the engine-core process
+(the kind's row, pdserve/node_kinds.py, names it). It takes every `PrefillSubmit`: checks it
+against the decode node's descriptor (its block ids must name exactly one reserved block per
+prompt block, inside its cache: INVALID_ARGUMENT otherwise) and against the queue bounds
+(RESOURCE_EXHAUSTED at once when full), adds the request to the engine (prefill-only policy:
+RESOURCE_EXHAUSTED if its KV can never fit here; a sibling sample of a request still in its
+prefill is forked off it, node/sibling_forks.py) and hands it to the exporter; everything after
+that, the hand-off of its KV to the decode node at token 1, is the exporter's
+(prefill_node/exporter.py). The step outputs it takes are those hand-offs.
 
 Must never: answer a request itself once the exporter has it, or free blocks.
 """
@@ -15,47 +16,50 @@ Must never: answer a request itself once the exporter has it, or free blocks.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from concurrent.futures import ThreadPoolExecutor
 
 from pdserve.engine.admission import RequestRejected
-from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
+from pdserve.engine.engine_core import EngineCoreOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.config import NodeConfig
-from pdserve.node.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
 from pdserve.node.kv_ranks import NodeKVDescriptor, RankedTransport
-from pdserve.node.messages import Abort, Message, PrefillSubmit, RequestFailed
+from pdserve.node.messages import Message, PrefillSubmit, RequestFailed
+from pdserve.node.node_core import NodeCore
 from pdserve.node.sibling_forks import add_sample
 from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
 from pdserve.prefill_node.exporter import KVExporter
 from pdserve.prefill_node.peers import PeerConnections
 
-logger = logging.getLogger(__name__)
 
-
-class PrefillCore:
-    def __init__(self, engine: EngineCore, exporter: KVExporter, to_front: ToFront,
-                 bounds: QueueBounds = UNBOUNDED) -> None:
-        self.engine = engine
+class KVExportStage:
+    def __init__(self, core: NodeCore, exporter: KVExporter, bounds: QueueBounds = UNBOUNDED) -> None:
+        self.core = core
+        self.engine = core.engine
         self.exporter = exporter
-        self.to_front = to_front
         self.bounds = bounds
 
-    def handle(self, msg: Message) -> None:
-        if isinstance(msg, PrefillSubmit):
-            try:
-                self._submit(msg)
-            except NodeError as exc:
-                self.to_front(RequestFailed(msg.req_id, exc.code, exc.message))
-        elif isinstance(msg, Abort):
-            self.exporter.abort(msg.req_id)
-        else:
-            logger.warning("prefill core ignores %s", type(msg).__name__)
+    def handle(self, msg: Message) -> bool:
+        if not isinstance(msg, PrefillSubmit):
+            return False
+        try:
+            self._submit(msg)
+        except NodeError as exc:
+            self.core.to_front(RequestFailed(msg.req_id, exc.code, exc.message))
+        return True
 
-    def fail(self, req_id: str, message: str) -> None:
+    def abort(self, req_id: str) -> bool:
+        if not self.exporter.is_tracking(req_id):
+            return False
+        self.exporter.abort(req_id)
+        return True
+
+    def fail(self, req_id: str, message: str) -> bool:
+        if not self.exporter.is_tracking(req_id):
+            return False
         self.exporter.fail(req_id, message)
+        return True
 
     def _submit(self, msg: PrefillSubmit) -> None:
         if self.exporter.is_tracking(msg.req_id):
@@ -72,8 +76,10 @@ class PrefillCore:
             raise rejection_error(exc) from exc
         self.exporter.track(msg.req_id, descriptor, msg.dst_block_ids, time.monotonic())
 
-    def after_step(self, outputs: list[EngineCoreOutput]) -> None:
-        self.exporter.after_step(outputs, time.monotonic())
+    def take(self, outputs: list[EngineCoreOutput]) -> list[EngineCoreOutput]:
+        handoffs = [out for out in outputs if out.handoff_blocks is not None]
+        self.exporter.after_step(handoffs, time.monotonic())  # every step: it advances the pushes too
+        return [out for out in outputs if out.handoff_blocks is None]
 
     def poll(self, now: float) -> None:
         self.exporter.poll(now)
@@ -81,7 +87,7 @@ class PrefillCore:
     def wants_fast_poll(self) -> bool:
         return self.exporter.has_pending()  # push acks arrive without waking the loop
 
-    def num_blocks_outside_scheduler(self) -> int:
+    def num_held_blocks(self) -> int:
         return self.exporter.num_held_blocks()
 
 
@@ -115,11 +121,11 @@ def _check_dst_blocks(msg: PrefillSubmit, descriptor: NodeKVDescriptor, num_need
                                                     f"[0, {descriptor.num_blocks})")
 
 
-def make_handler(config: NodeConfig, engine: EngineCore, transport: RankedTransport,
-                 descriptor: NodeKVDescriptor, to_front: ToFront) -> PrefillCore:
-    if not engine.policy.hands_off_after_first_token():  # the exporter takes requests at token 1
-        raise TypeError(f"a prefill core needs a hand-off policy, got {type(engine.policy).__name__}")
+def make_stage(config: NodeConfig, core: NodeCore, transport: RankedTransport,
+               descriptor: NodeKVDescriptor) -> KVExportStage:
+    if not core.engine.policy.hands_off_after_first_token():  # the exporter takes requests at token 1
+        raise TypeError(f"a prefill node needs a hand-off policy, got {type(core.engine.policy).__name__}")
     # One worker: connecting to a new decode node never stalls the step loop.
     peers = PeerConnections(transport, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-kv-connect"))
-    exporter = KVExporter(engine, transport, peers, config.lease_s, to_front)
-    return PrefillCore(engine, exporter, to_front, QueueBounds(config.max_waiting_requests, config.max_queued_tokens))
+    exporter = KVExporter(core.engine, transport, peers, config.lease_s, core.to_front)
+    return KVExportStage(core, exporter, QueueBounds(config.max_waiting_requests, config.max_queued_tokens))

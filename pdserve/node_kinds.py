@@ -1,0 +1,39 @@
+"""The node kinds, one row each: a node is the node core (node/node_core.py) plus the KV stages
+its kind adds, serving its kind's gRPC services (node/server.py runs any row).
+
+| kind      | scheduling policy              | KV stages                    | its own prompts   | services                    |
+| --------- | ------------------------------ | ---------------------------- | ----------------- | --------------------------- |
+| prefill   | PrefillPolicy (hand off at 1)  | export (prefill_node/)       | no                | PrefillNode                 |
+| decode    | ColocatedPolicy                | import (decode_node/)        | --local-prefill   | DecodeNode (+ ColocatedNode) |
+| colocated | ColocatedPolicy                | none                         | yes               | ColocatedNode               |
+
+A decode node with `--local-prefill` is a hybrid: the router may send it a request's prompt
+(`Generate`, as to a colocated node) or only its decode (`Decode`, the KV from a prefill node).
+`pdserve prefill|decode|colocated` run `main` of this module with their kind.
+
+Must never: hold logic of its own; a kind is data.
+"""
+
+from __future__ import annotations
+
+from pdserve.engine.policy import ColocatedPolicy
+from pdserve.node.server import NodeKind, run_node
+from pdserve.node.servicers import StreamServicer
+from pdserve.prefill_node.policy import PrefillPolicy
+from pdserve.prefill_node.server import PrefillServicer
+
+EXPORT = "pdserve.prefill_node.kv_export:make_stage"
+IMPORT = "pdserve.decode_node.kv_import:make_stage"
+
+KINDS = {
+    "prefill": NodeKind("prefill", PrefillPolicy, (EXPORT,), own_prompts=False,
+                        services={"PrefillNode": PrefillServicer}),
+    "decode": NodeKind("decode", ColocatedPolicy, (IMPORT,), own_prompts=None,
+                       services={"DecodeNode": StreamServicer}, own_prompt_service="ColocatedNode"),
+    "colocated": NodeKind("colocated", ColocatedPolicy, (), own_prompts=True,
+                          services={"ColocatedNode": StreamServicer}),
+}
+
+
+def main(kind: str, argv: list[str] | None = None) -> int:
+    return run_node(argv, KINDS[kind])
