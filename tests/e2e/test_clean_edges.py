@@ -29,6 +29,7 @@ from pdserve.cluster_process import POLL_S
 from pdserve.cluster_state import read_state
 from pdserve.model_factory import make_model
 from tests.e2e.cluster import START_TIMEOUT_S, free_port, running_cluster
+from tests.waiting import wait_until
 
 HOST = "127.0.0.1"
 STOP_TIMEOUT_S = 60.0
@@ -267,10 +268,7 @@ def test_ctrl_c_ends_the_serving_benchmark_mid_run(slow_cluster):
 def wait_until_running(cluster, timeout_s: float = START_TIMEOUT_S) -> None:
     """Until the node runs a request (polled: its stats are the only way to see it)."""
     name = cluster.names("colocated")[0]
-    deadline = time.monotonic() + timeout_s
-    while cluster.stats(name).num_running == 0:
-        assert time.monotonic() < deadline, "no request reached the node"
-        time.sleep(POLL_S)
+    wait_until(lambda: cluster.stats(name).num_running, "a request reaches the node", timeout_s, POLL_S)
 
 
 def test_ctrl_c_stops_the_cluster_and_every_child(model_dir, tmp_path):

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import time
 
 import grpc
 import pytest
@@ -30,6 +29,7 @@ from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2_grpc
 from tests.e2e.cluster import FaultCluster, FaultSettings
 from tests.e2e.outcomes import decode_request, greedy_request, outcome_of, prefill_request, random_prompt
 from tests.integration.reference import assert_matches, greedy_references
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
 
@@ -61,13 +61,6 @@ def held(stats: node_pb2.NodeStats) -> tuple[int, int]:
 def assert_no_blocks_held(cluster: FaultCluster) -> None:
     blocks = cluster.wait_no_blocks(FREED_S)
     assert all(h == (0, 0) for h in blocks.values()), f"blocks still held (used, reserved): {blocks}"
-
-
-def wait_until(predicate, what: str, timeout_s: float = 60.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting until {what}"
-        time.sleep(0.02)
 
 
 def prefill_load(cluster: FaultCluster) -> int:

@@ -23,7 +23,6 @@ import random
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -35,6 +34,7 @@ from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.cluster import FaultCluster, FaultSettings, NodeSettings, free_port, running_cluster
 from tests.e2e.test_node_failure import Stream, busy_node, greedy
 from tests.integration.reference import assert_matches, greedy_references
+from tests.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
 
@@ -100,13 +100,6 @@ async def stream_all(router: str, prompts, new_tokens) -> list[list[pdserve_pb2.
         return await asyncio.gather(*(one(stub, p, n) for p, n in zip(prompts, new_tokens)))
 
 
-def wait_until(predicate, what: str, timeout_s: float = 240.0) -> None:
-    deadline = time.monotonic() + timeout_s
-    while not predicate():
-        assert time.monotonic() < deadline, f"timed out waiting {what}"
-        time.sleep(0.2)
-
-
 def serving(cluster, prefill: int, decode: int) -> bool:
     try:
         health = cluster.health()
@@ -124,7 +117,8 @@ def test_mixed_tensor_parallel_pools_are_token_exact_and_move_each_ranks_heads(m
                                  "transformers"),
                  HandStartedNode("decode", 1, cluster.router, model_dir, tmp_path / "decode-tp1.log", "transformers")]
         try:
-            wait_until(lambda: serving(cluster, 2, 2), "for the hand-started nodes to register")
+            wait_until(lambda: serving(cluster, 2, 2), "the hand-started nodes register", timeout_s=240.0,
+                       interval_s=0.2)
             streams = asyncio.run(stream_all(cluster.router, prompts, NEW_TOKENS))
             outputs = [[t for r in stream for t in r.token_ids] for stream in streams]
             assert_matches(outputs, refs)
@@ -197,7 +191,7 @@ def test_a_decode_worker_rank_killed_mid_stream_takes_its_node_down_and_the_stre
         assert stream.error is None, stream.error
         assert_matches([stream.tokens], ref)  # resumed on the other decode node: no gap, no duplicate
         wait_until(lambda: not any(_alive(p) for p in processes | {node_pid}),
-                   "for every process of the node whose rank died to be gone", 60)
+                   "every process of the node whose rank died is gone", 60, interval_s=0.2)
         held = cluster.wait_no_blocks(10.0)
         assert all(h == (0, 0) for h in held.values()), f"blocks still held (used, reserved): {held}"
 

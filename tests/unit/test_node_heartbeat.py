@@ -19,6 +19,7 @@ from pdserve.node.messages import StatsData, StatsPush, decode, encode
 from pdserve.node.registration import run_registration
 from pdserve.proto import node_pb2, node_pb2_grpc
 from tests.unit.router_fakes import run
+from tests.waiting import until
 
 
 FINGERPRINT = {"model": "m", "dtype": "float32", "num_layers": 3, "num_kv_heads": 2, "head_dim": 16,
@@ -48,12 +49,6 @@ class FakeRegistry(node_pb2_grpc.RegistryServicer):
         self.heartbeats.append(request)
         known, self.forget_next = not self.forget_next, False
         return node_pb2.HeartbeatResponse(known=known)
-
-
-async def until(predicate, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 def test_heartbeats_carry_the_latest_snapshot_and_wait_for_the_first_one():

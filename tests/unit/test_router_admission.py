@@ -16,6 +16,7 @@ from pdserve.router.errors import Overloaded, status_of
 from pdserve.router.config import RouterConfig
 from pdserve.router.server import RouterServer, _parser, config_from_args
 from tests.unit.router_fakes import Script, fake_nodes, run, tiny_router_model
+from tests.waiting import until
 
 LENGTH = pdserve_pb2.FINISH_REASON_LENGTH
 
@@ -117,12 +118,6 @@ async def router_server(model, **overrides):
         yield server
     finally:
         await server.stop(0)
-
-
-async def until(predicate, timeout_s: float = 5.0) -> None:
-    async with asyncio.timeout(timeout_s):
-        while not predicate():
-            await asyncio.sleep(0.01)
 
 
 async def drain(call) -> grpc.StatusCode:
