@@ -41,7 +41,7 @@ def run_resumed(model, req_id: str, prompt: list[int], params: SamplingParams, r
                 sample_index: int = 0) -> list[int]:
     """Every token after `resumed` that a fresh prefill + decode pair produces."""
     pair = Pair(*model)
-    pair.decode.handle(StreamSubmit(req_id, prompt, params, sample_index, resumed))
+    pair.decode.handle(StreamSubmit(req_id, prompt, params, sample_index, resumed, imports_kv=True))
     ready = pair.d_out.pop()
     assert isinstance(ready, Ready), ready
     assert len(ready.block_ids) == -(-(len(prompt) + len(resumed)) // BLOCK_SIZE)
