@@ -30,12 +30,12 @@ DEMO_PROMPTS = [
 
 # command -> (module whose main(argv) runs it, or "module:kind" for a node kind's, one-line help)
 DELEGATED_COMMANDS: dict[str, tuple[str, str]] = {
-    "router": ("pdserve.router.server", "run the router (public gRPC API, placement, registry)"),
+    "router": ("pdserve.router.fronts.server", "run the router (public gRPC API, placement, registry)"),
     "prefill": ("pdserve.node_kinds:prefill", "run a prefill node"),
     "decode": ("pdserve.node_kinds:decode", "run a decode node (--local-prefill: a hybrid that also prefills)"),
     "colocated": ("pdserve.node_kinds:colocated", "run a colocated node (both phases; the baseline)"),
     "cluster": ("pdserve.cluster", "run a local cluster: router + N prefill + M decode (or N colocated) nodes"),
-    "generate": ("pdserve.router.client", "stream a generation from a running cluster"),
+    "generate": ("pdserve.router.fronts.client", "stream a generation from a running cluster"),
     "sweep-models": ("pdserve.model_sweep", "every transformers causal-LM architecture, tiny: served exactly or refused"),
 }
 

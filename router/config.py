@@ -9,13 +9,29 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE
-from pdserve.router.admission import AdmissionLimits
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
 # gRPC's own default: a request message larger than this is refused by gRPC with
 # RESOURCE_EXHAUSTED before the router reads it.
 DEFAULT_MAX_MESSAGE_BYTES = 4 << 20
+
+
+@dataclass(frozen=True)
+class AdmissionLimits:
+    """The router's bounds (part of `RouterConfig`; each a `pdserve router` flag)."""
+
+    max_inflight_requests: int = field(default=256, metadata={
+        "help": "sequences in flight (a request with n samples counts n); beyond: RESOURCE_EXHAUSTED"})
+    # Queued tokens: prompt tokens admitted but not yet at token 1 — the prefill work a new
+    # request waits behind, so what bounds its time to first token.
+    max_queued_tokens: int = field(default=65536, metadata={
+        "help": "prompt tokens admitted but not yet at token 1; beyond: RESOURCE_EXHAUSTED"})
+
+    def __post_init__(self) -> None:
+        for name in ("max_inflight_requests", "max_queued_tokens"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 @dataclass(frozen=True)
@@ -86,7 +102,7 @@ class RouterConfig:
     prefill_timeout_s: float = 600.0
     # After a decode stream's last event, how long to wait for its end before cancelling.
     stream_end_grace_s: float = 1.0
-    # Node failures (router/driver.py): a sample whose decode (or colocated) node is lost
+    # Node failures (router/dispatch/driver.py): a sample whose decode (or colocated) node is lost
     # while it streams resumes on another one at most this many times; one whose node is
     # lost before its next token (a prefill node, or the decode node it was prefilling
     # into) is retried at most this many times. A node that failed a call gets a GetStats
@@ -106,7 +122,7 @@ class RouterConfig:
         "help": "largest request message; gRPC refuses a larger one with RESOURCE_EXHAUSTED"})
     # Shared secret callers must present (common/auth.py); None: no authentication.
     auth_token: str | None = field(default=None, repr=False, metadata={"flag": False})
-    # Admission (router/admission.py): beyond these the router refuses at once with
+    # Admission (router/requests/admission.py): beyond these the router refuses at once with
     # RESOURCE_EXHAUSTED instead of queueing.
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     shutdown_grace_s: float = 5.0

@@ -4,7 +4,7 @@ Owns loading the tokenizer and config from a model directory, after the engine's
 the folder (engine/model_folder.py: the router refuses at start exactly the folders a node
 would); the EOS ids are the engine's own union (engine/model_facts.py), so router and nodes
 stop on the same tokens; the KV shape the config implies is what a registering node's
-fingerprint must show (router/node_facts.py). It must never load weights or import the engine's
+fingerprint must show (router/cluster/node_facts.py). It must never load weights or import the engine's
 model code: the router runs no model.
 """
 

@@ -39,7 +39,7 @@ from pdserve.bench.serve.workloads import (
     CHAT_INPUT_MEAN, CHAT_OUTPUT_MEAN, CHAT_SIGMA, ChatLengths, FixedLengths, LogNormal, ModelLimits,
     SyntheticWorkload, UniformLengths, Workload, read_jsonl,
 )
-from pdserve.router.client import DEFAULT_ADDRESS
+from pdserve.router.fronts.client import DEFAULT_ADDRESS
 
 DEFAULT_NUM_REQUESTS = 100
 

@@ -26,7 +26,7 @@ import aiohttp
 from pdserve.bench.serve.client import MODEL_INFO_TIMEOUT_S, Call, ClientOptions, ServerModel
 from pdserve.bench.serve.metrics import RequestTrace
 from pdserve.bench.serve.workloads import ModelLimits, RequestSpec
-from pdserve.router.openai_api import status_name_of_http
+from pdserve.router.fronts.openai_api import status_name_of_http
 
 DATA = b"data: "
 

@@ -27,7 +27,7 @@ from pdserve.model_factory import make_model
 from pdserve.healthcheck import HealthcheckConfig, check
 from pdserve.kv_transfer import KVDescriptor
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
-from pdserve.router.client import generate
+from pdserve.router.fronts.client import generate
 
 from ..integration.reference import assert_matches, greedy_references
 from .test_kv_transfer_ucx import SRC_BLOCKS, Cluster, expect, make_caches, receiver_main, spec_kwargs

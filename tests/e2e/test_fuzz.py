@@ -29,7 +29,7 @@ from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.model import load_router_model
-from pdserve.router.validation import KVCapacity, RequestValidator
+from pdserve.router.requests.validation import KVCapacity, RequestValidator
 
 from ..integration.reference import assert_matches, greedy_references
 

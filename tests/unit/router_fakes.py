@@ -27,7 +27,7 @@ from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.config import RouterConfig
 from pdserve.router.model import RouterModel, load_router_model
-from pdserve.router.server import RouterServer
+from pdserve.router.fronts.server import RouterServer
 
 HEARTBEAT_S = 0.1
 TEST_TIMEOUT_S = 30.0

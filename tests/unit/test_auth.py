@@ -144,7 +144,7 @@ def test_unary_and_streaming_calls_through_a_real_server(server_token, client_to
 # -- the CLI edges -----------------------------------------------------------------------
 def test_router_and_node_flags_load_the_token(tmp_path):
     from pdserve.node.config import parse_node_args
-    from pdserve.router.server import _parser, config_from_args
+    from pdserve.router.fronts.server import _parser, config_from_args
 
     path = tmp_path / "token"
     path.write_text(TOKEN)

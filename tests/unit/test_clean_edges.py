@@ -24,7 +24,7 @@ from pdserve.common.metrics_endpoint import Health, MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.node.metrics import NodeHealth
 from pdserve.router.config import RouterConfig
-from pdserve.router.server import RouterServer
+from pdserve.router.fronts.server import RouterServer
 from tests.unit.router_fakes import run, tiny_router_model
 
 HOST = "127.0.0.1"

@@ -98,9 +98,9 @@ def test_auto_dtype_is_resolved_by_the_engine_not_the_config():
 
 
 def test_the_routers_flags_are_its_config_tree():
-    from pdserve.router.admission import AdmissionLimits
+    from pdserve.router.requests.admission import AdmissionLimits
     from pdserve.router.config import RequestLimits
-    from pdserve.router.server import _parser, config_from_args
+    from pdserve.router.fronts.server import _parser, config_from_args
 
     parser = _parser()
     flags = {flag for action in parser._actions for flag in action.option_strings}

@@ -12,7 +12,7 @@ from aiohttp.test_utils import TestClient, TestServer
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import InvalidRequest, NoNodeAvailable, Overloaded
-from pdserve.router.http_server import HTTPFront, ServedModel
+from pdserve.router.fronts.http_server import HTTPFront, ServedModel
 
 
 class Tokenizer:

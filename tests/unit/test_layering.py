@@ -77,3 +77,26 @@ def test_every_part_folder_is_an_installed_package():
     for sub in subpackages:
         name = f"pdserve.{sub.parent.name}.{sub.name}" if sub.parent.name != "pdserve" else f"pdserve.{sub.name}"
         assert name in config["packages"], f"{sub.relative_to(ROOT)}/ is not in pyproject's packages"
+
+
+# The router's groups (router/__init__.py), bottom up: each imports only the groups below it.
+ROUTER_FLOORS = ("", "cluster", "requests", "dispatch", "fronts")  # "": router/ itself
+
+
+def router_group(module: str) -> str | None:
+    """`pdserve.router.cluster.registry` -> cluster; `pdserve.router.errors` -> ""; else None."""
+    parts = module.split(".")
+    if parts[:2] != ["pdserve", "router"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in ROUTER_FLOORS else ""
+
+
+@pytest.mark.parametrize("group", ROUTER_FLOORS)
+def test_router_groups_import_only_the_floors_below(group):
+    allowed = set(ROUTER_FLOORS[: ROUTER_FLOORS.index(group) + 1])
+    folder = ROOT / "router" / group
+    files = folder.rglob("*.py") if group else folder.glob("*.py")
+    offenders = [f"{path.relative_to(ROOT)} imports {module}"
+                 for path in sorted(files) for module in imported_modules(path)
+                 if router_group(module) is not None and router_group(module) not in allowed]
+    assert not offenders, "\n".join(offenders)

@@ -7,7 +7,7 @@ import asyncio
 
 import pytest
 
-from pdserve.router.merge import merged
+from pdserve.router.requests.merge import merged
 
 
 def test_items_come_as_they_are_put_and_the_stream_ends_when_every_producer_has():

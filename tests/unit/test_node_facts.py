@@ -1,7 +1,7 @@
 """Cluster-wide facts are checked when a node registers: its fingerprint (model, dtype, block
 size, KV layout) must agree with the router's own facts and with the nodes already registered.
 
-The comparison itself (router/node_facts.py), the registry's `admit`, the real router's
+The comparison itself (router/cluster/node_facts.py), the registry's `admit`, the real router's
 Registry service, and a node's real registration loop against it: a refused node's loop ends
 with the router's one line instead of retrying.
 """
@@ -18,8 +18,8 @@ from pdserve.node.config import NodeConfig
 from pdserve.node.registration import RegistrationRefused, run_registration
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.errors import NodeRefused, status_of
-from pdserve.router.node_facts import RouterFacts, disagreements
-from pdserve.router.registry import NodeKind, NodeRegistry
+from pdserve.router.cluster.node_facts import RouterFacts, disagreements
+from pdserve.router.cluster.registry import NodeKind, NodeRegistry
 from tests.unit.router_fakes import run, running_router, tiny_router_model
 from tests.unit.test_node_heartbeat import snapshot
 

@@ -9,7 +9,7 @@ from pdserve.engine.block_pool import hash_block_tokens
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.placement import Candidate, DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.placement import Candidate, DecodePlacement, PrefillPlacement
 
 BLOCK = 4
 

@@ -63,7 +63,7 @@ def test_vllm_shape_puts_the_prompt_token_first_with_its_rank_when_known():
 
 def test_generate_cli_asks_for_and_prints_prompt_logprobs():
     from pdserve.proto import pdserve_pb2
-    from pdserve.router.client import Completion, _parser, build_request
+    from pdserve.router.fronts.client import Completion, _parser, build_request
 
     assert build_request(_parser().parse_args(["hi", "--prompt-logprobs", "2"])).sampling_params.prompt_logprobs == 2
     assert not build_request(_parser().parse_args(["hi"])).sampling_params.HasField("prompt_logprobs")

@@ -11,10 +11,11 @@ import grpc
 import pytest
 
 from pdserve.proto import node_pb2, pdserve_pb2, pdserve_pb2_grpc
-from pdserve.router.admission import Admission, AdmissionLimits
+from pdserve.router.config import AdmissionLimits
+from pdserve.router.requests.admission import Admission
 from pdserve.router.errors import Overloaded, status_of
 from pdserve.router.config import RouterConfig
-from pdserve.router.server import RouterServer, _parser, config_from_args
+from pdserve.router.fronts.server import RouterServer, _parser, config_from_args
 from tests.unit.router_fakes import Script, fake_nodes, run, tiny_router_model
 from tests.waiting import until
 

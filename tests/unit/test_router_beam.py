@@ -18,14 +18,16 @@ import torch
 
 from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2
-from pdserve.router.beam import BeamOption, BeamSearchRoute, beams_to_keep, max_beam_width
-from pdserve.router.beam_pair import BeamSearchPair
+from pdserve.engine.sampling_params import beams_to_keep, max_beam_width
+from pdserve.router.dispatch.beam import BeamSearchRoute
+from pdserve.router.requests.beam_option import BeamOption
+from pdserve.router.dispatch.beam_pair import BeamSearchPair
 from pdserve.router.errors import InvalidRequest, NeedsNodes
 from pdserve.router.model import load_router_model
-from pdserve.router.openai_api import error_of
-from pdserve.router.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
-from pdserve.router.registry import NodeKind, NodeRegistry
-from pdserve.router.validation import RequestValidator
+from pdserve.router.fronts.openai_api import error_of
+from pdserve.router.cluster.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.registry import NodeKind, NodeRegistry
+from pdserve.router.requests.validation import RequestValidator
 
 
 @pytest.fixture(scope="module")

@@ -12,8 +12,8 @@ import asyncio
 import pytest
 
 from pdserve.proto import node_pb2
-from pdserve.router.liveness import NodeGone, unless_gone
-from pdserve.router.registry import NodeEntry, NodeKind, NodeRegistry
+from pdserve.router.cluster.liveness import NodeGone, unless_gone
+from pdserve.router.cluster.registry import NodeEntry, NodeKind, NodeRegistry
 from tests.unit.router_fakes import fake_nodes, run, tiny_router_model
 from tests.unit.router_fakes import running_router as router
 from tests.unit.test_router_fake_nodes import collect, resumable, text_request

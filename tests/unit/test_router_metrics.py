@@ -11,8 +11,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.proto import node_pb2, pdserve_pb2
 from pdserve.router.errors import Overloaded
-from pdserve.router.metrics import RouterMetrics, grpc_end_status, http_end_status
-from pdserve.router.registry import NodeKind, NodeRegistry
+from pdserve.router.fronts.metrics import RouterMetrics, grpc_end_status, http_end_status
+from pdserve.router.cluster.registry import NodeKind, NodeRegistry
 
 PROMPT_TOKENS = 5
 

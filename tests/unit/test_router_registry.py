@@ -8,7 +8,7 @@ import grpc
 import pytest
 
 from pdserve.proto import node_pb2
-from pdserve.router.registry import NodeKind, NodeRegistry
+from pdserve.router.cluster.registry import NodeKind, NodeRegistry
 
 TIMEOUT_S = 2.0
 
@@ -172,7 +172,7 @@ def test_a_suspect_node_is_not_live_until_its_next_stats(registry):
 
 @pytest.mark.parametrize("alive", [True, False])
 def test_a_probe_marks_only_a_node_that_does_not_answer(registry, monkeypatch, alive):
-    import pdserve.router.registry as registry_module
+    import pdserve.router.cluster.registry as registry_module
 
     entry = registry.register(NodeKind.PREFILL, "127.0.0.1:7003", "p0")
     monkeypatch.setitem(registry_module._STUBS, NodeKind.PREFILL, lambda channel: AnsweringStub(alive))

@@ -14,8 +14,8 @@ import grpc
 import pytest
 
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
-from pdserve.router import client
-from pdserve.router.server import _parser, config_from_args
+from pdserve.router.fronts import client
+from pdserve.router.fronts.server import _parser, config_from_args
 from tests.unit.router_fakes import (
     FakeDecode,
     FakeNode,

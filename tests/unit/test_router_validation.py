@@ -18,7 +18,7 @@ from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.model import load_router_model
 from pdserve.router.config import RequestLimits
-from pdserve.router.validation import KVCapacity, RequestValidator, ValidatedRequest, kv_blocks
+from pdserve.router.requests.validation import KVCapacity, RequestValidator, ValidatedRequest, kv_blocks
 
 MAX_MODEL_LEN = 64
 
@@ -232,8 +232,8 @@ def test_what_the_pools_hold_passes_and_the_default_shrinks_to_fit(model):
 
 def test_live_capacity_reads_the_largest_live_pools():
     from pdserve.proto import node_pb2
-    from pdserve.router.registry import NodeKind, NodeRegistry
-    from pdserve.router.validation import live_capacity
+    from pdserve.router.cluster.registry import NodeKind, NodeRegistry
+    from pdserve.router.requests.validation import live_capacity
 
     now = [0.0]
     registry = NodeRegistry(heartbeat_timeout_s=5.0, channel_close_grace_s=1.0, clock=lambda: now[0])

@@ -22,7 +22,7 @@ from pdserve.cluster import ClusterConfig
 from pdserve.kv_transfer import KVTransferConfig
 from pdserve.node.config import NodeConfig, add_node_args
 from pdserve.router.config import RouterConfig
-from pdserve.router.server import _parser as router_parser
+from pdserve.router.fronts.server import _parser as router_parser
 
 ROOT = Path(__file__).resolve().parents[2]
 PICKLE_FAMILY = {"pickle", "cPickle", "_pickle", "marshal", "shelve", "dill", "cloudpickle", "jsonpickle"}
@@ -61,7 +61,7 @@ def _findings(tree: ast.AST) -> list[tuple[int, str]]:
 
 def test_the_audit_sees_the_whole_installed_tree():
     modules = {path.relative_to(ROOT).as_posix() for path in _modules()}
-    for expected in ("node/messages.py", "kv_transfer/wire.py", "kv_transfer/ucx.py", "router/server.py",
+    for expected in ("node/messages.py", "kv_transfer/wire.py", "kv_transfer/ucx.py", "router/fronts/server.py",
                      "common/auth.py", "node/kv_done.py"):
         assert expected in modules
 

@@ -17,7 +17,7 @@ from pdserve.common.auth import TOKEN_ENV
 from pdserve import healthcheck
 from pdserve.bench import disagg_latency, overload
 from pdserve.node.config import parse_node_args
-from pdserve.router import client
+from pdserve.router.fronts import client
 
 
 @pytest.fixture

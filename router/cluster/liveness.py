@@ -2,7 +2,7 @@
 
 A node can vanish without failing its calls: frozen (SIGSTOP, a hung host), its calls
 stay open and silent until the client's deadline. The registry marks such a node gone
-once it has been silent past the heartbeat timeout (router/registry.py), and every call
+once it has been silent past the heartbeat timeout (router/cluster/registry.py), and every call
 the driver or a route makes through `unless_gone` ends then with `NodeGone`, so the
 sample resumes (decode) or retries (prefill) elsewhere within heartbeat timeout +
 maintenance interval. When the node wakes, the router has cancelled its calls: it frees
@@ -18,7 +18,7 @@ import asyncio
 from collections.abc import Awaitable, Sequence
 from typing import TypeVar
 
-from pdserve.router.registry import NodeEntry
+from pdserve.router.cluster.registry import NodeEntry
 
 T = TypeVar("T")
 

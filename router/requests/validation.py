@@ -22,11 +22,11 @@ from dataclasses import dataclass
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.proto import pdserve_pb2
 from pdserve.proto.convert import sampling_kwargs
-from pdserve.router.beam import BeamOption, beam_option
+from pdserve.router.requests.beam_option import BeamOption, beam_option
 from pdserve.router.config import RequestLimits
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.model import RouterModel
-from pdserve.router.registry import NodeKind, NodeRegistry
+from pdserve.router.cluster.registry import NodeKind, NodeRegistry
 
 SEED_BITS = 63
 # The engine's default, read from the dataclass (a slots class keeps no class attribute).

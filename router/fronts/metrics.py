@@ -25,7 +25,7 @@ from prometheus_client.registry import Collector
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import status_of
-from pdserve.router.registry import NodeEntry, NodeKind, NodeRegistry
+from pdserve.router.cluster.registry import NodeEntry, NodeKind, NodeRegistry
 
 # A tiny model on a CPU answers in milliseconds, a real one under load in tens of seconds.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0)

@@ -1,7 +1,7 @@
 """One sample's life across the cluster, as the router drives it, on either architecture.
 
 A sample runs as attempts (node request id: the sample's own; "<id>~<n>" for the n-th
-after a loss), each along the sample's route (router/routes.py: disaggregated pools or
+after a loss), each along the sample's route (router/dispatch/routes.py: disaggregated pools or
 colocated nodes):
 
     rank the route's nodes ──open(prompt, resumed)──▶ opening event
@@ -27,7 +27,7 @@ client's deadline, which every node call carries.
 
 Owns the order of node calls and the mapping of node call failures to router errors;
 what the client sees (text, stop strings, responses, usage, timings) is the sample's
-`TokenRelay` (router/relay.py). Must never: pick a status code itself (router/errors.py
+`TokenRelay` (router/requests/relay.py). Must never: pick a status code itself (router/errors.py
 does), multiplex samples, change the registry beyond a probe, ask a node excluded for
 this sample again, or leave a node call open when the sample ends.
 """
@@ -42,13 +42,13 @@ import grpc
 from pdserve.proto import node_pb2, pdserve_pb2
 from pdserve.proto.convert import params_to_proto
 from pdserve.router.errors import DeadlineExceeded, NodeFailed, NoNodeAvailable, Overloaded, from_node_error
-from pdserve.router.liveness import NodeGone, unless_gone
-from pdserve.router.placement import Candidate
-from pdserve.router.recovery import NODE_LOST_CODES, NodeLost, RecoveryBudget, attempt_ids
-from pdserve.router.registry import NodeEntry, NodeKind
-from pdserve.router.relay import SendResponse, TokenRelay
-from pdserve.router.routes import Leg, Load, Route
-from pdserve.router.state import RouterState, SampleSpec
+from pdserve.router.cluster.liveness import NodeGone, unless_gone
+from pdserve.router.cluster.placement import Candidate
+from pdserve.router.dispatch.recovery import NODE_LOST_CODES, NodeLost, RecoveryBudget, attempt_ids
+from pdserve.router.cluster.registry import NodeEntry, NodeKind
+from pdserve.router.requests.relay import SendResponse, TokenRelay
+from pdserve.router.dispatch.routes import Leg, Load, Route
+from pdserve.router.dispatch.state import RouterState, SampleSpec
 
 log = logging.getLogger(__name__)
 

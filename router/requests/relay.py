@@ -8,7 +8,7 @@ the first one the prompt logprobs when asked (sample 0's only: the driver asks n
 sample's node for them); the last one the finish reason, usage and timings.
 
 Must never: talk to a node, pick a node, or pick a status code. The sample's driver
-(router/driver.py, on either route) and the disaggregated route's prefill leg feed it
+(router/dispatch/driver.py, on either route) and the disaggregated route's prefill leg feed it
 tokens; it tells them when the sample has ended, and hands each response to the
 request's `SendResponse` (the orchestrator's queue of the response stream).
 """
@@ -24,7 +24,7 @@ from pdserve.engine.stop_rules import token_finish_reason
 from pdserve.proto import node_pb2, pdserve_pb2
 from pdserve.proto.convert import finish_reason_from_proto, finish_reason_to_proto
 from pdserve.router.model import RouterModel
-from pdserve.router.validation import ValidatedRequest
+from pdserve.router.requests.validation import ValidatedRequest
 
 # Hands one response to the request's response stream.
 SendResponse = Callable[[pdserve_pb2.GenerateResponse], None]

@@ -9,7 +9,7 @@ comes back when it answers again. A node that failed a request's call and then d
 answer a `GetStats` probe is *suspect*: not live until its next stats arrive, so other
 requests stop trying it long before its heartbeat timeout. A registering node is admitted
 only if its fingerprint agrees with the router's facts and with the nodes already registered
-(router/node_facts.py); otherwise `NodeRefused` names every field that differs, and the refusal
+(router/cluster/node_facts.py); otherwise `NodeRefused` names every field that differs, and the refusal
 is logged. One gRPC channel per address
 is cached (reconnecting within a second, so a node restarted on its old address takes
 traffic as soon as it registers).
@@ -33,8 +33,8 @@ import grpc
 from pdserve.common.channels import reconnecting_channel
 from pdserve.proto import node_pb2, node_pb2_grpc
 from pdserve.router.errors import NodeRefused
-from pdserve.router.node_facts import RouterFacts, disagreements
-from pdserve.router.placement import Candidate
+from pdserve.router.cluster.node_facts import RouterFacts, disagreements
+from pdserve.router.cluster.placement import Candidate
 
 log = logging.getLogger(__name__)
 
@@ -71,7 +71,7 @@ class NodeEntry:
     fingerprint: node_pb2.NodeFingerprint | None = None  # what it runs; None for a static node
     # Set when this entry stops standing for a serving process: dropped (silent past the
     # heartbeat timeout), replaced by a new registration, or a static node gone silent.
-    # Every call in flight on it moves elsewhere (router/liveness.py).
+    # Every call in flight on it moves elsewhere (router/cluster/liveness.py).
     gone: asyncio.Event = field(default_factory=asyncio.Event)
     gone_reason: str = ""
 

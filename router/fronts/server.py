@@ -36,18 +36,18 @@ from pdserve.common.metrics_endpoint import Health, HealthCheck, MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.common.refusal import Refused
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
-from pdserve.router.admission import Admission, AdmissionLimits
-from pdserve.router.config import RequestLimits, RouterConfig
+from pdserve.router.requests.admission import Admission
+from pdserve.router.config import AdmissionLimits, RequestLimits, RouterConfig
 from pdserve.router.errors import InvalidRequest, RouterError, bad_request_status, status_of
-from pdserve.router.http_server import HTTPFront, ServedModel
-from pdserve.router.metrics import RouterMetrics, grpc_end_status, http_end_status
+from pdserve.router.fronts.http_server import HTTPFront, ServedModel
+from pdserve.router.fronts.metrics import RouterMetrics, grpc_end_status, http_end_status
 from pdserve.router.model import RouterModel, load_router_model
-from pdserve.router.node_facts import RouterFacts
-from pdserve.router.orchestrator import Orchestrator
-from pdserve.router.placement import DecodePlacement, PrefillPlacement
-from pdserve.router.registry import NodeKind, NodeRegistry, node_channel_factory
-from pdserve.router.state import RouterState
-from pdserve.router.validation import RequestValidator, live_capacity
+from pdserve.router.cluster.node_facts import RouterFacts
+from pdserve.router.dispatch.orchestrator import Orchestrator
+from pdserve.router.cluster.placement import DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.registry import NodeKind, NodeRegistry, node_channel_factory
+from pdserve.router.dispatch.state import RouterState
+from pdserve.router.requests.validation import RequestValidator, live_capacity
 
 log = logging.getLogger(__name__)
 # The router's own services, by full name: what reflection lists and Health reports on.

@@ -14,9 +14,9 @@ from dataclasses import dataclass, field
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.model import RouterModel
-from pdserve.router.placement import DecodePlacement, PrefillPlacement
-from pdserve.router.registry import NodeRegistry
-from pdserve.router.validation import ValidatedRequest
+from pdserve.router.cluster.placement import DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.registry import NodeRegistry
+from pdserve.router.requests.validation import ValidatedRequest
 
 
 @dataclass(frozen=True)

@@ -8,7 +8,7 @@
     GET  /health                200 while the router can serve (a colocated node, or both kinds)
     POST /tokenize, /detokenize, GET /version
 
-Every request becomes the router's own `GenerateRequest`s (router/openai_api.py) and runs
+Every request becomes the router's own `GenerateRequest`s (router/fronts/openai_api.py) and runs
 through `RequestRunner` — the same validation, admission, deadlines, failover and cancellation
 as gRPC: a client that disconnects cancels its handler, which cancels the request on every node.
 Errors are OpenAI's JSON with the HTTP status of the gRPC code (400 naming `param`, 401, 404,
@@ -35,9 +35,9 @@ from aiohttp import web
 
 from pdserve.common.auth import SCHEME
 from pdserve.proto import pdserve_pb2
-from pdserve.router import openai_api as oa
+from pdserve.router.fronts import openai_api as oa
 from pdserve.router.errors import InvalidRequest, RouterError
-from pdserve.router.merge import merged
+from pdserve.router.requests.merge import merged
 
 RETRY_AFTER_S = "1"
 Runner = Callable[[pdserve_pb2.GenerateRequest], AsyncIterator[pdserve_pb2.GenerateResponse]]

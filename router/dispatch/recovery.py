@@ -3,7 +3,7 @@ attempts it may start, and the node request id of each.
 
 Owns `NODE_LOST_CODES`, `NodeLost` (what ends an attempt that may succeed elsewhere,
 and which nodes it implicates), `RecoveryBudget` and `attempt_ids`. The driver
-(router/driver.py) raises and handles them; the routes (router/routes.py) say which
+(router/dispatch/driver.py) raises and handles them; the routes (router/dispatch/routes.py) say which
 nodes a loss implicates. Never calls a node and never touches the registry.
 """
 
@@ -16,7 +16,7 @@ from dataclasses import dataclass
 import grpc
 
 from pdserve.router.errors import DeadlineExceeded, RequestKillsNodes, RouterError
-from pdserve.router.registry import NodeEntry
+from pdserve.router.cluster.registry import NodeEntry
 
 # Codes of a call whose node may be gone (killed, unreachable, its core dead): another
 # node may succeed. Every other code is an answer about the request itself.

@@ -24,26 +24,8 @@ ticket outlive its request — every ticket is released exactly once.
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
-
+from pdserve.router.config import AdmissionLimits
 from pdserve.router.errors import Overloaded
-
-
-@dataclass(frozen=True)
-class AdmissionLimits:
-    """The router's bounds (part of `RouterConfig`; each a `pdserve router` flag)."""
-
-    max_inflight_requests: int = field(default=256, metadata={
-        "help": "sequences in flight (a request with n samples counts n); beyond: RESOURCE_EXHAUSTED"})
-    # Queued tokens: prompt tokens admitted but not yet at token 1 — the prefill work a new
-    # request waits behind, so what bounds its time to first token.
-    max_queued_tokens: int = field(default=65536, metadata={
-        "help": "prompt tokens admitted but not yet at token 1; beyond: RESOURCE_EXHAUSTED"})
-
-    def __post_init__(self) -> None:
-        for name in ("max_inflight_requests", "max_queued_tokens"):
-            if getattr(self, name) < 1:
-                raise ValueError(f"{name} must be >= 1, got {getattr(self, name)}")
 
 
 class Admission:

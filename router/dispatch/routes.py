@@ -1,4 +1,4 @@
-"""The two ways a sample's tokens are made, as routes the one driver (router/driver.py) follows.
+"""The two ways a sample's tokens are made, as routes the one driver (router/dispatch/driver.py) follows.
 
 Disaggregated (a decode node, then a prefill node):
 
@@ -40,12 +40,12 @@ import grpc
 
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
 from pdserve.router.errors import NodeFailed, NoNodeAvailable, Overloaded, RouterError, from_node_error
-from pdserve.router.liveness import NodeGone, unless_gone
-from pdserve.router.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
-from pdserve.router.recovery import NODE_LOST_CODES, NodeLost
-from pdserve.router.registry import NodeEntry, NodeKind
-from pdserve.router.relay import TokenRelay
-from pdserve.router.state import RouterState, SampleSpec
+from pdserve.router.cluster.liveness import NodeGone, unless_gone
+from pdserve.router.cluster.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
+from pdserve.router.dispatch.recovery import NODE_LOST_CODES, NodeLost
+from pdserve.router.cluster.registry import NodeEntry, NodeKind
+from pdserve.router.requests.relay import TokenRelay
+from pdserve.router.dispatch.state import RouterState, SampleSpec
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,15 +1,10 @@
-"""A beam search request (`GenerateRequest.beam_search`): its checks, and its run on a colocated node or a pair.
-
-Checks (`beam_option`, from the validator): beam_width within what the logprobs cap allows,
-a finite length_penalty, n (beams returned) within beam_width, and no sampling field a beam
-search cannot honour — beams are chosen by log-probability, so temperature > 0, top_p,
-top_k, min_p and the penalties would be silently ignored, and stop strings, stop token ids,
-min_tokens and logprobs would change what a beam is; each is refused INVALID_ARGUMENT naming it.
+"""A beam search request (`GenerateRequest.beam_search`, checked by router/requests/beam_option.py):
+its run on a colocated node or a pair.
 
 The run (`BeamSearchRoute`): beam search needs every step's top logprobs of every beam in
 one engine. On a colocated node, when one is live: the router ranks colocated nodes as for a
 sample, asks the best with the option (RESOURCE_EXHAUSTED: the next one) and waits for the
-node's one `beams` event. Else on a prefill + decode pair (router/beam_pair.py): the decode
+node's one `beams` event. Else on a prefill + decode pair (router/dispatch/beam_pair.py): the decode
 node runs the search from the prompt a prefill node computed. With neither live:
 FAILED_PRECONDITION naming beam_width. The beams come back as one GenerateResponse each,
 index = rank (best first). Nothing streams before the end: the beams change until the search
@@ -26,67 +21,25 @@ from __future__ import annotations
 
 import itertools
 import logging
-import math
-from dataclasses import dataclass, fields
 from typing import TYPE_CHECKING
 
 import grpc
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.engine.sampling_params import MAX_LOGPROBS, SamplingParams, beams_to_keep, max_beam_width
+from pdserve.engine.sampling_params import SamplingParams, beams_to_keep
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
-from pdserve.router.beam_pair import BeamSearchPair
-from pdserve.router.errors import InvalidRequest, NeedsNodes, NodeFailed, NoNodeAvailable, Overloaded, from_node_error
-from pdserve.router.liveness import NodeGone, unless_gone
+from pdserve.router.dispatch.beam_pair import BeamSearchPair
+from pdserve.router.errors import NeedsNodes, NodeFailed, NoNodeAvailable, Overloaded, from_node_error
+from pdserve.router.cluster.liveness import NodeGone, unless_gone
 from pdserve.router.model import RouterModel
-from pdserve.router.placement import ColocatedPlacement
-from pdserve.router.recovery import check_node_failures
-from pdserve.router.registry import NodeKind, NodeRegistry
+from pdserve.router.cluster.placement import ColocatedPlacement
+from pdserve.router.dispatch.recovery import check_node_failures
+from pdserve.router.cluster.registry import NodeKind, NodeRegistry
 
-if TYPE_CHECKING:  # validation.py imports this module for its checks
-    from pdserve.router.validation import ValidatedRequest
+if TYPE_CHECKING:
+    from pdserve.router.requests.validation import ValidatedRequest
 
 log = logging.getLogger(__name__)
-
-_DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
-# Fields whose non-default value a beam search cannot honour (temperature is checked apart:
-# 0 and unset are both fine).
-_REFUSED_FIELDS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                   "min_tokens", "stop", "stop_token_ids", "logprobs", "prompt_logprobs")
-
-
-@dataclass(frozen=True, slots=True)
-class BeamOption:
-    beam_width: int
-    length_penalty: float
-
-    def to_proto(self) -> pdserve_pb2.BeamSearch:
-        return pdserve_pb2.BeamSearch(beam_width=self.beam_width, length_penalty=self.length_penalty)
-
-
-def beam_option(msg: pdserve_pb2.BeamSearch, sampling: pdserve_pb2.SamplingParams, params: SamplingParams,
-                num_eos: int) -> tuple[BeamOption, int]:
-    """The option and the number of beams to return, or InvalidRequest naming the field."""
-    cap = max_beam_width(num_eos, params.ignore_eos)
-    if not 1 <= msg.beam_width <= cap:
-        raise InvalidRequest("beam_width", f"beam_width must be in [1, {cap}] (each beam reports its top "
-                                           f"max(2, 1 + #eos ids) * beam_width logprobs, at most {MAX_LOGPROBS}), "
-                                           f"got {msg.beam_width}")
-    length_penalty = msg.length_penalty if msg.HasField("length_penalty") else 1.0
-    if not math.isfinite(length_penalty):
-        raise InvalidRequest("length_penalty", f"length_penalty must be finite, got {length_penalty}")
-    num_returned = sampling.n if sampling.HasField("n") else msg.beam_width
-    if not 1 <= num_returned <= msg.beam_width:
-        raise InvalidRequest("n", f"n (beams returned) must be in [1, beam_width {msg.beam_width}] with beam search, "
-                                  f"got {num_returned}")
-    if params.temperature > 0 and sampling.HasField("temperature"):
-        raise InvalidRequest("temperature", "temperature must be 0 or unset with beam search: beams are chosen by "
-                                            f"log-probability, never sampled; got {params.temperature}")
-    for name in _REFUSED_FIELDS:
-        if getattr(params, name) != _DEFAULTS[name]:
-            raise InvalidRequest(name, f"{name} cannot be honoured by beam search: leave it unset")
-    return BeamOption(msg.beam_width, length_penalty), num_returned
-
 
 class BeamSearchRoute:
     """Runs one beam search on the best colocated node that takes it, else on a prefill + decode pair."""

@@ -29,9 +29,9 @@ import grpc
 
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
 from pdserve.router.errors import DeadlineExceeded, NodeFailed, NoNodeAvailable, Overloaded, from_node_error
-from pdserve.router.liveness import NodeGone, unless_gone
-from pdserve.router.placement import Candidate, DecodePlacement, PrefillPlacement
-from pdserve.router.registry import NodeEntry, NodeKind, NodeRegistry
+from pdserve.router.cluster.liveness import NodeGone, unless_gone
+from pdserve.router.cluster.placement import Candidate, DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.registry import NodeEntry, NodeKind, NodeRegistry
 
 
 class BeamSearchPair:

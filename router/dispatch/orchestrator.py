@@ -1,14 +1,14 @@
 """One request's life: its n samples run side by side and share one response stream.
 
 A validated request (seed already resolved, so every sample and node draws the same
-stream) becomes n sample drivers (router/driver.py), sample_index 0..n-1, each with its
+stream) becomes n sample drivers (router/dispatch/driver.py), sample_index 0..n-1, each with its
 own token relay, all on the route this module picks when the request arrives: when any
-colocated node is live, the colocated route (router/routes.py: one node runs both
+colocated node is live, the colocated route (router/dispatch/routes.py: one node runs both
 phases — the baseline); otherwise the disaggregated route (a decode reservation, then a
 prefill), which needs a live prefill and a live decode node. With neither, the request
 is refused at once (UNAVAILABLE) naming what is missing. The responses of the n samples
 are multiplexed onto one stream in arrival order, each tagged with its `index`. A beam
-search (`ValidatedRequest.beam`) runs once instead (router/beam.py): on a colocated node when
+search (`ValidatedRequest.beam`) runs once instead (router/dispatch/beam.py): on a colocated node when
 one is live, else on a prefill + decode pair, refused at once (FAILED_PRECONDITION) with
 neither; its beams come back at its end.
 
@@ -27,16 +27,16 @@ from collections.abc import AsyncIterator
 from functools import partial
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router.beam import BeamSearchRoute
-from pdserve.router.beam_pair import BeamSearchPair
-from pdserve.router.driver import SampleDriver
+from pdserve.router.dispatch.beam import BeamSearchRoute
+from pdserve.router.dispatch.beam_pair import BeamSearchPair
+from pdserve.router.dispatch.driver import SampleDriver
 from pdserve.router.errors import NoNodeAvailable
-from pdserve.router.merge import Put, merged
-from pdserve.router.placement import ColocatedPlacement
-from pdserve.router.registry import NodeKind
-from pdserve.router.routes import ColocatedRoute, DisaggregatedRoute, Route
-from pdserve.router.state import RouterState, SampleSpec
-from pdserve.router.validation import ValidatedRequest
+from pdserve.router.requests.merge import Put, merged
+from pdserve.router.cluster.placement import ColocatedPlacement
+from pdserve.router.cluster.registry import NodeKind
+from pdserve.router.dispatch.routes import ColocatedRoute, DisaggregatedRoute, Route
+from pdserve.router.dispatch.state import RouterState, SampleSpec
+from pdserve.router.requests.validation import ValidatedRequest
 
 log = logging.getLogger(__name__)
 
@@ -90,6 +90,6 @@ class Orchestrator:
     async def _run_sample(self, route: Route, spec: SampleSpec, put: Put) -> None:
         try:
             await SampleDriver(self.state, route, spec, put).run()
-        except Exception as exc:  # the stream's reader raises it (router/merge.py)
+        except Exception as exc:  # the stream's reader raises it (router/requests/merge.py)
             log.debug("sample %s failed: %r", spec.node_req_id, exc)
             raise

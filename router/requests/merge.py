@@ -1,5 +1,5 @@
 """Several producers' items as one stream, in the order they come: a request's samples
-(router/orchestrator.py), an HTTP request's prompts (router/http_server.py).
+(router/dispatch/orchestrator.py), an HTTP request's prompts (router/fronts/http_server.py).
 
 Each producer is a coroutine function given `put(item)`; `merged` runs them all as tasks and
 yields every item as it is put. The first producer that fails ends the stream with its
