@@ -1,6 +1,6 @@
 """The decode node's KV import stage: reserve, receive, hand to the node core to decode.
 
-A stage of the node core (node/node_core.py); `make_stage` builds it in the engine-core process
+A stage of the node core (node/core/node_core.py); `make_stage` builds it in the engine-core process
 (the kind's row, pdserve/node_kinds.py, names it). A request whose KV a prefill node computes
 (StreamSubmit with `imports_kv`: the `Decode` call) lives here until its KV is in (its hand-off
 states: reservations.py):
@@ -41,15 +41,15 @@ from pdserve.decode_node.reservations import ReservationTable
 from pdserve.engine.admission import RequestRejected
 from pdserve.engine.beam_search import BeamSearchParams, BeamTop
 from pdserve.engine.engine_core import EngineCoreOutput
-from pdserve.node.beam_searches import beam_params, beams_done
+from pdserve.node.core.beam_searches import beam_params, beams_done
 from pdserve.node.config import NodeConfig
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
-from pdserve.node.handoff import HandoffState
-from pdserve.node.kv_done import KVDone
-from pdserve.node.kv_ranks import NodeKVDescriptor, RankedTransport
+from pdserve.node.core.handoff import HandoffState
+from pdserve.node.core.kv_done import KVDone
+from pdserve.node.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import Message, Ready, RequestFailed, StreamSubmit
-from pdserve.node.node_core import NodeCore
-from pdserve.node.stats import UNBOUNDED, QueueBounds
+from pdserve.node.core.node_core import NodeCore
+from pdserve.node.core.stats import UNBOUNDED, QueueBounds
 
 logger = logging.getLogger(__name__)
 

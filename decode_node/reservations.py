@@ -1,6 +1,6 @@
 """The decode node's reservation table: blocks held for prompts whose KV is on its way.
 
-A request's life through it, in the hand-off states of node/handoff.py (`_end` is the
+A request's life through it, in the hand-off states of node/core/handoff.py (`_end` is the
 one place a reservation leaves WAITING_FOR_INPUT, and its permit is revoked there first):
 
     reserve ─▶ WAITING_FOR_INPUT: the engine request exists (not scheduled) and holds
@@ -49,8 +49,8 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import WritePermits
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
-from pdserve.node.handoff import DECODE_MOVES, HandoffState, OnMove
-from pdserve.node.kv_done import DoneStatus, KVDone
+from pdserve.node.core.handoff import DECODE_MOVES, HandoffState, OnMove
+from pdserve.node.core.kv_done import DoneStatus, KVDone
 
 
 @dataclass(slots=True, eq=False)
@@ -60,7 +60,7 @@ class Reservation:
     reserved_at: float
     deadline: float  # the stream fails here if the KV has not arrived
     state: HandoffState = DECODE_MOVES.first
-    parts_arrived: int = 0  # done messages so far: one per rank pair of the two nodes (node/kv_ranks.py)
+    parts_arrived: int = 0  # done messages so far: one per rank pair of the two nodes (node/ranks/kv_ranks.py)
 
 
 class ReservationTable:

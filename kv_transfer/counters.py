@@ -1,7 +1,7 @@
 """What a transport counts: `TransferStats`, the one type for KV transfer counters.
 
 A transport keeps one for what it sent and one for what it received and placed; a node
-reports the side that describes its work (node/stats.py) in its stats snapshot, which
+reports the side that describes its work (node/core/stats.py) in its stats snapshot, which
 the front relays to the router and to `/metrics` as this same type.
 
 Must never: import torch or a network library (a node's front imports this module).

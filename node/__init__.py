@@ -1,12 +1,19 @@
-"""What every node kind shares: the front ↔ engine-core process pair.
+"""What every node kind shares, in three parts on import floors, above what all of them read
+(config.py: the node config and flags; messages.py: the typed front ↔ core messages; errors.py:
+node errors and their one mapping to gRPC status codes; affinity.py: CPU pinning):
 
-Owns the typed messages between a node's gRPC front and its engine-core process, what a
-kind plugs into its core (`CorePart`, the `CoreHandler` protocol), the core-process
-runner (engine + KV transport + step loop), the front's async ZMQ client, the servicers
-the kinds share, the hand-off states of a KV transfer, the node config and flags, the
-NodeStats builder, the registration/heartbeat client and the one mapping from node
-errors to gRPC status codes.
+    ranks/   a node's tensor-parallel ranks: the worker processes (tp_worker.py), the group that
+             starts them and hands each step over (tp_group.py, tp_wire.py), KV per rank pair
+             (kv_ranks.py); the offline `LLM` starts its ranks here too
+    core/    the engine-core process: its spawn (spawn.py), the step loop (core_loop.py), the node
+             core every kind runs with its KV stages (node_core.py, core_part.py), sibling forks,
+             served beam searches' messages, hand-off states, KV done messages, stats, fault drills
+    front/   the gRPC front process: running a node (server.py), the async ZMQ client of its core
+             (client.py), the servicers, registration and heartbeat, /metrics + /health, the
+             proto conversions of node messages
 
-Must never: run model code in the front process, block the core's step loop on the
-network, or pickle a message between the front and the core.
+tests/unit/test_layering.py fails on an import up a floor.
+
+Must never: run model code in the front process, block the core's step loop on the network, or
+pickle a message between the front and the core.
 """

@@ -4,7 +4,7 @@ Owns the Linux cpu-list syntax ("0", "0-3", "0,2-3"; what `taskset -c` and
 /proc/<pid>/status `Cpus_allowed_list` speak), the check that the cores exist for this
 process, and pinning the calling process to them. On CPU, a pool's size is its cores —
 the analogue of GPUs per pool — so a node's front and its engine-core process both pin
-themselves at startup (node/server.py, node/core.py) and the engine runs one torch
+themselves at startup (node/front/server.py, node/core/spawn.py) and the engine runs one torch
 thread per pinned core unless `--threads` says otherwise.
 
 Must never: import torch (the front imports this module), or widen a process's

@@ -1,5 +1,5 @@
-"""The node kinds, one row each: a node is the node core (node/node_core.py) plus the KV stages
-its kind adds, serving its kind's gRPC services (node/server.py runs any row).
+"""The node kinds, one row each: a node is the node core (node/core/node_core.py) plus the KV stages
+its kind adds, serving its kind's gRPC services (node/front/server.py runs any row).
 
 | kind      | scheduling policy              | KV stages                    | its own prompts   | services                    |
 | --------- | ------------------------------ | ---------------------------- | ----------------- | --------------------------- |
@@ -17,8 +17,8 @@ Must never: hold logic of its own; a kind is data.
 from __future__ import annotations
 
 from pdserve.engine.policy import ColocatedPolicy
-from pdserve.node.server import NodeKind, run_node
-from pdserve.node.servicers import StreamServicer
+from pdserve.node.front.server import NodeKind, run_node
+from pdserve.node.front.servicers import StreamServicer
 from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.prefill_node.server import PrefillServicer
 

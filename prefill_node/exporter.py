@@ -1,6 +1,6 @@
 """The KV exporter of a prefill node: moves each request's KV into its decode node's blocks.
 
-One request's export, in the hand-off states of node/handoff.py (the core drives it:
+One request's export, in the hand-off states of node/core/handoff.py (the core drives it:
 `track`, `after_step`, `abort`, `poll`; `_move` is the one place that changes a state):
 
     track ─▶ BOOTSTRAPPING ──── the connection to the decode node is being made (off the
@@ -30,7 +30,7 @@ One request's export, in the hand-off states of node/handoff.py (the core drives
 A preempted request starts pushing again from block 0 (recomputed, or swapped back in to other
 blocks: a push in flight may have read a block since reused); pushes on one connection land
 in order, so the fresh bytes overwrite anything stale. A swapped-out request pushes nothing.
-A sample pending as a fork of a sibling (node/sibling_forks.py) has no blocks in the engine and
+A sample pending as a fork of a sibling (node/core/sibling_forks.py) has no blocks in the engine and
 pushes nothing until its hand-off, which carries the sibling's prompt blocks by reference (ref
 counts: each export frees its own references); promoted to a request of its own when the sibling
 leaves first, it pushes like any other.
@@ -47,11 +47,11 @@ from pdserve.engine.block_pool import KVBlock
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
 from pdserve.engine.request import RequestStatus
 from pdserve.kv_transfer import KVTransferError, TransferState
-from pdserve.node.core_part import ToFront
+from pdserve.node.core.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
-from pdserve.node.handoff import PREFILL_MOVES, HandoffState, OnMove
-from pdserve.node.kv_done import DoneStatus, KVDone
-from pdserve.node.kv_ranks import GroupHandle, NodeKVDescriptor, RankedTransport
+from pdserve.node.core.handoff import PREFILL_MOVES, HandoffState, OnMove
+from pdserve.node.core.kv_done import DoneStatus, KVDone
+from pdserve.node.ranks.kv_ranks import GroupHandle, NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import FirstToken, Logprobs, PromptLogprobs, RequestFailed
 from pdserve.prefill_node.peers import PeerConnections
 

@@ -1,12 +1,12 @@
 """The prefill node's KV export stage: admit prefills, export their KV.
 
-A stage of the node core (node/node_core.py); `make_stage` builds it in the engine-core process
+A stage of the node core (node/core/node_core.py); `make_stage` builds it in the engine-core process
 (the kind's row, pdserve/node_kinds.py, names it). It takes every `PrefillSubmit`: checks it
 against the decode node's descriptor (its block ids must name exactly one reserved block per
 prompt block, inside its cache: INVALID_ARGUMENT otherwise) and against the queue bounds
 (RESOURCE_EXHAUSTED at once when full), adds the request to the engine (prefill-only policy:
 RESOURCE_EXHAUSTED if its KV can never fit here; a sibling sample of a request still in its
-prefill is forked off it, node/sibling_forks.py) and hands it to the exporter; everything after
+prefill is forked off it, node/core/sibling_forks.py) and hands it to the exporter; everything after
 that, the hand-off of its KV to the decode node at token 1, is the exporter's
 (prefill_node/exporter.py). The step outputs it takes are those hand-offs.
 
@@ -24,11 +24,11 @@ from pdserve.engine.engine_core import EngineCoreOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.config import NodeConfig
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
-from pdserve.node.kv_ranks import NodeKVDescriptor, RankedTransport
+from pdserve.node.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import Message, PrefillSubmit, RequestFailed
-from pdserve.node.node_core import NodeCore
-from pdserve.node.sibling_forks import add_sample
-from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
+from pdserve.node.core.node_core import NodeCore
+from pdserve.node.core.sibling_forks import add_sample
+from pdserve.node.core.stats import UNBOUNDED, QueueBounds, queued_tokens
 from pdserve.prefill_node.exporter import KVExporter
 from pdserve.prefill_node.peers import PeerConnections
 

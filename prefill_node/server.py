@@ -13,11 +13,11 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.node.client import CoreClient
+from pdserve.node.front.client import CoreClient
 from pdserve.proto.convert import logprobs_to_proto, prompt_logprobs_to_proto
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import FirstToken, PrefillSubmit, RequestFailed
-from pdserve.node.servicers import NodeServicer, request_params
+from pdserve.node.front.servicers import NodeServicer, request_params
 from pdserve.proto import node_pb2
 
 

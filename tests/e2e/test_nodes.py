@@ -322,7 +322,7 @@ def test_a_hybrid_decode_node_serves_its_own_prompts_beside_imported_ones(nodes,
 
 
 def test_the_front_never_imports_torch():
-    code = ("import sys, pdserve.node_kinds, pdserve.node.server; "
+    code = ("import sys, pdserve.node_kinds, pdserve.node.front.server; "
             "print(sorted(m for m in ('torch', 'transformers', 'ucxx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]"

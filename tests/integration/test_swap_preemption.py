@@ -11,8 +11,8 @@ from __future__ import annotations
 import pytest
 
 from pdserve import LLM
-from pdserve.node.convert import stats_to_proto
-from pdserve.node.stats import build_stats
+from pdserve.node.front.convert import stats_to_proto
+from pdserve.node.core.stats import build_stats
 
 from .reference import assert_matches, greedy_references
 from .test_exactness import NEW_TOKENS, PROMPT_LENS, random_prompts, run_greedy

@@ -22,7 +22,7 @@ from prometheus_client import CollectorRegistry, Counter
 from pdserve.common.lifecycle import PARENT_PID_ENV, ExitStatus, StopSignals, status_after, supervisor_of
 from pdserve.common.metrics_endpoint import Health, MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
-from pdserve.node.metrics import NodeHealth
+from pdserve.node.front.metrics import NodeHealth
 from pdserve.router.config import RouterConfig
 from pdserve.router.fronts.server import RouterServer
 from tests.unit.router_fakes import run, tiny_router_model

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from pdserve.engine.config import EngineConfig
-from pdserve.node.node_core import NodeCore, make_node_core
+from pdserve.node.core.node_core import NodeCore, make_node_core
 from pdserve.engine.engine_core import EngineCore
 from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
@@ -24,7 +24,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.config import NodeConfig, parse_node_args
 from pdserve.node.errors import ErrorCode
 from pdserve.node.messages import Abort, BeamOption, BeamsDone, StreamSubmit, Message, RequestFailed, Tokens
-from pdserve.node.stats import QueueBounds
+from pdserve.node.core.stats import QueueBounds
 
 from ..integration.reference import assert_matches, greedy_references
 from .node_pair import engine_config

@@ -15,8 +15,8 @@ from pdserve.engine.model_loader import load_model
 from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.errors import ErrorCode, NodeError
-from pdserve.node.handoff import HandoffState
-from pdserve.node.kv_done import DoneStatus, KVDone
+from pdserve.node.core.handoff import HandoffState
+from pdserve.node.core.kv_done import DoneStatus, KVDone
 from pdserve.node.messages import Abort, Ready
 from tests.unit.node_pair import BlockLedger, Pair, engine_config
 

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 from types import SimpleNamespace
 
-from pdserve.node.fault_drills import slow_every_step
+from pdserve.node.core.fault_drills import slow_every_step
 
 
 def test_a_slowed_step_returns_what_the_step_returns_and_sleeps_after_it(monkeypatch):
     events = []
     engine = SimpleNamespace(step=lambda: events.append("step") or ["out"])
-    monkeypatch.setattr("pdserve.node.fault_drills.time.sleep", lambda s: events.append(("sleep", s)))
+    monkeypatch.setattr("pdserve.node.core.fault_drills.time.sleep", lambda s: events.append(("sleep", s)))
     slow_every_step(engine, 0.25)
     assert engine.step() == ["out"]
     assert events == ["step", ("sleep", 0.25)]

@@ -100,3 +100,25 @@ def test_router_groups_import_only_the_floors_below(group):
                  for path in sorted(files) for module in imported_modules(path)
                  if router_group(module) is not None and router_group(module) not in allowed]
     assert not offenders, "\n".join(offenders)
+
+
+# node/'s parts (node/__init__.py), bottom up: each imports only the parts below it.
+NODE_FLOORS = ("", "ranks", "core", "front")  # "": node/ itself
+
+
+def node_part(module: str) -> str | None:
+    parts = module.split(".")
+    if parts[:2] != ["pdserve", "node"] or len(parts) < 3:
+        return None
+    return parts[2] if parts[2] in NODE_FLOORS else ""
+
+
+@pytest.mark.parametrize("part", NODE_FLOORS)
+def test_node_parts_import_only_the_floors_below(part):
+    allowed = set(NODE_FLOORS[: NODE_FLOORS.index(part) + 1])
+    folder = ROOT / "node" / part
+    files = folder.rglob("*.py") if part else folder.glob("*.py")
+    offenders = [f"{path.relative_to(ROOT)} imports {module}"
+                 for path in sorted(files) for module in imported_modules(path)
+                 if node_part(module) is not None and node_part(module) not in allowed]
+    assert not offenders, "\n".join(offenders)

@@ -15,7 +15,7 @@ from pdserve.common.refusal import EXIT_REFUSED
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer.base import FINGERPRINT_FIELDS, KV_LAYOUT_VERSION
 from pdserve.node.config import NodeConfig
-from pdserve.node.registration import RegistrationRefused, run_registration
+from pdserve.node.front.registration import RegistrationRefused, run_registration
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.errors import NodeRefused, status_of
 from pdserve.router.cluster.node_facts import RouterFacts, disagreements

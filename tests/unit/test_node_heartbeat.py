@@ -16,7 +16,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.node.config import NodeConfig
 from pdserve.kv_transfer import TransferStats
 from pdserve.node.messages import StatsData, StatsPush, decode, encode
-from pdserve.node.registration import run_registration
+from pdserve.node.front.registration import run_registration
 from pdserve.proto import node_pb2, node_pb2_grpc
 from tests.unit.router_fakes import run
 from tests.waiting import until

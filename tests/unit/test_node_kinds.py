@@ -11,8 +11,8 @@ import pytest
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.policy import ColocatedPolicy
 from pdserve.node.config import NodeConfig
-from pdserve.node.core_part import CorePart
-from pdserve.node.servicers import StreamServicer
+from pdserve.node.core.core_part import CorePart
+from pdserve.node.front.servicers import StreamServicer
 from pdserve.node_kinds import KINDS
 from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.prefill_node.server import PrefillServicer
@@ -52,7 +52,7 @@ def test_a_malformed_core_part_is_refused():
 
 
 def test_no_front_loads_torch_transformers_or_ucx():
-    code = ("import sys, pdserve.node_kinds, pdserve.node.server; "
+    code = ("import sys, pdserve.node_kinds, pdserve.node.front.server; "
             "print(sorted(m for m in ('torch', 'transformers', 'ucxx') if m in sys.modules))")
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120, check=True)
     assert out.stdout.strip() == "[]", out.stderr

@@ -11,10 +11,10 @@ from pdserve.engine.config import EngineConfig
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import TransferStats
 from pdserve.node.config import NodeConfig, add_node_args, config_from_args, parse_node_args
-from pdserve.node.convert import stats_to_proto, tokens_to_proto
+from pdserve.node.front.convert import stats_to_proto, tokens_to_proto
 from pdserve.proto.convert import finish_reason_to_proto, logprobs_to_proto, params_from_proto, params_to_proto
 from pdserve.node.errors import ErrorCode, grpc_status
-from pdserve.node.kv_done import DoneStatus, KVDone
+from pdserve.node.core.kv_done import DoneStatus, KVDone
 from pdserve.node.messages import (Abort, BeamOption, BeamResult, BeamsDone, CoreFailed, CoreStarted, StreamSubmit, FirstToken, Logprobs, MessageError,
                                    PrefillSubmit, PromptLogprobs, Ready, RequestFailed, Shutdown, StatsData, StatsQuery,
                                    StatsReply, Tokens, decode, encode)

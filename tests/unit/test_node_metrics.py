@@ -12,7 +12,7 @@ from pdserve.common.metrics_endpoint import Health
 from pdserve.common.ports import PortUnavailable
 from pdserve.kv_transfer import TransferStats
 from pdserve.node.messages import StatsData
-from pdserve.node.metrics import NodeStatsCollector, serve_node_metrics
+from pdserve.node.front.metrics import NodeStatsCollector, serve_node_metrics
 
 
 def snapshot(used_blocks: int = 3, queries: int = 8, hits: int = 2) -> StatsData:

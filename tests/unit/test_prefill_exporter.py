@@ -17,7 +17,7 @@ from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.errors import ErrorCode
-from pdserve.node.handoff import DECODE_MOVES, PREFILL_MOVES, HandoffState, IllegalMove
+from pdserve.node.core.handoff import DECODE_MOVES, PREFILL_MOVES, HandoffState, IllegalMove
 from pdserve.node.messages import Abort, Ready
 from pdserve.prefill_node.exporter import plan_push
 from tests.unit.node_pair import BLOCK_SIZE, ManualExecutor, Pair, block_bytes

@@ -1,5 +1,5 @@
 """Sibling samples that reach one node share their prompt's blocks: `EngineCore.add_fork` and
-node/sibling_forks.py, on a real tiny engine (blocks of 4 tokens) and on a prefill + decode pair.
+node/core/sibling_forks.py, on a real tiny engine (blocks of 4 tokens) and on a prefill + decode pair.
 
 Exact blocks and reference counts while the samples share the prompt; exactly the tokens the
 same samples draw as requests of their own; zero blocks after.
@@ -20,7 +20,7 @@ from pdserve.engine.request import PendingFork
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.model_factory import make_model
 from pdserve.node.messages import Abort, FirstToken, PrefillSubmit, Ready, StreamSubmit
-from pdserve.node.sibling_forks import add_sample
+from pdserve.node.core.sibling_forks import add_sample
 from pdserve.prefill_node.kv_export import prefill_params
 
 from .node_pair import Pair, engine_config

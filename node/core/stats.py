@@ -1,7 +1,7 @@
 """A node's load, as the core sees it: the NodeStats snapshot and the queue bounds.
 
 `build_stats` takes one snapshot of an engine core and its KV transport (the core
-answers queries with it and pushes it to the front unasked, node/core_loop.py).
+answers queries with it and pushes it to the front unasked, node/core/core_loop.py).
 `QueueBounds` is what a core admits new requests against: a request that would make
 the waiting queue longer than `max_waiting_requests`, or the prompt tokens still to
 compute more than `max_queued_tokens`, is refused RESOURCE_EXHAUSTED at once — the
@@ -24,7 +24,7 @@ from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.messages import StatsData
 
 if TYPE_CHECKING:
-    from pdserve.node.kv_ranks import RankedTransport
+    from pdserve.node.ranks.kv_ranks import RankedTransport
 
 
 def queued_tokens(engine: EngineCore) -> int:

@@ -33,8 +33,8 @@ import zmq.asyncio
 
 from pdserve.common.refusal import Refused
 from pdserve.node.config import NodeConfig
-from pdserve.node.core import CoreAddresses, start_core
-from pdserve.node.core_part import CorePart
+from pdserve.node.core.spawn import CoreAddresses, start_core
+from pdserve.node.core.core_part import CorePart
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.messages import (Abort, BeamsDone, CoreFailed, CoreStarted, FirstToken, Message, Ready, RequestFailed,
                                    Shutdown, StatsData, StatsPush, StatsQuery, StatsReply, Tokens, decode, encode)

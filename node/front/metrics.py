@@ -4,7 +4,7 @@ serves, whatever the node's kind.
 Owns the collector that turns the core's latest `StatsData` into `pdserve_*` series at
 scrape time, `NodeHealth` (what `/health` answers: serving only while the node's gRPC
 server serves and its engine core process runs), and the endpoint serving both
-(`serve_node_metrics`). The shared node front (node/server.py) starts it, so every node
+(`serve_node_metrics`). The shared node front (node/front/server.py) starts it, so every node
 kind has it. The snapshot is the one the core pushes to the front unasked
 (`CoreClient.latest_stats`, at most every `stats_push_interval_s`), so a scrape never
 queries the core.

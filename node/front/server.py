@@ -5,7 +5,7 @@ row of pdserve/node_kinds.py: policy, KV stages, whether it computes its own pro
 parse the flags, check that its ports are free (`--port`, `--metrics-port`, `--kv-port`: a busy
 one is one line naming the flag, exit status 2, before anything slow), pin the process to
 `--cpus` (node/affinity.py), serve Prometheus `/metrics` and `/health` when `--metrics-port`
-is set (node/metrics.py; from the start, so /health answers 503 while the model loads), bind
+is set (node/front/metrics.py; from the start, so /health answers 503 while the model loads), bind
 gRPC on `host:port`, start the engine core (and wait for its model and KV cache), serve gRPC
 (port 0: the OS picks; the line `pdserve <kind> node listening on HOST:PORT` on stdout says
 which), register with the router and heartbeat, then on SIGINT/SIGTERM (or a dead core) stop
@@ -39,13 +39,13 @@ from pdserve.common.metrics_endpoint import MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.common.refusal import Refused
 from pdserve.node.affinity import pin_to_cpus
-from pdserve.node.client import CoreClient
+from pdserve.node.front.client import CoreClient
 from pdserve.node.config import NodeConfig, parse_node_args
-from pdserve.node.core_part import CorePart
+from pdserve.node.core.core_part import CorePart
 from pdserve.node.errors import NodeError
-from pdserve.node.metrics import NodeHealth, serve_node_metrics
-from pdserve.node.registration import run_registration
-from pdserve.node.servicers import StreamServicer
+from pdserve.node.front.metrics import NodeHealth, serve_node_metrics
+from pdserve.node.front.registration import run_registration
+from pdserve.node.front.servicers import StreamServicer
 from pdserve.proto import node_pb2, node_pb2_grpc
 
 if TYPE_CHECKING:
@@ -53,7 +53,7 @@ if TYPE_CHECKING:
 
 logger = logging.getLogger(__name__)
 
-Servicer = Callable[[CoreClient], object]  # a servicer class of node/servicers.py or a kind's front
+Servicer = Callable[[CoreClient], object]  # a servicer class of node/front/servicers.py or a kind's front
 
 
 @dataclass(frozen=True)

@@ -1,9 +1,9 @@
 """Starting a node's engine-core process, from the front: light imports only.
 
 Owns the core's spawn (multiprocessing "spawn" context) and its IPC addresses; the node
-kind's part of the core travels to the child as a `CorePart` (node/core_part.py). The
+kind's part of the core travels to the child as a `CorePart` (node/core/core_part.py). The
 front imports this module, so it must stay free of torch and transformers: the process
-target imports the heavy loop (node/core_loop.py) only once it runs in the child.
+target imports the heavy loop (node/core/core_loop.py) only once it runs in the child.
 
 Must never: import the engine, the model or a KV transport at module level.
 """
@@ -19,7 +19,7 @@ from pathlib import Path
 
 from pdserve.node.affinity import pin_to_cpus
 from pdserve.node.config import NodeConfig
-from pdserve.node.core_part import CorePart
+from pdserve.node.core.core_part import CorePart
 
 
 @dataclass(frozen=True)
@@ -46,6 +46,6 @@ def _core_entry(config: NodeConfig, addresses: CoreAddresses, part: CorePart, fr
     # here, not only in the loop: a Ctrl-C while torch imports would print a traceback.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     pin_to_cpus(config.cpus)  # before torch starts its thread pool
-    from pdserve.node.core_loop import core_main  # torch, transformers, UCX: the child only
+    from pdserve.node.core.core_loop import core_main  # torch, transformers, UCX: the child only
 
     core_main(config, addresses, part, front_pid)

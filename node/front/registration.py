@@ -28,7 +28,7 @@ import grpc
 from pdserve.common.channels import reconnecting_channel
 from pdserve.common.refusal import EXIT_REFUSED, Refused
 from pdserve.node.config import NodeConfig
-from pdserve.node.convert import stats_to_proto
+from pdserve.node.front.convert import stats_to_proto
 from pdserve.node.messages import StatsData
 from pdserve.proto import node_pb2, node_pb2_grpc
 

@@ -23,8 +23,8 @@ from collections.abc import AsyncIterator
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.node.client import CoreClient
-from pdserve.node.convert import beams_to_proto, stats_to_proto, tokens_to_proto
+from pdserve.node.front.client import CoreClient
+from pdserve.node.front.convert import beams_to_proto, stats_to_proto, tokens_to_proto
 from pdserve.proto.convert import params_from_proto
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import BeamOption, BeamsDone, Ready, RequestFailed, StreamSubmit, Tokens

@@ -1,7 +1,7 @@
 """What a node kind plugs into its engine-core process, declared by its front without loading it.
 
 To the shared machinery a node kind is three things: the engine's scheduling policy, the KV
-stages its node core runs (node/node_core.py: a decode node's import, a prefill node's export;
+stages its node core runs (node/core/node_core.py: a decode node's import, a prefill node's export;
 none for a colocated node) and whether its node core computes prompts of its own. Its front
 declares them in one `CorePart` (a row of pdserve/node_kinds.py), e.g.
 
@@ -10,7 +10,7 @@ declares them in one `CorePart` (a row of pdserve/node_kinds.py), e.g.
 The policy class is light (no torch) and named directly. A stage's module loads the engine and a
 KV transport, so the part names its factory as "module:function" and only the engine-core
 process imports it (`load_stage_factories`). A kind with stages starts a KV transport; one
-without starts none. The kinds import this module, never node/core_loop.py, and the core loop
+without starts none. The kinds import this module, never node/core/core_loop.py, and the core loop
 gets the part as an argument: no import cycle, and a front that never loads torch.
 
 Must never: import torch, the engine core or a KV transport at module level.
@@ -29,15 +29,15 @@ if TYPE_CHECKING:
     from pdserve.engine.engine_core import EngineCoreOutput
     from pdserve.engine.policy import SchedulingPolicy
     from pdserve.node.config import NodeConfig
-    from pdserve.node.kv_ranks import NodeKVDescriptor, RankedTransport
-    from pdserve.node.node_core import KVStage, NodeCore
+    from pdserve.node.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
+    from pdserve.node.core.node_core import KVStage, NodeCore
 
 ToFront = Callable[[Message], None]
 """Sends one message from the engine core to its front (in tests: a list's `append`)."""
 
 
 class CoreHandler(Protocol):
-    """What the core loop drives: the node core (node/node_core.py), whatever the kind."""
+    """What the core loop drives: the node core (node/core/node_core.py), whatever the kind."""
 
     def handle(self, msg: Message) -> None:
         """A request-level message from the front (submit / abort)."""

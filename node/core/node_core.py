@@ -6,7 +6,7 @@ A request's life through the core, whatever the kind:
 
     StreamSubmit of a prompt to compute here ─▶ admit into the engine (prompt, plus resumed tokens
         on a resume; a sibling sample of a request still in its prefill is forked off it,
-        node/sibling_forks.py) or RequestFailed at once:
+        node/core/sibling_forks.py) or RequestFailed at once:
           RESOURCE_EXHAUSTED  — the queue bounds are full, or prompt + max_tokens need more KV
                                 blocks than this node has (another node may be bigger)
           INVALID_ARGUMENT    — anything else the engine refuses
@@ -18,7 +18,7 @@ A request's life through the core, whatever the kind:
         export stage: requests handed off at token 1); the rest stream as Tokens{[token],
         [logprobs]}, the last with finish_reason (token 1's with the prompt logprobs, if asked)
     Abort ─▶ the stage that holds the request, else its beam search, else the engine
-    a step that raised (StepFailed, node/core_loop.py) ─▶ `fail`: RequestFailed(INTERNAL), freed
+    a step that raised (StepFailed, node/core/core_loop.py) ─▶ `fail`: RequestFailed(INTERNAL), freed
 
 A beam search (StreamSubmit.beam set) runs as `BeamSearches` (engine/beam_runner.py) beside the
 ordinary requests; its answer is one BeamsDone once it ends; an Abort drops every beam it holds.
@@ -35,13 +35,13 @@ from typing import Protocol
 from pdserve.engine.admission import RequestRejected
 from pdserve.engine.beam_runner import BeamSearches
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput
-from pdserve.node.beam_searches import beam_params, beams_done
+from pdserve.node.core.beam_searches import beam_params, beams_done
 from pdserve.node.config import NodeConfig
-from pdserve.node.core_part import ToFront
+from pdserve.node.core.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
 from pdserve.node.messages import Abort, Logprobs, Message, PromptLogprobs, RequestFailed, StreamSubmit, Tokens
-from pdserve.node.sibling_forks import add_sample
-from pdserve.node.stats import UNBOUNDED, QueueBounds, queued_tokens
+from pdserve.node.core.sibling_forks import add_sample
+from pdserve.node.core.stats import UNBOUNDED, QueueBounds, queued_tokens
 
 logger = logging.getLogger(__name__)
 
@@ -72,7 +72,7 @@ class KVStage(Protocol):
 
 
 class NodeCore:
-    """The node kinds' one `CoreHandler` (node/core_part.py)."""
+    """The node kinds' one `CoreHandler` (node/core/core_part.py)."""
 
     def __init__(self, engine: EngineCore, to_front: ToFront, bounds: QueueBounds = UNBOUNDED,
                  local_prefill: bool = True) -> None:
