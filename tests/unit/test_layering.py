@@ -79,46 +79,26 @@ def test_every_part_folder_is_an_installed_package():
         assert name in config["packages"], f"{sub.relative_to(ROOT)}/ is not in pyproject's packages"
 
 
-# The router's groups (router/__init__.py), bottom up: each imports only the groups below it.
-ROUTER_FLOORS = ("", "cluster", "requests", "dispatch", "fronts")  # "": router/ itself
+# Parts with groups on import floors of their own (router/__init__.py, node/__init__.py), bottom
+# up: each group imports only the groups below it; "" is the part's own top-level modules.
+FLOORS = {"router": ("", "cluster", "requests", "dispatch", "fronts"), "node": ("", "ranks", "core", "front")}
 
 
-def router_group(module: str) -> str | None:
-    """`pdserve.router.cluster.registry` -> cluster; `pdserve.router.errors` -> ""; else None."""
+def group_of(module: str, part: str) -> str | None:
+    """`pdserve.router.cluster.registry` -> cluster; `pdserve.router.errors` -> ""; another part: None."""
     parts = module.split(".")
-    if parts[:2] != ["pdserve", "router"] or len(parts) < 3:
+    if parts[:2] != ["pdserve", part] or len(parts) < 3:
         return None
-    return parts[2] if parts[2] in ROUTER_FLOORS else ""
+    return parts[2] if parts[2] in FLOORS[part] else ""
 
 
-@pytest.mark.parametrize("group", ROUTER_FLOORS)
-def test_router_groups_import_only_the_floors_below(group):
-    allowed = set(ROUTER_FLOORS[: ROUTER_FLOORS.index(group) + 1])
-    folder = ROOT / "router" / group
+@pytest.mark.parametrize("part, group", [(part, group) for part, floors in FLOORS.items() for group in floors])
+def test_groups_import_only_the_floors_below(part, group):
+    floors = FLOORS[part]
+    allowed = set(floors[: floors.index(group) + 1])
+    folder = ROOT / part / group
     files = folder.rglob("*.py") if group else folder.glob("*.py")
     offenders = [f"{path.relative_to(ROOT)} imports {module}"
                  for path in sorted(files) for module in imported_modules(path)
-                 if router_group(module) is not None and router_group(module) not in allowed]
-    assert not offenders, "\n".join(offenders)
-
-
-# node/'s parts (node/__init__.py), bottom up: each imports only the parts below it.
-NODE_FLOORS = ("", "ranks", "core", "front")  # "": node/ itself
-
-
-def node_part(module: str) -> str | None:
-    parts = module.split(".")
-    if parts[:2] != ["pdserve", "node"] or len(parts) < 3:
-        return None
-    return parts[2] if parts[2] in NODE_FLOORS else ""
-
-
-@pytest.mark.parametrize("part", NODE_FLOORS)
-def test_node_parts_import_only_the_floors_below(part):
-    allowed = set(NODE_FLOORS[: NODE_FLOORS.index(part) + 1])
-    folder = ROOT / "node" / part
-    files = folder.rglob("*.py") if part else folder.glob("*.py")
-    offenders = [f"{path.relative_to(ROOT)} imports {module}"
-                 for path in sorted(files) for module in imported_modules(path)
-                 if node_part(module) is not None and node_part(module) not in allowed]
+                 if group_of(module, part) is not None and group_of(module, part) not in allowed]
     assert not offenders, "\n".join(offenders)
