@@ -18,12 +18,10 @@ import time
 
 import grpc
 import pytest
-import torch
 
 from pdserve.common.auth import TOKEN_ENV, call_metadata
 from tests.e2e.cluster import HOST, free_port
 from pdserve.cluster_supervisor import ChildSpec, ClusterSupervisor
-from pdserve.model_factory import make_model
 from pdserve.healthcheck import HealthcheckConfig, check
 from pdserve.kv_transfer import KVDescriptor
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
@@ -65,8 +63,8 @@ def _wait_serving(router: str, supervisor: ClusterSupervisor) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("auth") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 @pytest.fixture(scope="module")

@@ -19,10 +19,8 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-import torch
 
 from tests.e2e.cluster import NodeSettings, running_cluster
-from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2_grpc
 
 from ..integration.reference import assert_matches, greedy_references
@@ -59,8 +57,8 @@ class CancelPlan:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("cancellation") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 @pytest.fixture(scope="module")

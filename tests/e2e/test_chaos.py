@@ -28,8 +28,6 @@ from dataclasses import dataclass
 
 import grpc
 import pytest
-import torch
-from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 from tests.e2e.cluster import FaultCluster, FaultSettings
@@ -52,8 +50,8 @@ class Outcome:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("chaos") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 def workload(model_dir: str):

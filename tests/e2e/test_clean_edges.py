@@ -23,11 +23,9 @@ import urllib.request
 from pathlib import Path
 
 import pytest
-import torch
 
 from pdserve.cluster_process import POLL_S
 from pdserve.cluster_state import read_state
-from pdserve.model_factory import make_model
 from tests.e2e.cluster import START_TIMEOUT_S, free_port, running_cluster
 from tests.waiting import wait_until
 
@@ -138,8 +136,8 @@ def assert_interrupted(command: Command, code: int) -> None:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("clean-edges") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 @pytest.fixture

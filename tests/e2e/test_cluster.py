@@ -19,7 +19,6 @@ import grpc
 import pytest
 import torch
 
-from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
@@ -32,8 +31,8 @@ NEW_TOKENS = [12, 20, 8, 16, 24, 5, 20, 12, 16, 1, 20, 8, 16, 20, 12, 24]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("cluster") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 @pytest.fixture(scope="module")

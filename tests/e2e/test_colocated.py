@@ -19,11 +19,9 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from tests.e2e.cluster import HOST, NodeSettings, free_port, running_cluster
 from pdserve.cluster_supervisor import ChildSpec, ClusterSupervisor
-from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
 from ..integration.reference import assert_matches, greedy_references
@@ -35,8 +33,8 @@ NEW_TOKENS = [12, 20, 8, 16, 24, 5, 20, 12, 16, 1]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("colocated") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 @pytest.fixture(scope="module")

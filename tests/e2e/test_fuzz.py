@@ -20,12 +20,10 @@ from collections import Counter
 
 import grpc
 import pytest
-import torch
 from hypothesis import HealthCheck, Phase, given, settings
 from hypothesis import strategies as st
 
 from tests.e2e.cluster import NodeSettings, running_cluster
-from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.errors import InvalidRequest
 from pdserve.router.model import load_router_model
@@ -238,8 +236,8 @@ def check(case: Case, outcome: Outcome) -> None:
 
 # -- the test --------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("fuzz") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 def test_random_and_malformed_requests_get_exact_statuses_and_leave_the_cluster_healthy(model_dir):

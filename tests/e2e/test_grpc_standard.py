@@ -14,13 +14,11 @@ import sys
 
 import grpc
 import pytest
-import torch
 from google.rpc import error_details_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha.proto_reflection_descriptor_database import ProtoReflectionDescriptorDatabase
 from grpc_status import rpc_status
 
-from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.cluster import NodeSettings, assert_every_block_free, free_port, running_cluster
 
@@ -31,8 +29,8 @@ STANDARD = ["grpc.health.v1.Health", "grpc.reflection.v1alpha.ServerReflection"]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("standard") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 @pytest.fixture(scope="module")

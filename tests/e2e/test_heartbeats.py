@@ -15,10 +15,8 @@ import random
 
 import grpc
 import pytest
-import torch
 
 from tests.e2e.cluster import NodeSettings, running_cluster
-from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
 from ..integration.reference import assert_matches, greedy_references
@@ -29,8 +27,8 @@ HEARTBEAT_TIMEOUT_S = 2.0
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("heartbeats") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 def test_a_core_busy_for_longer_than_the_heartbeat_timeout_keeps_its_node_registered(model_dir):

@@ -22,7 +22,6 @@ import torch
 from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.cluster import Cluster, NodeSettings, running_cluster
-from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
@@ -78,8 +77,8 @@ def scrape_until(url: str, ready) -> Scrape:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("metrics") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 def kv_bytes_per_block(model_dir: str) -> int:

@@ -20,8 +20,6 @@ import time
 
 import grpc
 import pytest
-import torch
-from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 from tests.e2e.cluster import FaultCluster, FaultSettings
@@ -37,8 +35,8 @@ SETTINGS = FaultSettings(max_num_batched_tokens=16, lease_s=6.0, heartbeat_timeo
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("failure") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 @pytest.fixture(scope="module")

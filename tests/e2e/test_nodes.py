@@ -27,7 +27,6 @@ import grpc
 import pytest
 import torch
 
-from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
 from tests.integration.reference import assert_matches, greedy_references
@@ -111,8 +110,8 @@ def _unused_port() -> int:
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("model"), "llama", "tiny", dtype=torch.float32)
+def model_dir(tiny_llama) -> Path:
+    return tiny_llama
 
 
 @pytest.fixture(scope="module")

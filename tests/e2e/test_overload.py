@@ -19,11 +19,9 @@ import time
 import grpc
 import openai
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from tests.e2e.cluster import NodeSettings, running_cluster
-from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
 from ..integration.reference import assert_matches, greedy_references
@@ -38,8 +36,8 @@ SEED = 3
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("overload") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 @pytest.fixture(scope="module")

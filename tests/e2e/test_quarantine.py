@@ -22,8 +22,6 @@ import importlib.util
 
 import grpc
 import pytest
-import torch
-from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2_grpc
 
 from tests.e2e.cluster import FaultCluster, FaultSettings
@@ -44,8 +42,8 @@ SETTINGS = FaultSettings(max_num_batched_tokens=16, lease_s=LEASE_S, heartbeat_t
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("quarantine") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 @pytest.fixture(scope="module")

@@ -16,9 +16,7 @@ import time
 
 import grpc
 import pytest
-import torch
 
-from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.cluster import FaultCluster, FaultSettings, assert_every_block_free, running_cluster
 from tests.integration.reference import assert_matches, greedy_references
@@ -32,8 +30,8 @@ RPC_TIMEOUT_S = 120.0
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("poison") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 def generate(router: str, ids: list[int]) -> list[int]:

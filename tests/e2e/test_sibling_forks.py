@@ -14,9 +14,7 @@ import random
 
 import grpc
 import pytest
-import torch
 
-from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.cluster import NodeSettings, running_cluster
 
@@ -28,8 +26,8 @@ SLOW_STEPS = ("--debug-step-delay-s", "0.05")
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("forks") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 @pytest.fixture(scope="module")

@@ -19,7 +19,6 @@ import grpc
 import pytest
 import torch
 
-from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2_grpc
 from tests.e2e.cluster import NodeSettings, running_cluster
 
@@ -34,8 +33,8 @@ NEW_TOKENS = 40
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("swap") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 def swap_flags(model_dir: str) -> tuple[str, ...]:

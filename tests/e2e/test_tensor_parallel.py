@@ -27,9 +27,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
-from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.cluster import FaultCluster, FaultSettings, NodeSettings, free_port, running_cluster
 from tests.e2e.test_node_failure import Stream, busy_node, greedy
@@ -48,8 +46,8 @@ STUBS = {"prefill": node_pb2_grpc.PrefillNodeStub, "decode": node_pb2_grpc.Decod
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("tp") / "llama", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 @pytest.fixture(scope="module")

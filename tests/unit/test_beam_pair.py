@@ -15,7 +15,6 @@ from pdserve.engine.engine_core import EngineCore
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.model_factory import make_model
 from pdserve.node.errors import ErrorCode
 from pdserve.node.messages import Abort, BeamOption, BeamsDone, PrefillSubmit, Ready, RequestFailed, StreamSubmit
 from pdserve.prefill_node.kv_export import prefill_params
@@ -24,8 +23,8 @@ from .node_pair import Pair, engine_config
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    model_dir = make_model(tmp_path_factory.mktemp("tiny"), "llama", "tiny", dtype=torch.float32)
+def model(tiny_llama):
+    model_dir = tiny_llama
     return str(model_dir), load_model(model_dir, torch.float32)
 
 

@@ -17,7 +17,6 @@ import torch
 from pdserve.engine.config import EngineConfig
 from pdserve.node.core.node_core import NodeCore, make_node_core
 from pdserve.engine.engine_core import EngineCore
-from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
@@ -34,8 +33,8 @@ GREEDY = SamplingParams(temperature=0.0, max_tokens=5, ignore_eos=True)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    model_dir = make_model(tmp_path_factory.mktemp("tiny"), "llama", "tiny", dtype=torch.float32)
+def model(tiny_llama):
+    model_dir = tiny_llama
     return str(model_dir), load_model(model_dir, torch.float32)
 
 

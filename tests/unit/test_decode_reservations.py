@@ -10,7 +10,6 @@ import torch
 
 from pdserve.decode_node.reservations import ReservationTable
 from pdserve.engine.engine_core import EngineCore
-from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
@@ -26,8 +25,8 @@ OK = KVDone(DoneStatus.OK, token_id=42)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    model_dir = make_model(tmp_path_factory.mktemp("tiny"), "llama", "tiny", dtype=torch.float32)
+def model(tiny_llama):
+    model_dir = tiny_llama
     return str(model_dir), load_model(model_dir, torch.float32)
 
 

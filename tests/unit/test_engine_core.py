@@ -15,7 +15,6 @@ from pdserve.engine.model_loader import load_model
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
 from pdserve.engine.request import FinishReason, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.model_factory import make_model
 from pdserve.node.errors import ErrorCode, rejection_error
 
 from .node_pair import engine_config
@@ -29,8 +28,8 @@ class HandOffPolicy(SchedulingPolicy):
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    model_dir = make_model(tmp_path_factory.mktemp("tiny"), "llama", "tiny", dtype=torch.float32)
+def model(tiny_llama):
+    model_dir = tiny_llama
     return str(model_dir), load_model(model_dir, torch.float32)
 
 

@@ -9,7 +9,6 @@ import torch
 
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.model_factory import make_model
 from pdserve.node.errors import ErrorCode
 from pdserve.node.messages import RequestFailed, StreamSubmit
 
@@ -22,8 +21,8 @@ LOCAL = [(11 * i + 5) % 900 + 3 for i in range(13)]
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    model_dir = make_model(tmp_path_factory.mktemp("tiny"), "llama", "tiny", dtype=torch.float32)
+def model(tiny_llama):
+    model_dir = tiny_llama
     return str(model_dir), load_model(model_dir, torch.float32)
 
 

@@ -13,7 +13,6 @@ import torch
 
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.engine_core import EngineCore
-from pdserve.model_factory import make_model
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.errors import ErrorCode
@@ -28,8 +27,8 @@ BOOT, WAIT, SENDING, OK, FAILED = (HandoffState.BOOTSTRAPPING, HandoffState.WAIT
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    model_dir = make_model(tmp_path_factory.mktemp("tiny"), "llama", "tiny", dtype=torch.float32)
+def model(tiny_llama):
+    model_dir = tiny_llama
     return str(model_dir), load_model(model_dir, torch.float32)
 
 

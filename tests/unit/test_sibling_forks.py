@@ -18,7 +18,6 @@ from pdserve.engine.model_loader import load_model
 from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.request import PendingFork
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.model_factory import make_model
 from pdserve.node.messages import Abort, FirstToken, PrefillSubmit, Ready, StreamSubmit
 from pdserve.node.core.sibling_forks import add_sample
 from pdserve.prefill_node.kv_export import prefill_params
@@ -30,8 +29,8 @@ SEEDED = SamplingParams(temperature=1.0, max_tokens=5, ignore_eos=True, seed=11)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    model_dir = make_model(tmp_path_factory.mktemp("tiny"), "llama", "tiny", dtype=torch.float32)
+def model(tiny_llama):
+    model_dir = tiny_llama
     return str(model_dir), load_model(model_dir, torch.float32)
 
 
