@@ -44,6 +44,13 @@ def last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
+def falcon(good, tmp_path):
+    from pdserve.model_factory import SMALL_TOKENIZER_VOCAB, build_tokenizer
+    from pdserve.tiny_models import build_tiny_model
+
+    return build_tiny_model("falcon", tmp_path / "falcon", build_tokenizer(SMALL_TOKENIZER_VOCAB))
+
+
 @pytest.mark.parametrize("build, reason", [
     (no_tokenizer, "no tokenizer (tokenizer.json or tokenizer_config.json) there"),
     (masked_lm, "BertForMaskedLM is not a causal language model (...ForCausalLM)"),
@@ -61,6 +68,9 @@ def test_the_router_refuses_a_bad_folder_in_one_line(good, tmp_path, build, reas
     ("decode", no_tokenizer, "no tokenizer (tokenizer.json or tokenizer_config.json) there"),
     ("colocated", sliding_window, "mistral: sliding window 64 < max_position_embeddings 4096; "
                                   "the engine's attention has no sliding window"),
+    # Passes every check before loading (the router accepts it): refused by the node's first steps.
+    ("decode", falcon, "FalconForCausalLM: the engine's paged attention ran for layers none of 2 in one step; "
+                       "this model class computes attention its own way"),
 ])
 def test_every_node_kind_refuses_a_bad_folder_in_one_line(good, tmp_path, kind, build, reason):
     folder = build(good, tmp_path)
