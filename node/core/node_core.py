@@ -109,6 +109,8 @@ class NodeCore:
             self.engine.abort(req_id)
 
     def _admit(self, msg: StreamSubmit) -> None:
+        if msg.imports_kv:  # no stage took it: this kind receives no KV
+            raise NodeError(ErrorCode.FAILED_PRECONDITION, "this node receives no KV from prefill nodes")
         if not self.local_prefill:
             raise NodeError(ErrorCode.FAILED_PRECONDITION, "this node computes no prompts of its own "
                                                            "(a decode node takes them with --local-prefill)")
