@@ -11,8 +11,9 @@ index = rank (best first). Nothing streams before the end: the beams change unti
 ends. The node calls are cancelled in a `finally`, so a client that leaves (cancel, deadline)
 frees every beam's blocks. A node lost mid-search (UNAVAILABLE, a dropped node) costs the client
 nothing it saw, since nothing streamed: the whole search runs again, under a new node request
-id, on another node (a colocated node that failed this request is skipped), at most
-`--max-resumes` times; beam search is deterministic, so the answer is the same.
+id, on another node (a colocated node, or a pair's decode node, that failed this search is
+skipped), at most `--max-resumes` times and while fewer than `--max-node-failures-per-request`
+attempts have failed; beam search is deterministic, so the answer is the same.
 
 Must never: pick a status code itself (router/errors.py does) or change the registry.
 """
@@ -64,7 +65,7 @@ class BeamSearchRoute:
 
     async def run(self, request: ValidatedRequest, node_req_id: str, timeout_s: float | None) -> list[pdserve_pb2.GenerateResponse]:
         """The returned beams' responses, best first."""
-        failed: set[str] = set()  # colocated nodes lost by this search
+        failed: set[str] = set()  # nodes lost by this search (colocated, or a pair's decode node)
         for attempt in itertools.count():  # ends by returning or raising
             req_id = node_req_id if attempt == 0 else f"{node_req_id}~{attempt}"
             try:
@@ -91,7 +92,7 @@ class BeamSearchRoute:
         keep = beams_to_keep(beam.beam_width, len(self._model.eos_token_ids), request.params.ignore_eos)
         prefill_params = pdserve_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=request.params.max_tokens,
                                                     logprobs=keep)
-        event = await self._pair.run(sample, prefill_params, num_blocks, timeout_s)
+        event = await self._pair.run(sample, prefill_params, num_blocks, timeout_s, failed)
         return self._responses(request, event, "the decode node")
 
     async def _run_colocated(self, request: ValidatedRequest, sample: node_pb2.SampleRequest, num_blocks: int,

@@ -14,8 +14,10 @@ its done message (behind the KV), where the search starts from the imported prom
 step a colocated node takes, with no token computed twice and nothing new on the prefill node.
 
 Both calls are cancelled in a `finally`: a client that leaves (cancel, deadline) makes the decode
-node free its reservation or drop every beam, and the prefill node stop. A node lost mid-search
-fails the request (UNAVAILABLE): a search is not resumed elsewhere.
+node free its reservation or drop every beam, and the prefill node stop. A decode node lost
+mid-search (its call failed the way a lost node's does, or it was dropped) fails this run with
+`NodeFailed` and joins the caller's `failed` set: router/dispatch/beam.py runs the whole search
+again, never on a node in that set.
 
 Must never: pick a status code itself (router/errors.py does) or change the registry.
 """
@@ -50,12 +52,16 @@ class BeamSearchPair:
         return bool(self._registry.live(NodeKind.PREFILL)) and bool(self._registry.live(NodeKind.DECODE))
 
     async def run(self, sample: node_pb2.SampleRequest, prefill_params: pdserve_pb2.SamplingParams, num_blocks: int,
-                  timeout_s: float | None) -> node_pb2.DecodeEvent:
+                  timeout_s: float | None, failed: set[str]) -> node_pb2.DecodeEvent:
         """The decode node's one event (the caller checks it is `beams`), its cached prompt
-        tokens set to those the prefill node found in its prefix cache."""
+        tokens set to those the prefill node found in its prefix cache. `failed`: decode nodes
+        lost by earlier runs of this search (skipped), and this run's, if it loses one."""
         deadline = None if timeout_s is None else self._clock() + timeout_s
         refused: list[str] = []
-        for candidate in self._decode.rank([e.candidate() for e in self._registry.live(NodeKind.DECODE)]):
+        live = [e for e in self._registry.live(NodeKind.DECODE) if e.node_id not in failed]
+        if not live:
+            raise NoNodeAvailable(f"no decode node is left for the beam search (lost: {', '.join(sorted(failed))})")
+        for candidate in self._decode.rank([e.candidate() for e in live]):
             entry = self._registry.get(candidate.node_id)
             if entry is None:
                 continue
@@ -69,9 +75,13 @@ class BeamSearchPair:
                 prefill = await self._run_prefill(sample, prefill_params, ready, entry, deadline)
                 event = await unless_gone(call.read(), [entry])
             except NodeGone as gone:
+                failed.add(gone.entry.node_id)  # the decode node, or the prefill node feeding it
                 raise NodeFailed(f"{gone}: the beam search was lost") from gone
-            except grpc.aio.AioRpcError as exc:
-                raise from_node_error("decode", entry.address, exc) from exc
+            except grpc.aio.AioRpcError as exc:  # the decode call's (a prefill's error is a RouterError)
+                error = from_node_error("decode", entry.address, exc)
+                if isinstance(error, NodeFailed):
+                    failed.add(entry.node_id)
+                raise error from exc
             finally:
                 call.cancel()  # a no-op once the node answered; otherwise it drops the search
             if event is not grpc.aio.EOF and event.WhichOneof("event") == "beams":
