@@ -12,7 +12,7 @@ Each type ends as one `SweepResult`:
 - NOT_BUILT: the generic recipe cannot make this family tiny and its default config passes
   those checks (the reason is transformers');
 - WRONG or CRASHED: served with other tokens than transformers, or failed otherwise than by a
-  refusal. Neither may ever appear: tests/integration/test_model_sweep.py fails on them.
+  refusal (a KV block still held once every request ended counts as a crash). Neither may ever appear: tests/integration/test_model_sweep.py fails on them.
 
 `--markdown` prints the report docs/models.md holds. Must never download anything.
 """
@@ -85,6 +85,9 @@ def sweep_one(model_type: str, folder: Path, tokenizer) -> SweepResult:
         return SweepResult(model_type, Outcome.REFUSED, exc.reason)
     except Exception as exc:  # noqa: BLE001 - what a user would see instead of a refusal
         return SweepResult(model_type, Outcome.CRASHED, f"{type(exc).__name__}: {one_line(exc)}")
+    leaked = llm.engine.kv.num_used_blocks
+    if leaked:
+        return SweepResult(model_type, Outcome.CRASHED, f"{leaked} KV blocks still held after every request ended")
     got = [o.outputs[0].token_ids for o in outputs]
     mismatch = first_mismatch(folder, prompts, got)
     if mismatch is not None:
