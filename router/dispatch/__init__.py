@@ -1,4 +1,5 @@
-"""Sending requests to nodes: the router's shared state (state.py), one sample's attempts
-(driver.py) along its route (routes.py), recovery from a lost node (recovery.py), served beam
-search (beam.py, beam_pair.py) and the orchestrator that picks among them (orchestrator.py).
-Imports router/ itself, cluster/ and requests/."""
+"""Sending requests to nodes: the router's shared state (state.py), what a sample asks of its
+nodes (asks.py), one sample's attempts (driver.py: a sampled sequence or a whole beam search)
+along its route (routes.py), recovery from a lost node (recovery.py) and the orchestrator that
+picks the route and runs a request's samples (orchestrator.py). Imports router/ itself, cluster/
+and requests/."""

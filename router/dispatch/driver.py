@@ -1,13 +1,16 @@
 """One sample's life across the cluster, as the router drives it, on either architecture.
 
-A sample runs as attempts (node request id: the sample's own; "<id>~<n>" for the n-th
+A sample is a sampled sequence or a whole beam search: the same loop runs both, with the
+sample's sink (router/requests/relay.py's token relay, or router/requests/beam_results.py's
+collector) taking what its nodes send, and its `NodeAsks` (router/dispatch/asks.py) saying what
+it asks them. A sample runs as attempts (node request id: the sample's own; "<id>~<n>" for the n-th
 after a loss), each along the sample's route (router/dispatch/routes.py: disaggregated pools or
 colocated nodes):
 
     rank the route's nodes ──open(prompt, resumed)──▶ opening event
                                        (RESOURCE_EXHAUSTED: next node; lost: excluded, probed, next node)
     the route's lead-in                (disaggregated: the prefill leg)
-    relay the stream's tokens ──▶ client  (until the node's finish, or a stop string)
+    the stream's events ──▶ the sink ──▶ client  (until the node's finish, or a stop string)
     finally: cancel the stream unless it ended  (the node frees its blocks at once)
 
 When no ranked node opens the stream, the sample ends `Overloaded` (RESOURCE_EXHAUSTED)
@@ -19,7 +22,7 @@ the stream ended unfinished) ends the attempt with `NodeLost`: the nodes it impl
 get a GetStats probe (`NodeRegistry.probe`; one that does not answer is suspect for
 everyone and excluded for this sample), the ones the route excludes outright are never
 asked again for this sample, and a new attempt runs with `resumed` = the tokens the
-client already has (`relay.streamed_token_ids`): the new node prefills prompt + those
+client already has (`sink.streamed_token_ids`; a beam search streams none, so it starts over): the new node prefills prompt + those
 and goes on from there. The same `TokenRelay` (same detokenizer, same stop-string
 state) carries on, so the client sees no gap and no duplicate. Attempts are bounded by
 `RecoveryBudget` (resumes while decoding, retries before the next token) and by the
@@ -27,7 +30,7 @@ client's deadline, which every node call carries.
 
 Owns the order of node calls and the mapping of node call failures to router errors;
 what the client sees (text, stop strings, responses, usage, timings) is the sample's
-`TokenRelay` (router/requests/relay.py). Must never: pick a status code itself (router/errors.py
+sink's. Must never: pick a status code itself (router/errors.py
 does), multiplex samples, change the registry beyond a probe, ask a node excluded for
 this sample again, or leave a node call open when the sample ends.
 """
@@ -39,15 +42,14 @@ import logging
 
 import grpc
 
-from pdserve.proto import node_pb2, pdserve_pb2
-from pdserve.proto.convert import params_to_proto
+from pdserve.proto import node_pb2
 from pdserve.router.errors import DeadlineExceeded, NodeFailed, NoNodeAvailable, Overloaded, from_node_error
 from pdserve.router.cluster.liveness import NodeGone, unless_gone
 from pdserve.router.cluster.placement import Candidate
 from pdserve.router.dispatch.recovery import NODE_LOST_CODES, NodeLost, RecoveryBudget, attempt_ids
 from pdserve.router.cluster.registry import NodeEntry, NodeKind
-from pdserve.router.requests.relay import SendResponse, TokenRelay
-from pdserve.router.dispatch.routes import Leg, Load, Route
+from pdserve.router.dispatch.asks import NodeAsks
+from pdserve.router.dispatch.routes import Leg, Load, Route, Sink
 from pdserve.router.dispatch.state import RouterState, SampleSpec
 
 log = logging.getLogger(__name__)
@@ -56,10 +58,11 @@ log = logging.getLogger(__name__)
 class SampleDriver:
     """Drives one sample along its route until it ends; raises a `RouterError` if it cannot."""
 
-    def __init__(self, state: RouterState, route: Route, spec: SampleSpec, send: SendResponse) -> None:
+    def __init__(self, state: RouterState, route: Route, spec: SampleSpec, sink: Sink, asks: NodeAsks) -> None:
         self.state = state
         self.spec = spec
-        self.relay = TokenRelay(spec.request, spec.index, state.model, spec.received_at, state.clock, send)
+        self.sink = sink
+        self.asks = asks
         self._route = route
         config = state.config
         self._budget = RecoveryBudget(config.max_resumes, config.max_prefill_retries, config.max_node_failures_per_request)
@@ -74,7 +77,7 @@ class SampleDriver:
                 await self._recover(lost)
 
     async def _attempt(self, req_id: str) -> None:
-        leg = await self._open(req_id, list(self.relay.streamed_token_ids))
+        leg = await self._open(req_id, list(self.sink.streamed_token_ids))
         try:
             if await self._route.lead_in(self, leg):
                 return  # the lead-in's token ended the sample: the finally cancels the stream
@@ -95,7 +98,7 @@ class SampleDriver:
                 self._exclude(entry, f"{entry.address} was lost during this request")
         what = self._budget.allow(lost.decoding, lost.error, self.remaining(), lost)
         log.warning("sample %s: %s on %s nodes after %d streamed tokens: %s", self.spec.node_req_id, what,
-                    self._route.kind.value, len(self.relay.streamed_token_ids), lost.error)
+                    self._route.kind.value, len(self.sink.streamed_token_ids), lost.error)
 
     def _exclude(self, entry: NodeEntry, reason: str) -> None:
         self._excluded.setdefault(entry.node_id, (entry, reason))  # the first reason is the telling one
@@ -125,15 +128,6 @@ class SampleDriver:
         remaining = self.remaining()
         return limit_s if remaining is None else min(limit_s, remaining)
 
-    def node_params(self) -> pdserve_pb2.SamplingParams:
-        params = params_to_proto(self.spec.request.params)
-        params.n = 1  # a node runs one sample; sample_index says which
-        if self.spec.index != 0 or self.relay.streamed_token_ids:
-            # Prompt logprobs are the request's and come with sample 0's token 1: the other
-            # samples, and a resume after the client has them, would only score the prompt again.
-            params.ClearField("prompt_logprobs")
-        return params
-
     # -- opening the stream -------------------------------------------------------------
 
     async def _open(self, req_id: str, resumed: list[int]) -> Leg:
@@ -145,7 +139,7 @@ class SampleDriver:
             raise self.none_left(kind)
         request, model = self.spec.request, self.state.model
         load = Load(len(request.prompt_token_ids) + len(resumed),
-                    request.max_kv_blocks(self.state.config.block_size, model.max_model_len))
+                    self.asks.num_blocks(self.state.config.block_size, model.max_model_len))
         refused: list[str] = []
         for candidate in route.rank([e.candidate() for e in live]):
             entry = self.state.registry.get(candidate.node_id)
@@ -174,7 +168,8 @@ class SampleDriver:
         """Open the route's call and wait for its opening event (a refusal comes at once, as an error)."""
         route = self._route
         route.claim(candidate, load)
-        call = route.open(self.state.registry.channel(entry), self._node_request(req_id, resumed), self.remaining())
+        call = route.open(self.state.registry.channel(entry), self.asks.sample_request(req_id, resumed),
+                          self.remaining())
         try:
             first = await self._opening_event(call, entry)
         except BaseException:
@@ -186,6 +181,7 @@ class SampleDriver:
 
     async def _opening_event(self, call: grpc.aio.UnaryStreamCall, entry: NodeEntry) -> node_pb2.DecodeEvent:
         opening, node = self._route.opening, f"{self._route.kind.value} node {entry.address}"
+        expected, name = opening.event or self.sink.event, opening.name or self.sink.opening_name
         timeout = None if opening.timeout_s is None else self.bounded(opening.timeout_s)
         try:
             event = await asyncio.wait_for(unless_gone(call.read(), [entry]), timeout)
@@ -194,46 +190,36 @@ class SampleDriver:
         except TimeoutError as exc:
             remaining = self.remaining()
             if remaining is not None and remaining <= 0:
-                raise DeadlineExceeded(f"the deadline passed while waiting for {opening.name} from {node}") from exc
-            raise NodeFailed(f"{node} did not send {opening.name} within {timeout:.1f}s") from exc
+                raise DeadlineExceeded(f"the deadline passed while waiting for {name} from {node}") from exc
+            raise NodeFailed(f"{node} did not send {name} within {timeout:.1f}s") from exc
         if event is grpc.aio.EOF:
-            raise NodeFailed(f"{node} ended the stream before {opening.name}")
-        if event.WhichOneof("event") != opening.event:
-            raise NodeFailed(f"{node} sent {event.WhichOneof('event')} before {opening.name}")
+            raise NodeFailed(f"{node} ended the stream before {name}")
+        if event.WhichOneof("event") != expected:
+            raise NodeFailed(f"{node} sent {event.WhichOneof('event')} before {name}")
         return event
-
-    def _node_request(self, req_id: str, resumed: list[int]) -> node_pb2.SampleRequest:
-        request = self.spec.request
-        return node_pb2.SampleRequest(
-            request_id=req_id,
-            prompt_token_ids=request.prompt_token_ids,
-            sampling_params=self.node_params(),
-            seed=request.params.seed,
-            sample_index=self.spec.index,
-            resumed_token_ids=resumed,
-        )
 
     # -- the stream ---------------------------------------------------------------------
 
     async def _relay_stream(self, leg: Leg) -> None:
-        """Relay token events until the sample ends; raises `NodeLost` when the node goes away first."""
-        node = f"{self._route.kind.value} node {leg.entry.address}"
-        # An opening event that carries tokens (a colocated node's) is the first one to relay.
-        event = leg.first if leg.first.WhichOneof("event") == "tokens" else await self._next_event(leg)
+        """Hand the stream's events to the sink until the sample ends; raises `NodeLost` when
+        the node goes away first."""
+        node, sink = f"{self._route.kind.value} node {leg.entry.address}", self.sink
+        # An opening event the sink takes (a colocated node's) is the first one to hand it.
+        event = leg.first if leg.first.WhichOneof("event") == sink.event else await self._next_event(leg)
         while True:
-            if event.WhichOneof("event") != "tokens":
-                raise NodeFailed(f"{node} sent {event.WhichOneof('event')}, not tokens")
-            if self.relay.push_decoded(event.tokens):
+            if event.WhichOneof("event") != sink.event:
+                raise NodeFailed(f"{node} sent {event.WhichOneof('event')}, not {sink.event}")
+            if sink.push(event):
                 await self._await_end(leg.call)
                 return
-            if self.relay.finished:
+            if sink.finished:
                 return  # a stop string: the caller cancels the call
             event = await self._next_event(leg)
 
     async def _next_event(self, leg: Leg) -> node_pb2.DecodeEvent:
         node = f"{self._route.kind.value} node {leg.entry.address}"
         # Lost once the client has tokens: a resume; before any: a retry.
-        decoding = bool(self.relay.streamed_token_ids)
+        decoding = bool(self.sink.streamed_token_ids)
         try:
             event = await unless_gone(leg.call.read(), [leg.entry, *leg.feeders])
         except NodeGone as gone:
@@ -250,7 +236,7 @@ class SampleDriver:
             raise self._route.stream_lost(leg, failure, decoding) from exc
         if event is grpc.aio.EOF:
             raise self._route.stream_lost(leg, NodeFailed(f"{node} ended the stream unfinished"), decoding)
-        if event.WhichOneof("event") == "tokens":
+        if event.WhichOneof("event") == self.sink.event:
             leg.feeders.clear()  # the KV has landed: the stream no longer depends on its sender
         return event
 

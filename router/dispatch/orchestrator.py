@@ -8,9 +8,11 @@ phases — the baseline); otherwise the disaggregated route (a decode reservatio
 prefill), which needs a live prefill and a live decode node. With neither, the request
 is refused at once (UNAVAILABLE) naming what is missing. The responses of the n samples
 are multiplexed onto one stream in arrival order, each tagged with its `index`. A beam
-search (`ValidatedRequest.beam`) runs once instead (router/dispatch/beam.py): on a colocated node when
-one is live, else on a prefill + decode pair, refused at once (FAILED_PRECONDITION) with
-neither; its beams come back at its end.
+search (`ValidatedRequest.beam`) is one driver instead, on the same routes, collecting the
+node's beams (router/requests/beam_results.py) rather than relaying tokens: it needs every
+step's top logprobs of every beam in one engine, so it runs on a colocated node or a pair's
+decode node, refused at once (FAILED_PRECONDITION naming beam_width) with neither; its beams
+come back at its end, one response each.
 
 Cancellation flows one way: when the caller stops iterating (client cancel, deadline,
 an error in any sample), every sample task is cancelled, and each cancels its node
@@ -27,11 +29,12 @@ from collections.abc import AsyncIterator
 from functools import partial
 
 from pdserve.proto import pdserve_pb2
-from pdserve.router.dispatch.beam import BeamSearchRoute
-from pdserve.router.dispatch.beam_pair import BeamSearchPair
+from pdserve.router.dispatch.asks import NodeAsks
 from pdserve.router.dispatch.driver import SampleDriver
-from pdserve.router.errors import NoNodeAvailable
+from pdserve.router.errors import NeedsNodes, NoNodeAvailable
+from pdserve.router.requests.beam_results import BeamResults
 from pdserve.router.requests.merge import Put, merged
+from pdserve.router.requests.relay import TokenRelay
 from pdserve.router.cluster.placement import ColocatedPlacement
 from pdserve.router.cluster.registry import NodeKind
 from pdserve.router.dispatch.routes import ColocatedRoute, DisaggregatedRoute, Route
@@ -47,13 +50,7 @@ class Orchestrator:
         self._router_id = uuid.uuid4().hex[:8]  # node request ids stay unique across routers
         self._sequence = itertools.count()
         config = state.config
-        colocated = ColocatedPlacement(config.exhausted_cooldown_s, state.clock)  # samples and beam searches alike
-        self._colocated = ColocatedRoute(colocated)
-        pair = BeamSearchPair(state.registry, state.decode_placement, state.prefill_placement, config.ready_timeout_s,
-                              config.prefill_timeout_s, state.clock)
-        self._beams = BeamSearchRoute(state.registry, colocated, state.model, config.block_size, pair,
-                                      max_retries=config.max_resumes,
-                                      max_node_failures=config.max_node_failures_per_request)
+        self._colocated = ColocatedRoute(ColocatedPlacement(config.exhausted_cooldown_s, state.clock))
         self._disaggregated = DisaggregatedRoute(state.decode_placement, state.prefill_placement,
                                                  config.ready_timeout_s, config.prefill_timeout_s)
 
@@ -61,35 +58,44 @@ class Orchestrator:
         self, request: ValidatedRequest, timeout_s: float | None
     ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """Every sample's responses, as they come; raises the first sample's `RouterError`."""
-        if request.beam is not None:
-            node_req_id = f"{request.request_id}-beam-{self._router_id}{next(self._sequence)}"
-            for response in await self._beams.run(request, node_req_id, timeout_s):
-                yield response
-            return
-        route = self._choose_route()
+        route = self.choose_route(beam_search=request.beam is not None)
         received_at = self.state.clock()
         deadline = received_at + timeout_s if timeout_s is not None else None
         sequence = next(self._sequence)
-        specs = [SampleSpec(request, index, f"{request.request_id}-{index}-{self._router_id}{sequence}", received_at,
-                            deadline) for index in range(request.params.n)]
+        if request.beam is not None:
+            specs = [SampleSpec(request, 0, f"{request.request_id}-beam-{self._router_id}{sequence}", received_at,
+                                deadline)]
+        else:
+            specs = [SampleSpec(request, index, f"{request.request_id}-{index}-{self._router_id}{sequence}",
+                                received_at, deadline) for index in range(request.params.n)]
         async for response in merged([partial(self._run_sample, route, spec) for spec in specs]):
             yield response
 
-    def _choose_route(self) -> Route:
+    def choose_route(self, beam_search: bool = False) -> Route:
         """Colocated nodes when any is live, else the disaggregated pools; refuse at once
         (UNAVAILABLE) when neither can serve, naming the kinds that are missing."""
         registry = self.state.registry
         if registry.live(NodeKind.COLOCATED):
             return self._colocated
         missing = [kind.value for kind in (NodeKind.PREFILL, NodeKind.DECODE) if not registry.live(kind)]
+        if missing and beam_search:
+            raise NeedsNodes("beam_width", "beam_width: beam search runs on a colocated node or a prefill + decode "
+                                           "pair (every step needs every beam's top logprobs in one engine), and "
+                                           "this cluster has neither live")
         if missing:
             raise NoNodeAvailable(f"no {' and no '.join(missing)} node is available, and no colocated node; "
                                   "the cluster cannot serve")
         return self._disaggregated
 
     async def _run_sample(self, route: Route, spec: SampleSpec, put: Put) -> None:
+        request, state = spec.request, self.state
+        if request.beam is not None:
+            sink, asks = BeamResults(request, state.model, put), NodeAsks.for_beam_search(request, state.model)
+        else:
+            sink = TokenRelay(request, spec.index, state.model, spec.received_at, state.clock, put)
+            asks = NodeAsks.for_sample(request, spec.index)
         try:
-            await SampleDriver(self.state, route, spec, put).run()
+            await SampleDriver(state, route, spec, sink, asks).run()
         except Exception as exc:  # the stream's reader raises it (router/requests/merge.py)
             log.debug("sample %s failed: %r", spec.node_req_id, exc)
             raise

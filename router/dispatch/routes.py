@@ -4,15 +4,16 @@ Disaggregated (a decode node, then a prefill node):
 
     rank decode nodes ──Decode(prompt, resumed)──▶ READY{descriptor, block ids}
                                                    (placement counts prompt + max_tokens on D)
-    lead-in: pick P ──Prefill(descriptor, block ids, resumed)──▶ next token ──▶ client
+    lead-in: pick P ──Prefill(descriptor, block ids, resumed)──▶ its answer ──▶ the sink
                                                    (RESOURCE_EXHAUSTED: next P, same blocks;
-                                                    the token may end the sample)
-    relay D's tokens ──▶ client
+                                                    a sample's token 1 may end it; a beam
+                                                    search's is not the client's)
+    relay D's events ──▶ the sink (tokens; a beam search's one `beams` event)
     lost: a decode stream implicates D (probed); a prefill, P and D (both probed)
 
 Colocated (one node runs both phases — the baseline):
 
-    rank colocated nodes ──Generate(prompt, resumed)──▶ tokens 1..n ──▶ client
+    rank colocated nodes ──Generate(prompt, resumed)──▶ tokens 1..n (a beam search: its beams) ──▶ the sink
     no lead-in
     lost: the stream implicates its node (probed), excluded outright for this sample
 
@@ -38,13 +39,13 @@ from typing import Protocol
 
 import grpc
 
-from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
+from pdserve.proto import node_pb2, node_pb2_grpc
 from pdserve.router.errors import NodeFailed, NoNodeAvailable, Overloaded, RouterError, from_node_error
 from pdserve.router.cluster.liveness import NodeGone, unless_gone
 from pdserve.router.cluster.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
 from pdserve.router.dispatch.recovery import NODE_LOST_CODES, NodeLost
 from pdserve.router.cluster.registry import NodeEntry, NodeKind
-from pdserve.router.requests.relay import TokenRelay
+from pdserve.router.dispatch.asks import NodeAsks
 from pdserve.router.dispatch.state import RouterState, SampleSpec
 
 
@@ -52,8 +53,8 @@ from pdserve.router.dispatch.state import RouterState, SampleSpec
 class Opening:
     """The event a route's stream must open with, and how long the driver waits for it."""
 
-    event: str  # the DecodeEvent field: "ready" or "tokens"
-    name: str  # in messages: "READY", "its first token"
+    event: str | None  # the DecodeEvent field ("ready"); None: the first one the sample's sink takes
+    name: str | None  # in messages ("READY"); None: the sink's name for its first event
     timeout_s: float | None  # None: only the client's deadline bounds it
 
 
@@ -79,20 +80,35 @@ class Leg:
     feeders: list[NodeEntry] = field(default_factory=list)
 
 
+class Sink(Protocol):
+    """What takes a sample's node answers and turns them into the client's responses: a token
+    relay (router/requests/relay.py) or a beam search's results (router/requests/beam_results.py)."""
+
+    event: str  # the DecodeEvent field it takes
+    opening_name: str  # in messages: that event, when a stream opens with it
+    streamed_token_ids: list[int]  # what the client already has: a resume re-prefills them
+    finished: bool
+
+    def push(self, event: node_pb2.DecodeEvent) -> bool:
+        """Take one event; True if the node ended the sample."""
+
+    def take_prefill(self, prefill: node_pb2.PrefillResponse) -> bool:
+        """Take a prefill node's answer; True if it ended the sample."""
+
+
 class SampleView(Protocol):
     """What a route may use of the sample it serves (the driver is one)."""
 
     spec: SampleSpec
     state: RouterState
-    relay: TokenRelay
+    sink: Sink
+    asks: NodeAsks
 
     def usable(self, kind: NodeKind) -> list[NodeEntry]: ...
 
     def none_left(self, kind: NodeKind) -> NoNodeAvailable: ...
 
     def bounded(self, limit_s: float) -> float: ...
-
-    def node_params(self) -> pdserve_pb2.SamplingParams: ...
 
 
 class Route(ABC):
@@ -136,9 +152,9 @@ class Route(ABC):
 
 class ColocatedRoute(Route):
     kind = NodeKind.COLOCATED
-    # The first event follows the whole prefill, however long the node's queue: only the
-    # client's deadline bounds it.
-    opening = Opening("tokens", "its first token", None)
+    # The first event follows the whole prefill (a beam search's, the whole search), however
+    # long the node's queue: only the client's deadline bounds it.
+    opening = Opening(None, None, None)
 
     def __init__(self, placement: ColocatedPlacement) -> None:
         self._placement = placement
@@ -197,12 +213,9 @@ class DisaggregatedRoute(Route):
         return NodeLost(error, probe=[leg.entry], decoding=decoding)
 
     async def lead_in(self, sample: SampleView, leg: Leg) -> bool:
-        """The prefill leg: the next token into the decode node's blocks, relayed at once
-        (the prefill node answers when it samples it; the rest of its KV may still be moving)."""
-        prefill = await self._run_prefill(sample, leg)
-        sample.relay.prefill.add(prefill)
-        logprobs = prefill.logprobs if prefill.HasField("logprobs") else None
-        return sample.relay.push_sampled_token(prefill.first_token_id, logprobs, prefill.prompt_logprobs)
+        """The prefill leg: the prompt into the decode node's blocks, its answer to the sink at
+        once (the prefill node answers when it samples token 1; the rest of its KV may still be moving)."""
+        return sample.sink.take_prefill(await self._run_prefill(sample, leg))
 
     async def _run_prefill(self, sample: SampleView, leg: Leg) -> node_pb2.PrefillResponse:
         """The next token from some prefill node; a full queue sends the same reservation to the next one."""
@@ -236,23 +249,11 @@ class DisaggregatedRoute(Route):
     async def _call_prefill(self, sample: SampleView, leg: Leg, entry: NodeEntry, candidate: Candidate,
                             num_tokens: int) -> node_pb2.PrefillResponse:
         stub = node_pb2_grpc.PrefillNodeStub(sample.state.registry.channel(entry))
-        call = stub.Prefill(_prefill_request(sample, leg), timeout=sample.bounded(self._prefill_timeout_s))
+        request = sample.asks.prefill_request(leg.req_id, leg.resumed, leg.first.ready)
+        call = stub.Prefill(request, timeout=sample.bounded(self._prefill_timeout_s))
         try:
             return await unless_gone(call, [entry, leg.entry])
         finally:
             call.cancel()  # no-op once answered
             self._prefill.finished(candidate, num_tokens)
 
-
-def _prefill_request(sample: SampleView, leg: Leg) -> node_pb2.PrefillRequest:
-    request, ready = sample.spec.request, leg.first.ready
-    return node_pb2.PrefillRequest(
-        request_id=leg.req_id,
-        prompt_token_ids=request.prompt_token_ids,
-        sampling_params=sample.node_params(),
-        seed=request.params.seed,
-        sample_index=sample.spec.index,
-        decode_kv_descriptor=ready.kv_descriptor,
-        decode_block_ids=ready.block_ids,
-        resumed_token_ids=leg.resumed,
-    )

@@ -5,7 +5,7 @@ finite length_penalty, n (beams returned) within beam_width, and no sampling fie
 cannot honour — beams are chosen by log-probability, so temperature > 0, top_p, top_k, min_p
 and the penalties would be silently ignored, and stop strings, stop token ids, min_tokens and
 logprobs would change what a beam is; each is refused INVALID_ARGUMENT naming it. Running the
-search is router/dispatch/beam.py's.
+search is the sample driver's (router/dispatch/driver.py), collecting router/requests/beam_results.py.
 """
 
 from __future__ import annotations

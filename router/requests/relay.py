@@ -7,6 +7,10 @@ from a prefill node), and the responses themselves: each carries the sample's `i
 the first one the prompt logprobs when asked (sample 0's only: the driver asks no other
 sample's node for them); the last one the finish reason, usage and timings.
 
+A relay is one of the driver's two sinks (router/requests/beam_results.py is the other, for
+a beam search): `event` names the node events it takes, `push` takes one, `take_prefill` a
+prefill node's answer.
+
 Must never: talk to a node, pick a node, or pick a status code. The sample's driver
 (router/dispatch/driver.py, on either route) and the disaggregated route's prefill leg feed it
 tokens; it tells them when the sample has ended, and hands each response to the
@@ -48,6 +52,9 @@ class PrefillTotals:
 
 
 class TokenRelay:
+    event = "tokens"  # the node events it relays
+    opening_name = "its first token"  # in messages: what a colocated node's stream opens with
+
     def __init__(self, request: ValidatedRequest, index: int, model: RouterModel, received_at: float,
                  clock: Callable[[], float], send: SendResponse) -> None:
         self._request = request
@@ -65,6 +72,16 @@ class TokenRelay:
     @property
     def finished(self) -> bool:
         return self._stream.finish_reason is not None
+
+    def take_prefill(self, prefill: node_pb2.PrefillResponse) -> bool:
+        """A prefill node's answer: its costs, and the token it sampled, relayed at once; True
+        if that token ended the sample."""
+        self.prefill.add(prefill)
+        logprobs = prefill.logprobs if prefill.HasField("logprobs") else None
+        return self.push_sampled_token(prefill.first_token_id, logprobs, prefill.prompt_logprobs)
+
+    def push(self, event: node_pb2.DecodeEvent) -> bool:
+        return self.push_decoded(event.tokens)
 
     def push_sampled_token(self, token: int, logprobs: pdserve_pb2.TokenLogprobs | None,
                            prompt_logprobs: Sequence[pdserve_pb2.TokenLogprobs] = ()) -> bool:

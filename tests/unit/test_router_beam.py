@@ -10,7 +10,6 @@ the HTTP front answers 400.
 from __future__ import annotations
 
 import dataclasses
-import time
 
 import grpc
 import pytest
@@ -19,13 +18,15 @@ import torch
 from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2
 from pdserve.engine.sampling_params import beams_to_keep, max_beam_width
-from pdserve.router.dispatch.beam import BeamSearchRoute
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch.orchestrator import Orchestrator
+from pdserve.router.dispatch.routes import ColocatedRoute, DisaggregatedRoute
+from pdserve.router.dispatch.state import RouterState
 from pdserve.router.requests.beam_option import BeamOption
-from pdserve.router.dispatch.beam_pair import BeamSearchPair
 from pdserve.router.errors import InvalidRequest, NeedsNodes
 from pdserve.router.model import load_router_model
 from pdserve.router.fronts.openai_api import error_of
-from pdserve.router.cluster.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.placement import DecodePlacement, PrefillPlacement
 from pdserve.router.cluster.registry import NodeKind, NodeRegistry
 from pdserve.router.requests.validation import RequestValidator
 
@@ -92,11 +93,16 @@ def test_a_non_finite_length_penalty_is_refused(validator):
     assert refused(validator, beam_request(2, float("nan"))).field == "length_penalty"
 
 
+def orchestrator(model, registry: NodeRegistry) -> Orchestrator:
+    config = RouterConfig(model="unused")
+    state = RouterState(config, model, registry, DecodePlacement(1.0), PrefillPlacement(8, 0, 16))
+    return Orchestrator(state)
+
+
 def test_neither_a_colocated_node_nor_a_pair_is_failed_precondition_naming_beam_width_and_http_400(model):
     registry = NodeRegistry(heartbeat_timeout_s=3.0, channel_close_grace_s=0.1)
-    route = BeamSearchRoute(registry, ColocatedPlacement(1.0), model, block_size=8)
     with pytest.raises(NeedsNodes) as err:
-        route.check_available()
+        orchestrator(model, registry).choose_route(beam_search=True)
     assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION and err.value.field == "beam_width"
     assert str(err.value).startswith("beam_width: beam search runs on a colocated node or a prefill + decode pair")
     http = error_of(err.value)
@@ -106,11 +112,12 @@ def test_neither_a_colocated_node_nor_a_pair_is_failed_precondition_naming_beam_
 
 def test_a_live_prefill_and_decode_pair_can_run_a_beam_search_and_one_kind_alone_cannot(model):
     registry = NodeRegistry(heartbeat_timeout_s=3.0, channel_close_grace_s=0.1, channel_factory=lambda _: None)
-    pair = BeamSearchPair(registry, DecodePlacement(1.0), PrefillPlacement(8, 0, 16), 30.0, 600.0, time.monotonic)
-    route = BeamSearchRoute(registry, ColocatedPlacement(1.0), model, block_size=8, pair=pair)
+    router = orchestrator(model, registry)
     registry.register(NodeKind.PREFILL, "127.0.0.1:7002", "p0")
     with pytest.raises(NeedsNodes):
-        route.check_available()
+        router.choose_route(beam_search=True)
     registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
-    route.check_available()
+    assert isinstance(router.choose_route(beam_search=True), DisaggregatedRoute)
+    registry.register(NodeKind.COLOCATED, "127.0.0.1:7003", "c0")
+    assert isinstance(router.choose_route(beam_search=True), ColocatedRoute)  # a colocated node first, as for samples
     assert beams_to_keep(3, num_eos=1, ignore_eos=False) == 6 and beams_to_keep(3, 2, False) == 9
