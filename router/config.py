@@ -110,6 +110,15 @@ class RouterConfig:
     # (skipped) until it does.
     max_resumes: int = 2
     max_prefill_retries: int = 2
+    # Decode nodes with --local-prefill (router/dispatch/hybrid.py): where each request's prompt is computed.
+    disaggregation: str = field(default="auto", metadata={
+        "choices": ("always", "never", "auto"),
+        "help": "with decode nodes started --local-prefill: always prefill on the prefill pool, never (on the "
+                "decode node itself), or auto: on the decode node when its share is small or the pool is "
+                "further behind; without such nodes every request is disaggregated"})
+    local_prefill_max_tokens: int = field(default=256, metadata={
+        "help": "--disaggregation auto: prompt tokens a decode node may have to compute before a request's "
+                "first token (its queue and the prompt) for the request to be prefilled there"})
     # A query of death: a request whose node attempts failed this many times in all (nodes lost,
     # or a node's step raising on it) ends INTERNAL instead of going to the next node.
     max_node_failures_per_request: int = field(default=3, metadata={
@@ -145,6 +154,10 @@ class RouterConfig:
             (self.max_n >= 1, "max_n", "must be >= 1", self.max_n),
             (self.max_resumes >= 0, "max_resumes", "must be >= 0", self.max_resumes),
             (self.max_prefill_retries >= 0, "max_prefill_retries", "must be >= 0", self.max_prefill_retries),
+            (self.disaggregation in ("always", "never", "auto"), "disaggregation", "must be always, never or auto",
+             self.disaggregation),
+            (self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0",
+             self.local_prefill_max_tokens),
             (self.max_node_failures_per_request >= 1, "max_node_failures_per_request", "must be >= 1",
              self.max_node_failures_per_request),
             (self.failure_probe_timeout_s > 0, "failure_probe_timeout_s", "must be > 0",

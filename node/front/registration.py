@@ -78,7 +78,7 @@ class _Registration:
 
     async def _register(self, timeout: float) -> node_pb2.RegisterResponse:
         request = node_pb2.RegisterRequest(kind=self.config.kind, address=self.address, node_id=self.node_id,
-                                           fingerprint=self.fingerprint)
+                                           fingerprint=self.fingerprint, local_prefill=self.config.local_prefill)
         try:
             return await self.stub.Register(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:

@@ -164,8 +164,10 @@ class ColocatedPlacement:
     free blocks break ties. Refusals are remembered exactly as for decode nodes.
     """
 
-    def __init__(self, exhausted_cooldown_s: float, clock: Callable[[], float] = time.monotonic) -> None:
-        self._blocks = DecodePlacement(exhausted_cooldown_s, clock)
+    def __init__(self, exhausted_cooldown_s: float, clock: Callable[[], float] = time.monotonic,
+                 blocks: DecodePlacement | None = None) -> None:
+        # `blocks`: the decode pool's, for decode nodes that also prefill (both routes reserve there).
+        self._blocks = blocks or DecodePlacement(exhausted_cooldown_s, clock)
         self._sent = _SinceStats()
 
     def load(self, c: Candidate) -> int:

@@ -69,6 +69,7 @@ class NodeEntry:
     last_seen: float = -math.inf
     suspect: bool = False  # failed a call and a probe; cleared by its next stats
     fingerprint: node_pb2.NodeFingerprint | None = None  # what it runs; None for a static node
+    local_prefill: bool = False  # a decode node that also computes prompts itself (`--local-prefill`)
     # Set when this entry stops standing for a serving process: dropped (silent past the
     # heartbeat timeout), replaced by a new registration, or a static node gone silent.
     # Every call in flight on it moves elsewhere (router/cluster/liveness.py).
@@ -103,7 +104,7 @@ class NodeRegistry:
         return entry
 
     def admit(self, kind: NodeKind, address: str, node_id: str, fingerprint: node_pb2.NodeFingerprint,
-              router: RouterFacts) -> NodeEntry:
+              router: RouterFacts, local_prefill: bool = False) -> NodeEntry:
         """`register`, once the node's fingerprint agrees with the router's facts and with every
         other registered node's (the entries it replaces excepted); `NodeRefused` otherwise."""
         node_id = node_id or f"{kind.value}-{address}"
@@ -113,10 +114,10 @@ class NodeRegistry:
         if lines:
             log.warning("refused %s node %s at %s: %s", kind.value, node_id, address, "; ".join(lines))
             raise NodeRefused("; ".join(lines))
-        return self.register(kind, address, node_id, fingerprint)
+        return self.register(kind, address, node_id, fingerprint, local_prefill)
 
     def register(self, kind: NodeKind, address: str, node_id: str,
-                 fingerprint: node_pb2.NodeFingerprint | None = None) -> NodeEntry:
+                 fingerprint: node_pb2.NodeFingerprint | None = None, local_prefill: bool = False) -> NodeEntry:
         """A node announced itself; it replaces any entry with its id or its address. Unchecked:
         the Registry service goes through `admit`."""
         node_id = node_id or f"{kind.value}-{address}"
@@ -125,7 +126,8 @@ class NodeRegistry:
             del self._nodes[other.node_id]
             _mark_gone(other, f"{other.address} registered again (a new process)")
         static = any(e.static and e.address == address for e in replaced)  # keep polling it if it goes quiet
-        entry = NodeEntry(node_id, kind, address, static, last_seen=self._clock(), fingerprint=fingerprint)
+        entry = NodeEntry(node_id, kind, address, static, last_seen=self._clock(), fingerprint=fingerprint,
+                          local_prefill=local_prefill)
         # A fresh stats number, so placement forgets what it counted against the old entry.
         entry.stats_seq = max((e.stats_seq + 1 for e in replaced), default=0)
         self._nodes[node_id] = entry

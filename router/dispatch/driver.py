@@ -134,7 +134,7 @@ class SampleDriver:
         """The best ranked node that answers with its opening event; a refusal or a lost node
         before that moves on to the next one."""
         route, kind = self._route, self._route.kind
-        live = self.usable(kind)
+        live = [e for e in self.usable(kind) if route.takes(e)]
         if not live:
             raise self.none_left(kind)
         request, model = self.spec.request, self.state.model

@@ -5,8 +5,10 @@ stream) becomes n sample drivers (router/dispatch/driver.py), sample_index 0..n-
 own token relay, all on the route this module picks when the request arrives: when any
 colocated node is live, the colocated route (router/dispatch/routes.py: one node runs both
 phases — the baseline); otherwise the disaggregated route (a decode reservation, then a
-prefill), which needs a live prefill and a live decode node. With neither, the request
-is refused at once (UNAVAILABLE) naming what is missing. The responses of the n samples
+prefill), which needs a live prefill and a live decode node, or, where decode nodes can also
+prefill (`--local-prefill`), the local route to one of them when `--disaggregation`
+(router/dispatch/hybrid.py) says so. With none, the request is refused at once (UNAVAILABLE)
+naming what is missing. The responses of the n samples
 are multiplexed onto one stream in arrival order, each tagged with its `index`. A beam
 search (`ValidatedRequest.beam`) is one driver instead, on the same routes, collecting the
 node's beams (router/requests/beam_results.py) rather than relaying tokens: it needs every
@@ -31,13 +33,14 @@ from functools import partial
 from pdserve.proto import pdserve_pb2
 from pdserve.router.dispatch.asks import NodeAsks
 from pdserve.router.dispatch.driver import SampleDriver
+from pdserve.router.dispatch.hybrid import Disaggregation, Loads, PrefillChoice
 from pdserve.router.errors import NeedsNodes, NoNodeAvailable
 from pdserve.router.requests.beam_results import BeamResults
 from pdserve.router.requests.merge import Put, merged
 from pdserve.router.requests.relay import TokenRelay
 from pdserve.router.cluster.placement import ColocatedPlacement
 from pdserve.router.cluster.registry import NodeKind
-from pdserve.router.dispatch.routes import ColocatedRoute, DisaggregatedRoute, Route
+from pdserve.router.dispatch.routes import ColocatedRoute, DisaggregatedRoute, LocalPrefillRoute, Route
 from pdserve.router.dispatch.state import RouterState, SampleSpec
 from pdserve.router.requests.validation import ValidatedRequest
 
@@ -51,6 +54,11 @@ class Orchestrator:
         self._sequence = itertools.count()
         config = state.config
         self._colocated = ColocatedRoute(ColocatedPlacement(config.exhausted_cooldown_s, state.clock))
+        # Decode nodes that also prefill: their blocks counted with the decode pool's reservations.
+        self._local_placement = ColocatedPlacement(config.exhausted_cooldown_s, state.clock,
+                                                   blocks=state.decode_placement)
+        self._local = LocalPrefillRoute(self._local_placement)
+        self._prefill_choice = PrefillChoice(Disaggregation(config.disaggregation), config.local_prefill_max_tokens)
         self._disaggregated = DisaggregatedRoute(state.decode_placement, state.prefill_placement,
                                                  config.ready_timeout_s, config.prefill_timeout_s)
 
@@ -58,7 +66,7 @@ class Orchestrator:
         self, request: ValidatedRequest, timeout_s: float | None
     ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """Every sample's responses, as they come; raises the first sample's `RouterError`."""
-        route = self.choose_route(beam_search=request.beam is not None)
+        route = self.choose_route(len(request.prompt_token_ids), beam_search=request.beam is not None)
         received_at = self.state.clock()
         deadline = received_at + timeout_s if timeout_s is not None else None
         sequence = next(self._sequence)
@@ -71,12 +79,17 @@ class Orchestrator:
         async for response in merged([partial(self._run_sample, route, spec) for spec in specs]):
             yield response
 
-    def choose_route(self, beam_search: bool = False) -> Route:
+    def choose_route(self, prompt_tokens: int, beam_search: bool = False) -> Route:
         """Colocated nodes when any is live, else the disaggregated pools; refuse at once
         (UNAVAILABLE) when neither can serve, naming the kinds that are missing."""
         registry = self.state.registry
         if registry.live(NodeKind.COLOCATED):
             return self._colocated
+        if self._prefill_choice.local(self._loads(prompt_tokens)):
+            return self._local
+        if self._prefill_choice.mode is Disaggregation.NEVER:
+            raise NoNodeAvailable("no decode node started with --local-prefill is live, and no colocated node "
+                                  "(--disaggregation never computes no prompt on the prefill pool)")
         missing = [kind.value for kind in (NodeKind.PREFILL, NodeKind.DECODE) if not registry.live(kind)]
         if missing and beam_search:
             raise NeedsNodes("beam_width", "beam_width: beam search runs on a colocated node or a prefill + decode "
@@ -86,6 +99,13 @@ class Orchestrator:
             raise NoNodeAvailable(f"no {' and no '.join(missing)} node is available, and no colocated node; "
                                   "the cluster cannot serve")
         return self._disaggregated
+
+    def _loads(self, prompt_tokens: int) -> Loads:
+        """The shortest prompt queue of each place this request's prompt could be computed."""
+        registry, state = self.state.registry, self.state
+        prefill = [state.prefill_placement.load(e.candidate()) for e in registry.live(NodeKind.PREFILL)]
+        local = [self._local_placement.load(e.candidate()) for e in registry.live(NodeKind.DECODE) if e.local_prefill]
+        return Loads(prompt_tokens, min(prefill, default=None), min(local, default=None))
 
     async def _run_sample(self, route: Route, spec: SampleSpec, put: Put) -> None:
         request, state = spec.request, self.state

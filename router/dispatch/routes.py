@@ -117,6 +117,10 @@ class Route(ABC):
     kind: NodeKind  # the nodes a sample's stream is opened on
     opening: Opening
 
+    def takes(self, entry: NodeEntry) -> bool:
+        """Can this node of the route's kind open its streams? (All can, but for the local route.)"""
+        return True
+
     @abstractmethod
     def rank(self, candidates: Sequence[Candidate]) -> list[Candidate]:
         """The nodes to ask, best first; nodes that just refused are left out."""
@@ -180,6 +184,17 @@ class ColocatedRoute(Route):
 
     def stream_lost(self, leg: Leg, error: RouterError, decoding: bool) -> NodeLost:
         return NodeLost(error, probe=[leg.entry], decoding=decoding, exclude=[leg.entry])
+
+
+class LocalPrefillRoute(ColocatedRoute):
+    """Decode nodes started with `--local-prefill`, asked as colocated nodes (`Generate`): the
+    prompt is computed where its tokens will be decoded, no KV moves. Their blocks are counted
+    in the decode pool's placement, which the disaggregated route reserves from too."""
+
+    kind = NodeKind.DECODE
+
+    def takes(self, entry: NodeEntry) -> bool:
+        return entry.local_prefill
 
 
 class DisaggregatedRoute(Route):

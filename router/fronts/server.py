@@ -154,7 +154,11 @@ class RegistryServicer(node_pb2_grpc.RegistryServicer):
             if not request.HasField("fingerprint"):
                 raise InvalidRequest("fingerprint", "fingerprint is required: the model, dtype, block size and "
                                                     "KV layout the node runs")
-            self._state.registry.admit(kind, request.address, request.node_id, request.fingerprint, self._facts)
+            if request.local_prefill and kind is not NodeKind.DECODE:
+                raise InvalidRequest("local_prefill", f"local_prefill is a decode node's option, not a {kind.value} "
+                                                      "node's")
+            self._state.registry.admit(kind, request.address, request.node_id, request.fingerprint, self._facts,
+                                       request.local_prefill)
         except RouterError as exc:
             await _abort(context, exc)
         await self._on_register()

@@ -1,0 +1,46 @@
+"""Conditional disaggregation on a real `pdserve cluster`: a prefill node and a decode node started
+with `--local-prefill`, the router on `--disaggregation auto --local-prefill-max-tokens 32`.
+
+A prompt the decode node can absorb (≤ 32 tokens, its queue empty) is computed there: no prefill
+time, no KV moved. A longer one goes to the idle prefill pool, whose KV lands in the decode node.
+Both are token-exact against transformers, and every block is free after.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+
+import grpc
+
+from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from tests.e2e.cluster import NodeSettings, running_cluster
+
+from ..integration.reference import assert_matches, greedy_references
+
+SHORT, LONG = 20, 60
+NEW_TOKENS = 8
+
+
+async def generate(router: str, prompt: list[int]) -> list[pdserve_pb2.GenerateResponse]:
+    request = pdserve_pb2.GenerateRequest(
+        token_ids=pdserve_pb2.TokenIds(ids=prompt),
+        sampling_params=pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=NEW_TOKENS, ignore_eos=True))
+    async with grpc.aio.insecure_channel(router) as channel:
+        return [r async for r in pdserve_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120)]
+
+
+def test_auto_prefills_a_short_prompt_on_the_decode_node_and_a_long_one_on_the_prefill_pool(tiny_llama):
+    rng = random.Random(5)
+    prompts = [[rng.randrange(1, 900) for _ in range(n)] for n in (SHORT, LONG)]
+    refs = greedy_references(str(tiny_llama), prompts, [NEW_TOKENS] * 2)
+    router_args = ("--disaggregation", "auto", "--local-prefill-max-tokens", "32")
+    with running_cluster(str(tiny_llama), 1, 1, NodeSettings(), router_args=router_args,
+                         decode_args=("--local-prefill",)) as cluster:
+        short, long = (asyncio.run(generate(cluster.router, p)) for p in prompts)
+        assert_matches([[t for r in stream for t in r.token_ids] for stream in (short, long)], refs)
+        assert (short[-1].timings.prefill_s, short[-1].timings.kv_transfer_bytes) == (0.0, 0)  # on the decode node
+        assert long[-1].timings.prefill_s > 0 and long[-1].timings.kv_transfer_bytes > 0  # on the prefill node
+        prefill, decode = cluster.wait_all_blocks_free(timeout_s=5)
+        assert (prefill.used_blocks, decode.used_blocks, decode.reserved_blocks) == (0, 0, 0)
+        assert prefill.kv_transfer.transfers == 1  # the long prompt's only

@@ -1,0 +1,94 @@
+"""Conditional disaggregation at the router: where a request's prompt is computed when decode nodes
+can also prefill (`--local-prefill`), per `--disaggregation` (router/dispatch/hybrid.py).
+
+The decision is pure, from token counts; the orchestrator's route follows it, takes only decode
+nodes that registered with local_prefill for the local route, and refuses `never` without one.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from pdserve.router.config import RouterConfig
+from pdserve.router.cluster.placement import DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.registry import NodeKind, NodeRegistry
+from pdserve.router.dispatch.hybrid import Disaggregation, Loads, PrefillChoice
+from pdserve.router.dispatch.orchestrator import Orchestrator
+from pdserve.router.dispatch.routes import DisaggregatedRoute, LocalPrefillRoute
+from pdserve.router.dispatch.state import RouterState
+from pdserve.router.errors import NoNodeAvailable
+from pdserve.router.model import load_router_model
+from pdserve.proto import node_pb2
+
+AUTO = PrefillChoice(Disaggregation.AUTO, max_local_tokens=100)
+
+
+@pytest.mark.parametrize("loads,local", [
+    (Loads(60, prefill_queue=0, local_queue=40), True),  # 100 tokens on the decode node: within the bound
+    (Loads(61, prefill_queue=0, local_queue=40), False),  # 101: the idle prefill pool takes it
+    (Loads(500, prefill_queue=600, local_queue=0), True),  # the pool is further behind than the decode node
+    (Loads(500, prefill_queue=500, local_queue=0), False),  # level: long prompts stay off the decode node
+    (Loads(10, prefill_queue=None, local_queue=900), True),  # no prefill node: the decode node or nothing
+    (Loads(10, prefill_queue=0, local_queue=None), False),  # no decode node can prefill
+])
+def test_auto_prefills_on_the_decode_node_when_its_share_is_small_or_the_pool_is_further_behind(loads, local):
+    assert AUTO.local(loads) is local
+
+
+def test_always_and_never_ignore_the_loads_unless_one_side_is_missing():
+    always, never = (PrefillChoice(mode, max_local_tokens=100) for mode in (Disaggregation.ALWAYS, Disaggregation.NEVER))
+    assert not always.local(Loads(1, prefill_queue=10_000, local_queue=0))
+    assert never.local(Loads(10_000, prefill_queue=0, local_queue=10_000))
+    assert always.local(Loads(1, prefill_queue=None, local_queue=0))  # no prefill node: the decode node can
+    assert not never.local(Loads(1, prefill_queue=0, local_queue=None))  # none can: the orchestrator refuses
+
+
+def stats(queued: int) -> node_pb2.NodeStats:
+    return node_pb2.NodeStats(num_blocks=256, queued_prefill_tokens=queued)
+
+
+@pytest.fixture
+def cluster(tiny_llama):
+    """An orchestrator over a registry with one prefill node and two decode nodes, one that can prefill."""
+    def make(mode: str, local_queue: int = 0, prefill_queue: int = 0):
+        registry = NodeRegistry(heartbeat_timeout_s=3.0, channel_close_grace_s=0.1, channel_factory=lambda _: None)
+        registry.register(NodeKind.PREFILL, "127.0.0.1:7001", "p0")
+        registry.register(NodeKind.DECODE, "127.0.0.1:7002", "d0")
+        registry.register(NodeKind.DECODE, "127.0.0.1:7003", "d1", local_prefill=True)
+        registry.heartbeat("p0", stats(prefill_queue))
+        registry.heartbeat("d1", stats(local_queue))
+        config = dataclasses.replace(RouterConfig(model=str(tiny_llama)), disaggregation=mode,
+                                     local_prefill_max_tokens=64)
+        state = RouterState(config, load_router_model(tiny_llama), registry, DecodePlacement(1.0),
+                            PrefillPlacement(8, 0, 16))
+        return registry, Orchestrator(state)
+    return make
+
+
+def test_the_route_follows_the_choice_and_the_local_route_takes_only_nodes_that_prefill(cluster):
+    registry, router = cluster("auto", local_queue=30)
+    local = router.choose_route(34)
+    assert isinstance(local, LocalPrefillRoute)
+    assert [e.node_id for e in registry.live(NodeKind.DECODE) if local.takes(e)] == ["d1"]
+    assert isinstance(router.choose_route(35), DisaggregatedRoute)  # 30 queued + 35 > 64
+    assert isinstance(cluster("always")[1].choose_route(1), DisaggregatedRoute)
+    assert isinstance(cluster("never")[1].choose_route(10_000), LocalPrefillRoute)
+    assert isinstance(cluster("auto", local_queue=0, prefill_queue=5_000)[1].choose_route(1_000), LocalPrefillRoute)
+
+
+def test_never_without_a_decode_node_that_prefills_is_unavailable_naming_the_flag(cluster):
+    registry, router = cluster("never")
+    registry.mark_suspect(registry.get("d1"), "lost")  # the only decode node that prefills
+    with pytest.raises(NoNodeAvailable) as err:
+        router.choose_route(5)
+    assert "--local-prefill" in str(err.value) and "--disaggregation never" in str(err.value)
+    assert isinstance(cluster("auto")[1].choose_route(5), LocalPrefillRoute)
+
+
+def test_a_bad_disaggregation_mode_or_bound_names_the_flag():
+    with pytest.raises(ValueError, match="^disaggregation must be always, never or auto, got sometimes$"):
+        RouterConfig(model="m", disaggregation="sometimes")
+    with pytest.raises(ValueError, match="^local_prefill_max_tokens must be >= 0, got -1$"):
+        RouterConfig(model="m", local_prefill_max_tokens=-1)
