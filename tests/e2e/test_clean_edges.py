@@ -27,7 +27,7 @@ import pytest
 from pdserve.cluster_process import POLL_S
 from pdserve.cluster_state import read_state
 from tests.e2e.cluster import START_TIMEOUT_S, free_port, running_cluster
-from tests.waiting import wait_until
+from pdserve.testing.waiting import wait_until
 
 HOST = "127.0.0.1"
 STOP_TIMEOUT_S = 60.0
