@@ -23,7 +23,7 @@ import signal
 import uvloop
 
 from pdserve.proto import node_pb2, pdserve_pb2
-from pdserve.router.model import load_router_model
+from pdserve.router.model import RouterModel, load_router_model
 from pdserve.testing.fake_nodes import Calls, FakeDecode, FakePrefill, Script, decode_stats, prefill_stats
 from pdserve.testing.node_server import FakeNode, ModelShape, started
 
@@ -48,15 +48,19 @@ class AtOnce(Script):
                 for i, token in enumerate(tokens, start=1)]
 
 
-async def serve(router: str, model_dir: str) -> None:
-    model = load_router_model(model_dir)
+def at_once_nodes(router: str, model: RouterModel) -> tuple[Calls, list[FakeNode]]:
+    """The prefill and the decode node, not started; one server each (the registry knows a node by its address)."""
     script, calls = AtOnce(model.tokenizer.encode(SENTENCE, add_special_tokens=False)), Calls()
     shape = ModelShape(model.num_layers, model.num_kv_heads, model.head_dim)
-    # One server per node: the registry knows a node by its address.
-    nodes = [FakeNode("prefill", FakePrefill(script, calls, prefill_stats(num_blocks=POOL_BLOCKS)), router,
-                      "fast-prefill", shape=shape, heartbeat_s=HEARTBEAT_S),
-             FakeNode("decode", FakeDecode(script, calls, decode_stats(POOL_BLOCKS, POOL_BLOCKS)), router,
-                      "fast-decode", shape=shape, heartbeat_s=HEARTBEAT_S)]
+    return calls, [
+        FakeNode("prefill", FakePrefill(script, calls, prefill_stats(num_blocks=POOL_BLOCKS)), router,
+                 "fast-prefill", shape=shape, heartbeat_s=HEARTBEAT_S),
+        FakeNode("decode", FakeDecode(script, calls, decode_stats(POOL_BLOCKS, POOL_BLOCKS)), router,
+                 "fast-decode", shape=shape, heartbeat_s=HEARTBEAT_S)]
+
+
+async def serve(router: str, model_dir: str) -> None:
+    _, nodes = at_once_nodes(router, load_router_model(model_dir))
     async with started(nodes):
         print("ready", flush=True)
         stop = asyncio.Event()

@@ -16,8 +16,9 @@ import pytest
 
 from pdserve.proto import node_pb2, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing.fake_nodes import FAKE_DESCRIPTOR, Script
-from pdserve.testing.node_server import fake_nodes
+from pdserve.testing.node_server import fake_nodes, started
 from pdserve.testing.router import generate, run
+from pdserve.testing.serve_fakes import SENTENCE, at_once_nodes
 from pdserve.testing.router import running_router as router
 from pdserve.testing.waiting import until
 
@@ -431,3 +432,23 @@ def test_no_decode_node_left_is_unavailable_naming_it(router_model, output_ids):
     assert [t for r in received for t in r.token_ids] == output_ids[:2]
     assert error.code() is grpc.StatusCode.UNAVAILABLE
     assert error.details().startswith("no decode node is available: ") and "was lost" in error.details()
+
+
+def test_the_nodes_that_answer_at_once_stream_the_sentence_for_max_tokens(router_model):
+    """What the router benchmark runs behind (python -m pdserve.testing.serve_fakes): token 1 from the
+    prefill, then the sentence's ids cycling until max_tokens; every landed KV push is forgotten."""
+    ids = router_model[1].tokenizer.encode(SENTENCE, add_special_tokens=False)
+    max_tokens = len(ids) + 3  # once round the sentence and on
+
+    async def scenario():
+        async with router(router_model) as address:
+            calls, nodes = at_once_nodes(address, router_model[1])
+            async with started(nodes):
+                responses = await generate(address, text_request(max_tokens=max_tokens, ignore_eos=True))
+            return responses, calls
+
+    responses, calls = run(scenario())
+    assert responses[0].token_ids == ids[:1]
+    assert [t for r in responses for t in r.token_ids] == (ids + ids)[:max_tokens]
+    assert responses[-1].finish_reason == LENGTH
+    assert len(calls.decode_requests) == 1 and not calls.kv_done
