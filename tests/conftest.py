@@ -37,6 +37,19 @@ def tiny_llama(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_models(tiny_llama, tmp_path_factory) -> dict[str, Path]:
+    """A tiny random model (float32, seed 0) of each native architecture, in a folder named by it;
+    the llama is `tiny_llama`. Read them; never change them."""
+    import torch
+
+    from pdserve.model_factory import ARCHS, make_model
+
+    root = tmp_path_factory.mktemp("shared-archs")
+    return {arch: tiny_llama if arch == "llama" else make_model(root / arch, arch, "tiny", dtype=torch.float32)
+            for arch in ARCHS}
+
+
+@pytest.fixture(scope="session")
 def tiny_model(tmp_path_factory) -> Path:
     """The same tiny llama in a folder named "tiny": the model name "tiny" is what the router's
     tests (and the ones they share a router with) see. Read it; never change it."""

@@ -16,10 +16,8 @@ from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from pdserve.common.refusal import EXIT_REFUSED, EXIT_USAGE
-from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing.waiting import settled, wait_until
 from tests.e2e.cluster import HOST, free_port
@@ -31,8 +29,9 @@ RPC_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("good") / "tiny", "llama", "tiny", dtype=torch.float32)
+def good(tiny_model) -> Path:
+    """The good folder every bad one is built from (copied first: the shared one is never changed)."""
+    return tiny_model
 
 
 def pdserve(*args: str) -> subprocess.CompletedProcess:
