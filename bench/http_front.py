@@ -9,7 +9,7 @@
    inter-token-latency p50 of each API are printed with their difference. The goal is HTTP
    within 2 ms of gRPC at p50.
 2. router cost: `pdserve router` alone, behind fake nodes that answer at once
-   (bench/fake_nodes.py), so the router is all the work there is. `--concurrency` closed-loop
+   (testing/serve_fakes.py), so the router is all the work there is. `--concurrency` closed-loop
    streams of `--cost-tokens` tokens each, first over gRPC, then over HTTP; the router process's
    CPU time (/proc) over the tokens streamed is the cost of one token through each API. The goal
    is at most 100 µs per token through HTTP.
@@ -43,6 +43,7 @@ from pdserve.bench.serve.openai_backend import OpenAIBackend
 from pdserve.bench.serve.runner import RunLength, ServeBench
 from pdserve.bench.serve.workloads import FixedLengths, SyntheticWorkload
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.testing.waiting import until
 
 PROMPT_LEN = 64
 LATENCY_RATE = 1.0  # requests/s: one at a time, so the APIs are compared unloaded
@@ -97,7 +98,7 @@ def start_router(model_dir: Path) -> Router:
 
 
 def start_fake_nodes(router: Router, model_dir: Path) -> subprocess.Popen:
-    argv = [sys.executable, "-m", "pdserve.bench.fake_nodes", "--router", router.grpc_address,
+    argv = [sys.executable, "-m", "pdserve.testing.serve_fakes", "--router", router.grpc_address,
             "--model", str(model_dir)]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     if process.stdout.readline().strip() != "ready":
@@ -108,10 +109,12 @@ def start_fake_nodes(router: Router, model_dir: Path) -> subprocess.Popen:
 
 async def wait_serving(address: str, timeout_s: float = 30.0) -> None:
     """Until the router says it can serve (both fakes registered and heard from)."""
-    async with grpc.aio.insecure_channel(address) as channel, asyncio.timeout(timeout_s):
+    async with grpc.aio.insecure_channel(address) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
-        while not (await stub.Health(pdserve_pb2.HealthRequest())).serving:
-            await asyncio.sleep(0.05)
+
+        async def serving() -> bool:
+            return (await stub.Health(pdserve_pb2.HealthRequest())).serving
+        await until(serving, timeout_s, interval_s=0.05)
 
 
 async def grpc_streams(address: str, requests: int, tokens: int, concurrency: int) -> int:

@@ -26,7 +26,9 @@ import torch
 import uvloop
 
 from pdserve.bench.http_front import process_cpu_s
+from pdserve.testing.waiting import until
 
+START_TIMEOUT_S = 30.0  # for the server to listen
 CHUNK = {"id": "cmpl-0", "object": "text_completion", "created": 0, "model": "m",
          "choices": [{"index": 0, "text": " token", "logprobs": None, "finish_reason": None}]}
 
@@ -79,8 +81,7 @@ def serve_starlette(port: int) -> None:
         server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning",
                                                access_log=False, lifespan="off"))
         serving = asyncio.ensure_future(server.serve())
-        while not server.started:
-            await asyncio.sleep(0.01)
+        await until(lambda: server.started, START_TIMEOUT_S)
         print("ready", flush=True)
         await serving
 

@@ -14,13 +14,13 @@ import shlex
 import signal
 import socket
 import tempfile
-import time
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.cluster_process import ClusterProcess
+from pdserve.testing.waiting import settled
 from pdserve.proto import node_pb2
 
 HOST = "127.0.0.1"
@@ -212,12 +212,8 @@ class FaultCluster:
 
 
 def _poll_held(cluster: FaultCluster, timeout_s: float) -> dict[str, tuple[int, int]]:
-    deadline = time.monotonic() + timeout_s
-    while True:
-        held = {n: (s.used_blocks, s.reserved_blocks) for n in cluster.live_nodes() for s in [cluster.stats(n)]}
-        if all(h == (0, 0) for h in held.values()) or time.monotonic() > deadline:
-            return held
-        time.sleep(0.1)
+    return settled(lambda: {n: (s.used_blocks, s.reserved_blocks) for n in cluster.live_nodes() for s in [cluster.stats(n)]},
+                   lambda held: all(h == (0, 0) for h in held.values()), timeout_s, interval_s=0.1)
 
 
 def _alive(pid: int) -> bool:

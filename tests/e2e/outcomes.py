@@ -8,11 +8,11 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 from dataclasses import dataclass, field
 
 import grpc
 
+from pdserve.testing.waiting import settled
 from tests.e2e.cluster import Cluster
 from pdserve.proto import node_pb2, pdserve_pb2
 
@@ -52,12 +52,8 @@ async def outcome_of(call: grpc.aio.UnaryStreamCall) -> Outcome:
 
 def wait_idle(cluster: Cluster, timeout_s: float = IDLE_TIMEOUT_S) -> list[node_pb2.NodeStats]:
     """Poll every node until none has a used or reserved block (or the time is up); the last stats."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = cluster.stats()
-        if all(s.used_blocks == 0 and s.reserved_blocks == 0 for s in stats) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
+    return settled(cluster.stats, lambda stats: all(s.used_blocks == 0 and s.reserved_blocks == 0 for s in stats),
+                   timeout_s)
 
 
 def held_blocks(stats: list[node_pb2.NodeStats]) -> list[tuple[str, int, int]]:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import importlib.util
 import sys
-import time
 
 import grpc
 import pytest
@@ -26,6 +25,7 @@ from pdserve.healthcheck import HealthcheckConfig, check
 from pdserve.kv_transfer import KVDescriptor
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.fronts.client import generate
+from pdserve.testing.waiting import settled, wait_until
 
 from ..integration.reference import assert_matches, greedy_references
 from .test_kv_transfer_ucx import SRC_BLOCKS, Cluster, expect, make_caches, receiver_main, spec_kwargs
@@ -55,11 +55,13 @@ def _node_argv(kind: str, model_dir: str, port: int, router: str) -> tuple[str, 
 
 def _wait_serving(router: str, supervisor: ClusterSupervisor) -> None:
     config = HealthcheckConfig(timeout_s=2.0, auth_token=TOKEN)
-    deadline = time.monotonic() + START_TIMEOUT_S
-    while not check(router, "router", config).healthy:
+    def serving() -> bool:
+        if check(router, "router", config).healthy:
+            return True
         supervisor.raise_if_exited()
-        assert time.monotonic() < deadline, f"cluster at {router} not serving after {START_TIMEOUT_S}s"
-        time.sleep(0.25)
+        return False
+
+    wait_until(serving, f"the cluster at {router} serves", START_TIMEOUT_S, interval_s=0.25)
 
 
 @pytest.fixture(scope="module")
@@ -161,13 +163,9 @@ def test_the_registry_needs_the_token(cluster):
 
 def test_every_node_ends_with_no_blocks_in_use(cluster):
     _, prefill, decode = cluster
-    deadline = time.monotonic() + 10
-    while True:
-        stats = [_stats(node_pb2_grpc.PrefillNodeStub, prefill, call_metadata(TOKEN)),
-                 _stats(node_pb2_grpc.DecodeNodeStub, decode, call_metadata(TOKEN))]
-        if all(s.used_blocks == 0 and s.reserved_blocks == 0 for s in stats) or time.monotonic() > deadline:
-            break
-        time.sleep(0.05)
+    stats = settled(lambda: [_stats(node_pb2_grpc.PrefillNodeStub, prefill, call_metadata(TOKEN)),
+                             _stats(node_pb2_grpc.DecodeNodeStub, decode, call_metadata(TOKEN))],
+                    lambda stats: all(s.used_blocks == 0 and s.reserved_blocks == 0 for s in stats), 10)
     assert [(s.kind, s.used_blocks, s.reserved_blocks) for s in stats] == [("prefill", 0, 0), ("decode", 0, 0)]
 
 

@@ -12,16 +12,14 @@ from __future__ import annotations
 
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
 import pytest
-import torch
 
 from pdserve.common.refusal import EXIT_REFUSED, EXIT_USAGE
-from pdserve.model_factory import make_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+from pdserve.testing.waiting import settled, wait_until
 from tests.e2e.cluster import HOST, free_port
 from tests.integration.reference import assert_matches, greedy_references
 from tests.unit.test_model_checks import masked_lm, no_tokenizer, sliding_window
@@ -31,8 +29,9 @@ RPC_TIMEOUT_S = 60.0
 
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("good") / "tiny", "llama", "tiny", dtype=torch.float32)
+def good(tiny_model) -> Path:
+    """The good folder every bad one is built from (copied first: the shared one is never changed)."""
+    return tiny_model
 
 
 def pdserve(*args: str) -> subprocess.CompletedProcess:
@@ -99,9 +98,8 @@ class Process:
                                          stdin=subprocess.DEVNULL, start_new_session=True)
 
     def wait_for(self, text: str) -> None:
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while text not in self.out.read_text() and self.proc.poll() is None and time.monotonic() < deadline:
-            time.sleep(0.1)
+        wait_until(lambda: text in self.out.read_text() or self.proc.poll() is not None,
+                   lambda: f"{text!r} is printed:\n{self.err.read_text()[-4000:]}", START_TIMEOUT_S, 0.1)
         assert text in self.out.read_text(), self.err.read_text()[-4000:]
 
     def stop(self) -> None:
@@ -123,13 +121,10 @@ def generate(router: str) -> list[int]:
 
 def used_blocks_once_idle(node: str) -> int:
     """The colocated node's used blocks, once it runs nothing (bounded poll)."""
-    deadline = time.monotonic() + RPC_TIMEOUT_S
     with grpc.insecure_channel(node) as channel:
         stub = node_pb2_grpc.ColocatedNodeStub(channel)
-        while (stats := stub.GetStats(node_pb2.StatsRequest(), timeout=RPC_TIMEOUT_S)).used_blocks and \
-                time.monotonic() < deadline:
-            time.sleep(0.05)
-    return stats.used_blocks
+        return settled(lambda: stub.GetStats(node_pb2.StatsRequest(), timeout=RPC_TIMEOUT_S),
+                       lambda stats: not stats.used_blocks, RPC_TIMEOUT_S).used_blocks
 
 
 def health(router: str) -> pdserve_pb2.HealthResponse:
@@ -153,9 +148,7 @@ def test_a_node_with_another_block_size_is_refused_and_the_router_serves_on(good
                "block_size: this node has 16, the router 8"
         assert last_line(other.err.read_text()) == line
         same.wait_for("listening on")
-        deadline = time.monotonic() + START_TIMEOUT_S
-        while health(router_address).colocated_nodes < 1 and time.monotonic() < deadline:
-            time.sleep(0.1)
+        settled(lambda: health(router_address).colocated_nodes, bool, START_TIMEOUT_S, 0.1)
         assert_matches([generate(router_address)], greedy_references(str(good), [PROMPT], [4]))
         assert health(router_address).colocated_nodes == 1
         node_address = next(line for line in same.out.read_text().splitlines()

@@ -7,13 +7,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import time
 
 import grpc
 import pytest
 
 from pdserve.engine.beam_search import BeamSearchParams
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.testing.waiting import wait_until
 from tests.e2e.cluster import FaultCluster, FaultSettings
 from tests.integration.reference import transformers_beams
 
@@ -26,14 +26,14 @@ SETTINGS = FaultSettings(decode_step_delay_s=0.05, restart_backoff_s=60.0)
 
 def busy_decode_node(cluster: FaultCluster, timeout_s: float = 60.0) -> str:
     """The decode node running the search, once it runs it."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def running() -> str | None:
         for name in (n for n in cluster.live_nodes() if n.startswith("decode")):
             stats = cluster.stats(name)
             if stats.num_running or stats.num_waiting:  # beams wait between their search's steps
                 return name
-        time.sleep(0.02)
-    raise AssertionError("no decode node ran the search")
+        return None
+
+    return wait_until(running, "a decode node runs the search", timeout_s)
 
 
 def test_a_decode_node_killed_mid_search_gives_the_same_beams(tiny_llama, tmp_path):

@@ -18,11 +18,9 @@ import time
 import grpc
 import openai
 import pytest
-import torch
 from transformers import AutoTokenizer
 
 from pdserve.engine.beam_search import BeamSearchParams
-from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.cluster import NodeSettings, running_cluster
 from tests.integration.reference import greedy_references, transformers_beams
@@ -31,8 +29,8 @@ PROMPTS = [[5, 17, 99, 3, 44, 8, 21, 7, 60, 13, 2], list(range(1, 20))]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("beam") / "tiny", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_model) -> str:
+    return str(tiny_model)
 
 
 @pytest.fixture(scope="module", params=["colocated", "1p1d"])

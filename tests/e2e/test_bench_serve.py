@@ -11,12 +11,10 @@ import json
 
 import grpc
 import pytest
-import torch
 
 from tests.e2e.cluster import NodeSettings, running_cluster
 from pdserve.bench.serve import cli as serve_cli
 from pdserve.bench.serve.workloads import ModelLimits, SyntheticWorkload, UniformLengths
-from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 from pdserve import cli
@@ -28,8 +26,8 @@ COMMON = ["--ttft-slo", "60", "--tpot-slo", "30", "--timeout-s", "120", "--no-pr
 
 
 @pytest.fixture(scope="module")
-def cluster(tmp_path_factory):
-    model_dir = make_model(tmp_path_factory.mktemp("bench_serve") / "llama", "llama", "tiny", dtype=torch.float32)
+def cluster(tiny_llama):
+    model_dir = tiny_llama
     with running_cluster(str(model_dir), 1, 1, NodeSettings(block_size=BLOCK_SIZE)) as running:
         yield running
 

@@ -29,6 +29,7 @@ from dataclasses import dataclass
 import grpc
 import pytest
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.testing.waiting import until
 
 from tests.e2e.cluster import FaultCluster, FaultSettings
 from tests.integration.reference import NEAR_TIE, greedy_references
@@ -109,9 +110,7 @@ async def wave(cluster: FaultCluster, fault: str, kind: str, requests, outcomes:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         tasks = [asyncio.create_task(stream(stub, ids, max_tokens, outcome))
                  for ids, max_tokens, outcome in zip(*requests, outcomes)]
-        async with asyncio.timeout(120):
-            while not any(o.tokens for o in outcomes):
-                await asyncio.sleep(0.02)
+        await until(lambda: any(o.tokens for o in outcomes), 120, interval_s=0.02)
         victim = await asyncio.to_thread(busiest, cluster, kind)
         in_flight = sum(not o.done for o in outcomes)
         print(f"{fault} {victim} with {in_flight} of {len(outcomes)} streams in flight")

@@ -17,7 +17,6 @@ import socket
 import subprocess
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from pathlib import Path
@@ -27,7 +26,7 @@ import pytest
 from pdserve.cluster_process import POLL_S
 from pdserve.cluster_state import read_state
 from tests.e2e.cluster import START_TIMEOUT_S, free_port, running_cluster
-from tests.waiting import wait_until
+from pdserve.testing.waiting import wait_until
 
 HOST = "127.0.0.1"
 STOP_TIMEOUT_S = 60.0
@@ -221,9 +220,8 @@ def test_a_node_whose_engine_core_died_answers_503(model_dir):
 def wait_until_dead(pid: int) -> None:
     """SIGKILL is sent, the process still has to die: until every thread of it has exited and
     only its exit status is left for its parent (a zombie whose threads are all gone)."""
-    while Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] != "Z" or len(
-            os.listdir(f"/proc/{pid}/task")) > 1:
-        os.sched_yield()
+    wait_until(lambda: Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0] == "Z" and len(
+        os.listdir(f"/proc/{pid}/task")) == 1, f"{pid} is a zombie without threads", interval_s=0.0)
 
 
 def test_ctrl_c_stops_the_demo_mid_generation(model_dir):
@@ -292,16 +290,12 @@ def test_a_launcher_killed_outright_leaves_no_child_behind(model_dir, tmp_path):
         cores = {name: core_pid(pid) for name, pid in pids.items() if name != "router"}
         os.kill(launcher.proc.pid, signal.SIGKILL)  # the launcher alone, not its children's groups
         launcher.proc.wait()
-        deadline = time.monotonic() + 60
-        while left := [name for name, pid in {**pids, **cores}.items() if alive(pid)]:
-            assert time.monotonic() < deadline, f"left behind: {left}"
-            time.sleep(POLL_S)
+        def left() -> list[str]:
+            return [name for name, pid in {**pids, **cores}.items() if alive(pid)]
+
+        wait_until(lambda: not left(), lambda: f"no child is left behind: {left()}", 60, POLL_S)
 
 
 def wait_for_state(path: Path, timeout_s: float = START_TIMEOUT_S):
     """The launcher writes its state file just after its ready banner: until it is there."""
-    deadline = time.monotonic() + timeout_s
-    while (state := read_state(path)) is None:
-        assert time.monotonic() < deadline, f"no state file at {path}"
-        time.sleep(POLL_S)
-    return state
+    return wait_until(lambda: read_state(path), f"a state file is at {path}", timeout_s, POLL_S)

@@ -13,7 +13,6 @@ import json
 import random
 import subprocess
 import sys
-import time
 
 import grpc
 import pytest
@@ -21,6 +20,7 @@ import torch
 
 from pdserve.engine.model_loader import load_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.testing.waiting import wait_until
 
 from ..integration.reference import assert_matches, greedy_references
 from tests.e2e.cluster import NodeSettings, running_cluster
@@ -124,11 +124,14 @@ def greedy_request(prompt: list[int], max_tokens: int) -> pdserve_pb2.GenerateRe
 
 def decode_stats_when(cluster, predicate, timeout_s: float = 60.0):
     """Poll the decode node's stats until `predicate` holds; those stats."""
-    deadline = time.monotonic() + timeout_s
-    while not predicate(stats := next(s for s in cluster.stats() if s.kind == "decode")):
-        assert time.monotonic() < deadline, f"decode node never reached the state: {stats}"
-        time.sleep(0.02)
-    return stats
+    def decode_stats():
+        return next(s for s in cluster.stats() if s.kind == "decode")
+
+    def reached():
+        stats = decode_stats()
+        return stats if predicate(stats) else None
+
+    return wait_until(reached, lambda: f"the decode node reaches the state: {decode_stats()}", timeout_s)
 
 
 async def read_into(call, tokens: list[int]) -> None:

@@ -14,7 +14,6 @@ import io
 import os
 import random
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -23,6 +22,7 @@ import pytest
 from tests.e2e.cluster import HOST, NodeSettings, free_port, running_cluster
 from pdserve.cluster_supervisor import ChildSpec, ClusterSupervisor
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+from pdserve.testing.waiting import wait_until
 
 from ..integration.reference import assert_matches, greedy_references
 
@@ -144,14 +144,11 @@ def descendants(pid: int) -> list[int]:
 
 
 def wait_for_line(supervisor: ClusterSupervisor, name: str, needle: str, timeout_s: float = 240) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
+    def line() -> str | None:
         supervisor.raise_if_exited()
-        line = next((line for line in supervisor.tail(name) if needle in line), None)
-        if line is not None:
-            return line
-        time.sleep(0.1)
-    raise AssertionError(f"{name} never printed {needle!r}: {supervisor.tail(name)}")
+        return next((line for line in supervisor.tail(name) if needle in line), None)
+
+    return wait_until(line, lambda: f"{name} prints {needle!r}: {supervisor.tail(name)}", timeout_s, interval_s=0.1)
 
 
 @pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs cores 0 and 1")

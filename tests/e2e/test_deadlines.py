@@ -17,6 +17,7 @@ import pytest
 
 from tests.e2e.cluster import NodeSettings, running_cluster
 from pdserve.proto import pdserve_pb2_grpc
+from pdserve.testing.waiting import until
 
 from ..integration.reference import assert_matches, greedy_references
 from .outcomes import greedy_request, held_blocks, outcome_of, wait_idle
@@ -56,10 +57,11 @@ async def prefill_stats(cluster):
 
 async def until_prefill(cluster, predicate, timeout_s: float = 30.0):
     """Poll the prefill node's stats until `predicate` holds; returns those stats."""
-    async with asyncio.timeout(timeout_s):
-        while not predicate(stats := await prefill_stats(cluster)):
-            await asyncio.sleep(0.05)
-    return stats
+    async def matching():
+        stats = await prefill_stats(cluster)
+        return stats if predicate(stats) else None
+
+    return await until(matching, timeout_s, interval_s=0.05)
 
 
 def assert_idle(cluster) -> None:

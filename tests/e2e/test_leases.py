@@ -13,12 +13,12 @@ from __future__ import annotations
 import asyncio
 import os
 import signal
-import time
 
 import grpc
 import pytest
 
 from tests.e2e.cluster import NodeSettings, running_cluster
+from pdserve.testing.waiting import settled
 from pdserve.proto import node_pb2, node_pb2_grpc
 
 from ..integration.reference import assert_matches, greedy_references
@@ -125,12 +125,8 @@ def test_a_prefill_never_acknowledged_by_a_frozen_decode_node_fails_and_frees_it
 
 def wait_prefill_idle(cluster, timeout_s: float = 10.0) -> node_pb2.NodeStats:
     """The prefill node's stats once it holds nothing (only the prefill node: the decode node is frozen)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
-        stats = node_stats_of(cluster.prefill[0])
-        if (stats.used_blocks == 0 and stats.reserved_blocks == 0) or time.monotonic() > deadline:
-            return stats
-        time.sleep(0.05)
+    return settled(lambda: node_stats_of(cluster.prefill[0]),
+                   lambda stats: stats.used_blocks == 0 and stats.reserved_blocks == 0, timeout_s)
 
 
 def node_stats_of(address: str) -> node_pb2.NodeStats:

@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import random
-import time
 import urllib.request
 from dataclasses import dataclass
 
@@ -24,6 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from tests.e2e.cluster import Cluster, NodeSettings, running_cluster
 from pdserve.engine.model_loader import load_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.testing.waiting import settled
 
 from ..integration.reference import assert_matches, greedy_references
 
@@ -68,12 +68,7 @@ def scrape(url: str) -> Scrape:
 
 def scrape_until(url: str, ready) -> Scrape:
     """Nodes refresh their stats and heartbeat every 0.5 s: poll until `ready`, bounded."""
-    deadline = time.monotonic() + WAIT_S
-    while True:
-        result = scrape(url)
-        if ready(result) or time.monotonic() > deadline:
-            return result
-        time.sleep(0.1)
+    return settled(lambda: scrape(url), ready, WAIT_S, interval_s=0.1)
 
 
 @pytest.fixture(scope="module")

@@ -21,6 +21,7 @@ import time
 import grpc
 import pytest
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.testing.waiting import until
 
 from tests.e2e.cluster import FaultCluster, FaultSettings
 from tests.integration.reference import assert_matches, greedy_references
@@ -77,11 +78,11 @@ class Stream:
         self.ended_at = time.monotonic()
 
     async def until(self, predicate, timeout_s: float = 60.0) -> None:
-        deadline = time.monotonic() + timeout_s
-        while not predicate():
-            assert time.monotonic() < deadline, "timed out waiting on the stream"
+        def reached() -> bool:
             assert not self._task.done() or predicate(), f"the stream ended early: {self.error}"
-            await asyncio.sleep(0.02)
+            return predicate()
+
+        await until(reached, timeout_s, interval_s=0.02)
 
     async def done(self) -> Stream:
         await self._task
@@ -254,11 +255,7 @@ def test_a_frozen_prefill_node_moves_its_prefills(cluster, model_dir):
 
 async def _prefilling_node(cluster: FaultCluster) -> str:
     """The prefill node with the prompt part-way computed."""
-    deadline = time.monotonic() + 60
-    while (name := mid_prefill(cluster, num_chunks_done=3)) is None:
-        assert time.monotonic() < deadline, "no prefill node started the prompt"
-        await asyncio.sleep(0.05)
-    return name
+    return await until(lambda: mid_prefill(cluster, num_chunks_done=3), 60, interval_s=0.05)
 
 
 async def _one(router: str, request: pdserve_pb2.GenerateRequest) -> Stream:

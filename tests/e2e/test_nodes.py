@@ -29,6 +29,7 @@ import torch
 
 from pdserve.engine.model_loader import load_model
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
+from pdserve.testing.waiting import settled, until, wait_until
 from tests.integration.reference import assert_matches, greedy_references
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
@@ -58,15 +59,18 @@ class Node:
         self.address = ""
 
     def wait_listening(self, deadline: float) -> None:
-        while time.monotonic() < deadline:
-            for line in self.out_path.read_text().splitlines():
-                if "listening on" in line:
-                    self.address = line.rsplit(" ", 1)[-1].strip()
-                    return
-            if self.proc.poll() is not None:
-                break
-            time.sleep(0.2)
-        raise AssertionError(f"{self.kind} node did not start:\n{self.log_path.read_text()[-4000:]}")
+        def listening() -> str | None:
+            return next((line.rsplit(" ", 1)[-1].strip() for line in self.out_path.read_text().splitlines()
+                         if "listening on" in line), None)
+
+        def started() -> bool:
+            if self.proc.poll() is not None and not listening():
+                raise AssertionError(f"{self.kind} node did not start:\n{self.log_path.read_text()[-4000:]}")
+            return bool(listening())
+
+        wait_until(started, lambda: f"{self.kind} node starts:\n{self.log_path.read_text()[-4000:]}",
+                   deadline - time.monotonic(), interval_s=0.2)
+        self.address = listening()
 
     def signal(self, sig: int) -> None:
         try:
@@ -88,9 +92,7 @@ def stop_all(nodes: list[Node]) -> None:
         for node in nodes:
             if not node.gone():
                 node.signal(sig)
-        deadline = time.monotonic() + wait_s
-        while time.monotonic() < deadline and not all(node.gone() for node in nodes):
-            time.sleep(0.1)
+        settled(lambda: all(node.gone() for node in nodes), bool, wait_s, interval_s=0.1)
     for node in nodes:
         node.close_logs()
 
@@ -168,18 +170,19 @@ async def get_stats(channels) -> dict[str, node_pb2.NodeStats]:
             for kind, ch in channels.items()}
 
 
-async def wait_until(channels, predicate, timeout_s: float) -> dict[str, node_pb2.NodeStats]:
-    """Poll both nodes' stats until `predicate(stats)` holds or timeout_s passes; the last stats."""
-    async with asyncio.timeout(timeout_s):
-        while not predicate(stats := await get_stats(channels)):
-            await asyncio.sleep(0.02)
-    return stats
+async def stats_when(channels, predicate, timeout_s: float) -> dict[str, node_pb2.NodeStats]:
+    """Both nodes' stats once `predicate(stats)` holds (TimeoutError after timeout_s)."""
+    async def matching() -> dict[str, node_pb2.NodeStats] | None:
+        stats = await get_stats(channels)
+        return stats if predicate(stats) else None
+
+    return await until(matching, timeout_s, interval_s=0.02)
 
 
 async def wait_idle(channels, timeout_s: float = 10.0) -> dict[str, node_pb2.NodeStats]:
     """Both nodes' stats once neither holds a used or reserved block (or the last ones at timeout_s)."""
     try:
-        return await wait_until(channels, lambda stats: all(s.used_blocks == 0 and s.reserved_blocks == 0
+        return await stats_when(channels, lambda stats: all(s.used_blocks == 0 and s.reserved_blocks == 0
                                                             for s in stats.values()), timeout_s)
     except TimeoutError:
         return await get_stats(channels)
@@ -255,7 +258,7 @@ def test_cancelling_a_decode_stream_frees_its_blocks_before_a_shorter_stream_bes
         reading = asyncio.create_task(read_tokens(beside, beside_tokens))
         busy = (await get_stats(channels))["decode"]
         call.cancel()
-        alone = (await wait_until(channels, lambda stats: stats["decode"].num_running
+        alone = (await stats_when(channels, lambda stats: stats["decode"].num_running
                                   + stats["decode"].num_waiting < 2, 60.0))["decode"]
         beside_was_running = not reading.done()
         await reading

@@ -19,7 +19,6 @@ import torch
 from transformers import AutoTokenizer
 
 from pdserve.engine.model_loader import load_reference_model
-from pdserve.model_factory import make_model
 from tests.e2e.cluster import NodeSettings, assert_every_block_free, running_cluster
 from tests.integration.reference import greedy_references
 
@@ -28,8 +27,8 @@ NEW_TOKENS = 12
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("openai") / "tiny", "llama", "tiny", dtype=torch.float32))
+def model_dir(tiny_model) -> str:
+    return str(tiny_model)
 
 
 @pytest.fixture(scope="module")

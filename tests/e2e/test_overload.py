@@ -23,6 +23,7 @@ from transformers import AutoTokenizer
 
 from tests.e2e.cluster import NodeSettings, running_cluster
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
+from pdserve.testing.waiting import until
 
 from ..integration.reference import assert_matches, greedy_references
 from .outcomes import greedy_request, held_blocks, outcome_of, wait_idle
@@ -137,10 +138,8 @@ async def prefill_node_stats(stub) -> node_pb2.NodeStats:
     return await stub.GetStats(node_pb2.StatsRequest(), timeout=10)
 
 
-async def until(stub, predicate) -> None:
-    async with asyncio.timeout(30):
-        while not predicate(await prefill_node_stats(stub)):
-            await asyncio.sleep(0.02)
+async def stats_reach(stub, predicate) -> bool:
+    return predicate(await prefill_node_stats(stub))
 
 
 async def rest_of(call) -> list[int]:
@@ -164,7 +163,7 @@ def test_a_full_prefill_queue_refuses_at_once(cluster, model_dir):
             firsts = {}
             for name, (field, count) in zip(served, (("num_running", 1), ("num_waiting", 1), ("num_waiting", 2))):
                 firsts[name] = asyncio.ensure_future(prefill_call(prefill, name, prompts[name], 4, ready[name]))
-                await until(prefill, lambda s: getattr(s, field) == count)
+                await until(lambda: stats_reach(prefill, lambda s: getattr(s, field) == count), 30, interval_s=0.02)
             try:
                 await prefill_call(prefill, "refused", prompts["refused"], 4, ready["refused"])
                 refusal = (grpc.StatusCode.OK, "")

@@ -17,7 +17,6 @@ import pytest
 import torch
 
 from pdserve.engine.model_loader import load_reference_model
-from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.cluster import NodeSettings, running_cluster
 
@@ -31,9 +30,8 @@ TOPS = [3, 0, 5]
 
 
 @pytest.fixture(scope="module")
-def model_dir(tmp_path_factory) -> str:
-    return str(make_model(tmp_path_factory.mktemp("prompt-logprobs") / "llama", "llama", "tiny",
-                          dtype=torch.float32))
+def model_dir(tiny_llama) -> str:
+    return str(tiny_llama)
 
 
 @pytest.fixture(scope="module")

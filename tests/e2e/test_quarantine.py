@@ -27,7 +27,7 @@ from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2_grpc
 from tests.e2e.cluster import FaultCluster, FaultSettings
 from tests.e2e.outcomes import decode_request, greedy_request, outcome_of, prefill_request, random_prompt
 from tests.integration.reference import assert_matches, greedy_references
-from tests.waiting import wait_until
+from pdserve.testing.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
 

@@ -12,12 +12,12 @@ starts it again).
 from __future__ import annotations
 
 import importlib.util
-import time
 
 import grpc
 import pytest
 
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.testing.waiting import settled
 from tests.e2e.cluster import FaultCluster, FaultSettings, assert_every_block_free, running_cluster
 from tests.integration.reference import assert_matches, greedy_references
 
@@ -88,10 +88,8 @@ def test_a_request_that_crashes_its_nodes_kills_at_most_the_configured_number(mo
 
 def restarted_nodes(cluster: FaultCluster, before: dict[str, int], expected: int, timeout_s: float = 60.0) -> list[str]:
     """The children whose pid changed since `before`, once `expected` have (or at the timeout)."""
-    deadline = time.monotonic() + timeout_s
-    while True:
+    def changed() -> list[str]:
         after = cluster.pids()
-        changed = sorted(name for name in before if after[name] != before[name])
-        if len(changed) >= expected or time.monotonic() > deadline:
-            return changed
-        time.sleep(0.1)
+        return sorted(name for name in before if after[name] != before[name])
+
+    return settled(changed, lambda names: len(names) >= expected, timeout_s, interval_s=0.1)

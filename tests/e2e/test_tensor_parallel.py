@@ -32,7 +32,7 @@ from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from tests.e2e.cluster import FaultCluster, FaultSettings, NodeSettings, free_port, running_cluster
 from tests.e2e.test_node_failure import Stream, busy_node, greedy
 from tests.integration.reference import assert_matches, greedy_references
-from tests.waiting import wait_until
+from pdserve.testing.waiting import wait_until
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
 

@@ -7,12 +7,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from pdserve.model_factory import make_model
-
 torch.set_num_threads(2)
 
 
 @pytest.fixture(scope="session")
-def model_dirs(tmp_path_factory) -> dict[str, Path]:
-    root = tmp_path_factory.mktemp("models")
-    return {arch: make_model(root / arch, arch, "tiny", dtype=torch.float32, seed=0) for arch in ("llama", "qwen2", "mistral", "qwen3")}
+def model_dirs(tiny_models) -> dict[str, Path]:
+    """llama, qwen2, mistral and qwen3 (tests/conftest.py's `tiny_models`)."""
+    return {arch: tiny_models[arch] for arch in ("llama", "qwen2", "mistral", "qwen3")}

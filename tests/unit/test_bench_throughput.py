@@ -8,15 +8,9 @@ import pytest
 import torch
 
 from pdserve.bench import throughput
-from pdserve.model_factory import make_model
 
 NUM_REQUESTS = 4
 MAX_TOKENS = 8
-
-
-@pytest.fixture(scope="module")
-def tiny_model(tmp_path_factory):
-    return make_model(tmp_path_factory.mktemp("tiny"), "llama", "tiny", dtype=torch.float32)
 
 
 @pytest.fixture

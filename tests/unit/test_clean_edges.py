@@ -25,7 +25,7 @@ from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailabl
 from pdserve.node.front.metrics import NodeHealth
 from pdserve.router.config import RouterConfig
 from pdserve.router.fronts.server import RouterServer
-from tests.unit.router_fakes import run, tiny_router_model
+from pdserve.testing.router import run
 
 HOST = "127.0.0.1"
 
@@ -192,11 +192,6 @@ def test_a_node_serves_only_between_start_and_stop_while_its_core_runs():
     assert health() == Health(False, "decode node on 127.0.0.1:7001: its engine core is down")
     health.stopping()
     assert health() == Health(False, "decode node stopping")
-
-
-@pytest.fixture(scope="module")
-def router_model(tmp_path_factory):
-    return tiny_router_model(tmp_path_factory.mktemp("router-model"))
 
 
 def test_the_router_serves_health_only_while_its_grpc_server_serves(router_model):

@@ -15,7 +15,6 @@ import signal
 import socket
 import sys
 import threading
-import time
 from pathlib import Path
 
 import pytest
@@ -33,6 +32,7 @@ from pdserve.cluster import (
 from pdserve.cluster_state import read_state
 from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor, RestartPolicy
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
+from pdserve.testing.waiting import wait_until
 
 PY = sys.executable
 SLEEPER = (PY, "-c", "import time; print('up', flush=True); time.sleep(60)")
@@ -85,22 +85,15 @@ def _alive(pid: int) -> bool:
 
 def _all_dead(pids, timeout_s: float = 5.0) -> bool:
     """True once none of `pids` runs (a SIGKILLed grandchild dies a moment after the signal)."""
-    deadline = time.monotonic() + timeout_s
-    while any(_alive(pid) for pid in pids):
-        if time.monotonic() > deadline:
-            return False
-        time.sleep(0.02)
+    pids = list(pids)
+    wait_until(lambda: not any(_alive(pid) for pid in pids),
+               lambda: f"none of {pids} runs (left: {[pid for pid in pids if _alive(pid)]})", timeout_s)
     return True
 
 
 def _wait_for_line(supervisor: ClusterSupervisor, name: str, prefix: str, timeout_s: float = 20.0) -> str:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        for line in supervisor.tail(name):
-            if line.startswith(prefix):
-                return line
-        time.sleep(0.05)
-    raise AssertionError(f"{name} never printed {prefix!r}: {supervisor.tail(name)}")
+    return wait_until(lambda: next((line for line in supervisor.tail(name) if line.startswith(prefix)), None),
+                      lambda: f"{name} prints {prefix!r}: {supervisor.tail(name)}", timeout_s, interval_s=0.05)
 
 
 @pytest.fixture
@@ -315,9 +308,7 @@ def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(superviso
 def test_an_early_exit_is_reported_with_its_last_lines(supervisor):
     supervisor.start(ChildSpec("ok", SLEEPER))
     supervisor.start(ChildSpec("bad", EXITER))
-    deadline = time.monotonic() + 20
-    while (exited := supervisor.first_exit()) is None and time.monotonic() < deadline:
-        time.sleep(0.05)
+    exited = wait_until(supervisor.first_exit, "a child exits", timeout_s=20, interval_s=0.05)
     assert exited is not None and exited.name == "bad" and exited.returncode == 3
     assert exited.tail == ["line one", "fatal: no model"]
     with pytest.raises(ChildExited, match="bad exited with code 3"):
@@ -328,9 +319,7 @@ def test_log_dir_gets_one_file_per_child(tmp_path):
     sup = ClusterSupervisor(log_dir=tmp_path / "logs")
     try:
         sup.start(ChildSpec("bad", EXITER))
-        deadline = time.monotonic() + 20
-        while sup.first_exit() is None and time.monotonic() < deadline:  # drains the pipe
-            time.sleep(0.05)
+        wait_until(lambda: sup.first_exit() is not None, "the child exits", timeout_s=20, interval_s=0.05)  # drains the pipe
     finally:
         sup.stop_all(grace_s=0.0)
     assert (tmp_path / "logs" / "bad.log").read_text() == "line one\nfatal: no model\n"
@@ -402,10 +391,10 @@ def test_a_node_dying_while_serving_stops_the_cluster_when_restarts_are_off(supe
 def _stop_when(out: io.StringIO, text: str, stop: threading.Event, timeout_s: float = 30.0) -> threading.Thread:
     """Set `stop` once `text` is in `out` (or after `timeout_s`, which fails the test's assertions)."""
     def watch() -> None:
-        deadline = time.monotonic() + timeout_s
-        while text not in out.getvalue() and time.monotonic() < deadline:
-            time.sleep(0.02)
-        stop.set()
+        try:
+            wait_until(lambda: text in out.getvalue(), f"{text!r} is printed", timeout_s)
+        finally:
+            stop.set()  # also on the timeout: the launcher stops and the test's assertions fail
 
     thread = threading.Thread(target=watch, daemon=True)
     thread.start()
@@ -466,9 +455,7 @@ def test_a_killed_node_comes_back_on_the_same_command_line_and_the_state_file_fo
     first = {}
 
     def kill_then_watch() -> None:
-        deadline = time.monotonic() + 30
-        while read_state(state_file) is None and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: read_state(state_file) is not None, "the state file is written", timeout_s=30)
         first.update(read_state(state_file).children)
         os.killpg(first["decode-0"].pid, signal.SIGKILL)  # what a crash of the machine's node does
         _stop_when(out, "decode-0 started again (restart 1)", stop).join()

@@ -24,6 +24,11 @@ ALLOWED: dict[str, set[str]] = {
     "prefill_node": {"node", "engine", "kernels", "kv_transfer", "proto", "common"},
     "decode_node": {"node", "engine", "kernels", "kv_transfer", "proto", "common"},
     "router": {"engine", "proto", "common"},
+    # The test harness: it runs the real router server (router), serves the node services and
+    # registers like a node (proto, and kv_transfer for the KV layout version a fingerprint
+    # states). Only tests and bench import it; the model fixtures stay in tests/ (model_factory
+    # belongs to the top part).
+    "testing": {"router", "proto", "kv_transfer"},
 }
 # Third-party modules a part must never load: the engine and its kernels run in a node's core
 # process, which talks ZMQ only through node/, and never serves gRPC.

@@ -22,15 +22,15 @@ from pdserve.common.refusal import EXIT_USAGE
 from pdserve.engine.model_folder import ModelRefused, open_model_folder
 from pdserve.engine.model_loader import choose_impl, load_model
 from pdserve.llm import LLM
-from pdserve.model_factory import make_model
 from pdserve.router.model import load_router_model
 
 TINY = dict(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, intermediate_size=64, vocab_size=128)
 
 
 @pytest.fixture(scope="module")
-def good(tmp_path_factory) -> Path:
-    return make_model(tmp_path_factory.mktemp("good") / "tiny", "llama", "tiny", dtype=torch.float32)
+def good(tiny_model) -> Path:
+    """The good folder every bad one is built from (copied first: the shared one is never changed)."""
+    return tiny_model
 
 
 def copy_of(good: Path, folder: Path) -> Path:

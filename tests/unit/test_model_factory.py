@@ -46,12 +46,6 @@ SMOL_SHAPE = dict(
 SMOL_LLAMA_PARAMS = 134_515_008
 
 
-@pytest.fixture(scope="module")
-def tiny_dirs(tmp_path_factory):
-    root = tmp_path_factory.mktemp("models")
-    return {arch: make_model(root / arch, arch, "tiny") for arch in ARCHS}
-
-
 def paged_forward(loaded, token_ids: list[int], block_size: int = 4, dtype=torch.float32,
                   backend=paged_attention_reference) -> torch.Tensor:  # fmt: skip
     """One prefill of token_ids through the engine's attention; returns [len, vocab] logits."""
@@ -79,9 +73,9 @@ def paged_forward(loaded, token_ids: list[int], block_size: int = 4, dtype=torch
 
 @pytest.mark.parametrize("impl", ["native", "transformers"])
 @pytest.mark.parametrize("arch", ARCHS)
-def test_tiny_model_loads_and_paged_forward_matches_transformers(tiny_dirs, arch, impl):
+def test_tiny_model_loads_and_paged_forward_matches_transformers(tiny_models, arch, impl):
     # Reference attention: the native model's Python layer loop (see the next test for its C++ one).
-    loaded = load_model(tiny_dirs[arch], torch.float32, impl)
+    loaded = load_model(tiny_models[arch], torch.float32, impl)
     assert loaded.impl == impl
     assert (loaded.num_layers, loaded.num_kv_heads, loaded.head_dim) == (3, 2, 16)
     assert loaded.vocab_size == 960 >= len(loaded.tokenizer)
@@ -90,14 +84,14 @@ def test_tiny_model_loads_and_paged_forward_matches_transformers(tiny_dirs, arch
     assert not loaded.model.training and not any(p.requires_grad for p in loaded.model.parameters())
 
     token_ids = loaded.tokenizer("Paged attention must match: 世界 😀 def f(x): return x")["input_ids"]
-    reference = load_reference_model(tiny_dirs[arch], torch.float32)
+    reference = load_reference_model(tiny_models[arch], torch.float32)
     with torch.inference_mode():
         expected = reference(torch.tensor([token_ids])).logits[0]
     torch.testing.assert_close(paged_forward(loaded, token_ids), expected, atol=1e-4, rtol=1e-4)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_native_layer_stack_in_cpp_matches_transformers(tiny_dirs, arch, monkeypatch):
+def test_native_layer_stack_in_cpp_matches_transformers(tiny_models, arch, monkeypatch):
     # The fast attention on a whole prompt: the native model runs all layers in one C++ call.
     if not cpu_ext.available():
         pytest.skip("C++ CPU kernels unavailable")
@@ -106,10 +100,10 @@ def test_native_layer_stack_in_cpp_matches_transformers(tiny_dirs, arch, monkeyp
         raise AssertionError("the Python layer loop ran")
 
     monkeypatch.setattr(NativeLlama, "_layers_python", python_loop)
-    loaded = load_model(tiny_dirs[arch], torch.float32, "native")
+    loaded = load_model(tiny_models[arch], torch.float32, "native")
     token_ids = [(11 * i) % 900 + 1 for i in range(40)]
     with torch.inference_mode():
-        expected = load_reference_model(tiny_dirs[arch], torch.float32)(torch.tensor([token_ids])).logits[0]
+        expected = load_reference_model(tiny_models[arch], torch.float32)(torch.tensor([token_ids])).logits[0]
     torch.testing.assert_close(paged_forward(loaded, token_ids, backend=paged_attention), expected, atol=1e-4, rtol=1e-4)
 
 
@@ -128,8 +122,8 @@ def copy_with_config(src, dst, **edit):
      "original_max_position_embeddings": 256},
     {"rope_type": "yarn", "factor": 4.0, "original_max_position_embeddings": 256},
 ])
-def test_native_forward_matches_transformers_with_scaled_rope(tiny_dirs, tmp_path, rope):
-    model_dir = copy_with_config(tiny_dirs["llama"], tmp_path / "scaled", rope_parameters={"rope_theta": 10000.0, **rope})
+def test_native_forward_matches_transformers_with_scaled_rope(tiny_models, tmp_path, rope):
+    model_dir = copy_with_config(tiny_models["llama"], tmp_path / "scaled", rope_parameters={"rope_theta": 10000.0, **rope})
     loaded = load_model(model_dir, torch.float32, "native")
     token_ids = [(13 * i) % 900 + 1 for i in range(300)]  # past original_max_position_embeddings
     with torch.inference_mode():
@@ -137,11 +131,11 @@ def test_native_forward_matches_transformers_with_scaled_rope(tiny_dirs, tmp_pat
     torch.testing.assert_close(paged_forward(loaded, token_ids), expected, atol=1e-4, rtol=1e-4)
 
 
-def test_transformers_impl_keeps_its_attention_apart_from_the_reference(tiny_dirs):
-    loaded = load_model(tiny_dirs["llama"], torch.float32, "transformers")
+def test_transformers_impl_keeps_its_attention_apart_from_the_reference(tiny_models):
+    loaded = load_model(tiny_models["llama"], torch.float32, "transformers")
     hf_model = loaded.model.model
     assert hf_model.config._attn_implementation == ATTENTION_NAME
-    reference = load_reference_model(tiny_dirs["llama"], torch.float32)
+    reference = load_reference_model(tiny_models["llama"], torch.float32)
     assert reference.config is not hf_model.config
     assert hf_model.config._attn_implementation == ATTENTION_NAME  # untouched by the reference
 
@@ -151,17 +145,17 @@ def test_transformers_impl_keeps_its_attention_apart_from_the_reference(tiny_dir
     ({"mlp_bias": True}, "MLP biases"),
     ({"rope_parameters": {"rope_type": "dynamic", "factor": 2.0, "rope_theta": 10000.0}}, "RoPE type 'dynamic'"),
 ])
-def test_auto_impl_is_native_for_the_llama_family_and_refuses_native_elsewhere(tiny_dirs, tmp_path, edit, reason):
-    assert load_model(tiny_dirs["qwen3"], torch.float32).impl == "native"
-    edited = copy_with_config(tiny_dirs["llama"], tmp_path / "edited", **edit)
+def test_auto_impl_is_native_for_the_llama_family_and_refuses_native_elsewhere(tiny_models, tmp_path, edit, reason):
+    assert load_model(tiny_models["qwen3"], torch.float32).impl == "native"
+    edited = copy_with_config(tiny_models["llama"], tmp_path / "edited", **edit)
     assert load_model(edited, torch.float32).impl == "transformers"
     with pytest.raises(ValueError, match=f"^model_impl native: cannot run .*{reason}"):
         load_model(edited, torch.float32, "native")
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_random_init_gives_varied_greedy_text_with_clear_margins(tiny_dirs, arch):
-    model = load_reference_model(tiny_dirs[arch], torch.float32)
+def test_random_init_gives_varied_greedy_text_with_clear_margins(tiny_models, arch):
+    model = load_reference_model(tiny_models[arch], torch.float32)
     for prompt in ([17, 300, 42], [5, 6, 7, 8, 9]):
         with torch.inference_mode():
             out = model.generate(
@@ -195,32 +189,32 @@ def test_factory_configs_have_full_attention_only():
     assert make_config("qwen2", "tiny").num_hidden_layers == 3
 
 
-def test_unservable_configs_are_refused(tiny_dirs, tmp_path):
+def test_unservable_configs_are_refused(tiny_models, tmp_path):
     with pytest.raises(ValueError, match="sliding window"):
         check_servable(MistralConfig(sliding_window=1024, max_position_embeddings=4096))
     with pytest.raises(ValueError, match="layer types"):
         check_servable(Qwen2Config(use_sliding_window=True, sliding_window=512, max_window_layers=0))
     with pytest.raises(ValueError, match="encoder-decoder"):
         check_servable(T5Config())
-    config = json.loads((tiny_dirs["mistral"] / "config.json").read_text())
+    config = json.loads((tiny_models["mistral"] / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps(config | {"sliding_window": 128}))
     with pytest.raises(ValueError, match="sliding window 128"):
         load_model(tmp_path, torch.float32)
 
 
-def test_special_ids_are_endoftext(tiny_dirs):
-    generation = json.loads((tiny_dirs["llama"] / "generation_config.json").read_text())
+def test_special_ids_are_endoftext(tiny_models):
+    generation = json.loads((tiny_models["llama"] / "generation_config.json").read_text())
     assert (generation["bos_token_id"], generation["eos_token_id"], generation["pad_token_id"]) == (0, 0, 0)
-    tokenizer = load_model(tiny_dirs["llama"], torch.float32).tokenizer
+    tokenizer = load_model(tiny_models["llama"], torch.float32).tokenizer
     assert tokenizer.convert_ids_to_tokens(0) == "<|endoftext|>"
     assert (tokenizer.bos_token_id, tokenizer.eos_token_id, tokenizer.pad_token_id) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("arch", ARCHS)
-def test_loaded_tokenizer_agrees_with_tokenizer_json(tiny_dirs, arch):
+def test_loaded_tokenizer_agrees_with_tokenizer_json(tiny_models, arch):
     # AutoTokenizer swaps in a model-specific class for some model types (qwen2).
-    loaded = load_model(tiny_dirs[arch], torch.float32).tokenizer
-    on_disk = Tokenizer.from_file(str(tiny_dirs[arch] / "tokenizer.json"))
+    loaded = load_model(tiny_models[arch], torch.float32).tokenizer
+    on_disk = Tokenizer.from_file(str(tiny_models[arch] / "tokenizer.json"))
     for text in TEXTS:
         assert loaded(text)["input_ids"] == on_disk.encode(text).ids
         # Qwen2Tokenizer normalises to NFC, as the real Qwen2 tokenizer does.
@@ -261,12 +255,12 @@ def weights_hash(model_dir) -> str:
     return digest.hexdigest()
 
 
-def test_same_seed_gives_same_weights(tiny_dirs, tmp_path):
+def test_same_seed_gives_same_weights(tiny_models, tmp_path):
     again = make_model(tmp_path / "again", "qwen3", "tiny", seed=0)
     other = make_model(tmp_path / "other", "qwen3", "tiny", seed=1)
-    assert weights_hash(again) == weights_hash(tiny_dirs["qwen3"])
+    assert weights_hash(again) == weights_hash(tiny_models["qwen3"])
     assert weights_hash(other) != weights_hash(again)
-    assert (again / "tokenizer.json").read_bytes() == (tiny_dirs["qwen3"] / "tokenizer.json").read_bytes()
+    assert (again / "tokenizer.json").read_bytes() == (tiny_models["qwen3"] / "tokenizer.json").read_bytes()
 
 
 def test_make_model_leaves_global_rng_alone(tmp_path):

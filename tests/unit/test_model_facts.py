@@ -4,13 +4,13 @@ loader and the router both take, so a node and the router stop on the same token
 from __future__ import annotations
 
 import json
+import shutil
+from pathlib import Path
 
 import pytest
-import torch
 from transformers import AutoConfig, GenerationConfig, LlamaConfig
 
 from pdserve.engine.model_facts import eos_token_ids
-from pdserve.model_factory import make_model
 from pdserve.router.model import load_router_model
 
 
@@ -33,8 +33,8 @@ def test_the_union_of_generation_config_config_and_tokenizer(tmp_path, config_eo
     assert eos_token_ids(folder, config, tokenizer_eos) == expected
 
 
-def test_the_router_stops_on_the_union_too(tmp_path):
-    path = make_model(tmp_path / "tiny", "llama", "tiny", dtype=torch.float32)
+def test_the_router_stops_on_the_union_too(tiny_model, tmp_path):
+    path = Path(shutil.copytree(tiny_model, tmp_path / "tiny"))  # a copy: the shared folder is never changed
     generation = json.loads((path / "generation_config.json").read_text())
     generation["eos_token_id"] = [3, 0]
     (path / "generation_config.json").write_text(json.dumps(generation))

@@ -20,7 +20,7 @@ from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.errors import NodeRefused, status_of
 from pdserve.router.cluster.node_facts import RouterFacts, disagreements
 from pdserve.router.cluster.registry import NodeKind, NodeRegistry
-from tests.unit.router_fakes import run, running_router, tiny_router_model
+from pdserve.testing.router import run, running_router
 from tests.unit.test_node_heartbeat import snapshot
 
 ROUTER = RouterFacts(model="tiny", block_size=8, num_layers=3, num_kv_heads=2, head_dim=16)
@@ -30,11 +30,6 @@ def fingerprint(**changes) -> node_pb2.NodeFingerprint:
     fields = dict(model="tiny", dtype="float32", num_layers=3, num_kv_heads=2, head_dim=16, block_size=8,
                   layout_version=KV_LAYOUT_VERSION)
     return node_pb2.NodeFingerprint(**(fields | changes))
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_router_model(tmp_path_factory.mktemp("router-model"))
 
 
 def test_the_registered_fingerprint_carries_exactly_the_kv_handshakes_fields():
@@ -99,9 +94,9 @@ async def register(address: str, request: node_pb2.RegisterRequest) -> grpc.aio.
     return err.value
 
 
-def test_the_router_refuses_a_node_without_a_fingerprint_or_with_another_block_size(model):
+def test_the_router_refuses_a_node_without_a_fingerprint_or_with_another_block_size(router_model):
     async def scenario():
-        async with running_router(model, block_size=8) as address:
+        async with running_router(router_model, block_size=8) as address:
             bare = node_pb2.RegisterRequest(kind="decode", address="127.0.0.1:1", node_id="d0")
             other = node_pb2.RegisterRequest(kind="decode", address="127.0.0.1:1", node_id="d0",
                                              fingerprint=fingerprint(block_size=16))
@@ -114,9 +109,9 @@ def test_the_router_refuses_a_node_without_a_fingerprint_or_with_another_block_s
     assert mismatch.details() == "block_size: this node has 16, the router 8"
 
 
-def test_a_refused_node_stops_registering_with_the_routers_line(model):
+def test_a_refused_node_stops_registering_with_the_routers_line(router_model):
     async def scenario():
-        async with running_router(model, block_size=8) as address:
+        async with running_router(router_model, block_size=8) as address:
             config = NodeConfig(EngineConfig("/m"), router=address, node_id="d0", heartbeat_interval_s=0.02)
             node = {name: getattr(fingerprint(block_size=16), name) for name in FINGERPRINT_FIELDS}  # as CoreStarted
             with pytest.raises(RegistrationRefused) as err:

@@ -18,8 +18,8 @@ from pdserve.kv_transfer import TransferStats
 from pdserve.node.messages import StatsData, StatsPush, decode, encode
 from pdserve.node.front.registration import run_registration
 from pdserve.proto import node_pb2, node_pb2_grpc
-from tests.unit.router_fakes import run
-from tests.waiting import until
+from pdserve.testing.router import run
+from pdserve.testing.waiting import until
 
 
 FINGERPRINT = {"model": "m", "dtype": "float32", "num_layers": 3, "num_kv_heads": 2, "head_dim": 16,

@@ -16,8 +16,10 @@ from pdserve.router.requests.admission import Admission
 from pdserve.router.errors import Overloaded, status_of
 from pdserve.router.config import RouterConfig
 from pdserve.router.fronts.server import RouterServer, _parser, config_from_args
-from tests.unit.router_fakes import Script, fake_nodes, run, tiny_router_model
-from tests.waiting import until
+from pdserve.testing.fake_nodes import Script
+from pdserve.testing.node_server import fake_nodes
+from pdserve.testing.router import run
+from pdserve.testing.waiting import until
 
 LENGTH = pdserve_pb2.FINISH_REASON_LENGTH
 
@@ -97,11 +99,6 @@ def test_router_flags_set_the_limits():
 
 # -- the real router server, fake nodes ---------------------------------------------------
 
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_router_model(tmp_path_factory.mktemp("admission-model"))
-
-
 def request(prompt: list[int], max_tokens: int = 3) -> pdserve_pb2.GenerateRequest:
     return pdserve_pb2.GenerateRequest(
         token_ids=pdserve_pb2.TokenIds(ids=prompt),
@@ -110,9 +107,9 @@ def request(prompt: list[int], max_tokens: int = 3) -> pdserve_pb2.GenerateReque
 
 
 @contextlib.asynccontextmanager
-async def router_server(model, **overrides):
+async def router_server(router_model, **overrides):
     """The real router server, yielded itself so a test can read its admission counts."""
-    path, loaded = model
+    path, loaded = router_model
     server = RouterServer(RouterConfig(model=path, port=0, **overrides), loaded)
     await server.start()
     try:
@@ -132,12 +129,12 @@ async def drain(call) -> grpc.StatusCode:
     return grpc.StatusCode.OK
 
 
-def test_router_refuses_beyond_capacity_at_once_and_frees_slots_on_cancel_and_deadline(model):
+def test_router_refuses_beyond_capacity_at_once_and_frees_slots_on_cancel_and_deadline(router_model):
     events = [node_pb2.DecodeTokens(token_ids=[5, 6], finish_reason=LENGTH, stop_token_id=-1)]
     script = Script(first_token=lambda i: 4, decode_events=lambda i: events, hang_prefill=True)
 
     async def scenario():
-        async with router_server(model, admission=AdmissionLimits(max_inflight_requests=2)) as server:
+        async with router_server(router_model, admission=AdmissionLimits(max_inflight_requests=2)) as server:
             address, admission = f"127.0.0.1:{server.port}", server.admission
             async with fake_nodes(address, script) as (calls, _):
                 async with grpc.aio.insecure_channel(address) as channel:

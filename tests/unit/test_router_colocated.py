@@ -9,128 +9,26 @@ streamed, so the client sees no gap and no duplicate; a client cancel reaches th
 
 from __future__ import annotations
 
-import asyncio
-from collections.abc import AsyncIterator, Callable
-from contextlib import asynccontextmanager
-from dataclasses import dataclass, field
+from collections.abc import Callable
 
 import grpc
 import pytest
 
-from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
-from tests.unit.router_fakes import HEARTBEAT_S, fingerprint_for, generate, run, tiny_router_model
-from tests.unit.router_fakes import running_router as router
+from pdserve.proto import node_pb2, pdserve_pb2, pdserve_pb2_grpc
+from pdserve.testing.fake_colocated import FakeColocated
+from pdserve.testing.node_server import colocated_nodes
+from pdserve.testing.router import generate, run
+from pdserve.testing.router import running_router as router
+from pdserve.testing.waiting import until
 
 LENGTH = pdserve_pb2.FINISH_REASON_LENGTH
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_router_model(tmp_path_factory.mktemp("router-model"))
-
-
-@pytest.fixture(scope="module")
-def output_ids(model) -> list[int]:
-    ids = model[1].tokenizer.encode(" the quick brown fox jumps over")
+def output_ids(router_model) -> list[int]:
+    ids = router_model[1].tokenizer.encode(" the quick brown fox jumps over")
     assert 0 not in ids and len(ids) >= 6  # 0 is the tiny model's eos
     return ids
-
-
-def events_for(ids: list[int]) -> list[node_pb2.DecodeTokens]:
-    """Tokens 1..n in events of two, the last with its finish reason."""
-    events = [node_pb2.DecodeTokens(token_ids=ids[i : i + 2], stop_token_id=-1) for i in range(0, len(ids), 2)]
-    events[-1].finish_reason = LENGTH
-    return events
-
-
-@dataclass
-class FakeColocated(node_pb2_grpc.ColocatedNodeServicer):
-    """Streams the tokens after the request's resumed ones; may refuse, die after some tokens, or hang."""
-
-    output_ids: list[int]
-    queued_tokens: int = 0  # what its stats say: placement asks the least queued node first
-    refuse: bool = False
-    die_after: int | None = None  # tokens streamed before the node "dies" (UNAVAILABLE)
-    hang: bool = False  # keep the stream open after the last event
-    requests: list[node_pb2.SampleRequest] = field(default_factory=list)
-    cancelled: list[str] = field(default_factory=list)
-
-    @property
-    def stats(self) -> node_pb2.NodeStats:
-        return node_pb2.NodeStats(kind="colocated", num_blocks=100, queued_prefill_tokens=self.queued_tokens)
-
-    async def Generate(self, request, context):
-        self.requests.append(request)
-        try:
-            if self.refuse:
-                await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake colocated: queue full")
-            remaining = self.output_ids[len(request.resumed_token_ids):]
-            sent = 0
-            for event in events_for(remaining):
-                if self.die_after is not None and sent >= self.die_after:
-                    await context.abort(grpc.StatusCode.UNAVAILABLE, "fake colocated: node went away")
-                await asyncio.sleep(0.01)
-                yield node_pb2.DecodeEvent(tokens=event)
-                sent += len(event.token_ids)
-            if self.hang:
-                await asyncio.Event().wait()
-        except (asyncio.CancelledError, GeneratorExit):
-            self.cancelled.append(request.request_id)
-            raise
-
-    async def GetStats(self, request, context):
-        return self.stats
-
-
-class Node:
-    """A fake colocated node's server, registered with the router and heartbeating its stats."""
-
-    def __init__(self, servicer: FakeColocated, router_address: str, node_id: str) -> None:
-        self.servicer, self.router_address, self.node_id = servicer, router_address, node_id
-        self._server = grpc.aio.server()
-        self._channel: grpc.aio.Channel | None = None
-        self._task: asyncio.Task | None = None
-
-    async def start(self) -> None:
-        node_pb2_grpc.add_ColocatedNodeServicer_to_server(self.servicer, self._server)
-        address = f"127.0.0.1:{self._server.add_insecure_port('127.0.0.1:0')}"
-        await self._server.start()
-        self._channel = grpc.aio.insecure_channel(self.router_address)
-        registry = node_pb2_grpc.RegistryStub(self._channel)
-        await registry.Register(node_pb2.RegisterRequest(kind="colocated", address=address, node_id=self.node_id,
-                                                         fingerprint=await fingerprint_for(self._channel)))
-        await registry.Heartbeat(node_pb2.HeartbeatRequest(node_id=self.node_id, stats=self.servicer.stats))
-        self._task = asyncio.create_task(self._heartbeat(registry))
-
-    async def stop_heartbeats(self) -> None:
-        """No more stats from this node: what the router last heard stays its latest."""
-        if self._task is not None:
-            self._task.cancel()
-            await asyncio.gather(self._task, return_exceptions=True)
-            self._task = None
-
-    async def _heartbeat(self, registry: node_pb2_grpc.RegistryStub) -> None:
-        while True:
-            await asyncio.sleep(HEARTBEAT_S)
-            await registry.Heartbeat(node_pb2.HeartbeatRequest(node_id=self.node_id, stats=self.servicer.stats))
-
-    async def stop(self) -> None:
-        await self.stop_heartbeats()
-        await self._server.stop(0)
-        if self._channel is not None:
-            await self._channel.close()
-
-
-@asynccontextmanager
-async def colocated_nodes(address: str, *servicers: FakeColocated) -> AsyncIterator[list[Node]]:
-    nodes = [Node(servicer, address, f"c{i}") for i, servicer in enumerate(servicers)]
-    try:
-        for node in nodes:
-            await node.start()
-        yield nodes
-    finally:
-        for node in nodes:
-            await node.stop()
 
 
 async def health(address: str) -> pdserve_pb2.HealthResponse:
@@ -149,9 +47,9 @@ async def status_of(call: Callable[[], object]) -> grpc.aio.AioRpcError:
     return err.value
 
 
-def test_colocated_nodes_register_and_health_counts_them(model):
+def test_colocated_nodes_register_and_health_counts_them(router_model):
     async def scenario():
-        async with router(model) as address:
+        async with router(router_model) as address:
             before = await health(address)
             async with colocated_nodes(address, FakeColocated([]), FakeColocated([])):
                 return before, await health(address)
@@ -161,15 +59,15 @@ def test_colocated_nodes_register_and_health_counts_them(model):
     assert (serving.serving, serving.colocated_nodes, serving.prefill_nodes, serving.decode_nodes) == (True, 2, 0, 0)
 
 
-def test_every_token_comes_from_the_colocated_node(model, output_ids):
+def test_every_token_comes_from_the_colocated_node(router_model, output_ids):
     node = FakeColocated(output_ids)
 
     async def scenario():
-        async with router(model) as address, colocated_nodes(address, node):
+        async with router(router_model) as address, colocated_nodes(address, node):
             return await generate(address, request(len(output_ids), n=2))
 
     responses = run(scenario())
-    tokenizer = model[1].tokenizer
+    tokenizer = router_model[1].tokenizer
     for index in (0, 1):
         mine = [r for r in responses if r.index == index]
         assert [t for r in mine for t in r.token_ids] == output_ids
@@ -183,12 +81,12 @@ def test_every_token_comes_from_the_colocated_node(model, output_ids):
     assert first.request_id.startswith("req-c-") and not node.cancelled
 
 
-def test_a_refusing_node_is_skipped_and_all_refusing_is_resource_exhausted(model, output_ids):
+def test_a_refusing_node_is_skipped_and_all_refusing_is_resource_exhausted(router_model, output_ids):
     full = FakeColocated(output_ids, queued_tokens=0, refuse=True)  # ranked first: least queued
     free = FakeColocated(output_ids, queued_tokens=500)
 
     async def scenario():
-        async with router(model) as address, colocated_nodes(address, full, free):
+        async with router(router_model) as address, colocated_nodes(address, full, free):
             served = await generate(address, request(len(output_ids)))
             free.refuse = True
             refused = await status_of(lambda: generate(address, request(len(output_ids))))
@@ -203,9 +101,9 @@ def test_a_refusing_node_is_skipped_and_all_refusing_is_resource_exhausted(model
     assert "no colocated node can take the request" in refused.details()
 
 
-def test_no_node_at_all_is_unavailable_naming_what_is_missing(model):
+def test_no_node_at_all_is_unavailable_naming_what_is_missing(router_model):
     async def scenario():
-        async with router(model) as address:
+        async with router(router_model) as address:
             return await status_of(lambda: generate(address, request(4)))
 
     error = run(scenario())
@@ -214,17 +112,17 @@ def test_no_node_at_all_is_unavailable_naming_what_is_missing(model):
                                "the cluster cannot serve")
 
 
-def test_a_node_lost_mid_stream_is_resumed_on_another_without_gap_or_duplicate(model, output_ids):
+def test_a_node_lost_mid_stream_is_resumed_on_another_without_gap_or_duplicate(router_model, output_ids):
     dying = FakeColocated(output_ids, queued_tokens=0, die_after=2)  # ranked first
     healthy = FakeColocated(output_ids, queued_tokens=500)
 
     async def scenario():
-        async with router(model) as address, colocated_nodes(address, dying, healthy):
+        async with router(router_model) as address, colocated_nodes(address, dying, healthy):
             return await generate(address, request(len(output_ids)))
 
     responses = run(scenario())
     assert [t for r in responses for t in r.token_ids] == output_ids
-    assert "".join(r.text for r in responses) == model[1].tokenizer.decode(output_ids)
+    assert "".join(r.text for r in responses) == router_model[1].tokenizer.decode(output_ids)
     assert responses[-1].usage.completion_tokens == len(output_ids)
     [lost], [resumed] = dying.requests, healthy.requests
     assert list(resumed.resumed_token_ids) == output_ids[:2]
@@ -232,11 +130,11 @@ def test_a_node_lost_mid_stream_is_resumed_on_another_without_gap_or_duplicate(m
     assert resumed.request_id == f"{lost.request_id}~1"
 
 
-def test_a_resume_needs_a_node_left(model, output_ids):
+def test_a_resume_needs_a_node_left(router_model, output_ids):
     dying = FakeColocated(output_ids, die_after=2)
 
     async def scenario():
-        async with (router(model) as address, colocated_nodes(address, dying),
+        async with (router(router_model) as address, colocated_nodes(address, dying),
                     grpc.aio.insecure_channel(address) as channel):
             call = pdserve_pb2_grpc.GenerationStub(channel).Generate(request(len(output_ids)))
             received = []
@@ -252,36 +150,27 @@ def test_a_resume_needs_a_node_left(model, output_ids):
     assert "UNAVAILABLE: fake colocated: node went away" in error.details()
 
 
-def test_a_client_cancel_cancels_the_node_call(model, output_ids):
+def test_a_client_cancel_cancels_the_node_call(router_model, output_ids):
     node = FakeColocated(output_ids, hang=True)
 
     async def scenario():
-        async with router(model) as address, colocated_nodes(address, node):
+        async with router(router_model) as address, colocated_nodes(address, node):
             async with grpc.aio.insecure_channel(address) as channel:
                 call = pdserve_pb2_grpc.GenerationStub(channel).Generate(request(len(output_ids) + 10))
                 await call.read()
                 call.cancel()
-            async with asyncio.timeout(5):
-                while not node.cancelled:
-                    await asyncio.sleep(0.01)
+            await until(lambda: node.cancelled)
 
     run(scenario())
     assert node.cancelled == [node.requests[0].request_id]
 
 
-@dataclass
-class FakeBeamNode(FakeColocated):
+def beam_node(output_ids: list[int], queued_tokens: int, dies: bool = False) -> FakeColocated:
     """Answers a beam search with one `beams` event, or dies first (UNAVAILABLE)."""
-
-    dies: bool = False
-
-    async def Generate(self, request, context):
-        self.requests.append(request)
-        if self.dies:
-            await context.abort(grpc.StatusCode.UNAVAILABLE, "fake colocated: node went away")
-        beams = [node_pb2.BeamHypothesis(token_ids=self.output_ids[: 3 - i], finish_reason=LENGTH,
-                                         cumulative_logprob=-1.0 - i, score=-0.5 - i) for i in range(2)]
-        yield node_pb2.DecodeEvent(beams=node_pb2.BeamResults(beams=beams, num_prompt_tokens=2))
+    beams = [node_pb2.BeamHypothesis(token_ids=output_ids[: 3 - i], finish_reason=LENGTH,
+                                     cumulative_logprob=-1.0 - i, score=-0.5 - i) for i in range(2)]
+    return FakeColocated(output_ids, queued_tokens=queued_tokens, die_after=0 if dies else None,
+                         beam_results=node_pb2.BeamResults(beams=beams, num_prompt_tokens=2))
 
 
 def beam_request() -> pdserve_pb2.GenerateRequest:
@@ -290,12 +179,12 @@ def beam_request() -> pdserve_pb2.GenerateRequest:
                                        beam_search=pdserve_pb2.BeamSearch(beam_width=2))
 
 
-def test_a_beam_search_whose_node_is_lost_runs_again_on_another_node(model, output_ids):
-    dying = FakeBeamNode(output_ids, queued_tokens=0, dies=True)  # ranked first
-    healthy = FakeBeamNode(output_ids, queued_tokens=500)
+def test_a_beam_search_whose_node_is_lost_runs_again_on_another_node(router_model, output_ids):
+    dying = beam_node(output_ids, queued_tokens=0, dies=True)  # ranked first
+    healthy = beam_node(output_ids, queued_tokens=500)
 
     async def scenario():
-        async with router(model) as address, colocated_nodes(address, dying, healthy):
+        async with router(router_model) as address, colocated_nodes(address, dying, healthy):
             return await generate(address, beam_request())
 
     responses = run(scenario())
@@ -306,11 +195,11 @@ def test_a_beam_search_whose_node_is_lost_runs_again_on_another_node(model, outp
     assert again.request_id == lost.request_id and again.beam_search.beam_width == 2
 
 
-def test_a_beam_search_fails_unavailable_once_every_node_is_lost(model, output_ids):
-    nodes = [FakeBeamNode(output_ids, queued_tokens=i, dies=True) for i in range(2)]
+def test_a_beam_search_fails_unavailable_once_every_node_is_lost(router_model, output_ids):
+    nodes = [beam_node(output_ids, queued_tokens=i, dies=True) for i in range(2)]
 
     async def scenario():
-        async with router(model) as address, colocated_nodes(address, *nodes):
+        async with router(router_model) as address, colocated_nodes(address, *nodes):
             return await status_of(lambda: generate(address, beam_request()))
 
     error = run(scenario())

@@ -13,9 +13,10 @@ import grpc
 import pytest
 
 from pdserve.proto import pdserve_pb2
-from tests.unit.router_fakes import fake_nodes, generate, run, tiny_router_model
-from tests.unit.router_fakes import running_router as router
-from tests.unit.test_router_colocated import FakeColocated, colocated_nodes
+from pdserve.testing.fake_colocated import FakeColocated
+from pdserve.testing.node_server import colocated_nodes, fake_nodes
+from pdserve.testing.router import generate, run
+from pdserve.testing.router import running_router as router
 from tests.unit.test_router_colocated import request as colocated_request
 from tests.unit.test_router_fake_nodes import scripted, text_request
 
@@ -24,13 +25,8 @@ COOLDOWN = dict(exhausted_cooldown_s=600.0, heartbeat_timeout_s=600.0)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_router_model(tmp_path_factory.mktemp("router-model"))
-
-
-@pytest.fixture(scope="module")
-def output_ids(model) -> list[int]:
-    ids = model[1].tokenizer.encode(" the quick brown fox jumps over")
+def output_ids(router_model) -> list[int]:
+    ids = router_model[1].tokenizer.encode(" the quick brown fox jumps over")
     assert 0 not in ids and len(ids) >= 6  # 0 is the tiny model's eos
     return ids
 
@@ -41,9 +37,9 @@ async def status_of(address: str, request: pdserve_pb2.GenerateRequest) -> grpc.
     return err.value
 
 
-def test_a_decode_node_lost_before_ready_hands_the_attempt_to_the_next(model, output_ids):
+def test_a_decode_node_lost_before_ready_hands_the_attempt_to_the_next(router_model, output_ids):
     async def scenario():
-        async with router(model) as address, fake_nodes(address, scripted(output_ids), decode=2) as (calls, nodes):
+        async with router(router_model) as address, fake_nodes(address, scripted(output_ids), decode=2) as (calls, nodes):
             dying, healthy = nodes[1].servicer, nodes[2].servicer  # equal free blocks: "d0" is asked first
             dying.fail_before_ready = True
             return await generate(address, text_request(max_tokens=len(output_ids))), dying, healthy, calls
@@ -55,12 +51,12 @@ def test_a_decode_node_lost_before_ready_hands_the_attempt_to_the_next(model, ou
     assert [r.request_id for r in calls.prefill_requests] == [served.request_id]
 
 
-def test_a_colocated_node_lost_before_its_first_token_hands_the_attempt_to_the_next(model, output_ids):
+def test_a_colocated_node_lost_before_its_first_token_hands_the_attempt_to_the_next(router_model, output_ids):
     dying = FakeColocated(output_ids, queued_tokens=0, die_after=0)  # ranked first, dies before any token
     healthy = FakeColocated(output_ids, queued_tokens=500)
 
     async def scenario():
-        async with router(model) as address, colocated_nodes(address, dying, healthy):
+        async with router(router_model) as address, colocated_nodes(address, dying, healthy):
             return await generate(address, colocated_request(len(output_ids)))
 
     responses = run(scenario())
@@ -69,9 +65,9 @@ def test_a_colocated_node_lost_before_its_first_token_hands_the_attempt_to_the_n
     assert served.request_id == lost.request_id and not served.resumed_token_ids
 
 
-def test_decode_nodes_that_refused_moments_ago_are_resource_exhausted(model, output_ids):
+def test_decode_nodes_that_refused_moments_ago_are_resource_exhausted(router_model, output_ids):
     async def scenario():
-        async with router(model, **COOLDOWN) as address, \
+        async with router(router_model, **COOLDOWN) as address, \
                 fake_nodes(address, scripted(output_ids, refuse_decode=True)) as (calls, nodes):
             await nodes[1].stop_heartbeats()  # its refusal then stands: no fresh stats clear it
             now = await status_of(address, text_request(max_tokens=len(output_ids)))
@@ -86,11 +82,11 @@ def test_decode_nodes_that_refused_moments_ago_are_resource_exhausted(model, out
     assert len(calls.decode_requests) == 1 and not calls.prefill_requests  # the second was never sent
 
 
-def test_colocated_nodes_that_refused_moments_ago_are_resource_exhausted(model, output_ids):
+def test_colocated_nodes_that_refused_moments_ago_are_resource_exhausted(router_model, output_ids):
     full = FakeColocated(output_ids, refuse=True)
 
     async def scenario():
-        async with router(model, **COOLDOWN) as address, colocated_nodes(address, full) as nodes:
+        async with router(router_model, **COOLDOWN) as address, colocated_nodes(address, full) as nodes:
             await nodes[0].stop_heartbeats()
             now = await status_of(address, colocated_request(len(output_ids)))
             moments_ago = await status_of(address, colocated_request(len(output_ids)))

@@ -1,4 +1,4 @@
-"""The real router server, in-process, against fake prefill/decode nodes (tests/unit/router_fakes.py).
+"""The real router server, in-process, against fake prefill/decode nodes (pdserve.testing).
 
 Asserts what a client relies on: the streamed token ids, text and finish reasons; that
 token 1 comes from the prefill node; exact status codes for bad input, missing nodes
@@ -15,21 +15,20 @@ import grpc
 import pytest
 
 from pdserve.proto import node_pb2, pdserve_pb2, pdserve_pb2_grpc
-from tests.unit.router_fakes import FAKE_DESCRIPTOR, Script, fake_nodes, generate, run, tiny_router_model
-from tests.unit.router_fakes import running_router as router
+from pdserve.testing.fake_nodes import FAKE_DESCRIPTOR, Script
+from pdserve.testing.node_server import fake_nodes, started
+from pdserve.testing.router import generate, run
+from pdserve.testing.serve_fakes import SENTENCE, at_once_nodes
+from pdserve.testing.router import running_router as router
+from pdserve.testing.waiting import until
 
 LENGTH = pdserve_pb2.FINISH_REASON_LENGTH
 STOP = pdserve_pb2.FINISH_REASON_STOP
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_router_model(tmp_path_factory.mktemp("router-model"))
-
-
-@pytest.fixture(scope="module")
-def output_ids(model) -> list[int]:
-    ids = model[1].tokenizer.encode(" the quick brown fox jumps over")
+def output_ids(router_model) -> list[int]:
+    ids = router_model[1].tokenizer.encode(" the quick brown fox jumps over")
     assert 0 not in ids and len(ids) >= 6  # 0 is the tiny model's eos
     return ids
 
@@ -49,15 +48,15 @@ def scripted(ids: list[int], **kwargs) -> Script:
     return Script(first_token=lambda index: ids[0], decode_events=lambda index: events, **kwargs)
 
 
-def test_streams_token_one_from_prefill_then_decode_tokens(model, output_ids):
+def test_streams_token_one_from_prefill_then_decode_tokens(router_model, output_ids):
     async def scenario():
-        async with router(model) as address, fake_nodes(address, scripted(output_ids)) as (calls, _):
+        async with router(router_model) as address, fake_nodes(address, scripted(output_ids)) as (calls, _):
             request = text_request(max_tokens=len(output_ids), temperature=0.0)
             request.request_id = "req-1"
             return calls, await generate(address, request)
 
     calls, responses = run(scenario())
-    tokenizer = model[1].tokenizer
+    tokenizer = router_model[1].tokenizer
     assert responses[0].token_ids == [output_ids[0]]  # token 1: the prefill node's answer
     assert [t for r in responses for t in r.token_ids] == output_ids
     assert "".join(r.text for r in responses) == tokenizer.decode(output_ids)
@@ -78,13 +77,13 @@ def test_streams_token_one_from_prefill_then_decode_tokens(model, output_ids):
     assert not calls.cancelled
 
 
-def test_n_samples_share_the_seed_and_stream_by_index(model, output_ids):
+def test_n_samples_share_the_seed_and_stream_by_index(router_model, output_ids):
     per_index = {0: output_ids[:3], 1: output_ids[3:6]}
     events = {i: [node_pb2.DecodeTokens(token_ids=ids[1:], finish_reason=LENGTH)] for i, ids in per_index.items()}
     script = Script(first_token=lambda i: per_index[i][0], decode_events=lambda i: events[i])
 
     async def scenario():
-        async with router(model) as address, fake_nodes(address, script) as (calls, _):
+        async with router(router_model) as address, fake_nodes(address, script) as (calls, _):
             return calls, await generate(address, text_request(n=2, max_tokens=3, seed=1234))
 
     calls, responses = run(scenario())
@@ -98,7 +97,7 @@ def test_n_samples_share_the_seed_and_stream_by_index(model, output_ids):
     assert len({r.request_id for r in calls.decode_requests}) == 2
 
 
-def test_prompt_logprobs_come_once_with_sample_zeros_token_one(model, output_ids):
+def test_prompt_logprobs_come_once_with_sample_zeros_token_one(router_model, output_ids):
     per_index = {0: output_ids[:3], 1: output_ids[3:6]}
     events = {i: [node_pb2.DecodeTokens(token_ids=ids[1:], finish_reason=LENGTH)] for i, ids in per_index.items()}
     prompt = [pdserve_pb2.TokenLogprobs(token_id=t, logprob=-1.5, top=[pdserve_pb2.TopLogprob(token_id=9, logprob=-0.5)])
@@ -106,7 +105,7 @@ def test_prompt_logprobs_come_once_with_sample_zeros_token_one(model, output_ids
     script = Script(first_token=lambda i: per_index[i][0], decode_events=lambda i: events[i], prompt_logprobs=prompt)
 
     async def scenario():
-        async with router(model) as address, fake_nodes(address, script) as (calls, _):
+        async with router(router_model) as address, fake_nodes(address, script) as (calls, _):
             return calls, await generate(address, text_request(n=2, max_tokens=3, seed=7, prompt_logprobs=1))
 
     calls, responses = run(scenario())
@@ -130,7 +129,7 @@ def test_prompt_logprobs_come_once_with_sample_zeros_token_one(model, output_ids
         ({"text": "hi", "sampling_params": {"prompt_logprobs": -1}}, "prompt_logprobs must be >= 0, got -1"),
     ],
 )
-def test_bad_requests_are_invalid_argument_naming_the_field(model, output_ids, request_kwargs, field):
+def test_bad_requests_are_invalid_argument_naming_the_field(router_model, output_ids, request_kwargs, field):
     kwargs = dict(request_kwargs)
     if "token_ids" in kwargs:
         kwargs["token_ids"] = pdserve_pb2.TokenIds(ids=kwargs["token_ids"])
@@ -138,7 +137,7 @@ def test_bad_requests_are_invalid_argument_naming_the_field(model, output_ids, r
         kwargs["sampling_params"] = pdserve_pb2.SamplingParams(**kwargs["sampling_params"])
 
     async def scenario():
-        async with router(model) as address, fake_nodes(address, scripted(output_ids)) as (calls, _):
+        async with router(router_model) as address, fake_nodes(address, scripted(output_ids)) as (calls, _):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await generate(address, pdserve_pb2.GenerateRequest(**kwargs))
             return calls, err.value
@@ -149,9 +148,9 @@ def test_bad_requests_are_invalid_argument_naming_the_field(model, output_ids, r
     assert not calls.decode_requests and not calls.prefill_requests
 
 
-def test_no_nodes_is_unavailable_at_once(model):
+def test_no_nodes_is_unavailable_at_once(router_model):
     async def scenario():
-        async with router(model) as address:
+        async with router(router_model) as address:
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 # Had the router waited for a node, this deadline would end it DEADLINE_EXCEEDED.
                 await generate(address, text_request(), timeout_s=5.0)
@@ -162,10 +161,10 @@ def test_no_nodes_is_unavailable_at_once(model):
     assert "no prefill and no decode node" in error.details()
 
 
-def test_decode_refusal_is_resource_exhausted_without_prefill(model, output_ids):
+def test_decode_refusal_is_resource_exhausted_without_prefill(router_model, output_ids):
     async def scenario():
         script = scripted(output_ids, refuse_decode=True)
-        async with router(model) as address, fake_nodes(address, script) as (calls, _):
+        async with router(router_model) as address, fake_nodes(address, script) as (calls, _):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await generate(address, text_request())
             return calls, err.value
@@ -175,9 +174,9 @@ def test_decode_refusal_is_resource_exhausted_without_prefill(model, output_ids)
     assert len(calls.decode_requests) == 1 and not calls.prefill_requests
 
 
-def test_a_refusing_decode_node_is_skipped_for_the_next(model, output_ids):
+def test_a_refusing_decode_node_is_skipped_for_the_next(router_model, output_ids):
     async def scenario():
-        async with router(model) as address, fake_nodes(address, scripted(output_ids), decode=2) as (_, nodes):
+        async with router(router_model) as address, fake_nodes(address, scripted(output_ids), decode=2) as (_, nodes):
             first, second = nodes[1].servicer, nodes[2].servicer
             first.refuse = True  # equal free blocks: "d0" is asked first, by id
             await nodes[1].stop_heartbeats()  # no fresh stats: its refusal stands for the next request
@@ -191,12 +190,12 @@ def test_a_refusing_decode_node_is_skipped_for_the_next(model, output_ids):
     assert (asked_first, asked_second) == (1, 2)  # the second request skipped the full node
 
 
-def test_stop_string_ends_the_sample_and_cancels_the_decode_stream(model, output_ids):
+def test_stop_string_ends_the_sample_and_cancels_the_decode_stream(router_model, output_ids):
     events = [node_pb2.DecodeTokens(token_ids=[t]) for t in output_ids[1:]]  # never finishes by itself
     script = Script(first_token=lambda i: output_ids[0], decode_events=lambda i: events, hang_after_events=True)
 
     async def scenario():
-        async with router(model) as address, fake_nodes(address, script) as (calls, _):
+        async with router(router_model) as address, fake_nodes(address, script) as (calls, _):
             responses = await generate(address, text_request(max_tokens=50, stop=["brown"]))
             await calls.wait_cancelled("decode", calls.decode_requests[0].request_id)
             return responses
@@ -208,14 +207,12 @@ def test_stop_string_ends_the_sample_and_cancels_the_decode_stream(model, output
     assert text == " the quick "
 
 
-def test_client_cancellation_reaches_both_nodes(model, output_ids):
+def test_client_cancellation_reaches_both_nodes(router_model, output_ids):
     async def scenario():
-        async with router(model) as address, fake_nodes(address, scripted(output_ids, hang_prefill=True)) as (calls, _):
+        async with router(router_model) as address, fake_nodes(address, scripted(output_ids, hang_prefill=True)) as (calls, _):
             async with grpc.aio.insecure_channel(address) as channel:
                 call = pdserve_pb2_grpc.GenerationStub(channel).Generate(text_request())
-                async with asyncio.timeout(30):
-                    while not calls.prefill_requests:
-                        await asyncio.sleep(0.01)
+                await until(lambda: calls.prefill_requests, 30)
                 call.cancel()
             req_id = calls.prefill_requests[0].request_id
             await calls.wait_cancelled("prefill", req_id)
@@ -224,9 +221,9 @@ def test_client_cancellation_reaches_both_nodes(model, output_ids):
     run(scenario())
 
 
-def test_deadline_cancels_both_node_calls(model, output_ids):
+def test_deadline_cancels_both_node_calls(router_model, output_ids):
     async def scenario():
-        async with router(model) as address, fake_nodes(address, scripted(output_ids, hang_prefill=True)) as (calls, _):
+        async with router(router_model) as address, fake_nodes(address, scripted(output_ids, hang_prefill=True)) as (calls, _):
             with pytest.raises(grpc.aio.AioRpcError) as err:
                 await generate(address, text_request(), timeout_s=0.5)
             req_id = calls.prefill_requests[0].request_id
@@ -237,9 +234,9 @@ def test_deadline_cancels_both_node_calls(model, output_ids):
     assert run(scenario()).code() is grpc.StatusCode.DEADLINE_EXCEEDED
 
 
-def test_token_one_can_end_the_sample(model, output_ids):
+def test_token_one_can_end_the_sample(router_model, output_ids):
     async def scenario():
-        async with router(model) as address, fake_nodes(address, scripted(output_ids)) as (calls, _):
+        async with router(router_model) as address, fake_nodes(address, scripted(output_ids)) as (calls, _):
             responses = await generate(address, text_request(max_tokens=1))
             await calls.wait_cancelled("decode", calls.decode_requests[0].request_id)
             return responses
@@ -249,13 +246,13 @@ def test_token_one_can_end_the_sample(model, output_ids):
     assert only.usage.completion_tokens == 1
 
 
-def test_stop_token_from_the_decode_node(model, output_ids):
+def test_stop_token_from_the_decode_node(router_model, output_ids):
     stop_token = output_ids[2]
     events = [node_pb2.DecodeTokens(token_ids=output_ids[1:3], finish_reason=STOP, stop_token_id=stop_token)]
     script = Script(first_token=lambda i: output_ids[0], decode_events=lambda i: events)
 
     async def scenario():
-        async with router(model) as address, fake_nodes(address, script):
+        async with router(router_model) as address, fake_nodes(address, script):
             return await generate(address, text_request(max_tokens=10, stop_token_ids=[stop_token]))
 
     responses = run(scenario())
@@ -291,12 +288,12 @@ async def collect(address: str, request: pdserve_pb2.GenerateRequest, received: 
     return received, None
 
 
-def test_a_decode_node_dying_mid_stream_resumes_on_another(model, output_ids):
+def test_a_decode_node_dying_mid_stream_resumes_on_another(router_model, output_ids):
     script = resumable(output_ids)
     script.decode_events = lambda index: [node_pb2.DecodeTokens(token_ids=[output_ids[1]])]
 
     async def scenario():
-        async with router(model) as address, fake_nodes(address, script, decode=2) as (calls, nodes):
+        async with router(router_model) as address, fake_nodes(address, script, decode=2) as (calls, nodes):
             # d0 (nodes[1]) is ranked first (a tie in free blocks goes by id) and dies mid-stream;
             # the resume goes to d1, which this router has reserved nothing on.
             nodes[1].servicer.fail_after_events = True
@@ -313,13 +310,13 @@ def test_a_decode_node_dying_mid_stream_resumes_on_another(model, output_ids):
     assert received[-1].usage.completion_tokens == len(output_ids)
 
 
-def test_a_resume_does_not_score_the_prompt_again(model, output_ids):
+def test_a_resume_does_not_score_the_prompt_again(router_model, output_ids):
     script = resumable(output_ids)
     script.decode_events = lambda index: [node_pb2.DecodeTokens(token_ids=[output_ids[1]])]
     script.prompt_logprobs = [pdserve_pb2.TokenLogprobs(token_id=5, logprob=-2.0)]
 
     async def scenario():
-        async with router(model) as address, fake_nodes(address, script, decode=2) as (calls, nodes):
+        async with router(router_model) as address, fake_nodes(address, script, decode=2) as (calls, nodes):
             nodes[1].servicer.fail_after_events = True
             received, error = await collect(address, text_request(max_tokens=len(output_ids), prompt_logprobs=0))
             return received, error, calls
@@ -338,9 +335,9 @@ def dying_decode_script(output_ids):
     return script
 
 
-def test_a_decode_node_that_keeps_dying_is_unavailable_after_the_resumes(model, output_ids):
+def test_a_decode_node_that_keeps_dying_is_unavailable_after_the_resumes(router_model, output_ids):
     async def scenario():
-        async with router(model, max_node_failures_per_request=5) as address, \
+        async with router(router_model, max_node_failures_per_request=5) as address, \
                 fake_nodes(address, dying_decode_script(output_ids)):
             return await collect(address, text_request(max_tokens=len(output_ids)))
 
@@ -351,10 +348,10 @@ def test_a_decode_node_that_keeps_dying_is_unavailable_after_the_resumes(model, 
     assert [t for r in received for t in r.token_ids] == output_ids[:6]
 
 
-def test_a_request_that_fails_its_nodes_ends_internal_after_max_node_failures(model, output_ids):
+def test_a_request_that_fails_its_nodes_ends_internal_after_max_node_failures(router_model, output_ids):
     # The default (3) comes before the resume budget runs out: the request may be what kills them.
     async def scenario():
-        async with router(model) as address, fake_nodes(address, dying_decode_script(output_ids)) as (calls, _):
+        async with router(router_model) as address, fake_nodes(address, dying_decode_script(output_ids)) as (calls, _):
             received, error = await collect(address, text_request(max_tokens=len(output_ids)))
             return received, error, calls
 
@@ -367,9 +364,9 @@ def test_a_request_that_fails_its_nodes_ends_internal_after_max_node_failures(mo
     assert [t for r in received for t in r.token_ids] == output_ids[:6]
 
 
-def test_one_node_failure_allowed_ends_the_request_at_the_first(model, output_ids):
+def test_one_node_failure_allowed_ends_the_request_at_the_first(router_model, output_ids):
     async def scenario():
-        async with router(model, max_node_failures_per_request=1) as address, \
+        async with router(router_model, max_node_failures_per_request=1) as address, \
                 fake_nodes(address, dying_decode_script(output_ids)) as (calls, _):
             received, error = await collect(address, text_request(max_tokens=len(output_ids)))
             return received, error, calls
@@ -380,11 +377,11 @@ def test_one_node_failure_allowed_ends_the_request_at_the_first(model, output_id
     assert [t for r in received for t in r.token_ids] == output_ids[:2]
 
 
-def test_a_full_prefill_queue_sends_the_same_reservation_to_the_next(model, output_ids):
+def test_a_full_prefill_queue_sends_the_same_reservation_to_the_next(router_model, output_ids):
     script = resumable(output_ids)
 
     async def scenario():
-        async with router(model) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
+        async with router(router_model) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
             nodes[0].servicer.refuse = True
             nodes[1].servicer.refuse = False
             first, _ = await collect(address, text_request(max_tokens=len(output_ids)))
@@ -400,11 +397,11 @@ def test_a_full_prefill_queue_sends_the_same_reservation_to_the_next(model, outp
     assert {r.request_id for r in calls.prefill_requests} == {r.request_id for r in calls.decode_requests}
 
 
-def test_a_dying_prefill_node_is_retried_on_another_with_a_fresh_reservation(model, output_ids):
+def test_a_dying_prefill_node_is_retried_on_another_with_a_fresh_reservation(router_model, output_ids):
     script = resumable(output_ids)
 
     async def scenario():
-        async with router(model) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
+        async with router(router_model) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
             nodes[0].servicer.fail = True
             await nodes[0].stop()  # it does not answer the probe either: suspect
             received, error = await collect(address, text_request(max_tokens=len(output_ids)))
@@ -419,17 +416,15 @@ def test_a_dying_prefill_node_is_retried_on_another_with_a_fresh_reservation(mod
     assert len(calls.decode_requests) in (2, 3)
 
 
-def test_no_decode_node_left_is_unavailable_naming_it(model, output_ids):
+def test_no_decode_node_left_is_unavailable_naming_it(router_model, output_ids):
     script = resumable(output_ids, hang_after_events=True)
     script.decode_events = lambda index: [node_pb2.DecodeTokens(token_ids=[output_ids[1]])]
 
     async def scenario():
-        async with router(model) as address, fake_nodes(address, script) as (calls, nodes):
+        async with router(router_model) as address, fake_nodes(address, script) as (calls, nodes):
             so_far: list = []
             client = asyncio.create_task(collect(address, text_request(max_tokens=len(output_ids)), so_far))
-            async with asyncio.timeout(30):
-                while sum(len(r.token_ids) for r in so_far) < 2:  # the decoded token is streamed
-                    await asyncio.sleep(0.01)
+            await until(lambda: sum(len(r.token_ids) for r in so_far) >= 2, 30)  # the decoded token is streamed
             await nodes[1].stop()  # then the node dies
             return await client
 
@@ -437,3 +432,23 @@ def test_no_decode_node_left_is_unavailable_naming_it(model, output_ids):
     assert [t for r in received for t in r.token_ids] == output_ids[:2]
     assert error.code() is grpc.StatusCode.UNAVAILABLE
     assert error.details().startswith("no decode node is available: ") and "was lost" in error.details()
+
+
+def test_the_nodes_that_answer_at_once_stream_the_sentence_for_max_tokens(router_model):
+    """What the router benchmark runs behind (python -m pdserve.testing.serve_fakes): token 1 from the
+    prefill, then the sentence's ids cycling until max_tokens; every landed KV push is forgotten."""
+    ids = router_model[1].tokenizer.encode(SENTENCE, add_special_tokens=False)
+    max_tokens = len(ids) + 3  # once round the sentence and on
+
+    async def scenario():
+        async with router(router_model) as address:
+            calls, nodes = at_once_nodes(address, router_model[1])
+            async with started(nodes):
+                responses = await generate(address, text_request(max_tokens=max_tokens, ignore_eos=True))
+            return responses, calls
+
+    responses, calls = run(scenario())
+    assert responses[0].token_ids == ids[:1]
+    assert [t for r in responses for t in r.token_ids] == (ids + ids)[:max_tokens]
+    assert responses[-1].finish_reason == LENGTH
+    assert len(calls.decode_requests) == 1 and not calls.kv_done

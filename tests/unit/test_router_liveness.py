@@ -14,35 +14,30 @@ import pytest
 from pdserve.proto import node_pb2
 from pdserve.router.cluster.liveness import NodeGone, unless_gone
 from pdserve.router.cluster.registry import NodeEntry, NodeKind, NodeRegistry
-from tests.unit.router_fakes import fake_nodes, run, tiny_router_model
-from tests.unit.router_fakes import running_router as router
+from pdserve.testing.node_server import fake_nodes
+from pdserve.testing.router import run
+from pdserve.testing.router import running_router as router
+from pdserve.testing.waiting import until
 from tests.unit.test_router_fake_nodes import collect, resumable, text_request
 
 FAST_DROP = dict(heartbeat_timeout_s=0.5, maintenance_interval_s=0.05)
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_router_model(tmp_path_factory.mktemp("router-model"))
+def output_ids(router_model) -> list[int]:
+    return router_model[1].tokenizer.encode(" the quick brown fox jumps over")
 
 
-@pytest.fixture(scope="module")
-def output_ids(model) -> list[int]:
-    return model[1].tokenizer.encode(" the quick brown fox jumps over")
-
-
-def test_a_frozen_decode_node_mid_stream_is_resumed_on_another(model, output_ids):
+def test_a_frozen_decode_node_mid_stream_is_resumed_on_another(router_model, output_ids):
     script = resumable(output_ids, hang_after_events=True)
     script.decode_events = lambda index: [node_pb2.DecodeTokens(token_ids=[output_ids[1]])]
 
     async def scenario():
-        async with router(model, **FAST_DROP) as address, fake_nodes(address, script, decode=2) as (calls, nodes):
+        async with router(router_model, **FAST_DROP) as address, fake_nodes(address, script, decode=2) as (calls, nodes):
             frozen = nodes[1]  # d0: ranked first (a tie in free blocks goes by id)
             so_far: list = []
             client = asyncio.create_task(collect(address, text_request(max_tokens=len(output_ids)), so_far))
-            async with asyncio.timeout(30):
-                while sum(len(r.token_ids) for r in so_far) < 2:
-                    await asyncio.sleep(0.01)
+            await until(lambda: sum(len(r.token_ids) for r in so_far) >= 2, 30)
             await frozen.stop_heartbeats()  # its stream already hangs: now it is silent too
             received, error = await asyncio.wait_for(client, 30)
             cancelled = await asyncio.wait_for(calls.wait_cancelled("decode", calls.decode_requests[0].request_id), 30)
@@ -56,11 +51,11 @@ def test_a_frozen_decode_node_mid_stream_is_resumed_on_another(model, output_ids
     assert resumed[0].request_id.endswith("~1")
 
 
-def test_a_frozen_prefill_node_is_retried_on_another(model, output_ids):
+def test_a_frozen_prefill_node_is_retried_on_another(router_model, output_ids):
     script = resumable(output_ids)
 
     async def scenario():
-        async with router(model, **FAST_DROP) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
+        async with router(router_model, **FAST_DROP) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
             frozen = nodes[0]
             frozen.servicer.hang = True  # answers no Prefill
             await frozen.stop_heartbeats()
@@ -72,20 +67,18 @@ def test_a_frozen_prefill_node_is_retried_on_another(model, output_ids):
     assert [t for r in received for t in r.token_ids] == output_ids
 
 
-def test_a_prefill_node_gone_after_token_one_before_its_kv_landed_is_resumed(model, output_ids):
+def test_a_prefill_node_gone_after_token_one_before_its_kv_landed_is_resumed(router_model, output_ids):
     # Token 1 leaves the prefill node when it is sampled; the rest of its KV may still be on its
     # way. p0 answers token 1 and then goes silent with the KV undelivered: the decode stream
     # would wait for it until the reservation's lease, so the sample resumes once p0 is dropped.
     script = resumable(output_ids)
 
     async def scenario():
-        async with router(model, **FAST_DROP) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
+        async with router(router_model, **FAST_DROP) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
             nodes[0].servicer.withhold_kv = True
             nodes[1].servicer.refuse = True  # the first attempt goes to p0
             client = asyncio.create_task(collect(address, text_request(max_tokens=len(output_ids))))
-            async with asyncio.timeout(30):
-                while not calls.prefill_requests:
-                    await asyncio.sleep(0.01)
+            await until(lambda: calls.prefill_requests, 30)
             nodes[1].servicer.refuse = False
             await nodes[0].stop_heartbeats()
             return await asyncio.wait_for(client, 30), calls
@@ -97,14 +90,14 @@ def test_a_prefill_node_gone_after_token_one_before_its_kv_landed_is_resumed(mod
         [output_ids[:1]]
 
 
-def test_kv_that_never_lands_after_token_one_is_a_lost_transfer_not_the_clients_deadline(model, output_ids):
+def test_kv_that_never_lands_after_token_one_is_a_lost_transfer_not_the_clients_deadline(router_model, output_ids):
     # p0 stays healthy but its transfer fails after token 1 (the KV never lands): the decode
     # node's reservation lease ends the stream DEADLINE_EXCEEDED. The client's deadline is far
     # away, so the router resumes the sample (token 1 already streamed) instead of failing it.
     script = resumable(output_ids)
 
     async def scenario():
-        async with router(model) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
+        async with router(router_model) as address, fake_nodes(address, script, prefill=2) as (calls, nodes):
             nodes[0].servicer.withhold_kv = True
             nodes[2].servicer.lease_s = 0.3
             received, error = await asyncio.wait_for(

@@ -16,26 +16,12 @@ import pytest
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.fronts import client
 from pdserve.router.fronts.server import _parser, config_from_args
-from tests.unit.router_fakes import (
-    FakeDecode,
-    FakeNode,
-    FakePrefill,
-    Calls,
-    Script,
-    decode_stats,
-    fake_nodes,
-    prefill_stats,
-    run,
-    running_router,
-    tiny_router_model,
-)
+from pdserve.testing.fake_nodes import Calls, FakeDecode, FakePrefill, Script, decode_stats, prefill_stats
+from pdserve.testing.node_server import FakeNode, fake_nodes, started
+from pdserve.testing.router import run, running_router
+from pdserve.testing.waiting import until
 
 LENGTH = pdserve_pb2.FINISH_REASON_LENGTH
-
-
-@pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    return tiny_router_model(tmp_path_factory.mktemp("router-model"))
 
 
 def script_for(ids: list[int]) -> Script:
@@ -49,15 +35,16 @@ async def health(address: str) -> pdserve_pb2.HealthResponse:
 
 
 async def wait_for_health(address: str, decode_nodes: int, timeout_s: float = 5.0) -> pdserve_pb2.HealthResponse:
-    async with asyncio.timeout(timeout_s):
-        while not ((status := await health(address)).serving and status.decode_nodes == decode_nodes):
-            await asyncio.sleep(0.05)
-    return status
+    async def serving() -> pdserve_pb2.HealthResponse | None:
+        status = await health(address)
+        return status if status.serving and status.decode_nodes == decode_nodes else None
+
+    return await until(serving, timeout_s, interval_s=0.05)
 
 
-def test_model_info_and_tokenize(model):
+def test_model_info_and_tokenize(router_model):
     async def scenario():
-        async with running_router(model, block_size=8) as address:
+        async with running_router(router_model, block_size=8) as address:
             async with grpc.aio.insecure_channel(address) as channel:
                 stub = pdserve_pb2_grpc.GenerationStub(channel)
                 info = await stub.GetModelInfo(pdserve_pb2.GetModelInfoRequest())
@@ -67,12 +54,12 @@ def test_model_info_and_tokenize(model):
     info, tokens = run(scenario())
     assert (info.model, info.vocab_size, info.max_model_len) == ("tiny", 960, 4096)
     assert (info.dtype, info.block_size, list(info.eos_token_ids)) == ("float32", 8, [0])
-    assert tokens == model[1].tokenizer.encode("hello world")
+    assert tokens == router_model[1].tokenizer.encode("hello world")
 
 
-def test_health_follows_registration_and_heartbeats(model):
+def test_health_follows_registration_and_heartbeats(router_model):
     async def scenario():
-        async with running_router(model, heartbeat_timeout_s=1.0, maintenance_interval_s=0.05) as address:
+        async with running_router(router_model, heartbeat_timeout_s=1.0, maintenance_interval_s=0.05) as address:
             before = await health(address)
             async with fake_nodes(address, Script(), prefill=1, decode=2) as (_, nodes):
                 serving = await health(address)
@@ -91,9 +78,9 @@ def test_health_follows_registration_and_heartbeats(model):
 
 
 @pytest.mark.parametrize("kind, address, message", [("gpu", "127.0.0.1:1", "kind must be"), ("decode", "", "address")])
-def test_register_refuses_bad_nodes(model, kind, address, message):
+def test_register_refuses_bad_nodes(router_model, kind, address, message):
     async def scenario():
-        async with running_router(model) as router_address:
+        async with running_router(router_model) as router_address:
             async with grpc.aio.insecure_channel(router_address) as channel:
                 registry = node_pb2_grpc.RegistryStub(channel)
                 with pytest.raises(grpc.aio.AioRpcError) as err:
@@ -104,48 +91,43 @@ def test_register_refuses_bad_nodes(model, kind, address, message):
     assert error.code() is grpc.StatusCode.INVALID_ARGUMENT and message in error.details()
 
 
-def test_static_nodes_from_flags_serve_without_registering(model):
-    ids = model[1].tokenizer.encode(" the quick brown")
+def test_static_nodes_from_flags_serve_without_registering(router_model):
+    ids = router_model[1].tokenizer.encode(" the quick brown")
     script, calls = script_for(ids), Calls()
 
     async def scenario():
-        prefill = FakeNode("prefill", FakePrefill(script, calls, prefill_stats()), "", "p-static")
-        decode = FakeNode("decode", FakeDecode(script, calls, decode_stats()), "", "d-static")
-        try:
-            await prefill.start(register=False)
-            await decode.start(register=False)
+        nodes = [FakeNode("prefill", FakePrefill(script, calls, prefill_stats()), "", "p-static"),
+                 FakeNode("decode", FakeDecode(script, calls, decode_stats()), "", "d-static")]
+        async with started(nodes, register=False) as (prefill, decode):
             flags = {"prefill_addresses": (prefill.address,), "decode_addresses": (decode.address,)}
-            async with running_router(model, maintenance_interval_s=0.05, **flags) as address:
+            async with running_router(router_model, maintenance_interval_s=0.05, **flags) as address:
                 await wait_for_health(address, decode_nodes=1)
                 return await client.generate(address, pdserve_pb2.GenerateRequest(text="hi"), None)
-        finally:
-            await prefill.stop()
-            await decode.stop()
 
     completion = run(scenario())
     assert completion.token_ids == ids and completion.as_dict()["finish_reason"] == "length"
 
 
-def test_client_streams_text_and_prints_json(model, capsys):
-    ids = model[1].tokenizer.encode(" the quick brown")
+def test_client_streams_text_and_prints_json(router_model, capsys):
+    ids = router_model[1].tokenizer.encode(" the quick brown")
 
     async def scenario(argv_tail: list[str]) -> int:
-        async with running_router(model) as address, fake_nodes(address, script_for(ids)):
+        async with running_router(router_model) as address, fake_nodes(address, script_for(ids)):
             argv = ["--addr", address, "--max-tokens", str(len(ids)), "--temperature", "0", *argv_tail]
             return await asyncio.to_thread(client.main, argv)
 
     assert run(scenario(["hello"])) == 0
-    assert capsys.readouterr().out == model[1].tokenizer.decode(ids) + "\n"
+    assert capsys.readouterr().out == router_model[1].tokenizer.decode(ids) + "\n"
     assert run(scenario(["--json", "--token-ids", "5,6,7", "--stop", "zzz", "--seed", "3"])) == 0
     out = json.loads(capsys.readouterr().out)
-    assert out["token_ids"] == ids and out["text"] == model[1].tokenizer.decode(ids)
+    assert out["token_ids"] == ids and out["text"] == router_model[1].tokenizer.decode(ids)
     assert out["finish_reason"] == "length" and out["usage"]["completion_tokens"] == len(ids)
     assert out["usage"]["prompt_tokens"] == 3 and out["timings"]["kv_transfer_bytes"] == 4096
 
 
-def test_client_reports_the_status_and_exits_non_zero(model, capsys):
+def test_client_reports_the_status_and_exits_non_zero(router_model, capsys):
     async def scenario() -> int:
-        async with running_router(model) as address:
+        async with running_router(router_model) as address:
             return await asyncio.to_thread(client.main, ["--addr", address, "hello"])
 
     assert run(scenario()) == 1

@@ -10,13 +10,10 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-import torch
 
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.model_factory import make_model
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import InvalidRequest
-from pdserve.router.model import load_router_model
 from pdserve.router.config import RequestLimits
 from pdserve.router.requests.validation import KVCapacity, RequestValidator, ValidatedRequest, kv_blocks
 
@@ -24,9 +21,8 @@ MAX_MODEL_LEN = 64
 
 
 @pytest.fixture(scope="module")
-def model(tmp_path_factory):
-    path = make_model(tmp_path_factory.mktemp("validation-model") / "tiny", "llama", "tiny", dtype=torch.float32)
-    return dataclasses.replace(load_router_model(path), max_model_len=MAX_MODEL_LEN)
+def model(router_model):
+    return dataclasses.replace(router_model[1], max_model_len=MAX_MODEL_LEN)
 
 
 @pytest.fixture
