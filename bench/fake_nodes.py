@@ -43,7 +43,7 @@ class FastNodes(node_pb2_grpc.PrefillNodeServicer, node_pb2_grpc.DecodeNodeServi
         return node_pb2.PrefillResponse(first_token_id=self._tokens[0])
 
     async def Decode(self, request, context):
-        yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_descriptor=b"{}", block_ids=[0]))
+        yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_layout_id="fake", block_ids=[0]))
         await self._kv_done[request.request_id].wait()
         del self._kv_done[request.request_id]
         count = request.sampling_params.max_tokens - 1

@@ -117,7 +117,8 @@ class BeamSearchPair:
                            ready: node_pb2.Ready, decode: NodeEntry, deadline: float | None) -> node_pb2.PrefillResponse:
         request = node_pb2.PrefillRequest(request_id=sample.request_id, prompt_token_ids=sample.prompt_token_ids,
                                           sampling_params=params, seed=sample.seed,
-                                          decode_kv_descriptor=ready.kv_descriptor, decode_block_ids=ready.block_ids)
+                                          decode_kv_layout_id=ready.kv_layout_id, decode_address=decode.address,
+                                          decode_block_ids=ready.block_ids)
         full: dict[str, str] = {}  # node id -> address: refused RESOURCE_EXHAUSTED, touched nothing
         while True:
             live = [e for e in self._registry.live(NodeKind.PREFILL) if e.node_id not in full]

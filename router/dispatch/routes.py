@@ -252,7 +252,8 @@ def _prefill_request(sample: SampleView, leg: Leg) -> node_pb2.PrefillRequest:
         sampling_params=sample.node_params(),
         seed=request.params.seed,
         sample_index=sample.spec.index,
-        decode_kv_descriptor=ready.kv_descriptor,
+        decode_kv_layout_id=ready.kv_layout_id,
+        decode_address=leg.entry.address,
         decode_block_ids=ready.block_ids,
         resumed_token_ids=leg.resumed,
     )

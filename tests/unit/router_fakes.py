@@ -31,7 +31,7 @@ from pdserve.router.fronts.server import RouterServer
 
 HEARTBEAT_S = 0.1
 TEST_TIMEOUT_S = 30.0
-FAKE_DESCRIPTOR = b'{"fake": "decode kv"}'
+FAKE_LAYOUT_ID = "127.0.0.1:1/fake-run"
 
 
 @dataclass
@@ -96,7 +96,7 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake decode: no free KV blocks")
             if self.fail_before_ready:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode: engine core died")
-            yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_descriptor=FAKE_DESCRIPTOR, block_ids=[7, 3, 5]))
+            yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_layout_id=FAKE_LAYOUT_ID, block_ids=[7, 3, 5]))
             try:
                 await asyncio.wait_for(self.calls.kv_done[request.request_id].wait(), self.lease_s)
             except TimeoutError:
