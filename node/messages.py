@@ -323,7 +323,7 @@ def _plain(value: Any) -> Any:
 
 
 def _params(body: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**body)
+    return SamplingParams.rebuilt(body)  # checked once, by the front that built them from the request
 
 
 def _stats(body: dict[str, Any]) -> StatsData:

@@ -62,7 +62,10 @@ def test_every_message_round_trips(msg):
 
 
 @pytest.mark.parametrize("raw", [b"", b"[]", b'{"type": "Nope", "body": {}}', b'{"type": "Abort", "body": {}}',
-                                 b'{"type": "RequestFailed", "body": {"req_id": "a", "code": "?", "message": ""}}'])
+                                 b'{"type": "RequestFailed", "body": {"req_id": "a", "code": "?", "message": ""}}',
+                                 # params come whole, as the front built them: the core rebuilds, never re-defaults
+                                 b'{"type": "StreamSubmit", "body": {"req_id": "a", "prompt_token_ids": [1], '
+                                 b'"params": {"n": 1}, "sample_index": 0}}'])
 def test_garbage_is_a_message_error(raw):
     with pytest.raises(MessageError):
         decode(raw)
