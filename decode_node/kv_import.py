@@ -5,7 +5,7 @@ A stage of the node core (node/core/node_core.py); `make_stage` builds it in the
 (StreamSubmit with `imports_kv`: the `Decode` call) lives here until its KV is in (its hand-off
 states: reservations.py):
 
-    StreamSubmit ─▶ reserve blocks ─▶ Ready{descriptor, block ids} | RequestFailed
+    StreamSubmit ─▶ reserve blocks ─▶ Ready{layout id, block ids} | RequestFailed
         (RESOURCE_EXHAUSTED at once: too few free blocks, prompt + max_tokens need more
         blocks than this node has, or the queue bounds — reservations waiting for their
         KV plus preempted requests — are full)
@@ -55,13 +55,13 @@ logger = logging.getLogger(__name__)
 
 
 class KVImportStage:
-    def __init__(self, core: NodeCore, transport: RankedTransport, table: ReservationTable, descriptor: str,
+    def __init__(self, core: NodeCore, transport: RankedTransport, table: ReservationTable, layout_id: str,
                  bounds: QueueBounds = UNBOUNDED) -> None:
         self.core = core
         self.engine = core.engine
         self.transport = transport
         self.table = table
-        self.descriptor = descriptor
+        self.layout_id = layout_id  # the prefill node asks for the layout itself once (GetKVLayout)
         self.bounds = bounds
         self._waiting_searches: dict[str, BeamSearchParams] = {}  # reserved beam searches, by req_id
         transport.guard_writes(table.permits)
@@ -76,7 +76,7 @@ class KVImportStage:
         except NodeError as exc:
             self.core.to_front(RequestFailed(msg.req_id, exc.code, exc.message))
             return True
-        self.core.to_front(Ready(msg.req_id, self.descriptor, block_ids))
+        self.core.to_front(Ready(msg.req_id, self.layout_id, block_ids))
         return True
 
     def abort(self, req_id: str) -> bool:
@@ -155,4 +155,4 @@ def make_stage(config: NodeConfig, core: NodeCore, transport: RankedTransport,
                descriptor: NodeKVDescriptor) -> KVImportStage:
     table = ReservationTable(core.engine, config.lease_s, config.retired_id_s)
     bounds = QueueBounds(config.max_waiting_requests, config.max_queued_tokens)
-    return KVImportStage(core, transport, table, descriptor.to_bytes().decode(), bounds)
+    return KVImportStage(core, transport, table, descriptor.layout_id, bounds)

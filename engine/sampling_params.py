@@ -4,14 +4,17 @@
 their validation: every bad value raises `ValueError` naming the field, at
 construction, so nothing downstream re-checks them. Numbers are normalised to plain
 `int`/`float` and `stop`/`stop_token_ids` to tuples, so the object is hashable and
-compares by value. It never touches tensors or tokenizers.
+compares by value. Params that cross a process boundary after their checks (a node's front
+builds them from the request; its core gets their fields) come back with `rebuilt`, which
+checks nothing again. It never touches tensors or tokenizers.
 """
 
 from __future__ import annotations
 
 import math
 import struct
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, fields
 from numbers import Integral, Real
 
 MAX_LOGPROBS = 20
@@ -170,3 +173,21 @@ class SamplingParams:
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @classmethod
+    def rebuilt(cls, values: Mapping[str, object]) -> SamplingParams:
+        """Params already checked where they were built, from their fields as plain data (JSON
+        made the tuples lists): the same value, without a second validation. Every field must be
+        there: a missing or unknown one is a TypeError, as for the constructor."""
+        names = _FIELD_NAMES
+        if set(values) != names:
+            raise TypeError(f"SamplingParams fields differ: missing {sorted(names - set(values))}, "
+                            f"unknown {sorted(set(values) - names)}")
+        params = object.__new__(cls)
+        for name in names:
+            value = values[name]
+            params._set(name, tuple(value) if name in ("stop", "stop_token_ids") else value)
+        return params
+
+
+_FIELD_NAMES = frozenset(f.name for f in fields(SamplingParams))

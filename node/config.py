@@ -63,6 +63,8 @@ class NodeConfig:
     # Registration with the router.
     heartbeat_interval_s: float = 0.5
     registry_rpc_timeout_s: float = 1.0
+    # A prefill node's fetch of a decode node's KV layout (once per decode node run).
+    kv_layout_timeout_s: float = 5.0
     # Queue bounds: beyond them a new request is refused RESOURCE_EXHAUSTED at once, not
     # queued. Waiting requests — prefill, colocated: in the scheduler's queue; decode:
     # reservations whose KV has not arrived plus preempted requests. Queued tokens
@@ -112,8 +114,9 @@ class NodeConfig:
         _require(0 <= self.port <= 65535, "port", "out of range")
         _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port", "out of range")
         _require(":" in self.router, "router", f"must be HOST:PORT, got {self.router!r}")
-        for name in ("lease_s", "heartbeat_interval_s", "registry_rpc_timeout_s", "core_start_timeout_s",
-                     "core_stop_timeout_s", "stats_timeout_s", "stats_push_interval_s", "grace_s"):
+        for name in ("lease_s", "heartbeat_interval_s", "registry_rpc_timeout_s", "kv_layout_timeout_s",
+                     "core_start_timeout_s", "core_stop_timeout_s", "stats_timeout_s", "stats_push_interval_s",
+                     "grace_s"):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _require(self.max_waiting_requests >= 1 and self.max_queued_tokens >= 1, "max_waiting_requests",
                  f"and max_queued_tokens must be >= 1, got {self.max_waiting_requests}, {self.max_queued_tokens}")

@@ -107,10 +107,12 @@ class PrefillSubmit(_Message):
     prompt_token_ids: list[int]
     params: SamplingParams
     sample_index: int
-    kv_descriptor: str  # the decode node's KVDescriptor JSON
+    kv_layout_id: str  # names the decode node's KV layout (NodeKVDescriptor.layout_id)
     dst_block_ids: list[int]  # the decode node's reserved blocks, in prompt (+ resumed) order
     # Tokens the sample already generated elsewhere (a resume): prefilled, counted as output.
     resumed_token_ids: list[int] = field(default_factory=list)
+    # The layout's JSON, on the first request naming an id the core has not had yet; None after.
+    kv_layout: str | None = None
 
     @classmethod
     def from_json(cls, body: dict[str, Any]) -> PrefillSubmit:
@@ -160,6 +162,9 @@ class CoreStarted(_Message):
     """The core has loaded the model and registered its KV cache: it serves from now on."""
 
     fingerprint: dict[str, Any]  # KVCacheSpec.fingerprint(): what the node registers with the router
+    # A node with a KV transport: its layout (NodeKVDescriptor JSON) and the id requests name it by.
+    kv_layout_id: str = ""
+    kv_layout: str = ""
 
 
 @dataclass(slots=True)
@@ -173,7 +178,7 @@ class CoreFailed(_Message):
 @dataclass(slots=True)
 class Ready(_Message):
     req_id: str
-    kv_descriptor: str
+    kv_layout_id: str  # the decode node's layout, named (its front answers GetKVLayout with it)
     block_ids: list[int]
 
 
@@ -318,7 +323,7 @@ def _plain(value: Any) -> Any:
 
 
 def _params(body: dict[str, Any]) -> SamplingParams:
-    return SamplingParams(**body)
+    return SamplingParams.rebuilt(body)  # checked once, by the front that built them from the request
 
 
 def _stats(body: dict[str, Any]) -> StatsData:

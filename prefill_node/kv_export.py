@@ -1,8 +1,9 @@
 """The prefill node's KV export stage: admit prefills, export their KV.
 
 A stage of the node core (node/core/node_core.py); `make_stage` builds it in the engine-core process
-(the kind's row, pdserve/node_kinds.py, names it). It takes every `PrefillSubmit`: checks it
-against the decode node's descriptor (its block ids must name exactly one reserved block per
+(the kind's row, pdserve/node_kinds.py, names it). It takes every `PrefillSubmit`: finds the decode
+node's layout its `kv_layout_id` names (prefill_node/decode_layouts.py: parsed once per decode node
+run), checks the request against it (its block ids must name exactly one reserved block per
 prompt block, inside its cache: INVALID_ARGUMENT otherwise) and against the queue bounds
 (RESOURCE_EXHAUSTED at once when full), adds the request to the engine (prefill-only policy:
 RESOURCE_EXHAUSTED if its KV can never fit here; a sibling sample of a request still in its
@@ -29,6 +30,7 @@ from pdserve.node.messages import Message, PrefillSubmit, RequestFailed
 from pdserve.node.core.node_core import NodeCore
 from pdserve.node.core.sibling_forks import add_sample
 from pdserve.node.core.stats import UNBOUNDED, QueueBounds, queued_tokens
+from pdserve.prefill_node.decode_layouts import DecodeLayouts
 from pdserve.prefill_node.exporter import KVExporter
 from pdserve.prefill_node.peers import PeerConnections
 
@@ -39,6 +41,7 @@ class KVExportStage:
         self.engine = core.engine
         self.exporter = exporter
         self.bounds = bounds
+        self.layouts = DecodeLayouts(exporter.peers.forget)
 
     def handle(self, msg: Message) -> bool:
         if not isinstance(msg, PrefillSubmit):
@@ -65,7 +68,7 @@ class KVExportStage:
         if self.exporter.is_tracking(msg.req_id):
             # Its blocks may still be read by pushes: the id is taken until they finish.
             raise NodeError(ErrorCode.INVALID_ARGUMENT, f"request_id {msg.req_id!r} is still being exported here")
-        descriptor = _descriptor(msg.kv_descriptor)
+        descriptor = self.layouts.resolve(msg.kv_layout_id, msg.kv_layout)
         num_tokens = len(msg.prompt_token_ids) + len(msg.resumed_token_ids)  # what this node computes
         _check_dst_blocks(msg, descriptor, self.engine.kv.blocks_needed(num_tokens))
         self.bounds.check(len(self.engine.scheduler.waiting), queued_tokens(self.engine), num_tokens)
@@ -101,13 +104,6 @@ def prefill_params(params: SamplingParams, num_resumed: int = 0) -> SamplingPara
     """
     num_sampled = num_resumed + 1
     return dataclasses.replace(params, max_tokens=num_sampled, min_tokens=min(params.min_tokens, num_sampled))
-
-
-def _descriptor(raw: str) -> NodeKVDescriptor:
-    try:
-        return NodeKVDescriptor.from_bytes(raw.encode())
-    except (ValueError, KeyError, TypeError) as exc:
-        raise NodeError(ErrorCode.INVALID_ARGUMENT, f"decode_kv_descriptor is not a KV descriptor: {exc}") from exc
 
 
 def _check_dst_blocks(msg: PrefillSubmit, descriptor: NodeKVDescriptor, num_needed: int) -> None:

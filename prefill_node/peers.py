@@ -1,6 +1,7 @@
 """Connections from a prefill node to decode nodes' KV caches, one per peer, made once.
 
-A decode node is named by its KV descriptor's key (its rank 0's `address:port`). The first request for a
+A decode node is named by its layout's id (its rank 0's `address:port` and the run of the node:
+a decode node started again on its old addresses is a new peer, connected afresh). The first request for a
 peer starts the connection (handshake + fingerprint check) on a worker thread, so the
 core's step loop never waits on it; requests poll `state()` until it resolves. A failed
 connection is reported to every request waiting on it and then forgotten, so the next
@@ -25,8 +26,8 @@ class PeerConnections:
         self._peers: dict[str, Future[str]] = {}
 
     def request(self, descriptor: NodeKVDescriptor) -> str:
-        """Start connecting unless connected or connecting; the peer's key."""
-        key = descriptor.key
+        """Start connecting unless connected or connecting; the peer's key (its layout id)."""
+        key = descriptor.layout_id
         if key not in self._peers:
             self._peers[key] = self._connect(descriptor)
         return key

@@ -5,6 +5,8 @@
 its KV into the decode node's reserved blocks) and answers token 1 as soon as it is
 sampled and the rest of the transfer is queued behind it (the KV follows token 1; a
 transfer that fails afterwards fails the decode node's stream, and the router resumes). Cancelling the call aborts the request in the core.
+The decode node's KV layout is named by id; the layout itself is fetched from the decode node once
+per run of it (prefill_node/layout_fetch.py) and given to the core with the first request naming it.
 
 Must never: run model code, or choose a status code outside node/errors.py.
 """
@@ -18,19 +20,31 @@ from pdserve.proto.convert import logprobs_to_proto, prompt_logprobs_to_proto
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import FirstToken, PrefillSubmit, RequestFailed
 from pdserve.node.front.servicers import NodeServicer, request_params
+from pdserve.prefill_node.layout_fetch import LayoutCache, grpc_fetch
 from pdserve.proto import node_pb2
 
 
 class PrefillServicer(NodeServicer):
+    def __init__(self, client: CoreClient) -> None:
+        super().__init__(client)
+        config = client.config
+        self.layouts = LayoutCache(grpc_fetch(config.auth_token, config.kv_layout_timeout_s))
+
     async def Prefill(self, request: node_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> node_pb2.PrefillResponse:
         try:
             submit = _submit(request)
+            await self.layouts.ensure(request.decode_address, submit.kv_layout_id)
             queue = self.client.open_stream(submit.req_id)
         except NodeError as exc:
             await abort_rpc(context, exc)
         answered = False
         try:
+            try:  # no await between taking the layout and sending it: the core gets it first
+                submit.kv_layout = self.layouts.take_unsent(request.decode_address, submit.kv_layout_id)
+            except NodeError as exc:
+                answered = True
+                await abort_rpc(context, exc)
             self.client.send(submit)
             reply = await queue.get()
             answered = True
@@ -47,12 +61,11 @@ class PrefillServicer(NodeServicer):
 
 def _submit(request: node_pb2.PrefillRequest) -> PrefillSubmit:
     params = request_params(request)
-    try:
-        descriptor = request.decode_kv_descriptor.decode()
-    except UnicodeDecodeError as exc:
-        raise NodeError(ErrorCode.INVALID_ARGUMENT, "decode_kv_descriptor is not UTF-8 JSON") from exc
+    for name in ("decode_kv_layout_id", "decode_address"):
+        if not getattr(request, name):
+            raise NodeError(ErrorCode.INVALID_ARGUMENT, f"{name} must not be empty")
     return PrefillSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
-                         sample_index=request.sample_index, kv_descriptor=descriptor,
+                         sample_index=request.sample_index, kv_layout_id=request.decode_kv_layout_id,
                          dst_block_ids=list(request.decode_block_ids),
                          resumed_token_ids=list(request.resumed_token_ids))
 

@@ -39,6 +39,11 @@ class DecodeNodeStub:
                 request_serializer=node__pb2.SampleRequest.SerializeToString,
                 response_deserializer=node__pb2.DecodeEvent.FromString,
                 _registered_method=True)
+        self.GetKVLayout = channel.unary_unary(
+                '/pdserve.node.v1.DecodeNode/GetKVLayout',
+                request_serializer=node__pb2.KVLayoutRequest.SerializeToString,
+                response_deserializer=node__pb2.KVLayout.FromString,
+                _registered_method=True)
         self.GetStats = channel.unary_unary(
                 '/pdserve.node.v1.DecodeNode/GetStats',
                 request_serializer=node__pb2.StatsRequest.SerializeToString,
@@ -60,6 +65,14 @@ class DecodeNodeServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetKVLayout(self, request, context):
+        """This node's KV layout, which READY names by id: a prefill node asks once per id (the id
+        changes when the node starts again), not per request.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def GetStats(self, request, context):
         """Missing associated documentation comment in .proto file."""
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
@@ -73,6 +86,11 @@ def add_DecodeNodeServicer_to_server(servicer, server):
                     servicer.Decode,
                     request_deserializer=node__pb2.SampleRequest.FromString,
                     response_serializer=node__pb2.DecodeEvent.SerializeToString,
+            ),
+            'GetKVLayout': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetKVLayout,
+                    request_deserializer=node__pb2.KVLayoutRequest.FromString,
+                    response_serializer=node__pb2.KVLayout.SerializeToString,
             ),
             'GetStats': grpc.unary_unary_rpc_method_handler(
                     servicer.GetStats,
@@ -107,6 +125,33 @@ class DecodeNode:
             '/pdserve.node.v1.DecodeNode/Decode',
             node__pb2.SampleRequest.SerializeToString,
             node__pb2.DecodeEvent.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetKVLayout(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.node.v1.DecodeNode/GetKVLayout',
+            node__pb2.KVLayoutRequest.SerializeToString,
+            node__pb2.KVLayout.FromString,
             options,
             channel_credentials,
             insecure,

@@ -24,7 +24,7 @@ import grpc
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2
 from pdserve.testing.waiting import until
 
-FAKE_DESCRIPTOR = b'{"fake": "decode kv"}'
+FAKE_LAYOUT_ID = "127.0.0.1:1/fake-run"
 FAKE_BLOCK_IDS = (7, 3, 5)
 EVENT_GAP_S = 0.01  # between two events of a stream: each reaches the router on its own
 
@@ -114,7 +114,7 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake decode: no free KV blocks")
             if self.fail_before_ready:
                 await context.abort(grpc.StatusCode.UNAVAILABLE, "fake decode: engine core died")
-            yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_descriptor=FAKE_DESCRIPTOR, block_ids=FAKE_BLOCK_IDS))
+            yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_layout_id=FAKE_LAYOUT_ID, block_ids=FAKE_BLOCK_IDS))
             try:
                 await asyncio.wait_for(self.calls.kv_done[request.request_id].wait(), self.lease_s)
             except TimeoutError:

@@ -138,7 +138,8 @@ def _build(config: NodeConfig, part: CorePart, to_front: ToFront, owned: _Owned)
         descriptor = owned.transport.descriptor()
     handler = make_node_core(config, engine, to_front, part.local_prefill)
     handler.stages = [make(config, handler, owned.transport, descriptor) for make in make_stages]
-    to_front(CoreStarted(spec.fingerprint()))
+    layout = (descriptor.layout_id, descriptor.to_bytes().decode()) if descriptor is not None else ("", "")
+    to_front(CoreStarted(spec.fingerprint(), *layout))
     return engine, handler
 
 

@@ -56,4 +56,10 @@ def find_sibling(engine: EngineCore, prompt_token_ids: list[int], params: Sampli
 def same_draws(parent: SamplingParams, child: SamplingParams) -> bool:
     """Do the two params draw the same tokens from the same logits? (Prompt logprobs are the
     parent's to report; a forked child reports none, as a child sample asks for none.)"""
-    return dataclasses.replace(parent, prompt_logprobs=None) == child
+    if child.prompt_logprobs is not None:
+        return False
+    return all(getattr(parent, name) == getattr(child, name) for name in _DRAW_FIELDS)
+
+
+# Every field but prompt_logprobs: compared one by one, so matching builds no params.
+_DRAW_FIELDS = tuple(f.name for f in dataclasses.fields(SamplingParams) if f.name != "prompt_logprobs")

@@ -63,6 +63,8 @@ class CoreClient:
         self._query_ids = itertools.count()
         self._tasks: list[asyncio.Task] = []
         self.fingerprint: dict[str, object] = {}  # the core's KV fingerprint, once started
+        # (id, JSON) of the core's KV layout, once started: what a decode node's GetKVLayout answers.
+        self.kv_layout: tuple[str, str] = ("", "")
 
     async def start(self) -> None:
         """Spawn the core and wait for it to load the model and register its KV cache."""
@@ -77,6 +79,7 @@ class CoreClient:
         if not isinstance(first, CoreStarted):
             raise NodeError(ErrorCode.INTERNAL, f"engine core said {type(first).__name__} before CoreStarted")
         self.fingerprint = first.fingerprint
+        self.kv_layout = (first.kv_layout_id, first.kv_layout)
         self._tasks = [asyncio.create_task(self._read()), asyncio.create_task(self._watch())]
 
     async def _first_message(self) -> Message:

@@ -8,10 +8,15 @@ colocated node's `Generate` take the same `SampleRequest` and answer the same
 KV to receive and streams token 1 too). A request's life through it:
 
     SampleRequest ─▶ checked (request_id, sampling params: INVALID_ARGUMENT) ─▶ StreamSubmit ─▶ core
-    core ─Ready─▶ ready event;  ─Tokens─▶ tokens event (the last with finish_reason ends the call)
+    core ─Ready─▶ ready event (block ids, the layout's id);  ─Tokens─▶ tokens event (the last with
+        finish_reason ends the call)
     core ─BeamsDone─▶ beams event (a beam search: its one event ends the call)
     core ─RequestFailed─▶ the call fails with its code
     the call ends early (cancel, deadline, client gone) ─▶ Abort ─▶ core
+
+A decode node's KV layout (every rank's address, block count, cache shape) is not in READY: READY
+names it by id, and `GetKVLayout` answers it, as the core reported it at start, to a prefill node
+that does not know that id yet (once per decode node run).
 
 Must never: run model code, or choose a status code outside node/errors.py.
 """
@@ -53,6 +58,13 @@ class StreamServicer(NodeServicer):
                      context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.DecodeEvent]:
         async for event in self._stream(request, context, imports_kv=True):
             yield event
+
+    async def GetKVLayout(self, request: node_pb2.KVLayoutRequest,
+                          context: grpc.aio.ServicerContext) -> node_pb2.KVLayout:
+        layout_id, layout = self.client.kv_layout
+        if not layout_id:
+            await abort_rpc(context, NodeError(ErrorCode.FAILED_PRECONDITION, "this node imports no KV"))
+        return node_pb2.KVLayout(layout_id=layout_id, layout=layout.encode())
 
     async def Generate(self, request: node_pb2.SampleRequest,
                        context: grpc.aio.ServicerContext) -> AsyncIterator[node_pb2.DecodeEvent]:
@@ -111,7 +123,7 @@ async def _stream_events(client: CoreClient, context: grpc.aio.ServicerContext,
                 ended = True
                 await abort_rpc(context, NodeError(msg.code, msg.message))
             if isinstance(msg, Ready):
-                yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_descriptor=msg.kv_descriptor.encode(),
+                yield node_pb2.DecodeEvent(ready=node_pb2.Ready(kv_layout_id=msg.kv_layout_id,
                                                                 block_ids=msg.block_ids))
             elif isinstance(msg, Tokens):
                 ended = msg.finish_reason is not None

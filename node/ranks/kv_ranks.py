@@ -2,10 +2,11 @@
 
 A node of T ranks has T KV caches, rank r holding a slice of the KV heads (engine/parallel.py),
 each behind its own rank-level `KVTransport` (UCX). Its `NodeKVDescriptor` lists the ranks'
-descriptors, so a peer node sees the whole layout. Between a sending node and a receiving node
-the work is planned per rank pair (`plan_routes`): each receiving rank gets each of its heads
-from the lowest sending rank that holds it, so a head replicated on several sending ranks is
-sent once, and no bytes pass through rank 0. A node of one rank is the same thing with one route
+descriptors, so a peer node sees the whole layout; its `layout_id` names that layout for one run
+of the node (a node started again on the same addresses has another): what a request names.
+Between a sending node and a receiving node the work is planned per rank pair (`plan_routes`):
+each receiving rank gets each of its heads from the lowest sending rank that holds it, so a head
+replicated on several sending ranks is sent once, and no bytes pass through rank 0. A node of one rank is the same thing with one route
 per receiving rank.
 
 `RankedTransport` is what the exporter and the decode core talk to (the node's side of the
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import json
 import threading
+import uuid
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING, Protocol
@@ -52,9 +54,11 @@ def rank_cache_spec(engine: EngineConfig, loaded: LoadedModel) -> KVCacheSpec:
 
 @dataclass(frozen=True)
 class NodeKVDescriptor:
-    """Every rank's descriptor, rank order: how a peer reaches a node's KV caches. JSON on the wire."""
+    """Every rank's descriptor, rank order: how a peer reaches a node's KV caches. JSON on the wire,
+    once per node pair: a request names it by `layout_id`."""
 
     ranks: tuple[KVDescriptor, ...]
+    epoch: str = ""  # this run of the node: its caches and listeners exist only while it runs
 
     def __post_init__(self) -> None:
         if not self.ranks:
@@ -70,16 +74,24 @@ class NodeKVDescriptor:
         return f"{self.ranks[0].address}:{self.ranks[0].port}"
 
     @property
+    def layout_id(self) -> str:
+        """The name a request gives this layout: the node's key and its run, so a layout fetched
+        before the node restarted never names the restarted node's caches."""
+        return f"{self.key}/{self.epoch}"
+
+    @property
     def layout(self) -> list[tuple[int, int]]:
         return [d.spec.local_heads for d in self.ranks]
 
     def to_bytes(self) -> bytes:
-        return json.dumps({"ranks": [json.loads(d.to_bytes()) for d in self.ranks]}, sort_keys=True).encode()
+        ranks = [json.loads(d.to_bytes()) for d in self.ranks]
+        return json.dumps({"ranks": ranks, "epoch": self.epoch}, sort_keys=True).encode()
 
     @classmethod
     def from_bytes(cls, raw: bytes) -> NodeKVDescriptor:
         data = json.loads(raw)
-        return cls(tuple(KVDescriptor.from_bytes(json.dumps(rank).encode()) for rank in data["ranks"]))
+        ranks = tuple(KVDescriptor.from_bytes(json.dumps(rank).encode()) for rank in data["ranks"])
+        return cls(ranks, str(data["epoch"]))
 
 
 def describe_layout(layout: Sequence[tuple[int, int]]) -> str:
@@ -212,9 +224,11 @@ class _Link:
 
 
 class RankedTransport:
-    def __init__(self, ranks: Sequence[RankLink], closers: Sequence = ()) -> None:
-        """`ranks`: every rank's transport, rank order, each with its caches registered."""
+    def __init__(self, ranks: Sequence[RankLink], closers: Sequence = (), epoch: str | None = None) -> None:
+        """`ranks`: every rank's transport, rank order, each with its caches registered; `epoch`
+        names this run of the node's caches (a fresh one unless given: tests name theirs)."""
         self.ranks = list(ranks)
+        self.epoch = uuid.uuid4().hex[:12] if epoch is None else epoch
         self.spec: KVCacheSpec = self.ranks[0].descriptor().spec  # the shape every rank shares
         self._closers = list(closers)  # what close() stops: rank 0's transport, the worker group
         self._lock = threading.Lock()
@@ -222,7 +236,7 @@ class RankedTransport:
 
     # -- the node's layout -----------------------------------------------------------
     def descriptor(self) -> NodeKVDescriptor:
-        return NodeKVDescriptor(tuple(rank.descriptor() for rank in self.ranks))
+        return NodeKVDescriptor(tuple(rank.descriptor() for rank in self.ranks), self.epoch)
 
     # -- sending -----------------------------------------------------------------------
     def connect(self, remote: NodeKVDescriptor) -> str:

@@ -70,7 +70,10 @@ class NodeAsks:
             beam_search=self.beam_search,
         )
 
-    def prefill_request(self, req_id: str, resumed: list[int], ready: node_pb2.Ready) -> node_pb2.PrefillRequest:
+    def prefill_request(self, req_id: str, resumed: list[int], ready: node_pb2.Ready,
+                        decode_address: str) -> node_pb2.PrefillRequest:
+        """The prefill leg's request: the decode node's reserved blocks, and its KV layout by id
+        (the prefill node fetches a layout it does not know from `decode_address` once)."""
         request = self.request
         return node_pb2.PrefillRequest(
             request_id=req_id,
@@ -78,7 +81,8 @@ class NodeAsks:
             sampling_params=self.prefill_params or self._params(resumed),
             seed=request.params.seed,
             sample_index=self.sample_index,
-            decode_kv_descriptor=ready.kv_descriptor,
+            decode_kv_layout_id=ready.kv_layout_id,
+            decode_address=decode_address,
             decode_block_ids=ready.block_ids,
             resumed_token_ids=resumed,
         )

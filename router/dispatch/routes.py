@@ -2,9 +2,9 @@
 
 Disaggregated (a decode node, then a prefill node):
 
-    rank decode nodes ──Decode(prompt, resumed)──▶ READY{descriptor, block ids}
+    rank decode nodes ──Decode(prompt, resumed)──▶ READY{KV layout id, block ids}
                                                    (placement counts prompt + max_tokens on D)
-    lead-in: pick P ──Prefill(descriptor, block ids, resumed)──▶ its answer ──▶ the sink
+    lead-in: pick P ──Prefill(layout id, D's address, block ids, resumed)──▶ its answer ──▶ the sink
                                                    (RESOURCE_EXHAUSTED: next P, same blocks;
                                                     a sample's token 1 may end it; a beam
                                                     search's is not the client's)
@@ -264,7 +264,7 @@ class DisaggregatedRoute(Route):
     async def _call_prefill(self, sample: SampleView, leg: Leg, entry: NodeEntry, candidate: Candidate,
                             num_tokens: int) -> node_pb2.PrefillResponse:
         stub = node_pb2_grpc.PrefillNodeStub(sample.state.registry.channel(entry))
-        request = sample.asks.prefill_request(leg.req_id, leg.resumed, leg.first.ready)
+        request = sample.asks.prefill_request(leg.req_id, leg.resumed, leg.first.ready, leg.entry.address)
         call = stub.Prefill(request, timeout=sample.bounded(self._prefill_timeout_s))
         try:
             return await unless_gone(call, [entry, leg.entry])

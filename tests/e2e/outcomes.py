@@ -77,8 +77,9 @@ def decode_request(seed: int, req_id: str, tokens: list[int], max_tokens: int) -
 
 
 def prefill_request(seed: int, req_id: str, tokens: list[int], max_tokens: int,
-                    ready: node_pb2.Ready) -> node_pb2.PrefillRequest:
-    """The PrefillRequest that fills `ready`'s blocks."""
+                    ready: node_pb2.Ready, decode_address: str) -> node_pb2.PrefillRequest:
+    """The PrefillRequest that fills `ready`'s blocks on the decode node at `decode_address`."""
     return node_pb2.PrefillRequest(request_id=req_id, prompt_token_ids=tokens,
                                    sampling_params=greedy_params(max_tokens), seed=seed,
-                                   decode_kv_descriptor=ready.kv_descriptor, decode_block_ids=ready.block_ids)
+                                   decode_kv_layout_id=ready.kv_layout_id, decode_address=decode_address,
+                                   decode_block_ids=ready.block_ids)

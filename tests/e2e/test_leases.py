@@ -56,7 +56,8 @@ async def play_router(cluster, req_id: str, tokens: list[int], max_tokens: int) 
     async with grpc.aio.insecure_channel(cluster.decode[0]) as d, grpc.aio.insecure_channel(cluster.prefill[0]) as p:
         call = node_pb2_grpc.DecodeNodeStub(d).Decode(decode_request(SEED, req_id, tokens, max_tokens), timeout=60)
         ready = (await call.read()).ready
-        reply = await node_pb2_grpc.PrefillNodeStub(p).Prefill(prefill_request(SEED, req_id, tokens, max_tokens, ready),
+        reply = await node_pb2_grpc.PrefillNodeStub(p).Prefill(prefill_request(SEED, req_id, tokens, max_tokens, ready,
+                                                                                               cluster.decode[0]),
                                                                timeout=60)
         out = [reply.first_token_id]
         while (event := await call.read()) is not grpc.aio.EOF:
@@ -99,7 +100,8 @@ def test_a_prefill_never_acknowledged_by_a_frozen_decode_node_fails_and_frees_it
             os.killpg(decode_group, signal.SIGSTOP)
             try:
                 try:
-                    await node_pb2_grpc.PrefillNodeStub(p).Prefill(prefill_request(SEED, "unacked", tokens, 8, ready),
+                    await node_pb2_grpc.PrefillNodeStub(p).Prefill(prefill_request(SEED, "unacked", tokens, 8, ready,
+                                                                                                   cluster.decode[0]),
                                                                    timeout=60)
                     prefill_code = grpc.StatusCode.OK
                 except grpc.aio.AioRpcError as exc:

@@ -1,7 +1,8 @@
 """One real prefill node and one real decode node (processes on 127.0.0.1), no router.
 
-The test plays the router: Decode → READY{descriptor, block ids} → Prefill(descriptor,
-block ids) → token 1 from the Prefill response, tokens 2..n from the Decode stream.
+The test plays the router: Decode → READY{layout id, block ids} → Prefill(layout id, the decode
+node's address, block ids; the prefill node fetches the layout once) → token 1 from the Prefill
+response, tokens 2..n from the Decode stream.
 It checks what the router relies on: greedy tokens identical to transformers, both
 nodes ending with zero blocks in use, exact KV byte counts on both sides, and a
 cancelled Decode stream freeing its blocks before a shorter stream beside it ends. The decode
@@ -141,7 +142,7 @@ def sampling(max_tokens: int) -> pdserve_pb2.SamplingParams:
     return pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True)
 
 
-async def play_router(channels, req_id: str, prompt: list[int], max_tokens: int) -> list[int]:
+async def play_router(channels, req_id: str, prompt: list[int], max_tokens: int, decode_address: str) -> list[int]:
     decode = node_pb2_grpc.DecodeNodeStub(channels["decode"])
     prefill = node_pb2_grpc.PrefillNodeStub(channels["prefill"])
     params = sampling(max_tokens)
@@ -152,7 +153,8 @@ async def play_router(channels, req_id: str, prompt: list[int], max_tokens: int)
     assert len(first.ready.block_ids) == -(-len(prompt) // BLOCK_SIZE)
     reply = await prefill.Prefill(node_pb2.PrefillRequest(
         request_id=req_id, prompt_token_ids=prompt, sampling_params=params, seed=SEED,
-        decode_kv_descriptor=first.ready.kv_descriptor, decode_block_ids=first.ready.block_ids), timeout=RPC_TIMEOUT_S)
+        decode_kv_layout_id=first.ready.kv_layout_id, decode_address=decode_address,
+        decode_block_ids=first.ready.block_ids), timeout=RPC_TIMEOUT_S)
     tokens = [reply.first_token_id]
     while True:
         event = await call.read()
@@ -207,7 +209,7 @@ def test_concurrent_requests_are_token_exact_and_free_every_block(nodes, model_d
 
     async def body(channels):
         before = await get_stats(channels)
-        outputs = await asyncio.gather(*(play_router(channels, f"req-{i}", p, n)
+        outputs = await asyncio.gather(*(play_router(channels, f"req-{i}", p, n, nodes["decode"].address)
                                          for i, (p, n) in enumerate(zip(all_prompts, MAX_TOKENS))))
         after = await wait_idle(channels)
         return before, outputs, after
@@ -223,7 +225,7 @@ def test_concurrent_requests_are_token_exact_and_free_every_block(nodes, model_d
     assert after["prefill"].kv_transfer.failures == 0
 
 
-async def start_stream(channels, req_id: str, prompt: list[int], max_tokens: int):
+async def start_stream(channels, req_id: str, prompt: list[int], max_tokens: int, decode_address: str):
     """Reserve, prefill and open the Decode stream of one request; the open call."""
     decode = node_pb2_grpc.DecodeNodeStub(channels["decode"])
     prefill = node_pb2_grpc.PrefillNodeStub(channels["prefill"])
@@ -233,7 +235,8 @@ async def start_stream(channels, req_id: str, prompt: list[int], max_tokens: int
     ready = (await call.read()).ready
     await prefill.Prefill(node_pb2.PrefillRequest(
         request_id=req_id, prompt_token_ids=prompt, sampling_params=params, seed=SEED,
-        decode_kv_descriptor=ready.kv_descriptor, decode_block_ids=ready.block_ids), timeout=RPC_TIMEOUT_S)
+        decode_kv_layout_id=ready.kv_layout_id, decode_address=decode_address, decode_block_ids=ready.block_ids),
+        timeout=RPC_TIMEOUT_S)
     return call
 
 
@@ -249,11 +252,11 @@ def test_cancelling_a_decode_stream_frees_its_blocks_before_a_shorter_stream_bes
     prompt, short = prompts()[-1], prompts()[1]
 
     async def body(channels):
-        call = await start_stream(channels, "cancel-me", prompt, 1900)
+        call = await start_stream(channels, "cancel-me", prompt, 1900, nodes["decode"].address)
         for _ in range(3):
             event = await call.read()
             assert event.tokens.finish_reason == pdserve_pb2.FINISH_REASON_UNSPECIFIED
-        beside = await start_stream(channels, "beside", short, 500)
+        beside = await start_stream(channels, "beside", short, 500, nodes["decode"].address)
         beside_tokens = list((await beside.read()).tokens.token_ids)
         reading = asyncio.create_task(read_tokens(beside, beside_tokens))
         busy = (await get_stats(channels))["decode"]
@@ -286,7 +289,8 @@ def test_a_reservation_cancelled_before_its_kv_is_freed_at_once_and_a_late_prefi
         cancelled = (await wait_idle(channels))["decode"]
         await prefill.Prefill(node_pb2.PrefillRequest(
             request_id="early-cancel", prompt_token_ids=prompt, sampling_params=params, seed=SEED,
-            decode_kv_descriptor=ready.kv_descriptor, decode_block_ids=ready.block_ids), timeout=RPC_TIMEOUT_S)
+            decode_kv_layout_id=ready.kv_layout_id, decode_address=nodes["decode"].address,
+            decode_block_ids=ready.block_ids), timeout=RPC_TIMEOUT_S)
         stats = await wait_idle(channels)
         return len(ready.block_ids), cancelled, stats
 
@@ -295,6 +299,40 @@ def test_a_reservation_cancelled_before_its_kv_is_freed_at_once_and_a_late_prefi
     assert stats["decode"].kv_transfer.transfers == cancelled.kv_transfer.transfers  # every push dropped
     assert stats["decode"].used_blocks == 0 and stats["decode"].reserved_blocks == 0
     assert stats["prefill"].used_blocks == 0
+
+
+def test_a_prefill_names_the_decode_layout_by_id_and_a_bad_reference_is_refused_naming_it(nodes):
+    prompt, address = prompts()[2], nodes["decode"].address
+
+    async def body(channels):
+        decode = node_pb2_grpc.DecodeNodeStub(channels["decode"])
+        prefill = node_pb2_grpc.PrefillNodeStub(channels["prefill"])
+        layout = await decode.GetKVLayout(node_pb2.KVLayoutRequest(), timeout=RPC_TIMEOUT_S)
+        call = decode.Decode(node_pb2.SampleRequest(request_id="named", prompt_token_ids=prompt,
+                                                    sampling_params=sampling(4), seed=SEED), timeout=RPC_TIMEOUT_S)
+        ready = (await call.read()).ready
+        call.cancel()
+        other_run = ready.kv_layout_id.rsplit("/", 1)[0] + "/another-run"  # READY'd before a restart
+        refusals = {}
+        for name, layout_id, decode_address in (("no id", "", address), ("no address", ready.kv_layout_id, ""),
+                                                ("other run", other_run, address)):
+            try:
+                await prefill.Prefill(node_pb2.PrefillRequest(
+                    request_id=f"bad-{name}", prompt_token_ids=prompt, sampling_params=sampling(4), seed=SEED,
+                    decode_kv_layout_id=layout_id, decode_address=decode_address, decode_block_ids=ready.block_ids),
+                    timeout=RPC_TIMEOUT_S)
+            except grpc.aio.AioRpcError as exc:
+                refusals[name] = (exc.code(), exc.details())
+        return layout, ready, refusals, await wait_idle(channels)
+
+    layout, ready, refusals, idle = run_async(nodes, body)
+    assert layout.layout_id == ready.kv_layout_id and b'"ranks"' in layout.layout  # READY names what GetKVLayout has
+    assert refusals["no id"] == (grpc.StatusCode.INVALID_ARGUMENT, "decode_kv_layout_id must not be empty")
+    assert refusals["no address"] == (grpc.StatusCode.INVALID_ARGUMENT, "decode_address must not be empty")
+    code, details = refusals["other run"]
+    assert code is grpc.StatusCode.UNAVAILABLE and details.endswith("it started again since its READY")
+    assert f"'{ready.kv_layout_id}'" in details and "another-run" in details
+    assert [(s.used_blocks, s.reserved_blocks) for s in idle.values()] == [(0, 0), (0, 0)]
 
 
 HYBRID_TOKENS = 12
@@ -310,12 +348,14 @@ def test_a_hybrid_decode_node_serves_its_own_prompts_beside_imported_ones(nodes,
             timeout=RPC_TIMEOUT_S)
         return [t async for event in call for t in event.tokens.token_ids]
 
+    decode_address = nodes["decode"].address
+
     async def body(channels):
         # Two computed on the decode node itself, two prefilled elsewhere: one engine, one batch.
         outs = await asyncio.gather(generate(channels, "own-0", all_prompts[0]),
-                                    play_router(channels, "imported-1", all_prompts[1], HYBRID_TOKENS),
+                                    play_router(channels, "imported-1", all_prompts[1], HYBRID_TOKENS, decode_address),
                                     generate(channels, "own-2", all_prompts[2]),
-                                    play_router(channels, "imported-3", all_prompts[3], HYBRID_TOKENS))
+                                    play_router(channels, "imported-3", all_prompts[3], HYBRID_TOKENS, decode_address))
         return outs, await wait_idle(channels)
 
     outs, stats = run_async(nodes, body)

@@ -127,10 +127,10 @@ def decode_call(stub, req_id: str, tokens: list[int], max_tokens: int):
                                               sampling_params=params(max_tokens), seed=SEED), timeout=60)
 
 
-def prefill_call(stub, req_id: str, tokens: list[int], max_tokens: int, ready: node_pb2.Ready):
+def prefill_call(stub, req_id: str, tokens: list[int], max_tokens: int, ready: node_pb2.Ready, decode_address: str):
     return stub.Prefill(node_pb2.PrefillRequest(request_id=req_id, prompt_token_ids=tokens,
                                                 sampling_params=params(max_tokens), seed=SEED,
-                                                decode_kv_descriptor=ready.kv_descriptor,
+                                                decode_kv_layout_id=ready.kv_layout_id, decode_address=decode_address,
                                                 decode_block_ids=ready.block_ids), timeout=60)
 
 
@@ -162,10 +162,11 @@ def test_a_full_prefill_queue_refuses_at_once(cluster, model_dir):
             ready = {name: (await call.read()).ready for name, call in calls.items()}
             firsts = {}
             for name, (field, count) in zip(served, (("num_running", 1), ("num_waiting", 1), ("num_waiting", 2))):
-                firsts[name] = asyncio.ensure_future(prefill_call(prefill, name, prompts[name], 4, ready[name]))
+                firsts[name] = asyncio.ensure_future(prefill_call(prefill, name, prompts[name], 4, ready[name],
+                                                                    cluster.decode[0]))
                 await until(lambda: stats_reach(prefill, lambda s: getattr(s, field) == count), 30, interval_s=0.02)
             try:
-                await prefill_call(prefill, "refused", prompts["refused"], 4, ready["refused"])
+                await prefill_call(prefill, "refused", prompts["refused"], 4, ready["refused"], cluster.decode[0])
                 refusal = (grpc.StatusCode.OK, "")
             except grpc.aio.AioRpcError as exc:
                 refusal = (exc.code(), exc.details())

@@ -80,8 +80,8 @@ def test_a_reservation_cancelled_before_any_prefill_is_freed_at_once(cluster, mo
             call.cancel()  # what the router does when it sends no Prefill
             freed = await asyncio.to_thread(cluster.wait_no_blocks, FREED_S)
             placed = (await asyncio.to_thread(cluster.stats, "decode-0")).kv_transfer.transfers
-            late = await node_pb2_grpc.PrefillNodeStub(p).Prefill(prefill_request(SEED, "no-prefill", tokens, 8, ready),
-                                                                  timeout=60)
+            late_request = prefill_request(SEED, "no-prefill", tokens, 8, ready, cluster.address("decode-0"))
+            late = await node_pb2_grpc.PrefillNodeStub(p).Prefill(late_request, timeout=60)
             after = await asyncio.to_thread(cluster.stats, "decode-0")
             try:
                 await decode.Decode(decode_request(SEED, "no-prefill", tokens, 8), timeout=60).read()

@@ -45,8 +45,8 @@ def run_resumed(model, req_id: str, prompt: list[int], params: SamplingParams, r
     ready = pair.d_out.pop()
     assert isinstance(ready, Ready), ready
     assert len(ready.block_ids) == -(-(len(prompt) + len(resumed)) // BLOCK_SIZE)
-    pair.prefill.handle(PrefillSubmit(req_id, prompt, params, sample_index, ready.kv_descriptor, ready.block_ids,
-                                      resumed))
+    pair.prefill.handle(PrefillSubmit(req_id, prompt, params, sample_index, ready.kv_layout_id, ready.block_ids,
+                                      resumed, pair.d_layout))
     pair.run()
     assert not pair.failures("p") and not pair.failures("d")
     first = pair.first_tokens()[req_id]

@@ -25,7 +25,7 @@ from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import InProcessFabric, InProcessTransport, KVCacheSpec
 from pdserve.node.core.handoff import HandoffState
-from pdserve.node.ranks.kv_ranks import LocalRank, NodeKVDescriptor, RankedTransport
+from pdserve.node.ranks.kv_ranks import LocalRank, RankedTransport
 from pdserve.node.messages import StreamSubmit, FirstToken, Message, PrefillSubmit, Ready, RequestFailed, Tokens
 from pdserve.node.core.node_core import NodeCore
 from pdserve.prefill_node.kv_export import KVExportStage
@@ -127,7 +127,7 @@ class Pair:
         self.d_tx = InProcessTransport("d", self.fabric)
         runner_p, runner_d = self.p_engine.runner, self.d_engine.runner
         self.p_tx.register(runner_p.k_caches, runner_p.v_caches, cache_spec(self.loaded))
-        d_desc = self.d_tx.register(runner_d.k_caches, runner_d.v_caches, cache_spec(self.loaded, self.d_model_name))
+        self.d_tx.register(runner_d.k_caches, runner_d.v_caches, cache_spec(self.loaded, self.d_model_name))
         # Each node's transport as its core holds it: over its ranks (here, one).
         self.p_node, self.d_node = RankedTransport([LocalRank(self.p_tx)]), RankedTransport([LocalRank(self.d_tx)])
         self.exporter = KVExporter(self.p_engine, self.p_node, PeerConnections(self.p_node, self.connector),
@@ -138,8 +138,9 @@ class Pair:
         self.table = ReservationTable(self.d_engine, self.lease_s, 3 * self.lease_s,
                                       lambda req_id, state: self.d_moves[req_id].append(state))
         self.decode = NodeCore(self.d_engine, self.d_out.append, local_prefill=self.d_local_prefill)
-        self.decode.stages = [KVImportStage(self.decode, self.d_node, self.table,
-                                            NodeKVDescriptor((d_desc,)).to_bytes().decode())]
+        # What the decode node's GetKVLayout answers: the prefill node's front hands it over.
+        self.d_layout = self.d_node.descriptor().to_bytes().decode()
+        self.decode.stages = [KVImportStage(self.decode, self.d_node, self.table, self.d_node.descriptor().layout_id)]
 
     # -- playing the router ---------------------------------------------------------
     def reserve(self, req_id: str, prompt: list[int], params: SamplingParams) -> Ready | RequestFailed:
@@ -149,7 +150,8 @@ class Pair:
         return reply
 
     def prefill_from(self, ready: Ready, prompt: list[int], params: SamplingParams) -> None:
-        self.prefill.handle(PrefillSubmit(ready.req_id, prompt, params, 0, ready.kv_descriptor, ready.block_ids))
+        self.prefill.handle(PrefillSubmit(ready.req_id, prompt, params, 0, ready.kv_layout_id, ready.block_ids,
+                                          kv_layout=self.d_layout))
 
     def submit(self, req_id: str, prompt: list[int], params: SamplingParams) -> None:
         ready = self.reserve(req_id, prompt, params)

@@ -37,7 +37,8 @@ def start(pair: Pair, req_id: str, prompt: list[int], params: BeamSearchParams, 
     assert isinstance(ready, Ready), ready
     keep = 2 * params.beam_width if keep is None else keep
     sampled = prefill_params(SamplingParams(temperature=0.0, max_tokens=params.max_tokens, logprobs=keep))
-    pair.prefill.handle(PrefillSubmit(req_id, prompt, sampled, 0, ready.kv_descriptor, ready.block_ids))
+    pair.prefill.handle(PrefillSubmit(req_id, prompt, sampled, 0, ready.kv_layout_id, ready.block_ids,
+                                      kv_layout=pair.d_layout))
     return ready
 
 

@@ -26,10 +26,10 @@ LOGPROBS = Logprobs(-0.25, [7, 9], [-0.25, -1.5])
 PROMPT_LOGPROBS = PromptLogprobs([4, 7], [Logprobs(-3.0, [9], [-0.5]), LOGPROBS])
 
 MESSAGES = [
-    PrefillSubmit("r1", [1, 2, 3], PARAMS, 1, '{"transport": "ucx"}', [4, 5]),
+    PrefillSubmit("r1", [1, 2, 3], PARAMS, 1, "127.0.0.1:5000/abc", [4, 5], kv_layout='{"ranks": []}'),
     StreamSubmit("r2", [9], SamplingParams(), 0),
     StreamSubmit("r2p", [9, 4, 7], SamplingParams(prompt_logprobs=3), 0),
-    PrefillSubmit("r1b", [1, 2], PARAMS, 0, "{}", [4], [17, 18]),  # a resume
+    PrefillSubmit("r1b", [1, 2], PARAMS, 0, "127.0.0.1:5000/abc", [4], [17, 18]),  # a resume
     StreamSubmit("r2b", [9], SamplingParams(), 2, [5, 6, 7]),
     StreamSubmit("r2beam", [9, 8], SamplingParams(temperature=0.0, max_tokens=4), 0, beam=BeamOption(3, 0.5)),
     BeamsDone("r2beam", [BeamResult([1, 2, 3, 4], "length", -4.5, -1.125), BeamResult([5, 2], "stop", -1.0, -2.0)],
@@ -39,9 +39,10 @@ MESSAGES = [
     Shutdown(),
     CoreStarted({"model": "tiny", "dtype": "float32", "num_layers": 3, "num_kv_heads": 2, "head_dim": 16,
                  "block_size": 8, "layout_version": 1}),
+    CoreStarted({"model": "tiny"}, "127.0.0.1:5000/abc", '{"ranks": [], "epoch": "abc"}'),
     CoreFailed("boom"),
     CoreFailed("--model /m: no config.json there", refused=True),
-    Ready("r4", "{}", [0, 1, 2]),
+    Ready("r4", "127.0.0.1:5000/abc", [0, 1, 2]),
     FirstToken("r5", 11, LOGPROBS, 16, 0.5, 0.01, 12288),
     FirstToken("r6", 12, None, 0, 0.5, 0.0, 0),
     FirstToken("r6p", 12, None, 0, 0.5, 0.0, 0, PROMPT_LOGPROBS),
@@ -61,7 +62,10 @@ def test_every_message_round_trips(msg):
 
 
 @pytest.mark.parametrize("raw", [b"", b"[]", b'{"type": "Nope", "body": {}}', b'{"type": "Abort", "body": {}}',
-                                 b'{"type": "RequestFailed", "body": {"req_id": "a", "code": "?", "message": ""}}'])
+                                 b'{"type": "RequestFailed", "body": {"req_id": "a", "code": "?", "message": ""}}',
+                                 # params come whole, as the front built them: the core rebuilds, never re-defaults
+                                 b'{"type": "StreamSubmit", "body": {"req_id": "a", "prompt_token_ids": [1], '
+                                 b'"params": {"n": 1}, "sample_index": 0}}'])
 def test_garbage_is_a_message_error(raw):
     with pytest.raises(MessageError):
         decode(raw)

@@ -17,7 +17,7 @@ from pdserve.engine.model_loader import load_model
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.errors import ErrorCode
 from pdserve.node.core.handoff import DECODE_MOVES, PREFILL_MOVES, HandoffState, IllegalMove
-from pdserve.node.messages import Abort, Ready
+from pdserve.node.messages import Abort, PrefillSubmit, Ready
 from pdserve.prefill_node.exporter import plan_push
 from tests.unit.node_pair import BLOCK_SIZE, ManualExecutor, Pair, block_bytes
 
@@ -298,10 +298,33 @@ def test_bad_destination_blocks_are_invalid_argument(model):
     pair = Pair(*model)
     ready = pair.reserve("r", prompt(10), GREEDY)
     assert isinstance(ready, Ready)
-    short = Ready("r", ready.kv_descriptor, ready.block_ids[:-1])
+    short = Ready("r", ready.kv_layout_id, ready.block_ids[:-1])
     pair.prefill_from(short, prompt(10), GREEDY)
     assert pair.failures("p")["r"].code is ErrorCode.INVALID_ARGUMENT
     assert pair.p_engine.kv.num_used_blocks == 0
+
+
+def test_the_decode_layout_comes_once_and_later_requests_name_it_by_id(model):
+    pair = Pair(*model)
+    first, second = pair.reserve("a", prompt(10), GREEDY), pair.reserve("b", prompt(12, 1), GREEDY)
+    assert isinstance(first, Ready) and isinstance(second, Ready)
+    assert first.kv_layout_id == second.kv_layout_id == pair.d_node.descriptor().layout_id
+    pair.prefill.handle(PrefillSubmit("a", prompt(10), GREEDY, 0, first.kv_layout_id, first.block_ids,
+                                      kv_layout=pair.d_layout))
+    pair.prefill.handle(PrefillSubmit("b", prompt(12, 1), GREEDY, 0, second.kv_layout_id, second.block_ids))
+    pair.run()
+    assert not pair.failures("p") and not pair.failures("d")
+    assert set(pair.first_tokens()) == {"a", "b"} and pair.all_blocks_returned()
+
+
+def test_a_layout_the_prefill_node_was_never_given_is_invalid_argument_and_touches_nothing(model):
+    pair = Pair(*model)
+    ready = pair.reserve("r", prompt(10), GREEDY)
+    assert isinstance(ready, Ready)
+    pair.prefill.handle(PrefillSubmit("r", prompt(10), GREEDY, 0, ready.kv_layout_id, ready.block_ids))
+    failed = pair.failures("p")["r"]
+    assert failed.code is ErrorCode.INVALID_ARGUMENT and failed.message.startswith("decode_kv_layout_id ")
+    assert pair.p_engine.kv.num_used_blocks == 0 and not pair.exporter.has_pending()
 
 
 def test_prefill_capacity_is_checked_for_the_prompt_only(model):
@@ -329,5 +352,5 @@ def test_a_request_id_is_taken_until_its_export_ends(model):
     pair.tick()
     pair.prefill.handle(Abort("r"))  # aborted, but pushes may still read its blocks
     ready = pair.reserve("r2", prompt(30), GREEDY)
-    pair.prefill_from(Ready("r", ready.kv_descriptor, ready.block_ids), prompt(30), GREEDY)
+    pair.prefill_from(Ready("r", ready.kv_layout_id, ready.block_ids), prompt(30), GREEDY)
     assert pair.failures("p")["r"].code is ErrorCode.INVALID_ARGUMENT

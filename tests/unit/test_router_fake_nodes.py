@@ -15,7 +15,7 @@ import grpc
 import pytest
 
 from pdserve.proto import node_pb2, pdserve_pb2, pdserve_pb2_grpc
-from pdserve.testing.fake_nodes import FAKE_DESCRIPTOR, Script
+from pdserve.testing.fake_nodes import FAKE_LAYOUT_ID, Script
 from pdserve.testing.node_server import fake_nodes, started
 from pdserve.testing.router import generate, run
 from pdserve.testing.serve_fakes import SENTENCE, at_once_nodes
@@ -50,12 +50,12 @@ def scripted(ids: list[int], **kwargs) -> Script:
 
 def test_streams_token_one_from_prefill_then_decode_tokens(router_model, output_ids):
     async def scenario():
-        async with router(router_model) as address, fake_nodes(address, scripted(output_ids)) as (calls, _):
+        async with router(router_model) as address, fake_nodes(address, scripted(output_ids)) as (calls, nodes):
             request = text_request(max_tokens=len(output_ids), temperature=0.0)
             request.request_id = "req-1"
-            return calls, await generate(address, request)
+            return calls, await generate(address, request), nodes[1].address
 
-    calls, responses = run(scenario())
+    calls, responses, decode_address = run(scenario())
     tokenizer = router_model[1].tokenizer
     assert responses[0].token_ids == [output_ids[0]]  # token 1: the prefill node's answer
     assert [t for r in responses for t in r.token_ids] == output_ids
@@ -73,7 +73,9 @@ def test_streams_token_one_from_prefill_then_decode_tokens(router_model, output_
     assert decode.request_id == prefill.request_id and decode.request_id.startswith("req-1")
     assert decode.seed == prefill.seed and decode.sampling_params.seed == decode.seed  # one resolved seed
     assert decode.sampling_params.max_tokens == len(output_ids) and decode.sampling_params.n == 1
-    assert prefill.decode_kv_descriptor == FAKE_DESCRIPTOR and list(prefill.decode_block_ids) == [7, 3, 5]
+    # READY's layout, named: the prefill node fetches the layout itself from the decode node it names.
+    assert prefill.decode_kv_layout_id == FAKE_LAYOUT_ID and list(prefill.decode_block_ids) == [7, 3, 5]
+    assert prefill.decode_address == decode_address
     assert not calls.cancelled
 
 

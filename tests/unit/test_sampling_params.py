@@ -164,6 +164,23 @@ def test_frozen_hashable_and_compares_by_value():
         a.temperature = 0.5  # type: ignore[misc]
 
 
+def test_rebuilt_from_plain_fields_is_the_same_value_frozen_and_hashable():
+    original = SamplingParams(temperature=0.5, top_k=3, seed=9, stop=["a", "bc"], stop_token_ids=[4], logprobs=2)
+    plain = {**dataclasses.asdict(original), "stop": ["a", "bc"], "stop_token_ids": [4]}  # what JSON gives back
+    again = SamplingParams.rebuilt(plain)
+    assert again == original and hash(again) == hash(original) and again.stop == ("a", "bc")
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        again.temperature = 0.5  # type: ignore[misc]
+
+
+def test_rebuilt_needs_exactly_the_fields():
+    plain = dataclasses.asdict(SamplingParams())
+    with pytest.raises(TypeError, match="missing \\['seed'\\]"):
+        SamplingParams.rebuilt({k: v for k, v in plain.items() if k != "seed"})
+    with pytest.raises(TypeError, match="unknown \\['beam'\\]"):
+        SamplingParams.rebuilt({**plain, "beam": 2})
+
+
 def test_new_bounds_are_stated_in_the_message():
     with pytest.raises(ValueError, match=r"^repetition_penalty must be >= 0.01, got 1e-38$"):
         SamplingParams(repetition_penalty=1e-38)

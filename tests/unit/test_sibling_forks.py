@@ -165,8 +165,8 @@ def test_prefill_node_forks_samples_and_exports_each_to_its_own_reservation(mode
         pair.decode.handle(StreamSubmit(f"s{i}", PROMPT, SEEDED, i, imports_kv=True))
         readies[f"s{i}"] = pair.d_out.pop()
     for i, (req_id, ready) in enumerate(readies.items()):
-        pair.prefill.handle(PrefillSubmit(req_id, PROMPT, prefill_params(SEEDED), i, ready.kv_descriptor,
-                                          ready.block_ids))
+        pair.prefill.handle(PrefillSubmit(req_id, PROMPT, prefill_params(SEEDED), i, ready.kv_layout_id,
+                                          ready.block_ids, kv_layout=pair.d_layout))
     assert pair.p_engine.num_forked_samples == 0  # counted when forked, at the first token
     pair.tick()
     pair.tick()  # two chunks of 8: the prompt once, three first tokens; the forks leave sharing its blocks
@@ -187,8 +187,8 @@ def test_prefill_node_abort_of_the_parent_lets_its_pending_samples_go_on(model):
     for i in range(2):
         pair.decode.handle(StreamSubmit(f"s{i}", PROMPT, SEEDED, i, imports_kv=True))
         readies[f"s{i}"] = pair.d_out.pop()
-        pair.prefill.handle(PrefillSubmit(f"s{i}", PROMPT, prefill_params(SEEDED), i, readies[f"s{i}"].kv_descriptor,
-                                          readies[f"s{i}"].block_ids))
+        pair.prefill.handle(PrefillSubmit(f"s{i}", PROMPT, prefill_params(SEEDED), i, readies[f"s{i}"].kv_layout_id,
+                                          readies[f"s{i}"].block_ids, kv_layout=pair.d_layout))
     pair.prefill.handle(Abort("s0"))
     pair.decode.handle(Abort("s0"))
     pair.run()
