@@ -24,6 +24,10 @@ ALLOWED: dict[str, set[str]] = {
     "prefill_node": {"node", "engine", "kernels", "kv_transfer", "proto", "common"},
     "decode_node": {"node", "engine", "kernels", "kv_transfer", "proto", "common"},
     "router": {"engine", "proto", "common"},
+    # On top beside bench and pdserve: the simulator reuses bench's workloads, metrics and goodput
+    # search, the router's placement policies and the prefill node's policy, its commands the demo
+    # model (pdserve.model_factory); only the CLI imports it (by name, when the command runs).
+    "planner": {"engine", "kernels", "common", "router", "prefill_node", "bench", "pdserve"},
 }
 # Third-party modules a part must never load: the engine and its kernels run in a node's core
 # process, which talks ZMQ only through node/, and never serves gRPC.
@@ -31,6 +35,7 @@ FORBIDDEN_EXTERNAL: dict[str, set[str]] = {
     "engine": {"grpc", "zmq", "ucxx"},
     "kernels": {"grpc", "zmq", "ucxx"},
     "common": {"zmq", "ucxx", "torch"},
+    "planner": {"grpc", "zmq", "ucxx"},
 }
 
 
