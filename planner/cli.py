@@ -58,6 +58,9 @@ def _parser() -> argparse.ArgumentParser:
     space.add_argument("--chunk-schedules", default="fixed",
                        help="--chunk-schedule values to try (comma-separated: fixed, staged, target-step)")
     search = p.add_argument_group("goodput search (per candidate, on simulated runs)")
+    search.add_argument("--min-duration-s", type=float, default=30.0,
+                        help="every simulated run's arrivals span at least this many seconds (more requests "
+                             "than --num-requests at high rates), so a probe is a sustained load, not a burst")
     search.add_argument("--tolerance", type=float, default=0.1, help="stop when the bracket is this fraction")
     search.add_argument("--max-probes", type=int, default=10, help="simulated runs per candidate at most")
     out = p.add_argument_group("output")
@@ -80,6 +83,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Knobs]:
         p.error(f"--attainment must be in (0, 1], got {args.attainment}")
     if args.block_size < 1:
         p.error("--block-size must be >= 1")
+    if not args.min_duration_s >= 0:
+        p.error(f"--min-duration-s must be >= 0, got {args.min_duration_s}")
     if not 0 < args.tolerance < 1:
         p.error(f"--tolerance must be in (0, 1), got {args.tolerance}")
     if args.max_probes < 2:
@@ -97,12 +102,14 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Knobs]:
 def _traffic(args: argparse.Namespace, model: str, profile: Profile) -> Traffic:
     workload = build_workload(args, ModelLimits(profile.vocab_size, profile.max_model_len))
     tokenize = _tokenizer(model) if args.workload == "jsonl" else None
-    requests = []
-    for i in range(args.num_requests or DEFAULT_NUM_REQUESTS):
+
+    def request(i: int) -> tuple[tuple[int, ...], int]:
         spec: RequestSpec = workload.request(i)
         ids = spec.token_ids if spec.token_ids is not None else tuple(tokenize(spec.text))
-        requests.append((ids[: profile.max_model_len - 1], spec.output_len))
-    return Traffic(tuple(requests), 1.0 if args.cv is None else args.cv, args.seed)
+        return ids[: profile.max_model_len - 1], spec.output_len
+
+    return Traffic(request, args.num_requests or DEFAULT_NUM_REQUESTS, args.min_duration_s,
+                   1.0 if args.cv is None else args.cv, args.seed)
 
 
 def _tokenizer(model: str):
@@ -168,6 +175,10 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
     profiles = profiles_for(model, threads, args.dtype, args.block_size, ProfileCache(args.profile_dir),
                             not args.no_progress, log=log)
     first = profiles[threads[0]]
+    cores = first.machine.get("cores")
+    if isinstance(cores, int) and threads[-1] > cores:
+        log(f"note: nodes of {threads[-1]} threads were profiled on a machine with {cores} cores: "
+            "their step times are those of threads sharing cores")
     base = EngineConfig(model=model, dtype=first.setup.dtype, block_size=args.block_size)
     traffic = _traffic(args, model, first)
     slo = Slo(args.ttft_slo, args.tpot_slo)

@@ -13,6 +13,7 @@ Must never: read a wall clock or load torch.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.bench.serve.arrivals import ArrivalProcess, arrival_times
@@ -22,18 +23,40 @@ from pdserve.planner.simulator import ClusterSim, ClusterSpec, SimRequest
 from pdserve.planner.step_cost import StepShape
 
 
-@dataclass(frozen=True)
 class Traffic:
-    """What every simulated run sends: request i's prompt and output length, and the arrivals'
-    shape (their rate is the probe's)."""
+    """What every simulated run sends: request i's prompt and output length (the same at every
+    rate), and the arrivals' shape, scaled by the probe's rate.
 
-    requests: tuple[tuple[tuple[int, ...], int], ...]  # (prompt token ids, output_len)
-    cv: float = 1.0
-    seed: int = 0
+    A run sends at least `num_requests`, and enough that its arrivals span `min_duration_s`: a
+    short burst at a rate far above what the cluster sustains can drain within the SLOs and pass
+    (the bench's caveat), and simulated requests are cheap enough to make every probe a sustained
+    load instead."""
+
+    def __init__(self, request: Callable[[int], tuple[tuple[int, ...], int]], num_requests: int,
+                 min_duration_s: float = 0.0, cv: float = 1.0, seed: int = 0) -> None:
+        self._request = request
+        self._made: list[tuple[tuple[int, ...], int]] = []
+        self.num_requests = num_requests
+        self.min_duration_s = min_duration_s
+        self.cv = cv
+        self.seed = seed
+
+    @classmethod
+    def of(cls, requests: list[tuple[tuple[int, ...], int]], cv: float = 1.0, seed: int = 0) -> Traffic:
+        """Exactly these requests at every rate."""
+        return cls(lambda i: requests[i], len(requests), 0.0, cv, seed)
+
+    def request(self, index: int) -> tuple[tuple[int, ...], int]:
+        while len(self._made) <= index:
+            self._made.append(self._request(len(self._made)))
+        return self._made[index]
+
+    def count(self, rate: float) -> int:
+        return max(self.num_requests, math.ceil(rate * self.min_duration_s))
 
     def at_rate(self, rate: float) -> list[SimRequest]:
-        times = arrival_times(ArrivalProcess(rate, self.cv), self.seed, num_requests=len(self.requests))
-        return [SimRequest(t, prompt, out) for t, (prompt, out) in zip(times, self.requests)]
+        times = arrival_times(ArrivalProcess(rate, self.cv), self.seed, num_requests=self.count(rate))
+        return [SimRequest(t, *self.request(i)) for i, t in enumerate(times)]
 
 
 @dataclass(frozen=True)
@@ -81,8 +104,9 @@ def start_rate(spec: ClusterSpec, traffic: Traffic) -> float:
     pool = spec.colocated or spec.decode
     cost = pool.profile.step
     first = (spec.colocated or spec.prefill).profile.step
+    requests = [traffic.request(i) for i in range(traffic.num_requests)]
     service = [first.time(StepShape.of([(0, len(p))])) + (out - 1) * cost.time(StepShape.of([(len(p), 1)]))
-               for p, out in traffic.requests]
+               for p, out in requests]
     nodes = spec.colocated.count if spec.colocated else min(spec.prefill.count, spec.decode.count)
     mean = sum(service) / len(service)
     return nodes / mean if mean > 0 and math.isfinite(mean) else 1.0

@@ -48,8 +48,13 @@ class Layout:
 
     def describe(self) -> str:
         if self.colocated:
-            return f"colocated x{self.colocated} ({self.colocated_cores} core{'s' * (self.colocated_cores > 1)} each)"
-        return f"{self.prefill}P x{self.prefill_cores} + {self.decode}D x{self.decode_cores} cores"
+            return f"colocated x{self.colocated} ({_per_node(self.colocated, self.colocated_cores)})"
+        return (f"{self.prefill}P ({_per_node(self.prefill, self.prefill_cores)}) + "
+                f"{self.decode}D ({_per_node(self.decode, self.decode_cores)})")
+
+
+def _per_node(nodes: int, cores: int) -> str:
+    return f"{cores} core{'s' * (cores > 1)}{' each' * (nodes > 1)}"
 
 
 def _divisors(n: int) -> list[int]:

@@ -19,8 +19,8 @@ SWEEP = SweepConfig(0.9, tolerance=0.1, max_probes=10)
 
 
 def traffic(prompt_len: int, output_len: int, count: int = 60) -> Traffic:
-    return Traffic(tuple((tuple(range(k * prompt_len + 1, (k + 1) * prompt_len + 1)), output_len)
-                         for k in range(count)))
+    return Traffic.of([(tuple(range(k * prompt_len + 1, (k + 1) * prompt_len + 1)), output_len)
+                       for k in range(count)])
 
 
 def best(profiles, work: Traffic, slo: Slo, knobs=Knobs(512, 64)):
@@ -30,7 +30,7 @@ def best(profiles, work: Traffic, slo: Slo, knobs=Knobs(512, 64)):
 
 def test_layouts_on_two_and_four_devices():
     assert [lay.describe() for lay in layouts(2)] == [
-        "colocated x1 (2 cores each)", "colocated x2 (1 core each)", "1P x1 + 1D x1 cores"]
+        "colocated x1 (2 cores)", "colocated x2 (1 core each)", "1P (1 core) + 1D (1 core)"]
     four = list(layouts(4))
     assert all(lay.devices == 4 for lay in four)
     assert Layout(prefill=1, prefill_cores=1, decode=3, decode_cores=1) in four
@@ -92,3 +92,12 @@ def test_bad_flags_name_the_flag(argv, flag, capsys):
         main(argv)
     assert exit_.value.code == 2
     assert flag in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_every_probe_is_a_sustained_load_with_the_same_requests_at_every_rate():
+    work = Traffic(lambda i: ((i + 1,), i + 1), num_requests=10, min_duration_s=5.0)
+    low, high = work.at_rate(1.0), work.at_rate(4.0)
+    assert (len(low), len(high)) == (10, 20)
+    assert [(r.prompt_token_ids, r.output_len) for r in high[:10]] == [(r.prompt_token_ids, r.output_len) for r in low]
+    # The bench's arrival pattern: the same intervals scaled by 1/rate.
+    assert [r.arrival_s for r in high[:10]] == pytest.approx([r.arrival_s / 4 for r in low])
