@@ -30,7 +30,7 @@ from pdserve.common.refusal import Refused
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE, DTYPE_NAMES, EngineConfig
 from pdserve.planner.goodput import Traffic
 from pdserve.planner.profile import Profile, ProfileCache
-from pdserve.planner.profile_cli import default_model, int_list, profiles_for
+from pdserve.planner.profile_cli import default_model, int_list, profiles_for, router_cost_for
 from pdserve.planner.search import Candidate, Evaluated, Knobs, evaluate, layouts, ranked
 
 
@@ -172,8 +172,9 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
     model = default_model(args.model)
     candidates = [Candidate(lay, k) for lay in layouts(args.devices) for k in knobs]
     threads = sorted({t for c in candidates for t in c.layout.threads})
-    profiles = profiles_for(model, threads, args.dtype, args.block_size, ProfileCache(args.profile_dir),
-                            not args.no_progress, log=log)
+    cache = ProfileCache(args.profile_dir)
+    profiles = profiles_for(model, threads, args.dtype, args.block_size, cache, not args.no_progress, log=log)
+    router = router_cost_for(model, cache, log=log)
     first = profiles[threads[0]]
     cores = first.machine.get("cores")
     if isinstance(cores, int) and threads[-1] > cores:
@@ -183,7 +184,7 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
     traffic = _traffic(args, model, first)
     slo = Slo(args.ttft_slo, args.tpot_slo)
     sweep = SweepConfig(args.attainment, tolerance=args.tolerance, max_probes=args.max_probes)
-    results = ranked([evaluate(c, base, profiles, traffic, slo, sweep, first.max_model_len)
+    results = ranked([evaluate(c, base, profiles, traffic, slo, sweep, first.max_model_len, router)
                       for c in tqdm(candidates, desc="simulating", unit="config", disable=args.no_progress)])
     records = [candidate_record(e, model, first.setup.dtype, args.block_size) for e in results]
     best = records[0] if results and results[0].prediction.goodput_rps > 0 else None

@@ -5,7 +5,8 @@ size, dtype, block size) on a model folder on a machine, the samples it was fitt
 error per kind of step, the bytes of one KV block, and the cost of moving KV. It is cached as JSON
 under the pdserve cache dir (`profiles/<key>.json`), keyed by a hash of the model folder (its
 config and the names and sizes of its weight files), the machine (CPU model, its capability flags,
-its core count) and the setup: measured once, reused until one of them changes.
+its core count) and the setup: measured once, reused until one of them changes. The router's
+cost per request and per token (`RouterCost`) is cached beside them, keyed by model and machine.
 
 Must never: measure anything (planner/measure.py does) or import torch.
 """
@@ -51,6 +52,32 @@ class TransferCost:
 
     def time(self, num_bytes: int) -> float:
         return self.base_s + self.per_byte_s * num_bytes if num_bytes > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class RouterCost:
+    """The router's CPU per request and per streamed token (one process, one event loop: the
+    simulator runs it as a single first-come-first-served server)."""
+
+    per_request_s: float
+    per_token_s: float
+    method: str  # how it was measured
+
+    def to_json(self) -> dict:
+        return {**dataclasses.asdict(self), "version": PROFILE_VERSION}
+
+    @classmethod
+    def from_json(cls, record: dict) -> RouterCost:
+        record = dict(record)
+        if record.pop("version", None) != PROFILE_VERSION:
+            raise ValueError("router cost written by another version")
+        return cls(**record)
+
+
+def router_key(model_digest: str, machine: dict[str, object]) -> str:
+    """The router tokenizes and detokenizes with the model's tokenizer; no node setup matters."""
+    text = json.dumps([PROFILE_VERSION, "router", model_digest, machine], sort_keys=True)
+    return "router-" + hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 @dataclass(frozen=True)
@@ -140,17 +167,18 @@ class ProfileCache:
     def path(self, key: str) -> Path:
         return self.folder / f"{key}.json"
 
-    def load(self, key: str) -> Profile | None:
-        """The cached profile, or None when there is none (or it is unreadable: measured again)."""
+    def load(self, key: str, kind: type = Profile):
+        """The cached `kind` (a Profile or a RouterCost), or None when there is none (or it is
+        unreadable: measured again)."""
         try:
-            return Profile.from_json(json.loads(self.path(key).read_text()))
+            return kind.from_json(json.loads(self.path(key).read_text()))
         except (OSError, ValueError, TypeError, KeyError):
             return None
 
-    def store(self, key: str, profile: Profile) -> Path:
+    def store(self, key: str, entry: Profile | RouterCost) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
         tmp = path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(profile.to_json(), indent=1))
+        tmp.write_text(json.dumps(entry.to_json(), indent=1))
         tmp.replace(path)  # a reader never sees half a file
         return path

@@ -1,11 +1,12 @@
 """`pdserve profile`: measure (or read from the cache) what the simulator needs of each node
-configuration on this machine, and print the fitted step-time model with its fit error.
+configuration on this machine, and print the fitted step-time model with its fit error, and the router's cost per request and
+per token.
 
-    pdserve profile [--model DIR] [--threads 1,2] [--dtype auto] [--block-size 16] [--remeasure]
+    pdserve profile [--model DIR] [--threads 1,2] [--dtype auto] [--block-size 16] [--remeasure] [--skip-router]
 
-`profiles_for` is also what `pdserve plan` calls: a cached profile is reused, a missing one is
+`profiles_for` and `router_cost_for` are also what `pdserve plan` calls: a cached profile is reused, a missing one is
 measured (a progress bar on stderr) and stored. Owns the flags and the printing; the measuring is
-planner/measure.py's, imported only when something must be measured.
+planner/measure.py's and planner/measure_router.py's, imported only when something must be measured.
 """
 
 from __future__ import annotations
@@ -15,7 +16,9 @@ import sys
 
 from pdserve.common.refusal import Refused
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE, DTYPE_NAMES
-from pdserve.planner.profile import NodeSetup, Profile, ProfileCache, machine_facts, model_hash, profile_key
+from pdserve.planner.profile import (
+    NodeSetup, Profile, ProfileCache, RouterCost, machine_facts, model_hash, profile_key, router_key,
+)
 
 
 def int_list(flag: str):
@@ -53,6 +56,24 @@ def profiles_for(model: str, threads: list[int], dtype: str, block_size: int, ca
     return profiles
 
 
+def router_cost_for(model: str, cache: ProfileCache, remeasure: bool = False, log=print) -> RouterCost:
+    """The router's cost on this machine for this model, from the cache or measured now (and cached)."""
+    key = router_key(model_hash(model), machine_facts())
+    cost = None if remeasure else cache.load(key, RouterCost)
+    if cost is None:
+        from pdserve.planner.measure_router import measure_router_cost  # processes and gRPC: only when measuring
+
+        log("profile: measuring the router behind fake nodes ...")
+        cost = measure_router_cost(model)
+        log(f"profile: measured the router, stored in {cache.store(key, cost)}")
+    return cost
+
+
+def format_router(cost: RouterCost) -> str:
+    return (f"router ≈ {cost.per_request_s * 1e6:.0f} µs/request + {cost.per_token_s * 1e6:.1f} µs/token "
+            f"({cost.method})")
+
+
 def format_profile(profile: Profile) -> str:
     step = profile.step
     errors = ", ".join(f"{kind} {err:.0%}" for kind, err in sorted(profile.fit_error.items()))
@@ -73,6 +94,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--remeasure", action="store_true", help="measure even when a cached profile exists")
+    p.add_argument("--skip-router", action="store_true", help="do not measure (or print) the router's cost")
     p.add_argument("--profile-dir", help="where profiles are cached (default: <pdserve cache>/profiles)")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -92,13 +114,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.block_size < 1:
         p.error("--block-size must be >= 1")
     try:
-        profiles = profiles_for(default_model(args.model), args.threads, args.dtype, args.block_size,
-                                ProfileCache(args.profile_dir), not args.no_progress, args.remeasure)
+        model, cache = default_model(args.model), ProfileCache(args.profile_dir)
+        profiles = profiles_for(model, args.threads, args.dtype, args.block_size, cache, not args.no_progress,
+                                args.remeasure)
+        router = None if args.skip_router else router_cost_for(model, cache, args.remeasure)
     except Refused as err:
         print(f"pdserve profile: {err.cli_message()}", file=sys.stderr)
         return err.exit_code
     for profile in profiles.values():
         print(format_profile(profile))
+    if router is not None:
+        print(format_router(router))
     return 0
 
 

@@ -21,7 +21,7 @@ from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.sweep import SweepConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.goodput import Prediction, Traffic, predict_goodput, start_rate
-from pdserve.planner.profile import Profile
+from pdserve.planner.profile import Profile, RouterCost
 from pdserve.planner.simulator import ClusterSpec, Pool
 
 
@@ -91,7 +91,7 @@ class Candidate:
     layout: Layout
     knobs: Knobs
 
-    def spec(self, base: EngineConfig, profiles: dict[int, Profile]) -> ClusterSpec:
+    def spec(self, base: EngineConfig, profiles: dict[int, Profile], router: RouterCost) -> ClusterSpec:
         """`base`: every node's engine config (model, dtype, block size, KV capacity)."""
         config = replace(base, max_num_batched_tokens=self.knobs.max_num_batched_tokens,
                          max_num_seqs=self.knobs.max_num_seqs, chunk_schedule=self.knobs.chunk_schedule)
@@ -101,7 +101,7 @@ class Candidate:
             return Pool(count, replace(config, num_threads=cores), profiles[cores]) if count else None
 
         return ClusterSpec(pool(lay.colocated, lay.colocated_cores), pool(lay.prefill, lay.prefill_cores),
-                           pool(lay.decode, lay.decode_cores))
+                           pool(lay.decode, lay.decode_cores), router)
 
     def command(self, model: str, dtype: str, block_size: int) -> list[str]:
         """The `pdserve cluster` argv that runs this candidate on cores 0..N-1."""
@@ -138,8 +138,8 @@ class Evaluated:
 
 
 def evaluate(candidate: Candidate, base: EngineConfig, profiles: dict[int, Profile], traffic: Traffic, slo: Slo,
-             sweep: SweepConfig, max_model_len: int) -> Evaluated:
-    spec = candidate.spec(base, profiles)
+             sweep: SweepConfig, max_model_len: int, router: RouterCost = RouterCost(0.0, 0.0, "free")) -> Evaluated:
+    spec = candidate.spec(base, profiles, router)
     sweep = replace(sweep, start_rate=start_rate(spec, traffic)) if sweep.rate_min is None else sweep
     return Evaluated(candidate, predict_goodput(spec, traffic, slo, max_model_len, sweep))
 

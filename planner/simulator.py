@@ -13,8 +13,11 @@ Lifecycle of a request (as in docs/architecture.md §6 and the colocated route):
                  tokens 2..n
 A request no node can take ends RESOURCE_EXHAUSTED, as the router answers it. The placement
 policies are the router's own objects, given fresh stats at every decision (a real router sees
-stats up to a heartbeat old plus what it sent since). Not simulated: the router's own CPU cost,
-the network between client and router, queue bounds, failures.
+stats up to a heartbeat old plus what it sent since). The router itself, one process on one event
+loop, is a first-come-first-served server: each request costs it `per_request_s` before placement
+and each token `per_token_s` before the client has it (the profile's `RouterCost`), so a router
+that cannot keep up delays every stream. Not simulated: the router's CPU taken from the nodes'
+cores, the network between client and router, queue bounds, failures.
 
 Each request's trace is the serving bench's `RequestTrace` (one chunk per token), so the bench's
 metrics apply unchanged. Must never: read a wall clock or load torch.
@@ -31,7 +34,7 @@ from pdserve.bench.serve.metrics import RequestTrace
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.request import Request
-from pdserve.planner.profile import Profile
+from pdserve.planner.profile import Profile, RouterCost
 from pdserve.planner.sim_node import PLACEHOLDER_TOKEN, Sampled, SimClock, SimNode
 from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.router.cluster.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
@@ -55,6 +58,7 @@ class ClusterSpec:
     colocated: Pool | None = None
     prefill: Pool | None = None
     decode: Pool | None = None
+    router: RouterCost = RouterCost(0.0, 0.0, "free")
 
     def __post_init__(self) -> None:
         if (self.colocated is None) == (self.prefill is None or self.decode is None):
@@ -97,6 +101,8 @@ class ClusterSim:
         self.decode = self._nodes("decode", spec.decode, ColocatedPolicy(), max_model_len)
         self._prefill_profile = spec.prefill.profile if spec.prefill is not None else None
         self._flights: dict[str, _Flight] = {}
+        self._router = spec.router
+        self._router_free_s = 0.0  # when the router has done all the work handed to it so far
 
     def _nodes(self, kind: str, pool: Pool | None, policy, max_model_len: int) -> list[SimNode]:
         if pool is None:
@@ -110,7 +116,7 @@ class ClusterSim:
             trace = RequestTrace(index, spec.arrival_s, spec.output_len, len(spec.prompt_token_ids),
                                  sent_s=spec.arrival_s, request_id=f"r{index}")
             traces.append(trace)
-            self._at(spec.arrival_s, lambda s=spec, t=trace: self._arrive(s, t))
+            self._at(spec.arrival_s, lambda s=spec, t=trace: self._receive(s, t))
         while self._events:
             t, _, action = heapq.heappop(self._events)
             self.clock.t = t
@@ -123,7 +129,15 @@ class ClusterSim:
     def _at(self, t: float, action: Callable[[], None]) -> None:
         heapq.heappush(self._events, (t, next(self._seq), action))
 
-    # ------------------------------------------------------------------ arrivals and placement
+    # ------------------------------------------------------------------ the router and placement
+
+    def _router_work(self, seconds: float) -> float:
+        """Hand the router `seconds` of work now; when it is done (after what it already had)."""
+        self._router_free_s = max(self.clock.t, self._router_free_s) + seconds
+        return self._router_free_s
+
+    def _receive(self, spec: SimRequest, trace: RequestTrace) -> None:
+        self._at(self._router_work(self._router.per_request_s), lambda: self._arrive(spec, trace))
 
     def _arrive(self, spec: SimRequest, trace: RequestTrace) -> None:
         req_id = trace.request_id
@@ -216,11 +230,12 @@ class ClusterSim:
 
     # ------------------------------------------------------------------ outcomes
 
-    @staticmethod
-    def _token(trace: RequestTrace, now: float, last: bool) -> None:
-        trace.chunks.append((now, 1))
+    def _token(self, trace: RequestTrace, now: float, last: bool) -> None:
+        """A node streamed a token; the client has it once the router has relayed it."""
+        delivered = self._router_work(self._router.per_token_s)
+        trace.chunks.append((delivered, 1))
         if last:
-            trace.end_s = now
+            trace.end_s = delivered
 
     @staticmethod
     def _fail(trace: RequestTrace, status: str) -> None:

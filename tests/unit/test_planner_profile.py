@@ -63,3 +63,14 @@ def test_the_measured_steps_stay_within_the_models_length():
     shapes = list(step_shapes(600))
     assert {kind for kind, _ in shapes} == {"prefill", "decode", "mixed"}
     assert all(computed + scheduled <= 599 for _, chunks in shapes for computed, scheduled in chunks)
+
+
+def test_the_router_cost_is_cached_beside_the_profiles(tmp_path):
+    from pdserve.planner.profile import RouterCost, router_key
+
+    cache = ProfileCache(tmp_path)
+    cost = RouterCost(1e-4, 8e-5, "synthetic")
+    key = router_key("digest", {"cpu": "X", "flags": [], "cores": 2})
+    cache.store(key, cost)
+    assert cache.load(key, RouterCost) == cost
+    assert key != router_key("other", {"cpu": "X", "flags": [], "cores": 2})

@@ -7,7 +7,7 @@ import pytest
 
 from pdserve.bench.serve.metrics import request_metrics
 from pdserve.engine.config import EngineConfig
-from pdserve.planner.profile import TransferCost
+from pdserve.planner.profile import RouterCost, TransferCost
 from pdserve.planner.simulator import EXHAUSTED, ClusterSim, ClusterSpec, Pool, SimRequest
 from tests.unit.planner_profiles import BLOCK_BYTES, synthetic_profile
 
@@ -110,3 +110,19 @@ def test_a_request_no_node_can_ever_hold_is_refused():
     sim, m = run_one(spec, 100, 10)
     assert m.status == EXHAUSTED
     assert sim.prefill[0].kv.num_used_blocks == 0 and sim.decode[0].kv.num_used_blocks == 0
+
+
+def test_the_router_costs_each_request_and_each_token_once_on_its_way():
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    router = RouterCost(0.003, 0.0005, "synthetic")
+    _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile), router=router), 100, 5)
+    assert m.ttft_s == pytest.approx(0.003 + 0.11 + 0.0005)
+    assert m.tpot_s == pytest.approx(0.011)  # every token waits the same relay
+
+
+def test_a_router_slower_than_the_steps_paces_every_stream():
+    """Tokens leave the node every 11 ms but the router relays one per 50 ms: they queue there."""
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile), router=RouterCost(0.0, 0.05, "slow")), 100, 5)
+    assert m.ttft_s == pytest.approx(0.11 + 0.05)
+    assert m.itl_s == pytest.approx((0.05,) * 4)
