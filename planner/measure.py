@@ -6,8 +6,10 @@ after several contexts, decode batches of several sizes over several contexts, a
 with a prefill chunk — exactly as engine/step_profile.py times the target-step schedule's steps:
 dummy requests holding real blocks (KV contents are irrelevant to timing), freed after, nothing
 published to the prefix cache. One warm-up run per shape, then the median of a few. The KV
-transfer cost is the copy of blocks out of one cache into another in this process (a gather and a
-scatter, what every push does at least; the UCX hop between processes is not in it).
+transfer cost is that of a real push: bench/kv_transfer.py's UCX sender and receiver processes
+(the shared-memory path), push to acknowledgement for the KV of a short and of a long prompt of
+this model's shape; where UCX cannot run here, the copy of blocks out of one cache into another in
+this process (a gather and a scatter, a lower bound of a push), and the profile says which.
 
 Must never: run while the engine serves requests (it is its own engine), or be imported by the
 simulator (it loads torch and the model).
@@ -15,6 +17,7 @@ simulator (it loads torch and the model).
 
 from __future__ import annotations
 
+import logging
 import statistics
 import time
 from collections.abc import Iterator
@@ -31,6 +34,8 @@ from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
 from pdserve.planner.profile import NodeSetup, Profile, StepSample, TransferCost, machine_facts, model_hash
 from pdserve.planner.step_cost import StepCost, StepShape
 
+logger = logging.getLogger(__name__)
+
 REPEATS = 5  # timed runs per shape after one warm-up; the median is kept
 PREFILL_TOKENS = (16, 64, 256, 1024)
 PREFILL_CONTEXTS = (0, 1024)
@@ -38,6 +43,7 @@ DECODE_BATCHES = (1, 4, 16, 64)
 DECODE_CONTEXTS = (128, 1024)
 MIXED = ((16, 256, 128), (16, 256, 512))  # (decodes, their context, prefill chunk tokens)
 TRANSFER_BLOCKS = (4, 64)
+UCX_PUSH_TOKENS = (64, 1024)  # the KV of a short and of a long prompt
 
 
 def step_shapes(max_model_len: int) -> Iterator[tuple[str, list[tuple[int, int]]]]:
@@ -79,7 +85,7 @@ def measure_profile(model_dir: str, setup: NodeSetup, progress: bool = True) -> 
     return Profile(
         model=str(model_dir), model_hash=model_hash(model_dir), machine=machine_facts(), setup=setup, step=step,
         fit_error={k: step.relative_error([(s.shape, s.seconds) for s in samples if s.kind == k]) for k in kinds},
-        samples=tuple(samples), kv_block_bytes=block_bytes, transfer=measure_copy(core, block_bytes),
+        samples=tuple(samples), kv_block_bytes=block_bytes, transfer=measure_transfer(core, block_bytes),
         max_model_len=core.max_model_len, vocab_size=core.loaded.vocab_size)
 
 
@@ -107,6 +113,35 @@ def time_step(core: EngineCore, kind: str, chunks: list[tuple[int, int]]) -> Ste
     return StepSample(kind, shape.tokens, shape.requests, shape.attended, shape.decode_context, statistics.median(times))
 
 
+def measure_transfer(core: EngineCore, block_bytes: int) -> TransferCost:
+    """base + per byte of a UCX push between two processes, or of an in-process copy without UCX."""
+    try:
+        return measure_ucx_push(core)
+    except Exception as exc:  # no UCX here (import, transport or process failure): the copy instead
+        logger.warning("KV transfer over UCX could not be measured (%s: %s); timing an in-process copy instead",
+                       type(exc).__name__, exc)
+        return measure_copy(core, block_bytes)
+
+
+def measure_ucx_push(core: EngineCore) -> TransferCost:
+    from pdserve.bench.kv_transfer import Shape, run_ucx
+
+    loaded, config = core.loaded, core.config
+    points = []
+    for tokens in UCX_PUSH_TOKENS:
+        shape = Shape(tokens, loaded.num_layers, loaded.num_local_kv_heads, loaded.head_dim, config.block_size,
+                      config.dtype)
+        latencies, _, _ = run_ucx(shape, fast=True, iters=REPEATS, pipeline=1)
+        points.append((shape.nbytes, statistics.median(latencies)))
+    return _line(points, "UCX push to acknowledgement between two processes (shared memory)")
+
+
+def _line(points: list[tuple[int, float]], method: str) -> TransferCost:
+    (x0, y0), (x1, y1) = points
+    per_byte = max((y1 - y0) / (x1 - x0), 0.0)
+    return TransferCost(max(y0 - per_byte * x0, 0.0), per_byte, method)
+
+
 def measure_copy(core: EngineCore, block_bytes: int) -> TransferCost:
     """base + per byte of copying KV blocks from one cache into scattered blocks of another."""
     loaded = core.loaded
@@ -126,6 +161,4 @@ def measure_copy(core: EngineCore, block_bytes: int) -> TransferCost:
             if i:
                 times.append(time.perf_counter() - start)
         points.append((count * block_bytes, statistics.median(times)))
-    (x0, y0), (x1, y1) = points
-    per_byte = max((y1 - y0) / (x1 - x0), 0.0)
-    return TransferCost(max(y0 - per_byte * x0, 0.0), per_byte, "in-process block gather + scatter")
+    return _line(points, "in-process block gather + scatter (no UCX here: a lower bound of a push)")
