@@ -43,13 +43,11 @@ from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.model_runner import ModelRunner, PromptScores, SampledToken, kv_block_bytes
 from pdserve.engine.parallel import StepFanout, SwapFanout
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
-from pdserve.engine.preemption import preemption_policy_for
-from pdserve.engine.prompt_admission import PromptAdmission, watermark_blocks
 from pdserve.engine.prompt_logprobs import PromptLogprobs
 from pdserve.engine.request import FinishReason, PendingFork, Request
 from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.engine.scheduler import Scheduler
+from pdserve.engine.scheduler import scheduler_for
 from pdserve.engine.step_profile import StepTimeModel, profile_step_times
 from pdserve.engine.stop_rules import token_finish_reason
 from pdserve.engine.swap_space import SwapSpace, swap_blocks_for
@@ -122,9 +120,7 @@ class EngineCore:
         self.kv = KVCacheManager(num_blocks, config.block_size, config.enable_prefix_caching)
         self.swap = SwapSpace(self._num_swap_blocks())
         self.policy = policy or ColocatedPolicy()
-        admission = PromptAdmission(watermark_blocks(config.watermark, num_blocks), config.delay_factor)
-        self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, admission,
-                                   preemption=preemption_policy_for(config.preemption_mode, self.swap))
+        self.scheduler = scheduler_for(config, self.kv, self.swap)
         self.runner = ModelRunner(self.loaded, self.kv, num_blocks, config.torch_dtype, config.attention_backend,
                                   fanout, self.swap.num_blocks, swap_fanout)
         self._requests: dict[str, Request] = {}

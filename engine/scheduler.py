@@ -27,11 +27,13 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from pdserve.engine.chunk_schedule import ChunkSchedule, FixedChunks
+from pdserve.engine.clock import Clock
+from pdserve.engine.config import EngineConfig
 from pdserve.engine.kv_cache_manager import KVCacheManager
-from pdserve.engine.preemption import PreemptionPolicy, RecomputePreemption
-from pdserve.engine.prompt_admission import PromptAdmission
+from pdserve.engine.preemption import PreemptionPolicy, RecomputePreemption, preemption_policy_for
+from pdserve.engine.prompt_admission import PromptAdmission, watermark_blocks
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.swap_space import BlockPairs
+from pdserve.engine.swap_space import BlockPairs, SwapSpace
 
 
 @dataclass(slots=True)
@@ -248,3 +250,13 @@ class Scheduler:
         victim.status = RequestStatus.WAITING
         if was_running:
             self.waiting.appendleft(victim)
+
+
+def scheduler_for(config: EngineConfig, kv: KVCacheManager, swap: SwapSpace, clock: Clock | None = None) -> Scheduler:
+    """The scheduler an engine with `config` runs over `kv`: the engine core's and the cluster
+    simulator's (planner/), so a simulated node schedules exactly as a real one. Its chunk schedule
+    is the fixed one until the caller sets `chunks` (`chunk_schedule_for`: target-step needs the
+    model's step times)."""
+    admission = PromptAdmission(watermark_blocks(config.watermark, kv.pool.num_blocks), config.delay_factor, clock)
+    return Scheduler(kv, config.max_num_batched_tokens, config.max_num_seqs, admission,
+                     preemption=preemption_policy_for(config.preemption_mode, swap))

@@ -37,6 +37,8 @@ DELEGATED_COMMANDS: dict[str, tuple[str, str]] = {
     "cluster": ("pdserve.cluster", "run a local cluster: router + N prefill + M decode (or N colocated) nodes"),
     "generate": ("pdserve.router.fronts.client", "stream a generation from a running cluster"),
     "sweep-models": ("pdserve.model_sweep", "every transformers causal-LM architecture, tiny: served exactly or refused"),
+    "profile": ("pdserve.planner.profile_cli", "measure step times of node configurations on this machine (cached)"),
+    "plan": ("pdserve.planner.cli", "from a workload and TTFT/TPOT SLOs to the best `pdserve cluster` command"),
 }
 
 # `pdserve bench NAME ...` -> (module whose main(argv) runs it, one-line help)

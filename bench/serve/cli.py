@@ -35,21 +35,11 @@ from pdserve.bench.serve.openai_backend import OpenAIBackend
 from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.runner import Run, RunLength, ServeBench
 from pdserve.bench.serve.sweep import SweepConfig, find_max_rate
-from pdserve.bench.serve.workloads import (
-    CHAT_INPUT_MEAN, CHAT_OUTPUT_MEAN, CHAT_SIGMA, ChatLengths, FixedLengths, LogNormal, ModelLimits,
-    SyntheticWorkload, UniformLengths, Workload, read_jsonl,
+from pdserve.bench.serve.workload_flags import (
+    DEFAULT_NUM_REQUESTS, add_arrival_args, add_workload_args, build_workload, check_workload_args,
 )
 from pdserve.router.fronts.client import DEFAULT_ADDRESS
 
-DEFAULT_NUM_REQUESTS = 100
-
-
-def _length_range(text: str) -> tuple[int, int]:
-    try:
-        low, high = (int(part) for part in text.split(":"))
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected A:B (two integers), got {text!r}") from None
-    return low, high
 
 
 def _rates(text: str) -> list[float]:
@@ -73,24 +63,8 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--rates", type=_rates, help="one run per rate, e.g. 1,2,4")
     mode.add_argument("--sweep", action="store_true", help="bisect for the highest rate meeting --attainment")
 
-    arrivals = p.add_argument_group("arrivals")
-    arrivals.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
-    arrivals.add_argument("--cv", type=float, help="gamma: coefficient of variation of the intervals (1 = Poisson)")
-    length = arrivals.add_mutually_exclusive_group()
-    length.add_argument("--num-requests", type=int, help=f"requests per run (default {DEFAULT_NUM_REQUESTS})")
-    length.add_argument("--duration-s", type=float, help="send every request due within this many seconds")
-    arrivals.add_argument("--seed", type=int, default=0, help="seeds the arrivals and the synthetic prompts")
-
-    work = p.add_argument_group("workload")
-    work.add_argument("--workload", choices=["fixed", "uniform", "chat", "jsonl"], default="fixed")
-    work.add_argument("--input-len", type=int, default=128, help="fixed: prompt tokens")
-    work.add_argument("--output-len", type=int, default=128, help="fixed: output tokens")
-    work.add_argument("--input-len-range", type=_length_range, help="uniform: A:B prompt tokens, inclusive")
-    work.add_argument("--output-len-range", type=_length_range, help="uniform: A:B output tokens, inclusive")
-    work.add_argument("--chat-input-mean", type=float, default=CHAT_INPUT_MEAN, help="chat: mean prompt tokens")
-    work.add_argument("--chat-output-mean", type=float, default=CHAT_OUTPUT_MEAN, help="chat: mean output tokens")
-    work.add_argument("--chat-sigma", type=float, default=CHAT_SIGMA, help="chat: sigma of log(length)")
-    work.add_argument("--dataset", type=Path, help='jsonl: lines of {"prompt": TEXT, "output_len": N}')
+    add_arrival_args(p)
+    add_workload_args(p)
 
     slo = p.add_argument_group("SLOs and the sweep")
     slo.add_argument("--ttft-slo", type=float, help="seconds (unset: any TTFT meets it)")
@@ -119,14 +93,7 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
     if args.backend == "grpc" and any(v is not None for v in (args.base_url, args.model, args.vocab_size,
                                                                args.max_model_len)):
         p.error("--base-url, --model, --vocab-size and --max-model-len are for --backend openai")
-    if args.arrival == "poisson" and args.cv not in (None, 1.0):
-        p.error("--cv is for --arrival gamma (Poisson arrivals have cv 1)")
-    if args.arrival == "gamma" and args.cv is None:
-        p.error("--arrival gamma needs --cv")
-    if args.workload == "uniform" and (args.input_len_range is None or args.output_len_range is None):
-        p.error("--workload uniform needs --input-len-range and --output-len-range")
-    if args.workload == "jsonl" and args.dataset is None:
-        p.error("--workload jsonl needs --dataset")
+    check_workload_args(p, args)
     if args.sweep and args.ttft_slo is None and args.tpot_slo is None:
         p.error("--sweep needs --ttft-slo and/or --tpot-slo")
     if args.devices < 1:
@@ -137,19 +104,6 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("rates must be > 0 requests/s")
     if args.duration_s is not None and math.inf in _fixed_rates(args):
         p.error("an infinite rate sends everything at once: give --num-requests, not --duration-s")
-
-
-def build_workload(args: argparse.Namespace, limits: ModelLimits) -> Workload:
-    if args.workload == "jsonl":
-        return read_jsonl(args.dataset)
-    if args.workload == "fixed":
-        lengths = FixedLengths(args.input_len, args.output_len)
-    elif args.workload == "uniform":
-        lengths = UniformLengths(args.input_len_range, args.output_len_range)
-    else:
-        lengths = ChatLengths(limits.max_model_len, LogNormal(args.chat_input_mean, args.chat_sigma),
-                              LogNormal(args.chat_output_mean, args.chat_sigma))
-    return SyntheticWorkload(lengths, limits, args.seed)
 
 
 def _sweep_config(args: argparse.Namespace) -> SweepConfig:

@@ -29,6 +29,10 @@ ALLOWED: dict[str, set[str]] = {
     # states). Only tests and bench import it; the model fixtures stay in tests/ (model_factory
     # belongs to the top part).
     "testing": {"router", "proto", "kv_transfer"},
+    # On top beside bench and pdserve: the simulator reuses bench's workloads, metrics and goodput
+    # search, the router's placement policies and the prefill node's policy, its commands the demo
+    # model (pdserve.model_factory); only the CLI imports it (by name, when the command runs).
+    "planner": {"engine", "kernels", "common", "router", "prefill_node", "bench", "pdserve"},
 }
 # Third-party modules a part must never load: the engine and its kernels run in a node's core
 # process, which talks ZMQ only through node/, and never serves gRPC.
@@ -36,6 +40,7 @@ FORBIDDEN_EXTERNAL: dict[str, set[str]] = {
     "engine": {"grpc", "zmq", "ucxx"},
     "kernels": {"grpc", "zmq", "ucxx"},
     "common": {"zmq", "ucxx", "torch"},
+    "planner": {"grpc", "zmq", "ucxx"},
 }
 
 

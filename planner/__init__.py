@@ -1,0 +1,17 @@
+"""SLO planning: from a workload and two latency objectives to a cluster command line.
+
+    step_cost.py   the step-time model (one formula for prefill, decode and mixed steps) and its fit
+    profile.py     what the simulator needs of one node configuration on this machine, cached as JSON
+    measure.py     `pdserve profile`'s measuring: the real engine's steps timed on the real model
+    measure_router.py  the router's CPU per request and per token, behind fake nodes
+    sim_node.py    one simulated node: the engine's own scheduler and KV cache manager on a simulated clock
+    simulator.py   the whole cluster as discrete events: the router's placement, the nodes, the KV hand-off
+    goodput.py     a simulated run's SLO summary and the goodput search, as the serving bench computes them
+    search.py      the configurations on N devices, each simulated and ranked
+    profile_cli.py `pdserve profile` (and the cached-or-measured lookup `pdserve plan` uses)
+    cli.py         `pdserve plan`
+
+Sits on top beside `bench` (whose workloads, metrics and goodput search it reuses, so a
+prediction and a measurement use one definition) and imports the engine and the router's
+placement policies below it; nothing imports it but the CLI.
+"""

@@ -1,0 +1,132 @@
+"""`pdserve profile`: measure (or read from the cache) what the simulator needs of each node
+configuration on this machine, and print the fitted step-time model with its fit error, and the router's cost per request and
+per token.
+
+    pdserve profile [--model DIR] [--threads 1,2] [--dtype auto] [--block-size 16] [--remeasure] [--skip-router]
+
+`profiles_for` and `router_cost_for` are also what `pdserve plan` calls: a cached profile is reused, a missing one is
+measured (a progress bar on stderr) and stored. Owns the flags and the printing; the measuring is
+planner/measure.py's and planner/measure_router.py's, imported only when something must be measured.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from pdserve.common.refusal import Refused
+from pdserve.engine.config import DEFAULT_BLOCK_SIZE, DTYPE_NAMES
+from pdserve.planner.profile import (
+    NodeSetup, Profile, ProfileCache, RouterCost, machine_facts, model_hash, profile_key, router_key,
+)
+
+
+def int_list(flag: str):
+    def parse(text: str) -> list[int]:
+        try:
+            values = [int(v) for v in text.split(",") if v.strip()]
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"expected comma-separated integers, got {text!r}") from None
+        if not values or min(values) < 1:
+            raise argparse.ArgumentTypeError(f"{flag} needs integers >= 1, got {text!r}")
+        return values
+    return parse
+
+
+def profiles_for(model: str, threads: list[int], dtype: str, block_size: int, cache: ProfileCache,
+                 progress: bool = True, remeasure: bool = False, log=print) -> dict[int, Profile]:
+    """One profile per threads count, from the cache or measured now (and cached)."""
+    from pdserve.engine.dtype_choice import resolve_dtype
+    from pdserve.engine.model_folder import open_model_folder
+
+    open_model_folder(model)  # a folder no node could serve is refused here, in one line
+    resolved = resolve_dtype(dtype)
+    digest, machine = model_hash(model), machine_facts()
+    profiles = {}
+    for count in sorted(set(threads)):
+        setup = NodeSetup(count, resolved, block_size)
+        key = profile_key(digest, machine, setup)
+        profile = None if remeasure else cache.load(key)
+        if profile is None:
+            from pdserve.planner.measure import measure_profile  # torch and the model: only when measuring
+
+            profile = measure_profile(model, setup, progress)
+            log(f"profile: measured {setup.describe()}, stored in {cache.store(key, profile)}")
+        profiles[count] = profile
+    return profiles
+
+
+def router_cost_for(model: str, cache: ProfileCache, remeasure: bool = False, log=print) -> RouterCost:
+    """The router's cost on this machine for this model, from the cache or measured now (and cached)."""
+    key = router_key(model_hash(model), machine_facts())
+    cost = None if remeasure else cache.load(key, RouterCost)
+    if cost is None:
+        from pdserve.planner.measure_router import measure_router_cost  # processes and gRPC: only when measuring
+
+        log("profile: measuring the router behind fake nodes ...")
+        cost = measure_router_cost(model)
+        log(f"profile: measured the router, stored in {cache.store(key, cost)}")
+    return cost
+
+
+def format_router(cost: RouterCost) -> str:
+    return (f"router ≈ {cost.per_request_s * 1e6:.0f} µs/request + {cost.per_token_s * 1e6:.1f} µs/token "
+            f"({cost.method})")
+
+
+def format_profile(profile: Profile) -> str:
+    step = profile.step
+    errors = ", ".join(f"{kind} {err:.0%}" for kind, err in sorted(profile.fit_error.items()))
+    return "\n".join([
+        f"{profile.setup.describe()} on {profile.machine.get('cpu')} ({profile.machine.get('cores')} cores)",
+        f"  step ≈ {step.base_s * 1e3:.3f} ms + {step.per_token_s * 1e6:.2f} µs/token + {step.per_seq_s * 1e6:.2f} µs/request"
+        f" + {step.per_attended_s * 1e9:.3f} ns/attended pair + {step.per_decode_context_s * 1e9:.2f} ns/decode KV token",
+        f"  fit error (relative RMS, {len(profile.samples)} steps): {errors}",
+        f"  KV: {profile.kv_block_bytes} bytes/block; transfer ≈ {profile.transfer.base_s * 1e3:.3f} ms + "
+        f"{profile.transfer.per_byte_s * 1e9:.3f} ns/byte ({profile.transfer.method})",
+    ])
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve profile", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="model directory (default: the built-in demo model)")
+    p.add_argument("--threads", type=int_list("--threads"), default=[1], help="comma-separated torch threads per node")
+    p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto")
+    p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
+    p.add_argument("--remeasure", action="store_true", help="measure even when a cached profile exists")
+    p.add_argument("--skip-router", action="store_true", help="do not measure (or print) the router's cost")
+    p.add_argument("--profile-dir", help="where profiles are cached (default: <pdserve cache>/profiles)")
+    p.add_argument("--no-progress", action="store_true")
+    return p
+
+
+def default_model(model: str | None) -> str:
+    if model is not None:
+        return model
+    from pdserve.model_factory import ensure_demo_model
+
+    return str(ensure_demo_model())
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = _parser()
+    args = p.parse_args(argv)
+    if args.block_size < 1:
+        p.error("--block-size must be >= 1")
+    try:
+        model, cache = default_model(args.model), ProfileCache(args.profile_dir)
+        profiles = profiles_for(model, args.threads, args.dtype, args.block_size, cache, not args.no_progress,
+                                args.remeasure)
+        router = None if args.skip_router else router_cost_for(model, cache, args.remeasure)
+    except Refused as err:
+        print(f"pdserve profile: {err.cli_message()}", file=sys.stderr)
+        return err.exit_code
+    for profile in profiles.values():
+        print(format_profile(profile))
+    if router is not None:
+        print(format_router(router))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,148 @@
+"""The configurations a plan compares on N devices (cores on CPU), each simulated and ranked.
+
+A `Candidate` is a `Layout` — colocated × k with N/k cores each, or p prefill nodes and d decode
+nodes splitting the cores (each pool's cores evenly across its nodes, as `pdserve cluster
+--*-cores` pins them; a node runs one torch thread per core) — and the engine `Knobs` both pools
+run (`--max-num-batched-tokens`, `--max-num-seqs`, `--chunk-schedule`). Every node is TP 1 here:
+a pool's tensor-parallel size is not searched yet. A candidate becomes the simulator's
+`ClusterSpec` (given the profile of each threads count) and the `pdserve cluster` command line that
+runs it. Ranking: goodput per device, then the lower TTFT p90 and TPOT p90 at that rate.
+
+Must never: measure or load torch; profiles come in.
+"""
+
+from __future__ import annotations
+
+import shlex
+from collections.abc import Iterator
+from dataclasses import dataclass, replace
+
+from pdserve.bench.serve.metrics import Slo
+from pdserve.bench.serve.sweep import SweepConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.planner.goodput import Prediction, Traffic, predict_goodput, start_rate
+from pdserve.planner.profile import Profile, RouterCost
+from pdserve.planner.simulator import ClusterSpec, Pool
+
+
+@dataclass(frozen=True)
+class Layout:
+    colocated: int = 0
+    colocated_cores: int = 0  # per node
+    prefill: int = 0
+    prefill_cores: int = 0
+    decode: int = 0
+    decode_cores: int = 0
+
+    @property
+    def mode(self) -> str:
+        return "colocated" if self.colocated else "disaggregated"
+
+    @property
+    def devices(self) -> int:
+        return self.colocated * self.colocated_cores + self.prefill * self.prefill_cores + self.decode * self.decode_cores
+
+    @property
+    def threads(self) -> set[int]:
+        return {t for t in (self.colocated_cores, self.prefill_cores, self.decode_cores) if t}
+
+    def describe(self) -> str:
+        if self.colocated:
+            return f"colocated x{self.colocated} ({_per_node(self.colocated, self.colocated_cores)})"
+        return (f"{self.prefill}P ({_per_node(self.prefill, self.prefill_cores)}) + "
+                f"{self.decode}D ({_per_node(self.decode, self.decode_cores)})")
+
+
+def _per_node(nodes: int, cores: int) -> str:
+    return f"{cores} core{'s' * (cores > 1)}{' each' * (nodes > 1)}"
+
+
+def _divisors(n: int) -> list[int]:
+    return [k for k in range(1, n + 1) if n % k == 0]
+
+
+def layouts(devices: int) -> Iterator[Layout]:
+    """Colocated × k for every k dividing N, then every split of the N cores between a prefill and
+    a decode pool with every node count dividing each pool's cores."""
+    for k in _divisors(devices):
+        yield Layout(colocated=k, colocated_cores=devices // k)
+    for prefill_cores in range(1, devices):
+        decode_cores = devices - prefill_cores
+        for p in _divisors(prefill_cores):
+            for d in _divisors(decode_cores):
+                yield Layout(prefill=p, prefill_cores=prefill_cores // p, decode=d, decode_cores=decode_cores // d)
+
+
+@dataclass(frozen=True)
+class Knobs:
+    max_num_batched_tokens: int
+    max_num_seqs: int
+    chunk_schedule: str = "fixed"
+
+    def node_args(self) -> list[str]:
+        args = ["--max-num-batched-tokens", str(self.max_num_batched_tokens), "--max-num-seqs", str(self.max_num_seqs)]
+        if self.chunk_schedule != "fixed":
+            args += ["--chunk-schedule", self.chunk_schedule]
+        return args
+
+
+@dataclass(frozen=True)
+class Candidate:
+    layout: Layout
+    knobs: Knobs
+
+    def spec(self, base: EngineConfig, profiles: dict[int, Profile], router: RouterCost) -> ClusterSpec:
+        """`base`: every node's engine config (model, dtype, block size, KV capacity)."""
+        config = replace(base, max_num_batched_tokens=self.knobs.max_num_batched_tokens,
+                         max_num_seqs=self.knobs.max_num_seqs, chunk_schedule=self.knobs.chunk_schedule)
+        lay = self.layout
+
+        def pool(count: int, cores: int) -> Pool | None:
+            return Pool(count, replace(config, num_threads=cores), profiles[cores]) if count else None
+
+        return ClusterSpec(pool(lay.colocated, lay.colocated_cores), pool(lay.prefill, lay.prefill_cores),
+                           pool(lay.decode, lay.decode_cores), router)
+
+    def command(self, model: str, dtype: str, block_size: int) -> list[str]:
+        """The `pdserve cluster` argv that runs this candidate on cores 0..N-1."""
+        lay = self.layout
+        argv = ["pdserve", "cluster", "--model", model, "--dtype", dtype, "--block-size", str(block_size)]
+        node_args = shlex.join(self.knobs.node_args())
+        if lay.colocated:
+            return argv + ["--colocated", str(lay.colocated), "--colocated-cores", _cores(0, lay.devices),
+                           "--colocated-args", node_args]
+        split = lay.prefill * lay.prefill_cores
+        return argv + ["--prefill", str(lay.prefill), "--decode", str(lay.decode),
+                       "--prefill-cores", _cores(0, split), "--decode-cores", _cores(split, lay.devices),
+                       "--prefill-args", node_args, "--decode-args", node_args]
+
+
+def _cores(start: int, end: int) -> str:
+    return str(start) if end - start == 1 else f"{start}-{end - 1}"
+
+
+@dataclass(frozen=True)
+class Evaluated:
+    candidate: Candidate
+    prediction: Prediction
+
+    @property
+    def goodput_per_device(self) -> float:
+        return self.prediction.goodput_rps / self.candidate.layout.devices
+
+    def rank_key(self) -> tuple[float, float, float]:
+        summary = self.prediction.run.summary
+        ttft = summary.ttft_s.p90 if summary.ttft_s else float("inf")
+        tpot = summary.tpot_s.p90 if summary.tpot_s else 0.0
+        return -self.goodput_per_device, ttft, tpot
+
+
+def evaluate(candidate: Candidate, base: EngineConfig, profiles: dict[int, Profile], traffic: Traffic, slo: Slo,
+             sweep: SweepConfig, max_model_len: int, router: RouterCost = RouterCost(0.0, 0.0, "free")) -> Evaluated:
+    spec = candidate.spec(base, profiles, router)
+    sweep = replace(sweep, start_rate=start_rate(spec, traffic)) if sweep.rate_min is None else sweep
+    return Evaluated(candidate, predict_goodput(spec, traffic, slo, max_model_len, sweep))
+
+
+def ranked(results: list[Evaluated]) -> list[Evaluated]:
+    return sorted(results, key=Evaluated.rank_key)

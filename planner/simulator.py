@@ -1,0 +1,243 @@
+"""The whole cluster as discrete events: arrivals, the router's placement, every node's steps and
+the KV hand-off, on one simulated clock.
+
+Lifecycle of a request (as in docs/architecture.md §6 and the colocated route):
+  colocated      arrival → the router ranks colocated nodes (`ColocatedPlacement`) → the first
+                 that can ever hold it takes it → its steps stream tokens 1..n
+  disaggregated  arrival → the router ranks decode nodes (`DecodePlacement`); the first with
+                 room reserves the prompt's blocks → the router picks a prefill node
+                 (`PrefillPlacement`) → chunked prefill; token 1 reaches the client when sampled
+                 → the KV tail (the last chunk's blocks: earlier full blocks were pushed while
+                 later chunks computed) moves in the profile's transfer time → the prefill node
+                 frees its blocks, the decode node admits the request with token 1 and streams
+                 tokens 2..n
+A request no node can take ends RESOURCE_EXHAUSTED, as the router answers it. The placement
+policies are the router's own objects, given fresh stats at every decision (a real router sees
+stats up to a heartbeat old plus what it sent since). The router itself, one process on one event
+loop, is a first-come-first-served server: each request costs it `per_request_s` before placement
+and each token `per_token_s` before the client has it (the profile's `RouterCost`), so a router
+that cannot keep up delays every stream. Not simulated: the router's CPU taken from the nodes'
+cores, the network between client and router, queue bounds, failures.
+
+Each request's trace is the serving bench's `RequestTrace` (one chunk per token), so the bench's
+metrics apply unchanged. Must never: read a wall clock or load torch.
+"""
+
+from __future__ import annotations
+
+import heapq
+import itertools
+from collections.abc import Callable
+from dataclasses import dataclass
+
+from pdserve.bench.serve.metrics import RequestTrace
+from pdserve.engine.config import EngineConfig
+from pdserve.engine.policy import ColocatedPolicy
+from pdserve.engine.request import Request
+from pdserve.planner.profile import Profile, RouterCost
+from pdserve.planner.sim_node import PLACEHOLDER_TOKEN, Sampled, SimClock, SimNode
+from pdserve.prefill_node.policy import PrefillPolicy
+from pdserve.router.cluster.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
+from pdserve.router.config import RouterConfig
+
+EXHAUSTED = "RESOURCE_EXHAUSTED"
+UNFINISHED = "UNFINISHED"  # still running when no event was left (a scheduler that can make no progress)
+
+
+@dataclass(frozen=True)
+class Pool:
+    """`count` nodes, each running `config` with the step times of `profile`."""
+
+    count: int
+    config: EngineConfig
+    profile: Profile
+
+
+@dataclass(frozen=True)
+class ClusterSpec:
+    colocated: Pool | None = None
+    prefill: Pool | None = None
+    decode: Pool | None = None
+    router: RouterCost = RouterCost(0.0, 0.0, "free")
+
+    def __post_init__(self) -> None:
+        if (self.colocated is None) == (self.prefill is None or self.decode is None):
+            raise ValueError("a cluster is a colocated pool, or a prefill and a decode pool")
+
+    @property
+    def mode(self) -> str:
+        return "colocated" if self.colocated is not None else "disaggregated"
+
+
+@dataclass(frozen=True)
+class SimRequest:
+    arrival_s: float
+    prompt_token_ids: tuple[int, ...]
+    output_len: int
+
+
+@dataclass(slots=True)
+class _Flight:
+    """One request in the cluster: its trace, and on a pair its decode side."""
+
+    trace: RequestTrace
+    decode_node: SimNode | None = None
+    decode_request: Request | None = None
+
+
+class ClusterSim:
+    def __init__(self, spec: ClusterSpec, max_model_len: int) -> None:
+        self.clock = SimClock()
+        self._events: list[tuple[float, int, Callable[[], None]]] = []
+        self._seq = itertools.count()
+        self._stats_seq = itertools.count()
+        router = RouterConfig(model="", block_size=(spec.colocated or spec.prefill).config.block_size)
+        self._colocated_placement = ColocatedPlacement(router.exhausted_cooldown_s, self.clock.now)
+        self._decode_placement = DecodePlacement(router.exhausted_cooldown_s, self.clock.now)
+        self._prefill_placement = PrefillPlacement(router.block_size, router.affinity_slack_tokens,
+                                                   router.max_affinity_entries)
+        self.colocated = self._nodes("colocated", spec.colocated, ColocatedPolicy(), max_model_len)
+        self.prefill = self._nodes("prefill", spec.prefill, PrefillPolicy(), max_model_len)
+        self.decode = self._nodes("decode", spec.decode, ColocatedPolicy(), max_model_len)
+        self._prefill_profile = spec.prefill.profile if spec.prefill is not None else None
+        self._flights: dict[str, _Flight] = {}
+        self._router = spec.router
+        self._router_free_s = 0.0  # when the router has done all the work handed to it so far
+
+    def _nodes(self, kind: str, pool: Pool | None, policy, max_model_len: int) -> list[SimNode]:
+        if pool is None:
+            return []
+        return [SimNode(f"{kind}-{i}", pool.config, pool.profile, policy, self.clock, max_model_len)
+                for i in range(pool.count)]
+
+    def run(self, requests: list[SimRequest]) -> list[RequestTrace]:
+        traces = []
+        for index, spec in enumerate(requests):
+            trace = RequestTrace(index, spec.arrival_s, spec.output_len, len(spec.prompt_token_ids),
+                                 sent_s=spec.arrival_s, request_id=f"r{index}")
+            traces.append(trace)
+            self._at(spec.arrival_s, lambda s=spec, t=trace: self._receive(s, t))
+        while self._events:
+            t, _, action = heapq.heappop(self._events)
+            self.clock.t = t
+            action()
+        for trace in traces:
+            if trace.end_s is None and trace.status == "OK":
+                trace.status = UNFINISHED
+        return traces
+
+    def _at(self, t: float, action: Callable[[], None]) -> None:
+        heapq.heappush(self._events, (t, next(self._seq), action))
+
+    # ------------------------------------------------------------------ the router and placement
+
+    def _router_work(self, seconds: float) -> float:
+        """Hand the router `seconds` of work now; when it is done (after what it already had)."""
+        self._router_free_s = max(self.clock.t, self._router_free_s) + seconds
+        return self._router_free_s
+
+    def _receive(self, spec: SimRequest, trace: RequestTrace) -> None:
+        self._at(self._router_work(self._router.per_request_s), lambda: self._arrive(spec, trace))
+
+    def _arrive(self, spec: SimRequest, trace: RequestTrace) -> None:
+        req_id = trace.request_id
+        prompt, out_len = list(spec.prompt_token_ids), spec.output_len
+        if self.colocated:
+            self._place_colocated(req_id, prompt, out_len, trace)
+        else:
+            self._place_pair(req_id, prompt, out_len, trace)
+
+    def _place_colocated(self, req_id: str, prompt: list[int], out_len: int, trace: RequestTrace) -> None:
+        placement = self._colocated_placement
+        by_id = {n.node_id: n for n in self.colocated}
+        for c in placement.rank([n.candidate(next(self._stats_seq)) for n in self.colocated]):
+            node = by_id[c.node_id]
+            if not node.can_ever_hold(len(prompt), out_len):
+                continue
+            request = node.new_request(req_id, prompt, out_len)
+            placement.assign(c, len(prompt), node.kv.blocks_needed(len(prompt)))
+            self._flights[req_id] = _Flight(trace)
+            node.add(request)
+            self._kick(node)
+            return
+        self._fail(trace, EXHAUSTED)
+
+    def _place_pair(self, req_id: str, prompt: list[int], out_len: int, trace: RequestTrace) -> None:
+        by_id = {n.node_id: n for n in self.decode}
+        for c in self._decode_placement.rank([n.candidate(next(self._stats_seq)) for n in self.decode]):
+            node = by_id[c.node_id]
+            request = node.new_request(req_id, prompt, out_len)
+            if node.can_ever_hold(len(prompt), out_len) and node.reserve(request):
+                self._decode_placement.reserve(c, node.kv.blocks_needed(len(prompt)))
+                self._flights[req_id] = _Flight(trace, node, request)
+                self._prefill(req_id, prompt, trace)
+                return
+        self._fail(trace, EXHAUSTED)
+
+    def _prefill(self, req_id: str, prompt: list[int], trace: RequestTrace) -> None:
+        able = [n for n in self.prefill if n.can_ever_hold(len(prompt), 1)]
+        if not able:
+            flight = self._flights.pop(req_id)
+            flight.decode_node.kv.free(flight.decode_request)
+            self._fail(trace, EXHAUSTED)
+            return
+        by_id = {n.node_id: n for n in able}
+        chosen = self._prefill_placement.choose([n.candidate(next(self._stats_seq)) for n in able], prompt)
+        node = by_id[chosen.node_id]
+        node.add(node.new_request(req_id, prompt, 1))
+        self._kick(node)
+
+    # ------------------------------------------------------------------ steps
+
+    def _kick(self, node: SimNode) -> None:
+        if node.busy:
+            return
+        duration = node.start_step()
+        if duration is not None:
+            self._at(self.clock.t + duration, lambda: self._step_done(node))
+
+    def _step_done(self, node: SimNode) -> None:
+        now = self.clock.t
+        for sampled in node.finish_step():
+            if sampled.handoff_blocks is not None:
+                self._hand_off(node, sampled, now)
+                continue
+            flight = self._flights[sampled.request.req_id]
+            self._token(flight.trace, now, sampled.finished)
+            if sampled.finished:
+                del self._flights[sampled.request.req_id]
+        self._kick(node)
+
+    def _hand_off(self, node: SimNode, sampled: Sampled, now: float) -> None:
+        """Token 1 goes to the client now; the KV tail follows it to the decode node."""
+        flight = self._flights[sampled.request.req_id]
+        self._token(flight.trace, now, False)
+        blocks = sampled.handoff_blocks
+        pushed = sampled.computed_before // node.kv.block_size  # full before the last chunk: already sent
+        profile = self._prefill_profile
+        delay = profile.transfer.time((len(blocks) - pushed) * profile.kv_block_bytes)
+        self._at(now + delay, lambda: self._kv_arrived(node, blocks, flight))
+
+    def _kv_arrived(self, prefill_node: SimNode, blocks, flight: _Flight) -> None:
+        prefill_node.kv.pool.free(reversed(blocks))
+        self._kick(prefill_node)  # freed blocks may let a waiting prompt in
+        decode_node, request = flight.decode_node, flight.decode_request
+        if decode_node.admit_prefilled(request, PLACEHOLDER_TOKEN):  # token 1 was its last
+            flight.trace.end_s = flight.trace.chunks[-1][0]
+            del self._flights[request.req_id]
+            return
+        self._kick(decode_node)
+
+    # ------------------------------------------------------------------ outcomes
+
+    def _token(self, trace: RequestTrace, now: float, last: bool) -> None:
+        """A node streamed a token; the client has it once the router has relayed it."""
+        delivered = self._router_work(self._router.per_token_s)
+        trace.chunks.append((delivered, 1))
+        if last:
+            trace.end_s = delivered
+
+    @staticmethod
+    def _fail(trace: RequestTrace, status: str) -> None:
+        trace.status = status
+        trace.end_s = trace.sent_s

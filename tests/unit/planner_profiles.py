@@ -1,0 +1,18 @@
+"""Synthetic profiles for the planner's tests: step times set by hand, nothing measured."""
+
+from __future__ import annotations
+
+from pdserve.planner.profile import NodeSetup, Profile, TransferCost
+from pdserve.planner.step_cost import StepCost
+
+BLOCK_BYTES = 1024
+
+
+def synthetic_profile(base_s: float = 0.0, per_token_s: float = 0.0, per_seq_s: float = 0.0,
+                      per_attended_s: float = 0.0, per_decode_context_s: float = 0.0, threads: int = 1,
+                      transfer: TransferCost = TransferCost(0.0, 0.0, "none")) -> Profile:
+    return Profile(model="synthetic", model_hash="0", machine={"cpu": "none", "flags": [], "cores": 2},
+                   setup=NodeSetup(threads, "float32", 16),
+                   step=StepCost(base_s, per_token_s, per_seq_s, per_attended_s, per_decode_context_s),
+                   fit_error={}, samples=(), kv_block_bytes=BLOCK_BYTES, transfer=transfer, max_model_len=4096,
+                   vocab_size=1000)

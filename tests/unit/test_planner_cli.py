@@ -1,0 +1,61 @@
+"""`pdserve plan` end to end on a tiny model folder with synthetic profiles already in the cache:
+the table, the JSON it writes, the recommended command, and the refusal of SLOs nothing meets."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+import torch
+
+from pdserve.engine.dtype_choice import resolve_dtype
+from pdserve.model_factory import make_model
+from pdserve.planner.cli import main
+from pdserve.planner.profile import (
+    NodeSetup, ProfileCache, RouterCost, machine_facts, model_hash, profile_key, router_key,
+)
+from tests.unit.planner_profiles import synthetic_profile
+
+
+@pytest.fixture(scope="module")
+def planned(tmp_path_factory):
+    """A model folder and a profile cache holding synthetic profiles for 1 and 2 threads."""
+    root = tmp_path_factory.mktemp("plan")
+    model = make_model(root / "tiny", "llama", "tiny", dtype=torch.float32)
+    cache = ProfileCache(root / "profiles")
+    digest, machine, dtype = model_hash(model), machine_facts(), resolve_dtype("auto")
+    for threads in (1, 2):
+        profile = synthetic_profile(base_s=0.005, per_token_s=0.001 / threads, threads=threads)
+        cache.store(profile_key(digest, machine, NodeSetup(threads, dtype, 16)), profile)
+    cache.store(router_key(digest, machine), RouterCost(1e-4, 1e-5, "synthetic"))
+    return str(model), str(cache.folder)
+
+
+def plan(planned, *flags: str) -> list[str]:
+    model, profiles = planned
+    return ["--model", model, "--profile-dir", profiles, "--devices", "2", "--no-progress", "--workload", "fixed",
+            "--input-len", "128", "--output-len", "16", "--num-requests", "40", "--min-duration-s", "0",
+            "--batched-tokens", "256", *flags]
+
+
+def test_plan_prints_the_ranking_and_writes_the_recommendation(planned, tmp_path, capsys):
+    out_file = tmp_path / "plan.json"
+    assert main(plan(planned, "--ttft-slo", "2", "--tpot-slo", "0.5", "--output-json", str(out_file))) == 0
+    lines = capsys.readouterr().out.splitlines()
+    assert lines[0].split()[:3] == ["#", "layout", "tokens"]
+    report = json.loads(out_file.read_text())
+    best = report["recommended"]
+    assert best["command"][:2] == ["pdserve", "cluster"] and best["mode"] in ("colocated", "disaggregated")
+    assert best["predicted_goodput_rps"] > 0
+    assert set(best["predicted"]) == {"ttft_p90_s", "tpot_p90_s"}
+    assert best["predicted"]["ttft_p90_s"] <= 2 and best["predicted"]["tpot_p90_s"] <= 0.5
+    assert len(report["candidates"]) == 3  # colocated x1, colocated x2, 1P1D; one knob setting
+    assert report["candidates"][0]["command"] == best["command"]
+    assert lines[-1] == " ".join(best["command"][:-1]) + " '" + best["command"][-1] + "'"
+
+
+def test_slos_nothing_meets_are_refused_in_one_line(planned, capsys):
+    assert main(plan(planned, "--ttft-slo", "0.01", "--max-probes", "3")) == 2
+    last = capsys.readouterr().err.splitlines()[-1]
+    assert last.startswith("pdserve plan: --ttft-slo/--tpot-slo: no configuration on 2 devices meets TTFT <= 0.01 s")
+    assert "the best attainable is " in last and "TTFT p90 " in last

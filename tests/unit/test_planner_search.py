@@ -1,0 +1,103 @@
+"""The planner's choice on synthetic profiles, its command lines, its refusal and its flag errors."""
+
+from __future__ import annotations
+
+import shlex
+
+import pytest
+
+from pdserve.bench.serve.metrics import Slo
+from pdserve.bench.serve.sweep import SweepConfig
+from pdserve.engine.config import EngineConfig
+from pdserve.planner.cli import main, unattainable
+from pdserve.planner.goodput import Traffic
+from pdserve.planner.search import Candidate, Knobs, Layout, evaluate, layouts, ranked
+from tests.unit.planner_profiles import synthetic_profile
+
+BASE = EngineConfig(model="synthetic", dtype="float32", num_blocks=4096)
+SWEEP = SweepConfig(0.9, tolerance=0.1, max_probes=10)
+
+
+def traffic(prompt_len: int, output_len: int, count: int = 60) -> Traffic:
+    return Traffic.of([(tuple(range(k * prompt_len + 1, (k + 1) * prompt_len + 1)), output_len)
+                       for k in range(count)])
+
+
+def best(profiles, work: Traffic, slo: Slo, knobs=Knobs(512, 64)):
+    candidates = [Candidate(lay, knobs) for lay in layouts(2)]
+    return ranked([evaluate(c, BASE, profiles, work, slo, SWEEP, 4096) for c in candidates])
+
+
+def test_layouts_on_two_and_four_devices():
+    assert [lay.describe() for lay in layouts(2)] == [
+        "colocated x1 (2 cores)", "colocated x2 (1 core each)", "1P (1 core) + 1D (1 core)"]
+    four = list(layouts(4))
+    assert all(lay.devices == 4 for lay in four)
+    assert Layout(prefill=1, prefill_cores=1, decode=3, decode_cores=1) in four
+    assert Layout(prefill=2, prefill_cores=1, decode=1, decode_cores=2) in four
+
+
+def test_long_prompts_under_a_tight_tpot_go_disaggregated():
+    """A 512-token prompt costs 0.5 s of one step: on a colocated node it stalls every decode beside
+    it far past a 30 ms TPOT; a decode node never runs one."""
+    per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
+    results = best({1: per_core, 2: per_core}, traffic(512, 32), Slo(ttft_s=10.0, tpot_s=0.03))
+    assert results[0].candidate.layout.mode == "disaggregated"
+    assert results[0].prediction.goodput_rps > 0
+
+
+def test_a_tight_ttft_with_a_loose_tpot_goes_colocated_on_two_nodes():
+    """Two servers of prompts halve the queueing a single prefill node makes; TPOT is free."""
+    per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
+    results = best({1: per_core, 2: per_core}, traffic(256, 16), Slo(ttft_s=0.4, tpot_s=10.0))
+    assert results[0].candidate.layout == Layout(colocated=2, colocated_cores=1)
+    assert results[0].goodput_per_device > results[-1].goodput_per_device
+
+
+def test_slos_nothing_meets_are_refused_naming_the_best_attainable_figures():
+    per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
+    slo = Slo(ttft_s=0.1, tpot_s=0.001)  # a 256-token prompt alone takes 0.261 s
+    results = best({1: per_core, 2: per_core}, traffic(256, 16, count=20), slo)
+    assert all(r.prediction.goodput_rps == 0 for r in results)
+    message = unattainable(results, 2, slo, 0.9).cli_message()
+    assert message.startswith("--ttft-slo/--tpot-slo: no configuration on 2 devices meets TTFT <= 0.1 s and "
+                              "TPOT <= 0.001 s for 90% of requests; the best attainable is ")
+    assert "TTFT p90 0.261 s" in message
+
+
+def test_the_command_line_of_each_mode():
+    knobs = Knobs(1024, 32)
+    colocated = Candidate(Layout(colocated=2, colocated_cores=2), knobs).command("/m", "bfloat16", 16)
+    assert shlex.join(colocated) == ("pdserve cluster --model /m --dtype bfloat16 --block-size 16 --colocated 2 "
+                                     "--colocated-cores 0-3 --colocated-args '--max-num-batched-tokens 1024 "
+                                     "--max-num-seqs 32'")
+    pair = Candidate(Layout(prefill=1, prefill_cores=1, decode=1, decode_cores=3), Knobs(512, 64, "staged"))
+    argv = pair.command("/m", "float32", 16)
+    assert argv[argv.index("--prefill-cores") + 1] == "0" and argv[argv.index("--decode-cores") + 1] == "1-3"
+    assert argv[argv.index("--decode-args") + 1] == "--max-num-batched-tokens 512 --max-num-seqs 64 --chunk-schedule staged"
+
+
+@pytest.mark.parametrize("argv, flag", [
+    (["--devices", "0", "--ttft-slo", "1"], "--devices"),
+    (["--devices", "2"], "--ttft-slo"),
+    (["--devices", "2", "--ttft-slo", "-1"], "--ttft-slo"),
+    (["--devices", "2", "--tpot-slo", "0.1", "--attainment", "1.5"], "--attainment"),
+    (["--devices", "2", "--tpot-slo", "0.1", "--batched-tokens", "16", "--max-num-seqs", "64"], "--batched-tokens"),
+    (["--devices", "2", "--tpot-slo", "0.1", "--chunk-schedules", "fast"], "--chunk-schedules"),
+    (["--devices", "2", "--tpot-slo", "0.1", "--workload", "uniform"], "--workload uniform"),
+    (["--devices", "2", "--tpot-slo", "0.1", "--batched-tokens", "0"], "--batched-tokens"),
+])
+def test_bad_flags_name_the_flag(argv, flag, capsys):
+    with pytest.raises(SystemExit) as exit_:
+        main(argv)
+    assert exit_.value.code == 2
+    assert flag in capsys.readouterr().err.splitlines()[-1]
+
+
+def test_every_probe_is_a_sustained_load_with_the_same_requests_at_every_rate():
+    work = Traffic(lambda i: ((i + 1,), i + 1), num_requests=10, min_duration_s=5.0)
+    low, high = work.at_rate(1.0), work.at_rate(4.0)
+    assert (len(low), len(high)) == (10, 20)
+    assert [(r.prompt_token_ids, r.output_len) for r in high[:10]] == [(r.prompt_token_ids, r.output_len) for r in low]
+    # The bench's arrival pattern: the same intervals scaled by 1/rate.
+    assert [r.arrival_s for r in high[:10]] == pytest.approx([r.arrival_s / 4 for r in low])

@@ -1,0 +1,128 @@
+"""The cluster simulator against cases computed by hand: one request alone, chunked prefill, the
+hand-off's transfer, a single-server queue, preemption and a request no node can hold."""
+
+from __future__ import annotations
+
+import pytest
+
+from pdserve.bench.serve.metrics import request_metrics
+from pdserve.engine.config import EngineConfig
+from pdserve.planner.profile import RouterCost, TransferCost
+from pdserve.planner.simulator import EXHAUSTED, ClusterSim, ClusterSpec, Pool, SimRequest
+from tests.unit.planner_profiles import BLOCK_BYTES, synthetic_profile
+
+
+def config(**kw) -> EngineConfig:
+    return EngineConfig(model="synthetic", dtype="float32", num_blocks=kw.pop("num_blocks", 1000), **kw)
+
+
+def prompt(k: int, length: int) -> tuple[int, ...]:
+    """Request k's own tokens: no two prompts share a block, so no prefix-cache hit."""
+    return tuple(range(k * length + 1, (k + 1) * length + 1))
+
+
+def run_one(spec: ClusterSpec, prompt_len: int, output_len: int):
+    sim = ClusterSim(spec, 4096)
+    (trace,) = sim.run([SimRequest(0.0, tuple(range(1, prompt_len + 1)), output_len)])
+    return sim, request_metrics(trace)
+
+
+def test_one_request_alone_ttft_is_its_prefill_step_and_tpot_its_decode_step():
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001, per_seq_s=0.002)
+    sim, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile)), 100, 5)
+    assert m.status == "OK" and m.output_len == 5
+    assert m.ttft_s == pytest.approx(0.01 + 100 * 0.001 + 0.002)
+    assert m.tpot_s == pytest.approx(0.01 + 0.001 + 0.002)
+    assert m.e2e_s == pytest.approx(0.112 + 4 * 0.013)
+    assert sim.colocated[0].kv.num_used_blocks == 0
+
+
+def test_a_long_prompt_is_chunked_by_the_engines_budget_and_priced_by_its_attention():
+    a = 1e-6
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001, per_attended_s=a)
+    _, m = run_one(ClusterSpec(colocated=Pool(1, config(max_num_batched_tokens=64), profile)), 100, 1)
+    first = 0.01 + 64 * 0.001 + a * (64 * 65 // 2)
+    second = 0.01 + 36 * 0.001 + a * (36 * 64 + 36 * 37 // 2)
+    assert m.ttft_s == pytest.approx(first + second)
+
+
+def test_decode_steps_price_the_kv_they_read():
+    profile = synthetic_profile(base_s=0.01, per_decode_context_s=1e-4)
+    _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile)), 10, 3)
+    # Token 2 reads 11 KV tokens (the prompt and token 1), token 3 reads 12.
+    assert m.itl_s == pytest.approx((0.01 + 11e-4, 0.01 + 12e-4))
+
+
+def test_disaggregated_token_one_comes_from_the_prefill_node_and_the_kv_tail_delays_token_two():
+    transfer = TransferCost(0.005, 1e-6, "synthetic")
+    prefill = synthetic_profile(base_s=0.01, per_token_s=0.001, transfer=transfer)
+    decode = synthetic_profile(base_s=0.02)
+    spec = ClusterSpec(prefill=Pool(1, config(max_num_batched_tokens=64), prefill), decode=Pool(1, config(), decode))
+    sim, m = run_one(spec, 100, 3)
+    first_chunk, second_chunk = 0.01 + 0.064, 0.01 + 0.036
+    assert m.ttft_s == pytest.approx(first_chunk + second_chunk)
+    # The first chunk filled 4 blocks, pushed while the second computed; the other 3 follow token 1.
+    tail = 0.005 + 3 * BLOCK_BYTES * 1e-6
+    assert m.itl_s == pytest.approx((tail + 0.02, 0.02))
+    assert sim.prefill[0].kv.num_used_blocks == 0 and sim.decode[0].kv.num_used_blocks == 0
+
+
+def test_one_server_queue_of_identical_requests_waits_as_computed_by_hand():
+    """D/D/1: service S every a < S apart, one at a time: request k waits k·(S − a) before its own S."""
+    service, gap = 0.11, 0.05
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    sim = ClusterSim(ClusterSpec(colocated=Pool(1, config(max_num_seqs=1), profile)), 4096)
+    traces = sim.run([SimRequest(k * gap, prompt(k, 100), 1) for k in range(6)])
+    ttfts = [request_metrics(t).ttft_s for t in traces]
+    assert ttfts == pytest.approx([service + k * (service - gap) for k in range(6)])
+
+
+def test_a_repeated_prompt_computes_only_what_the_prefix_cache_lacks():
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    sim = ClusterSim(ClusterSpec(colocated=Pool(1, config(), profile)), 4096)
+    traces = sim.run([SimRequest(0.0, prompt(0, 100), 1), SimRequest(1.0, prompt(0, 100), 1)])
+    # The engine's prefix cache holds the first prompt's 6 full blocks: the second computes 4 tokens.
+    assert [request_metrics(t).ttft_s for t in traces] == pytest.approx([0.11, 0.014])
+
+
+def test_two_colocated_nodes_share_the_queue_through_the_routers_placement():
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    sim = ClusterSim(ClusterSpec(colocated=Pool(2, config(max_num_seqs=1), profile)), 4096)
+    traces = sim.run([SimRequest(0.0, prompt(k, 100), 1) for k in range(4)])
+    # Fewest queued prompt tokens first: the four go two to each node, two rounds of one prefill.
+    assert sorted(request_metrics(t).ttft_s for t in traces) == pytest.approx([0.11, 0.11, 0.22, 0.22])
+
+
+def test_a_pool_too_small_preempts_and_every_request_still_gets_every_token():
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    # 8 blocks of 16: two requests of 40 + 40 tokens need 10 between them.
+    sim = ClusterSim(ClusterSpec(colocated=Pool(1, config(num_blocks=8, watermark=0.0), profile)), 4096)
+    traces = sim.run([SimRequest(0.0, tuple(range(1, 41)), 40), SimRequest(0.0, tuple(range(41, 81)), 40)])
+    assert [request_metrics(t).output_len for t in traces] == [40, 40]
+    assert all(t.status == "OK" for t in traces)
+    assert sim.colocated[0].scheduler.num_preemptions > 0
+    assert sim.colocated[0].kv.num_used_blocks == 0
+
+
+def test_a_request_no_node_can_ever_hold_is_refused():
+    profile = synthetic_profile(base_s=0.01)
+    spec = ClusterSpec(prefill=Pool(1, config(), profile), decode=Pool(1, config(num_blocks=4), profile))
+    sim, m = run_one(spec, 100, 10)
+    assert m.status == EXHAUSTED
+    assert sim.prefill[0].kv.num_used_blocks == 0 and sim.decode[0].kv.num_used_blocks == 0
+
+
+def test_the_router_costs_each_request_and_each_token_once_on_its_way():
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    router = RouterCost(0.003, 0.0005, "synthetic")
+    _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile), router=router), 100, 5)
+    assert m.ttft_s == pytest.approx(0.003 + 0.11 + 0.0005)
+    assert m.tpot_s == pytest.approx(0.011)  # every token waits the same relay
+
+
+def test_a_router_slower_than_the_steps_paces_every_stream():
+    """Tokens leave the node every 11 ms but the router relays one per 50 ms: they queue there."""
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile), router=RouterCost(0.0, 0.05, "slow")), 100, 5)
+    assert m.ttft_s == pytest.approx(0.11 + 0.05)
+    assert m.itl_s == pytest.approx((0.05,) * 4)
