@@ -1,6 +1,6 @@
 """What tensor parallelism inside a node costs per step, measured on rank 0.
 
-A node of T ranks pays two things on every step that one rank does not (node/ranks/tp_group.py,
+A node of T ranks pays two things on every step that one rank does not (ranks/tp_group.py,
 engine/parallel.py): the hand-off of the packed batch to the workers (`TPGroup.fanout`: a copy
 into the shared step buffer and a `step` message on each worker's pipe) and two gloo
 all-reduces per layer. `timed_calls` times both in place, for the measured phase only, by
@@ -106,7 +106,7 @@ def measured_step_costs(runner) -> Iterator[StepCosts]:
 
 
 def batch_words(batch) -> int:
-    """The int64 words a step's packed batch fills in the step buffer (node/ranks/tp_wire.py)."""
+    """The int64 words a step's packed batch fills in the step buffer (ranks/tp_wire.py)."""
     meta = batch.metadata
     arrays = (batch.input_ids, batch.positions, meta.slot_mapping, batch.logits_indices, meta.query_start_loc,
               meta.seq_lens, meta.block_tables)

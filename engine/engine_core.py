@@ -103,12 +103,12 @@ class EngineCore:
                  fanout: StepFanout | None = None, swap_fanout: SwapFanout | None = None):
         """`loaded`: a model already loaded (tests share one; a tensor-parallel node loads rank 0's
         slice first); `fanout`, `swap_fanout`: hand every step, and every step's block copies to
-        and from the swap space, to the node's other ranks (node/ranks/tp_group.py)."""
+        and from the swap space, to the node's other ranks (ranks/tp_group.py)."""
         # Resolved once, here, so every reader (KV cache, fingerprint, logs) sees the same dtype.
         config = config.resolved()
         if config.tensor_parallel_size > 1 and fanout is None:
             raise ValueError("tensor_parallel_size > 1 runs on several processes: start the engine with "
-                             "pdserve.node.ranks.tp_group.start_engine (what LLM and every node do)")
+                             "pdserve.ranks.tp_group.start_engine (what LLM and every node do)")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -139,7 +139,7 @@ class EngineCore:
     def finish_start(self) -> None:
         """The part of starting that runs steps: the first steps that prove the model runs here
         (engine/first_steps.py), then the chunk schedule (target-step times the model).
-        A tensor-parallel node calls it once every rank has its caches (node/ranks/tp_group.py)."""
+        A tensor-parallel node calls it once every rank has its caches (ranks/tp_group.py)."""
         check_first_steps(self.runner, self.config.model)
         self.scheduler.chunks = chunk_schedule_for(self.config, self._step_tokens_within_target)
 

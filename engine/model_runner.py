@@ -94,7 +94,7 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> 
 
 class RankForward:
     """One rank's KV caches and its forward over a packed batch: what every tensor-parallel rank
-    runs for a step (rank 0 inside the `ModelRunner`, the others in node/ranks/tp_worker.py)."""
+    runs for a step (rank 0 inside the `ModelRunner`, the others in ranks/tp_worker.py)."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                  backend: str, num_swap_blocks: int = 0) -> None:

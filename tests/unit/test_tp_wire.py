@@ -7,7 +7,7 @@ import torch
 
 from pdserve.engine.model_runner import PackedBatch
 from pdserve.kernels.metadata import AttentionMetadata
-from pdserve.node.ranks.tp_wire import StepBuffer, StepLimits
+from pdserve.ranks.tp_wire import StepBuffer, StepLimits
 
 
 def batch(query_lens: list[int], starts: list[int], width: int) -> PackedBatch:

@@ -1,6 +1,6 @@
 """A worker rank of a tensor-parallel node: its slice of the model, its KV heads, its own KV transport.
 
-Started by rank 0 (node/ranks/tp_group.py) with a `WorkerSpec`; lives exactly as long as rank 0:
+Started by rank 0 (ranks/tp_group.py) with a `WorkerSpec`; lives exactly as long as rank 0:
 
     pin to its cores ─▶ join the gloo group ─▶ load its slice (engine/parallel.py)
     ─▶ `start`: caches (and swap space) sized to rank 0's block counts, the step buffer mapped, its caches
@@ -28,8 +28,8 @@ from dataclasses import asdict
 from typing import Any
 
 from pdserve.kv_transfer import KVTransferError, TransferState
-from pdserve.node.ranks.tp_group import COLLECTIVE_TIMEOUT_S, WorkerSpec
-from pdserve.node.ranks.tp_wire import StepBuffer, from_text, receive, send, to_text
+from pdserve.ranks.tp_group import COLLECTIVE_TIMEOUT_S, WorkerSpec
+from pdserve.ranks.tp_wire import StepBuffer, from_text, receive, send, to_text
 
 logger = logging.getLogger(__name__)
 PARENT_CHECK_S = 1.0  # how often an idle worker checks that rank 0 is still its parent
@@ -83,7 +83,7 @@ class _Worker:
         from pdserve.engine.model_loader import load_model
         from pdserve.engine.model_runner import RankForward
         from pdserve.engine.parallel import TPShard
-        from pdserve.node.affinity import pin_to_cpus
+        from pdserve.common.affinity import pin_to_cpus
 
         from transformers.utils import logging as hf_logging
 
@@ -149,7 +149,7 @@ class _RankTransfer:
         from dataclasses import replace
 
         from pdserve.kv_transfer import UcxTransport
-        from pdserve.node.ranks.kv_ranks import rank_cache_spec
+        from pdserve.ranks.kv_ranks import rank_cache_spec
 
         # Its own listener on a port the OS picks: the node's --kv-port is rank 0's.
         transport = UcxTransport(replace(spec.transfer, port=0))

@@ -1,7 +1,7 @@
 """A tensor-parallel node's ranks, seen from rank 0: it starts them, feeds them, and goes down with them.
 
 A node with `--tensor-parallel-size T` is T processes: rank 0 is the engine core (it schedules,
-samples and talks to the front) and starts T−1 worker processes (node/ranks/tp_worker.py) that it
+samples and talks to the front) and starts T−1 worker processes (ranks/tp_worker.py) that it
 owns. All T join one gloo process group (127.0.0.1, a port rank 0 picks) for the all-reduces of
 the forward (engine/parallel.py). Each rank is pinned to its own share of the node's cores
 (`--cpus`, else the cores this process may use), split contiguously, and runs one torch thread
@@ -12,7 +12,7 @@ per core unless `--num-threads` says otherwise (per rank).
                          (start_engine: the three steps above, around rank 0's EngineCore)
     group.fanout(batch)  every step: the batch into shared memory, a `step` message to each worker
     group.fanout_swaps   a step's block copies to and from the swap space: a `swap` message
-    group.links()        each worker rank's KV transport, as a `RankLink` for node/ranks/kv_ranks.py
+    group.links()        each worker rank's KV transport, as a `RankLink` for ranks/kv_ranks.py
     group.check_alive()  every loop iteration: a worker that died takes the node down at once
     group.close()        stop, then terminate, the workers
 
@@ -48,8 +48,8 @@ from pdserve.engine.parallel import TPShard
 from pdserve.kv_transfer import (FingerprintMismatch, KVDescriptor, KVTransferConfig, KVTransferError,
                                  TransferHandle, TransferState, TransferStats, WritePermits)
 from pdserve.kv_transfer.base import DoneCallback
-from pdserve.node.affinity import available_cpus, pin_to_cpus, split_cpus
-from pdserve.node.ranks.tp_wire import StepBuffer, StepLimits, from_text, receive, send, to_text
+from pdserve.common.affinity import available_cpus, pin_to_cpus, split_cpus
+from pdserve.ranks.tp_wire import StepBuffer, StepLimits, from_text, receive, send, to_text
 
 if TYPE_CHECKING:
     from pdserve.engine.engine_core import EngineCore
@@ -161,7 +161,7 @@ class TPGroup:
         # multiprocessing refuses children to daemonic processes. Rank 0 owns its workers and
         # stops them itself (close(), and they exit when it dies), so it may have them.
         multiprocessing.current_process().daemon = False
-        from pdserve.node.ranks.tp_worker import worker_main  # the spawned side's entry point
+        from pdserve.ranks.tp_worker import worker_main  # the spawned side's entry point
 
         group = cls(size, [], [])
         try:
@@ -269,7 +269,7 @@ class TPGroup:
 
 class WorkerLink:
     """One worker rank from rank 0: its command pipe (one lock: several threads send) and a
-    thread that reads its events. As a `RankLink` (node/ranks/kv_ranks.py) it forwards the KV
+    thread that reads its events. As a `RankLink` (ranks/kv_ranks.py) it forwards the KV
     transport's calls; the handles it returns are finished by the worker's `handle` events."""
 
     def __init__(self, rank: int, process: multiprocessing.Process, commands: Connection,

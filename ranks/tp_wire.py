@@ -1,12 +1,12 @@
 """What rank 0 of a tensor-parallel node says to its worker ranks, and how a step's batch reaches them.
 
-Two channels per worker, both made by node/ranks/tp_group.py:
+Two channels per worker, both made by ranks/tp_group.py:
 
 - a pipe each way carrying JSON messages (`send` / `receive`: `Connection.send_bytes`, never
   pickle). Rank 0 → worker, in the order rank 0 decided them: `swap`, `step`, `connect`, `push`,
   `send_done`, `grant`, `revoke`, `stop`. Worker → rank 0: `ready`, `connected`, `handle`,
   `done`, `failed`. One ordered pipe is what makes a revoked write permit safe: a worker revokes
-  before it runs any later step or grant that could reuse the blocks (node/ranks/kv_ranks.py).
+  before it runs any later step or grant that could reuse the blocks (ranks/kv_ranks.py).
 - `StepBuffer`: a shared-memory file both map, into which rank 0 writes each step's packed
   batch. The `step` message names only the shapes; the worker reads the arrays in place. Rank 0
   overwrites the buffer only for the next step, after this step's all-reduces, which no worker
