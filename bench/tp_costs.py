@@ -93,8 +93,9 @@ def measured_step_costs(runner) -> Iterator[StepCosts]:
     `torch.distributed.all_reduce` while the block runs."""
     costs = StepCosts()
 
-    def record_batch(batch) -> None:
-        costs.step_words.append(batch_words(batch))
+    def record_batch(batch, copies) -> None:
+        if batch is not None:  # None: a step that only copies blocks
+            costs.step_words.append(batch_words(batch))
 
     def record_reduce(partial: torch.Tensor, *rest) -> None:
         costs.reduce_sizes.append(partial.numel())

@@ -41,7 +41,7 @@ from pdserve.engine.kv_capacity import num_kv_blocks
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.model_runner import ModelRunner, PromptScores, SampledToken, kv_block_bytes
-from pdserve.engine.parallel import StepFanout, SwapFanout
+from pdserve.engine.parallel import StepFanout
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
 from pdserve.engine.preemption import preemption_policy_for
 from pdserve.engine.prompt_admission import PromptAdmission, watermark_blocks
@@ -100,10 +100,10 @@ def _record_prompt_scores(scores: PromptScores) -> None:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, policy: SchedulingPolicy | None = None, loaded: LoadedModel | None = None,
-                 fanout: StepFanout | None = None, swap_fanout: SwapFanout | None = None):
+                 fanout: StepFanout | None = None):
         """`loaded`: a model already loaded (tests share one; a tensor-parallel node loads rank 0's
-        slice first); `fanout`, `swap_fanout`: hand every step, and every step's block copies to
-        and from the swap space, to the node's other ranks (ranks/tp_group.py)."""
+        slice first); `fanout`: hands every step, its block copies with it, to the node's other
+        ranks (ranks/tp_group.py)."""
         # Resolved once, here, so every reader (KV cache, fingerprint, logs) sees the same dtype.
         config = config.resolved()
         if config.tensor_parallel_size > 1 and fanout is None:
@@ -126,7 +126,7 @@ class EngineCore:
         self.scheduler = Scheduler(self.kv, config.max_num_batched_tokens, config.max_num_seqs, admission,
                                    preemption=preemption_policy_for(config.preemption_mode, self.swap))
         self.runner = ModelRunner(self.loaded, self.kv, num_blocks, config.torch_dtype, config.attention_backend,
-                                  fanout, self.swap.num_blocks, swap_fanout)
+                                  fanout, self.swap.num_blocks)
         self._requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._arrivals = 0
@@ -349,7 +349,9 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
-        self.runner.copy_swapped_blocks(out)  # before the forward, even of a step that runs nothing
+        # Before the forward, even of a step that runs nothing, and outside the step's failure: a
+        # swapped-out request's KV is in its host blocks whatever the forward does.
+        self.runner.copy_blocks(out)
         if out.is_empty:
             return []
         try:

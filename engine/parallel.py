@@ -21,19 +21,16 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from pdserve.engine.block_copies import BlockCopy
     from pdserve.engine.model_runner import PackedBatch
 
+
 class StepFanout(Protocol):
-    """Hands a step's packed batch to the other ranks before rank 0 runs it (ranks/tp_group.py)."""
+    """Hands a step to the other ranks before rank 0 runs it (ranks/tp_group.py): its block copies
+    (engine/block_copies.py; each rank copies its own KV heads) and then its packed batch, None for
+    a step that only copies."""
 
-    def __call__(self, batch: PackedBatch) -> None: ...
-
-
-class SwapFanout(Protocol):
-    """Hands a step's block copies between the KV cache and the swap space to the other ranks,
-    before rank 0 makes its own (engine/swap_space.py): each rank swaps its own KV heads."""
-
-    def __call__(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None: ...
+    def __call__(self, batch: PackedBatch | None, copies: list[BlockCopy]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

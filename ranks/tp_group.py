@@ -10,8 +10,8 @@ per core unless `--num-threads` says otherwise (per rank).
     TPGroup.start()      spawn the workers, join the group       (before rank 0 loads its slice)
     group.start_ranks()  caches sized, step buffer mapped, each worker's KV descriptor back
                          (start_engine: the three steps above, around rank 0's EngineCore)
-    group.fanout(batch)  every step: the batch into shared memory, a `step` message to each worker
-    group.fanout_swaps   a step's block copies to and from the swap space: a `swap` message
+    group.fanout(batch, copies)   every step: the batch into shared memory, a `Step` message to each
+                         worker with the step's block copies (copy-on-write and swaps, one ordered list)
     group.links()        each worker rank's KV transport, as a `RankLink` for ranks/kv_ranks.py
     group.check_alive()  every loop iteration: a worker that died takes the node down at once
     group.close()        stop, then terminate, the workers
@@ -34,13 +34,15 @@ import os
 import select
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.block_copies import BlockCopy
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.policy import SchedulingPolicy
 from pdserve.engine.model_runner import PackedBatch
@@ -49,7 +51,9 @@ from pdserve.kv_transfer import (FingerprintMismatch, KVDescriptor, KVTransferCo
                                  TransferHandle, TransferState, TransferStats, WritePermits)
 from pdserve.kv_transfer.base import DoneCallback
 from pdserve.common.affinity import available_cpus, pin_to_cpus, split_cpus
-from pdserve.ranks.tp_wire import StepBuffer, StepLimits, from_text, receive, send, to_text
+from pdserve.ranks.tp_wire import (Command, Connect, Connected, Done, Event, Failed, Grant, Granted, Guard, Handle,
+                                   Push, Ready, Revoke, SendDone, Start, Step, StepBuffer, StepLimits, Stop, from_text,
+                                   receive_event, send_command, to_text)
 
 if TYPE_CHECKING:
     from pdserve.engine.engine_core import EngineCore
@@ -78,7 +82,7 @@ def start_engine(engine: EngineConfig, policy: SchedulingPolicy | None = None, t
     group, engine = TPGroup.start(engine, transfer, cpus, log_prefix)
     try:
         loaded = load_model(engine.model, engine.torch_dtype, engine.model_impl, group.shard)
-        core = EngineCore(engine, policy, loaded, group.fanout, group.fanout_swaps)
+        core = EngineCore(engine, policy, loaded, group.fanout)
         group.start_ranks(core.num_blocks, StepLimits.of(engine.max_num_batched_tokens, engine.max_num_seqs,
                                                           core.max_model_len, engine.block_size),
                           core.swap.num_blocks)
@@ -220,25 +224,19 @@ class TPGroup:
         self._buffer = StepBuffer.create(limits)
         try:
             for link in self._links:
-                link.send("start", num_blocks=num_blocks, num_swap_blocks=num_swap_blocks, buffer=self._buffer.path,
-                          nbytes=limits.nbytes)
+                link.send(Start(num_blocks, num_swap_blocks, self._buffer.path, limits.nbytes))
             for link in self._links:
                 link.wait_ready(WORKER_START_TIMEOUT_S)
         finally:
             self._buffer.unlink()  # mapped by every rank now (or the start failed): no file left behind
 
-    def fanout(self, batch: PackedBatch) -> None:
-        """The step's batch to every worker; rank 0 then runs its own share of the step."""
+    def fanout(self, batch: PackedBatch | None, copies: list[BlockCopy]) -> None:
+        """The step to every worker, one message each: its block copies, which the worker makes
+        first, and its batch (None: a step that only copies); rank 0 then runs its own share."""
         assert self._buffer is not None, "start_ranks() first"
-        shapes = self._buffer.write(batch)
+        msg = Step(None if batch is None else self._buffer.write(batch), copies)
         for link in self._links:
-            link.send("step", shapes=shapes, block_copies=batch.block_copies)
-
-    def fanout_swaps(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """The step's block copies to and from the swap space, to every worker, ahead of its `step`
-        (one ordered pipe: each worker copies before it runs the step's forward)."""
-        for link in self._links:
-            link.send("swap", swap_out=swap_out, swap_in=swap_in)
+            link.send(msg)
 
     def links(self) -> list[WorkerLink]:
         return list(self._links)
@@ -282,7 +280,7 @@ class WorkerLink:
         self._lock = threading.Lock()
         self._ids = itertools.count()
         self._ready: Future[KVDescriptor | None] = Future()
-        self._replies: dict[int, Future[Any]] = {}
+        self._replies: dict[int, Future[Event]] = {}
         self._handles: dict[int, TransferHandle] = {}
         self._dones: list[tuple[str, bytes]] = []
         self._callback: DoneCallback | None = None
@@ -295,8 +293,8 @@ class WorkerLink:
         self._reader.start()
 
     # -- the pipe -------------------------------------------------------------------
-    def send(self, op: str, **fields: Any) -> None:
-        """One message, in order. A worker that reads nothing for a collective's timeout (frozen)
+    def send(self, msg: Command) -> None:
+        """One command, in order. A worker that reads nothing for a collective's timeout (frozen)
         fails the node as a silent collective would, instead of blocking rank 0 on a full pipe."""
         with self._send_lock:
             try:
@@ -305,19 +303,20 @@ class WorkerLink:
                 _, writable, _ = select.select([], [self._commands.fileno()], [], COLLECTIVE_TIMEOUT_S)
                 if not writable:
                     raise WorkerDied(f"rank {self.rank} read nothing for {COLLECTIVE_TIMEOUT_S:g}s")
-                send(self._commands, op, **fields)
+                send_command(self._commands, msg)
             except (OSError, ValueError) as exc:  # the worker is gone
                 raise WorkerDied(f"rank {self.rank} is gone: {exc}") from exc
 
-    def _ask(self, op: str, timeout_s: float = REPLY_TIMEOUT_S, **fields: Any) -> Any:
+    def _ask(self, ask: Callable[[int], Connect | Grant], timeout_s: float = REPLY_TIMEOUT_S) -> Event:
+        """Send `ask(reply_id)`; the worker's answer carrying that reply id."""
         reply_id = next(self._ids)
-        future: Future[Any] = Future()
+        future: Future[Event] = Future()
         with self._lock:
             if self._failure is not None:
                 raise WorkerDied(self._failure)
             self._replies[reply_id] = future
         try:
-            self.send(op, reply_id=reply_id, **fields)
+            self.send(ask(reply_id))
             return future.result(timeout=timeout_s)
         finally:
             with self._lock:
@@ -327,42 +326,44 @@ class WorkerLink:
         reason = None
         try:
             while True:
-                self._on_event(receive(self._events))
+                self._on_event(receive_event(self._events))
         except (EOFError, OSError):
             pass
         except Exception as exc:  # noqa: BLE001 - a broken event fails this rank, never silently
             reason = f"rank {self.rank}: unreadable event: {exc!r}"
         self._fail_everything(reason or self._failure or f"rank {self.rank} exited")
 
-    def _on_event(self, event: dict[str, Any]) -> None:
-        op = event["op"]
-        if "sent" in event:
-            self._sent = TransferStats(**event["sent"])
-        if "received" in event:
-            self._received = TransferStats(**event["received"])
-        if op == "ready":
-            raw = event.get("descriptor")
-            self._ready.set_result(KVDescriptor.from_bytes(raw.encode()) if raw else None)
-        elif op == "reply":
-            with self._lock:
-                future = self._replies.pop(event["reply_id"], None)
-            if future is not None:
-                future.set_result(event)
-        elif op == "handle":
-            with self._lock:
-                handle = self._handles.pop(event["handle_id"], None)
-            if handle is not None:
-                handle._start()
-                handle._finish(TransferState(event["state"]), event.get("error"))
-        elif op == "done":
-            done = (event["req_id"], from_text(event["payload"]))
-            with self._lock:
-                self._dones.append(done)
-                callback = self._callback
-            if callback is not None:
-                callback(*done)
-        elif op == "failed":
-            self._failure = f"rank {self.rank} failed: {event['error']}"
+    def _on_event(self, event: Event) -> None:
+        if event.sent is not None:
+            self._sent = event.sent
+        if event.received is not None:
+            self._received = event.received
+        match event:
+            case Ready():
+                raw = event.descriptor
+                self._ready.set_result(KVDescriptor.from_bytes(raw.encode()) if raw else None)
+            case Connected() | Granted():
+                with self._lock:
+                    future = self._replies.pop(event.reply_id, None)
+                if future is not None:
+                    future.set_result(event)
+            case Handle():
+                with self._lock:
+                    handle = self._handles.pop(event.handle_id, None)
+                if handle is not None:
+                    handle._start()
+                    handle._finish(event.state, event.error)
+            case Done():
+                self._on_done((event.req_id, from_text(event.payload)))
+            case Failed():
+                self._failure = f"rank {self.rank} failed: {event.error}"
+
+    def _on_done(self, done: tuple[str, bytes]) -> None:
+        with self._lock:
+            self._dones.append(done)
+            callback = self._callback
+        if callback is not None:
+            callback(*done)
 
     def _fail_everything(self, reason: str) -> None:
         self._failure = reason
@@ -386,7 +387,7 @@ class WorkerLink:
 
     def stop(self) -> None:
         try:
-            self.send("stop")
+            self.send(Stop())
         except WorkerDied:
             pass
         with self._send_lock:
@@ -399,30 +400,31 @@ class WorkerLink:
         return self._descriptor
 
     def connect(self, remote: KVDescriptor) -> str:
-        reply = self._ask("connect", timeout_s=self.connect_timeout_s, descriptor=remote.to_bytes().decode())
-        if reply.get("diffs") is not None:
-            raise FingerprintMismatch({k: tuple(v) for k, v in reply["diffs"].items()}, f"rank {self.rank}")
-        if reply.get("error") is not None:
-            raise KVTransferError(f"rank {self.rank}: {reply['error']}")
-        return reply["peer"]
+        reply = self._ask(lambda reply_id: Connect(reply_id, remote.to_bytes().decode()), self.connect_timeout_s)
+        assert isinstance(reply, Connected)
+        if reply.diffs is not None:
+            raise FingerprintMismatch({k: tuple(v) for k, v in reply.diffs.items()}, f"rank {self.rank}")
+        if reply.error is not None or reply.peer is None:
+            raise KVTransferError(f"rank {self.rank}: {reply.error}")
+        return reply.peer
 
     def push(self, req_id: str, src: list[int], dst: list[int], heads: tuple[int, int], peer: str,
              nbytes: int) -> TransferHandle:
-        return self._start_handle("push", TransferHandle(req_id, nbytes, len(dst)), req_id=req_id, src=src, dst=dst,
-                                  heads=list(heads), peer=peer)
+        return self._start_handle(TransferHandle(req_id, nbytes, len(dst)),
+                                  lambda handle_id: Push(handle_id, req_id, list(src), list(dst), heads, peer))
 
     def send_done(self, req_id: str, payload: bytes, peer: str) -> TransferHandle:
-        return self._start_handle("send_done", TransferHandle(req_id), req_id=req_id,
-                                  payload=to_text(payload), peer=peer)
+        return self._start_handle(TransferHandle(req_id),
+                                  lambda handle_id: SendDone(handle_id, req_id, to_text(payload), peer))
 
-    def _start_handle(self, op: str, handle: TransferHandle, **fields: Any) -> TransferHandle:
+    def _start_handle(self, handle: TransferHandle, command: Callable[[int], Push | SendDone]) -> TransferHandle:
         handle_id = next(self._ids)
         with self._lock:
             if self._failure is not None:
                 handle._finish(TransferState.FAILED, self._failure)
                 return handle
             self._handles[handle_id] = handle
-        self.send(op, handle_id=handle_id, **fields)
+        self.send(command(handle_id))
         return handle
 
     def poll_done(self) -> list[tuple[str, bytes]]:
@@ -435,17 +437,17 @@ class WorkerLink:
             self._callback = callback
 
     def follow_permits(self, permits: WritePermits) -> None:
-        self.send("guard")
+        self.send(Guard())
         permits.follow(self)
 
     def grant(self, req_id: str, block_ids) -> None:
         """Answered before it returns: the reservation's READY may send a prefill node pushing at once."""
-        self._ask("grant", req_id=req_id, block_ids=list(block_ids))
+        self._ask(lambda reply_id: Grant(reply_id, req_id, list(block_ids)))
 
     def revoke(self, req_id: str) -> None:
         """In order with every later step and grant on the worker's pipe, so nothing reuses the
         blocks there before the worker has revoked."""
-        self.send("revoke", req_id=req_id)
+        self.send(Revoke(req_id))
 
     def stats(self) -> TransferStats:
         return self._sent.snapshot()

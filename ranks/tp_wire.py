@@ -2,15 +2,19 @@
 
 Two channels per worker, both made by ranks/tp_group.py:
 
-- a pipe each way carrying JSON messages (`send` / `receive`: `Connection.send_bytes`, never
-  pickle). Rank 0 → worker, in the order rank 0 decided them: `swap`, `step`, `connect`, `push`,
-  `send_done`, `grant`, `revoke`, `stop`. Worker → rank 0: `ready`, `connected`, `handle`,
-  `done`, `failed`. One ordered pipe is what makes a revoked write permit safe: a worker revokes
+- a pipe each way carrying typed messages: the dataclasses below, in the internal messages'
+  tagged JSON (common/codec.py; `Connection.send_bytes`, never pickle), each read back into its
+  class, and anything else (an unknown type, a missing or unexpected field) a `PipeError`.
+  Rank 0 → worker (`Command`), in the order rank 0 decided them: `Start`, `Step`, `Connect`,
+  `Push`, `SendDone`, `Guard`, `Grant`, `Revoke`, `Stop`. Worker → rank 0 (`Event`, each with the
+  worker transport's counters once it has one): `Ready`, `Connected`, `Granted`, `Handle`,
+  `Done`, `Failed`. One ordered pipe is what makes a revoked write permit safe: a worker revokes
   before it runs any later step or grant that could reuse the blocks (ranks/kv_ranks.py).
 - `StepBuffer`: a shared-memory file both map, into which rank 0 writes each step's packed
-  batch. The `step` message names only the shapes; the worker reads the arrays in place. Rank 0
-  overwrites the buffer only for the next step, after this step's all-reduces, which no worker
-  joins before it has read its inputs.
+  batch. The `Step` message names only the shapes (`StepShapes`) and carries the step's block
+  copies (engine/block_copies.py: copy-on-write and swaps, one ordered list), which the worker
+  makes before it reads the batch and runs the forward. Rank 0 overwrites the buffer only for
+  the next step, after this step's all-reduces, which no worker joins before it has read its inputs.
 
 Must never: pickle, or let a worker read a batch rank 0 is still writing.
 """
@@ -18,30 +22,180 @@ Must never: pickle, or let a worker read a batch rank 0 is still writing.
 from __future__ import annotations
 
 import base64
-import json
 import math
 import mmap
 import os
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing.connection import Connection
 from typing import Any
 
 import torch
 
+from pdserve.common.codec import Codec
+from pdserve.engine.block_copies import BlockCopy
 from pdserve.engine.model_runner import PackedBatch
 from pdserve.kernels.metadata import AttentionMetadata
+from pdserve.kv_transfer import TransferState, TransferStats
 
 SHM_DIR = "/dev/shm"
 
 
-def send(conn: Connection, op: str, **fields: Any) -> None:
-    conn.send_bytes(json.dumps({"op": op, **fields}, separators=(",", ":")).encode())
+class PipeError(ValueError):
+    """Bytes on a rank pipe that are not a message of its direction."""
 
 
-def receive(conn: Connection) -> dict[str, Any]:
-    """The next message; raises EOFError once the other side has gone."""
-    return json.loads(conn.recv_bytes())
+@dataclass(frozen=True, slots=True)
+class StepShapes:
+    """A packed batch's sizes: how a worker reads the arrays rank 0 wrote into the step buffer."""
+
+    tokens: int
+    sampled: int
+    seqs: int
+    width: int  # block table columns
+    decodes: int
+    block_size: int
+
+
+# -- rank 0 -> worker ------------------------------------------------------------------
+@dataclass(slots=True)
+class Start:
+    """Size the caches (and the swap space) to rank 0's block counts, map the step buffer."""
+
+    num_blocks: int
+    num_swap_blocks: int
+    buffer: str  # the step buffer's path
+    nbytes: int
+
+
+@dataclass(slots=True)
+class Step:
+    """One step: its block copies, in order, then the forward of the batch in the step buffer
+    (None: a step that only copies blocks)."""
+
+    batch: StepShapes | None
+    copies: list[BlockCopy] = field(default_factory=list)
+
+
+@dataclass(slots=True)
+class Connect:
+    reply_id: int
+    descriptor: str  # the peer rank's KVDescriptor JSON
+
+
+@dataclass(slots=True)
+class Push:
+    handle_id: int
+    req_id: str
+    src: list[int]
+    dst: list[int]
+    heads: tuple[int, int]  # global KV heads [start, end)
+    peer: str
+
+
+@dataclass(slots=True)
+class SendDone:
+    handle_id: int
+    req_id: str
+    payload: str  # base64 (`to_text`)
+    peer: str
+
+
+@dataclass(slots=True)
+class Guard:
+    """Guard the worker's transport's writes with its write permits (a node that receives KV)."""
+
+
+@dataclass(slots=True)
+class Grant:
+    reply_id: int
+    req_id: str
+    block_ids: list[int]
+
+
+@dataclass(slots=True)
+class Revoke:
+    req_id: str
+
+
+@dataclass(slots=True)
+class Stop:
+    pass
+
+
+# -- worker -> rank 0 ------------------------------------------------------------------
+@dataclass(slots=True)
+class _Event:
+    # The worker's transport counters as it read them when it sent the event (None before it has one).
+    sent: TransferStats | None = field(default=None, kw_only=True)
+    received: TransferStats | None = field(default=None, kw_only=True)
+
+
+@dataclass(slots=True)
+class Ready(_Event):
+    descriptor: str | None  # its KVDescriptor JSON; None: the node moves no KV
+
+
+@dataclass(slots=True)
+class Connected(_Event):
+    """A `Connect`'s answer: the rank-level peer id, or why not."""
+
+    reply_id: int
+    peer: str | None = None
+    diffs: dict[str, list[Any]] | None = None  # a fingerprint mismatch: field -> [local, remote]
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Granted(_Event):
+    reply_id: int
+
+
+@dataclass(slots=True)
+class Handle(_Event):
+    """A push or done message ended on the worker's transport."""
+
+    handle_id: int
+    state: TransferState
+    error: str | None = None
+
+
+@dataclass(slots=True)
+class Done(_Event):
+    """A done message arrived on the worker's transport."""
+
+    req_id: str
+    payload: str  # base64 (`to_text`)
+
+
+@dataclass(slots=True)
+class Failed(_Event):
+    error: str
+
+
+Command = Start | Step | Connect | Push | SendDone | Guard | Grant | Revoke | Stop
+Event = Ready | Connected | Granted | Handle | Done | Failed
+
+_COMMANDS = Codec((Start, Step, Connect, Push, SendDone, Guard, Grant, Revoke, Stop), PipeError, "rank 0 command")
+_EVENTS = Codec((Ready, Connected, Granted, Handle, Done, Failed), PipeError, "worker event")
+
+
+def send_command(conn: Connection, msg: Command) -> None:
+    conn.send_bytes(_COMMANDS.encode(msg))
+
+
+def receive_command(conn: Connection) -> Command:
+    """The next command; raises EOFError once rank 0 has gone, PipeError on anything else."""
+    return _COMMANDS.decode(conn.recv_bytes())
+
+
+def send_event(conn: Connection, msg: Event) -> None:
+    conn.send_bytes(_EVENTS.encode(msg))
+
+
+def receive_event(conn: Connection) -> Event:
+    """The next event; raises EOFError once the worker has gone, PipeError on anything else."""
+    return _EVENTS.decode(conn.recv_bytes())
 
 
 def to_text(payload: bytes) -> str:
@@ -95,8 +249,8 @@ class StepBuffer:
         except FileNotFoundError:
             pass
 
-    def write(self, batch: PackedBatch) -> dict[str, int]:
-        """Copy the batch in; returns the shapes the `step` message carries."""
+    def write(self, batch: PackedBatch) -> StepShapes:
+        """Copy the batch in; returns the shapes the `Step` message carries."""
         meta = batch.metadata
         arrays = [batch.input_ids, batch.positions, meta.slot_mapping, batch.logits_indices, meta.query_start_loc,
                   meta.seq_lens, meta.block_tables.reshape(-1)]
@@ -105,13 +259,13 @@ class StepBuffer:
             n = array.numel()
             self._words[offset:offset + n].copy_(array)
             offset += n
-        return {"tokens": batch.input_ids.numel(), "sampled": batch.logits_indices.numel(),
-                "seqs": meta.seq_lens.numel(), "width": meta.block_tables.shape[1], "decodes": meta.num_decodes,
-                "block_size": meta.block_size}
+        return StepShapes(tokens=batch.input_ids.numel(), sampled=batch.logits_indices.numel(),
+                          seqs=meta.seq_lens.numel(), width=meta.block_tables.shape[1], decodes=meta.num_decodes,
+                          block_size=meta.block_size)
 
-    def read(self, shapes: dict[str, int]) -> PackedBatch:
-        tokens, seqs = shapes["tokens"], shapes["seqs"]
-        sizes = [tokens, tokens, tokens, shapes["sampled"], seqs + 1, seqs, seqs * shapes["width"]]
+    def read(self, shapes: StepShapes) -> PackedBatch:
+        tokens, seqs = shapes.tokens, shapes.seqs
+        sizes = [tokens, tokens, tokens, shapes.sampled, seqs + 1, seqs, seqs * shapes.width]
         arrays, offset = [], 0
         for n in sizes:
             arrays.append(self._words[offset:offset + n].clone())
@@ -120,8 +274,8 @@ class StepBuffer:
         starts, seq_lens = starts.to(torch.int32), seq_lens.to(torch.int32)
         metadata = AttentionMetadata(
             slot_mapping=slots, query_start_loc=starts, seq_lens=seq_lens,
-            block_tables=tables.to(torch.int32).view(seqs, shapes["width"]), num_decodes=shapes["decodes"],
-            block_size=shapes["block_size"], query_lens_cpu=(starts[1:] - starts[:-1]).tolist(),
+            block_tables=tables.to(torch.int32).view(seqs, shapes.width), num_decodes=shapes.decodes,
+            block_size=shapes.block_size, query_lens_cpu=(starts[1:] - starts[:-1]).tolist(),
             seq_lens_cpu=seq_lens.tolist(),
         )
         return PackedBatch(input_ids, positions, metadata, logits_indices, sampled=[])
