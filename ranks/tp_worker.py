@@ -26,7 +26,8 @@ import signal
 import threading
 
 from pdserve.kv_transfer import KVTransferError, TransferState
-from pdserve.ranks.tp_group import COLLECTIVE_TIMEOUT_S, WorkerSpec
+from pdserve.ranks.tp_group import WorkerSpec
+from pdserve.ranks.worker_link import COLLECTIVE_TIMEOUT_S
 from pdserve.ranks.tp_wire import (Command, Connect, Connected, Done, Event, Failed, Grant, Granted, Guard, Handle,
                                    Push, Ready, Revoke, SendDone, Start, Step, StepBuffer, Stop, from_text,
                                    receive_command, send_event, to_text)
