@@ -1,6 +1,6 @@
 """What tensor parallelism inside a node costs per step, measured on rank 0.
 
-A node of T ranks pays two things on every step that one rank does not (node/ranks/tp_group.py,
+A node of T ranks pays two things on every step that one rank does not (ranks/tp_group.py,
 engine/parallel.py): the hand-off of the packed batch to the workers (`TPGroup.fanout`: a copy
 into the shared step buffer and a `step` message on each worker's pipe) and two gloo
 all-reduces per layer. `timed_calls` times both in place, for the measured phase only, by
@@ -93,8 +93,9 @@ def measured_step_costs(runner) -> Iterator[StepCosts]:
     `torch.distributed.all_reduce` while the block runs."""
     costs = StepCosts()
 
-    def record_batch(batch) -> None:
-        costs.step_words.append(batch_words(batch))
+    def record_batch(batch, copies) -> None:
+        if batch is not None:  # None: a step that only copies blocks
+            costs.step_words.append(batch_words(batch))
 
     def record_reduce(partial: torch.Tensor, *rest) -> None:
         costs.reduce_sizes.append(partial.numel())
@@ -106,7 +107,7 @@ def measured_step_costs(runner) -> Iterator[StepCosts]:
 
 
 def batch_words(batch) -> int:
-    """The int64 words a step's packed batch fills in the step buffer (node/ranks/tp_wire.py)."""
+    """The int64 words a step's packed batch fills in the step buffer (ranks/tp_wire.py)."""
     meta = batch.metadata
     arrays = (batch.input_ids, batch.positions, meta.slot_mapping, batch.logits_indices, meta.query_start_loc,
               meta.seq_lens, meta.block_tables)

@@ -46,7 +46,7 @@ from pdserve.node.config import NodeConfig
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
 from pdserve.node.core.handoff import HandoffState
 from pdserve.node.core.kv_done import KVDone
-from pdserve.node.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
+from pdserve.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import Message, Ready, RequestFailed, StreamSubmit
 from pdserve.node.core.node_core import NodeCore
 from pdserve.node.core.stats import UNBOUNDED, QueueBounds

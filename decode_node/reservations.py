@@ -60,7 +60,7 @@ class Reservation:
     reserved_at: float
     deadline: float  # the stream fails here if the KV has not arrived
     state: HandoffState = DECODE_MOVES.first
-    parts_arrived: int = 0  # done messages so far: one per rank pair of the two nodes (node/ranks/kv_ranks.py)
+    parts_arrived: int = 0  # done messages so far: one per rank pair of the two nodes (ranks/kv_ranks.py)
 
 
 class ReservationTable:

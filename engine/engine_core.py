@@ -41,7 +41,7 @@ from pdserve.engine.kv_capacity import num_kv_blocks
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel, load_model
 from pdserve.engine.model_runner import ModelRunner, PromptScores, SampledToken, kv_block_bytes
-from pdserve.engine.parallel import StepFanout, SwapFanout
+from pdserve.engine.parallel import StepFanout
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
 from pdserve.engine.prompt_logprobs import PromptLogprobs
 from pdserve.engine.request import FinishReason, PendingFork, Request
@@ -98,15 +98,15 @@ def _record_prompt_scores(scores: PromptScores) -> None:
 
 class EngineCore:
     def __init__(self, config: EngineConfig, policy: SchedulingPolicy | None = None, loaded: LoadedModel | None = None,
-                 fanout: StepFanout | None = None, swap_fanout: SwapFanout | None = None):
+                 fanout: StepFanout | None = None):
         """`loaded`: a model already loaded (tests share one; a tensor-parallel node loads rank 0's
-        slice first); `fanout`, `swap_fanout`: hand every step, and every step's block copies to
-        and from the swap space, to the node's other ranks (node/ranks/tp_group.py)."""
+        slice first); `fanout`: hands every step, its block copies with it, to the node's other
+        ranks (ranks/tp_group.py)."""
         # Resolved once, here, so every reader (KV cache, fingerprint, logs) sees the same dtype.
         config = config.resolved()
         if config.tensor_parallel_size > 1 and fanout is None:
             raise ValueError("tensor_parallel_size > 1 runs on several processes: start the engine with "
-                             "pdserve.node.ranks.tp_group.start_engine (what LLM and every node do)")
+                             "pdserve.ranks.tp_group.start_engine (what LLM and every node do)")
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
@@ -122,7 +122,7 @@ class EngineCore:
         self.policy = policy or ColocatedPolicy()
         self.scheduler = scheduler_for(config, self.kv, self.swap)
         self.runner = ModelRunner(self.loaded, self.kv, num_blocks, config.torch_dtype, config.attention_backend,
-                                  fanout, self.swap.num_blocks, swap_fanout)
+                                  fanout, self.swap.num_blocks)
         self._requests: dict[str, Request] = {}
         self._seeds = random.Random(config.seed)
         self._arrivals = 0
@@ -135,7 +135,7 @@ class EngineCore:
     def finish_start(self) -> None:
         """The part of starting that runs steps: the first steps that prove the model runs here
         (engine/first_steps.py), then the chunk schedule (target-step times the model).
-        A tensor-parallel node calls it once every rank has its caches (node/ranks/tp_group.py)."""
+        A tensor-parallel node calls it once every rank has its caches (ranks/tp_group.py)."""
         check_first_steps(self.runner, self.config.model)
         self.scheduler.chunks = chunk_schedule_for(self.config, self._step_tokens_within_target)
 
@@ -345,7 +345,9 @@ class EngineCore:
 
     def step(self) -> list[EngineCoreOutput]:
         out = self.scheduler.schedule()
-        self.runner.copy_swapped_blocks(out)  # before the forward, even of a step that runs nothing
+        # Before the forward, even of a step that runs nothing, and outside the step's failure: a
+        # swapped-out request's KV is in its host blocks whatever the forward does.
+        self.runner.copy_blocks(out)
         if out.is_empty:
             return []
         try:

@@ -121,7 +121,7 @@ def choose_impl(path: Path, config: PretrainedConfig, impl: str) -> str:
 
 def _load_transformers(path: Path, dtype: torch.dtype, shard: TPShard) -> torch.nn.Module:
     # transformers' own tensor-parallel plan for the architecture, on the process group the node's
-    # ranks already joined (node/ranks/tp_group.py); tp_size is explicit: without it transformers reads
+    # ranks already joined (ranks/tp_group.py); tp_size is explicit: without it transformers reads
     # $WORLD_SIZE and, unset, silently loads the whole model on every rank. Each rank holds a
     # contiguous block of the heads, as engine/parallel.py says; every rank gets the whole logits.
     parallel = {} if shard.is_single else {"distributed_config": DistributedConfig(tp_size=shard.size)}

@@ -1,7 +1,8 @@
 """Runs one scheduled step on the model: pack the batch, forward, sample.
 
 Owns the KV cache tensors, and the host swap space's tensors beside them (the same per-block
-layout), between which it copies a step's swapped blocks before the forward. Packs every scheduled request into one flat batch
+layout), and makes a step's block copies (engine/block_copies.py: copy-on-write and swaps, one
+ordered list) before the forward. Packs every scheduled request into one flat batch
 (decodes first, then prefill chunks), computes positions and cache slots, runs the
 transformers model with the engine's paged attention, takes logits only for the rows
 that are sampled — and, for requests that ask for prompt logprobs, the prompt rows their
@@ -20,7 +21,8 @@ import torch
 from pdserve.engine.attention import ForwardContext
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel
-from pdserve.engine.parallel import StepFanout, SwapFanout
+from pdserve.engine.block_copies import BlockCopy, CopyKind, runs
+from pdserve.engine.parallel import StepFanout
 from pdserve.engine.prompt_logprobs import positions_to_score
 from pdserve.engine.request import Request
 from pdserve.engine.sampler import Sampler, SamplingRow, TokenLogprobs, log_softmax_rows, token_logprobs
@@ -82,8 +84,6 @@ class PackedBatch:
     logits_indices: torch.Tensor
     sampled: list[ScheduledRequest]
     scored: list[ScoredRows] = field(default_factory=list)  # after the sampled rows, in this order
-    # (src, dst) blocks every rank copies before the forward writes (copy-on-write of forks).
-    block_copies: list[tuple[int, int]] = field(default_factory=list)
 
 
 def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> int:
@@ -94,7 +94,7 @@ def kv_block_bytes(loaded: LoadedModel, block_size: int, dtype: torch.dtype) -> 
 
 class RankForward:
     """One rank's KV caches and its forward over a packed batch: what every tensor-parallel rank
-    runs for a step (rank 0 inside the `ModelRunner`, the others in node/ranks/tp_worker.py)."""
+    runs for a step (rank 0 inside the `ModelRunner`, the others in ranks/tp_worker.py)."""
 
     def __init__(self, loaded: LoadedModel, num_blocks: int, block_size: int, dtype: torch.dtype,
                  backend: str, num_swap_blocks: int = 0) -> None:
@@ -113,49 +113,47 @@ class RankForward:
             cpu_ext.ops()
 
     @torch.inference_mode()
-    def swap_blocks(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """Device → host for `swap_out` (device, host) pairs, then host → device for `swap_in`
-        (host, device) pairs, every layer's K and V (the scheduler never fills both in one step)."""
+    def copy_blocks(self, copies: list[BlockCopy]) -> None:
+        """A step's block copies, in their order, every layer's K and V; before the step's forward,
+        so its writes land in the copies and never in a block a swap-out still has to read."""
         device, host = (*self.k_caches, *self.v_caches), (*self.k_swap, *self.v_swap)
-        copy_blocks(device, host, swap_out)
-        copy_blocks(host, device, swap_in)
+        ends = {CopyKind.COW: (device, device), CopyKind.SWAP_OUT: (device, host), CopyKind.SWAP_IN: (host, device)}
+        for kind, pairs in runs(copies):
+            copy_blocks(*ends[kind], pairs)
 
     @torch.inference_mode()
     def __call__(self, batch: PackedBatch) -> torch.Tensor:  # [num_sampled + num_scored, vocab] (rank 0)
-        if batch.block_copies:  # before the forward: its writes land in the copies, not their sources
-            caches = (*self.k_caches, *self.v_caches)
-            copy_blocks(caches, caches, batch.block_copies)
         ctx = ForwardContext(batch.metadata, self.k_caches, self.v_caches, self.backend)
         return self.loaded.model(batch.input_ids, batch.positions, ctx, batch.logits_indices)
 
 
 class ModelRunner:
     def __init__(self, loaded: LoadedModel, kv: KVCacheManager, num_blocks: int, dtype: torch.dtype, backend: str,
-                 fanout: StepFanout | None = None, num_swap_blocks: int = 0,
-                 swap_fanout: SwapFanout | None = None) -> None:
+                 fanout: StepFanout | None = None, num_swap_blocks: int = 0) -> None:
         self.loaded = loaded
         self.kv = kv
         self.block_size = kv.block_size
         self.forward = RankForward(loaded, num_blocks, self.block_size, dtype, backend, num_swap_blocks)
         self.k_caches, self.v_caches = self.forward.k_caches, self.forward.v_caches
         self.fanout = fanout  # the node's other tensor-parallel ranks run every step with this one
-        self.swap_fanout = swap_fanout  # ... and make every step's swap copies with this one
         self.sampler = Sampler(loaded.eos_token_ids)
 
-    def copy_swapped_blocks(self, out: SchedulerOutput) -> None:
-        """The step's swap copies, on every rank, before any rank runs the step's forward."""
-        if not (out.swap_out or out.swap_in):
+    def copy_blocks(self, out: SchedulerOutput) -> None:
+        """This rank's block copies of the step, before its forward; a step that runs nothing makes
+        them too (a swap-out). The other ranks get the same list with the step's batch (`execute`),
+        or alone when the step runs nothing, and make it before their forward."""
+        if not out.copies:
             return
-        if self.swap_fanout is not None:
-            self.swap_fanout(out.swap_out, out.swap_in)
-        self.forward.swap_blocks(out.swap_out, out.swap_in)
+        if out.is_empty and self.fanout is not None:
+            self.fanout(None, out.copies)
+        self.forward.copy_blocks(out.copies)
 
     @torch.inference_mode()
     def execute(self, out: SchedulerOutput) -> StepResult:
+        """The step's forward and sampling; its copies were made (`copy_blocks`)."""
         batch = self._pack(out.scheduled)
-        batch.block_copies = out.block_copies
         if self.fanout is not None:
-            self.fanout(batch)
+            self.fanout(batch, out.copies)
         logits = self.forward(batch)  # [num_sampled + num_scored, vocab]
         num_sampled = len(batch.sampled)
         scores = _score_prompts(batch.scored, logits[num_sampled:])

@@ -8,9 +8,9 @@ layout makes one contiguous slice of every block (what a KV push moves, kv_trans
 
 More ranks than KV heads: each KV head is replicated on `size // num_kv_heads` consecutive ranks
 (vLLM's rule), so a rank still holds one whole head and attends with its own query heads only.
-A KV push sends a replicated head once, from the lowest rank holding it (node/ranks/kv_ranks.py).
+A KV push sends a replicated head once, from the lowest rank holding it (ranks/kv_ranks.py).
 
-Must never: start processes or pick addresses (node/ranks/tp_group.py does), or import a network library.
+Must never: start processes or pick addresses (ranks/tp_group.py does), or import a network library.
 """
 
 from __future__ import annotations
@@ -21,19 +21,16 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 if TYPE_CHECKING:
+    from pdserve.engine.block_copies import BlockCopy
     from pdserve.engine.model_runner import PackedBatch
 
+
 class StepFanout(Protocol):
-    """Hands a step's packed batch to the other ranks before rank 0 runs it (node/ranks/tp_group.py)."""
+    """Hands a step to the other ranks before rank 0 runs it (ranks/tp_group.py): its block copies
+    (engine/block_copies.py; each rank copies its own KV heads) and then its packed batch, None for
+    a step that only copies."""
 
-    def __call__(self, batch: PackedBatch) -> None: ...
-
-
-class SwapFanout(Protocol):
-    """Hands a step's block copies between the KV cache and the swap space to the other ranks,
-    before rank 0 makes its own (engine/swap_space.py): each rank swaps its own KV heads."""
-
-    def __call__(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None: ...
+    def __call__(self, batch: PackedBatch | None, copies: list[BlockCopy]) -> None: ...
 
 
 @dataclass(frozen=True, slots=True)

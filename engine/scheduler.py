@@ -26,6 +26,7 @@ import bisect
 from collections import deque
 from dataclasses import dataclass, field
 
+from pdserve.engine.block_copies import BlockCopy, BlockPairs, CopyKind, copies_of, pairs_of
 from pdserve.engine.chunk_schedule import ChunkSchedule, FixedChunks
 from pdserve.engine.clock import Clock
 from pdserve.engine.config import EngineConfig
@@ -33,7 +34,6 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.preemption import PreemptionPolicy, RecomputePreemption, preemption_policy_for
 from pdserve.engine.prompt_admission import PromptAdmission, watermark_blocks
 from pdserve.engine.request import Request, RequestStatus
-from pdserve.engine.swap_space import BlockPairs, SwapSpace
 
 
 @dataclass(slots=True)
@@ -52,11 +52,24 @@ class ScheduledRequest:
 class SchedulerOutput:
     scheduled: list[ScheduledRequest] = field(default_factory=list)
     preempted: list[Request] = field(default_factory=list)  # recomputed and swapped out alike
-    # Block copies to run before the step's forward, on every rank; never both swaps in one step.
-    swap_out: BlockPairs = field(default_factory=list)  # (device block, host block)
-    swap_in: BlockPairs = field(default_factory=list)  # (host block, device block)
-    # (src, dst) device blocks: forks about to write a shared block (copy-on-write).
-    block_copies: BlockPairs = field(default_factory=list)
+    # Every block copy of the step, in the order decided (engine/block_copies.py): swap-outs, or
+    # swap-ins (never both in one step), then copy-on-write; every rank makes them before its forward.
+    copies: list[BlockCopy] = field(default_factory=list)
+
+    @property
+    def swap_out(self) -> BlockPairs:
+        """(device block, host block) pairs of the step's swap-outs."""
+        return pairs_of(self.copies, CopyKind.SWAP_OUT)
+
+    @property
+    def swap_in(self) -> BlockPairs:
+        """(host block, device block) pairs of the step's swap-ins."""
+        return pairs_of(self.copies, CopyKind.SWAP_IN)
+
+    @property
+    def block_copies(self) -> BlockPairs:
+        """(src, dst) device blocks: forks about to write a shared block (copy-on-write)."""
+        return pairs_of(self.copies, CopyKind.COW)
 
     @property
     def num_batched_tokens(self) -> int:
@@ -105,7 +118,8 @@ class Scheduler:
         if not out.preempted:
             self._schedule_queued(out, budget)
         assert not (out.swap_out and out.swap_in), "a step must not both free and take host blocks"
-        out.block_copies = self.kv.take_block_copies()
+        # Last: the allocations of both passes above marked them (engine/block_copies.py says why this order).
+        out.copies.extend(copies_of(CopyKind.COW, self.kv.take_block_copies()))
         return out
 
     def update_after_step(self, out: SchedulerOutput) -> None:
@@ -207,7 +221,7 @@ class Scheduler:
                 self._preempt_waiting_holder(req, out)
             return 0
         self.swapped.pop(0)
-        out.swap_in.extend(pairs)
+        out.copies.extend(copies_of(CopyKind.SWAP_IN, pairs))
         self.num_swaps_in += 1
         self._run(req, num_new, out)
         return num_new
@@ -240,7 +254,7 @@ class Scheduler:
         if self.preemption.swaps(victim, self.kv.blocks_needed(victim.num_computed_tokens)):
             if not was_running:
                 self.waiting.remove(victim)
-            out.swap_out.extend(self.swap.swap_out(victim, self.kv))
+            out.copies.extend(copies_of(CopyKind.SWAP_OUT, self.swap.swap_out(victim, self.kv)))
             self.num_swaps_out += 1
             victim.status = RequestStatus.SWAPPED
             bisect.insort(self.swapped, victim, key=lambda r: r.arrival_index)

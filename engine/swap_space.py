@@ -9,9 +9,10 @@ back at once and keeps its KV in host blocks until the scheduler swaps it back i
 prefix-cache blocks included: the request keeps a private copy, and releases only its own
 references on the device, so a block other requests still read stays where it is. `swap_in`
 takes fresh device blocks (plus the ones this step's tokens need) and frees the host blocks.
-Neither copies anything: they return the (source, destination) block pairs, which the engine
-core has every rank's model runner copy before the step's forward runs (engine/model_runner.py),
-so a device block freed by a swap-out is read before anything in the step writes it.
+Neither copies anything: they return the (source, destination) block pairs, which the scheduler
+puts in the step's one ordered copy list (engine/block_copies.py) that every rank makes before
+the step's forward, so a device block freed by a swap-out is read before anything in the step
+writes it.
 
 Owns host block ids only; the host tensors live beside the device caches in each rank's
 `RankForward`. Must never: choose victims, or decide swap versus recompute.
@@ -21,10 +22,10 @@ from __future__ import annotations
 
 from collections import deque
 
+from pdserve.engine.block_copies import BlockPairs
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 
-BlockPairs = list[tuple[int, int]]  # (source block, destination block)
 
 
 def swap_blocks_for(swap_space_bytes: int, block_bytes: int) -> int:

@@ -25,7 +25,7 @@ from pdserve.common.auth import add_auth_args, token_from_cli
 from pdserve.common.config_flags import add_config_args, values_from_args
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer.config import KVTransferConfig
-from pdserve.node.affinity import cpu_list_arg
+from pdserve.common.affinity import cpu_list_arg
 
 POISON_ACTIONS = ("raise", "exit")  # node/core/fault_drills.py
 
@@ -127,7 +127,7 @@ class NodeConfig:
         _require(self.cpus is None or (len(self.cpus) > 0 and min(self.cpus) >= 0), "cpus",
                  f"must be a non-empty list of core numbers, got {self.cpus}")
         # The node's facts, set here once so every reader of the subtrees sees them.
-        # (A tensor-parallel node's ranks each take their share of the cores: node/ranks/tp_group.py.)
+        # (A tensor-parallel node's ranks each take their share of the cores: ranks/tp_group.py.)
         if self.engine.num_threads is None and self.cpus and self.engine.tensor_parallel_size == 1:
             object.__setattr__(self, "engine", replace(self.engine, num_threads=len(self.cpus)))
         object.__setattr__(self, "transfer", replace(self.transfer, transfer_timeout_s=self.lease_s,

@@ -1,9 +1,9 @@
 """Typed messages between a node's gRPC front and its engine-core process.
 
-One encode/decode pair (`encode`, `decode`): plain JSON tagged with the message's type
-name. Every message is a dataclass of JSON-native fields; the few nested values
-(sampling params, logprobs, error codes, stats) are rebuilt by their class's
-`from_json`. A request's life over these messages:
+One encode/decode pair (`encode`, `decode`): the internal messages' one codec (common/codec.py),
+plain JSON tagged with the message's type name. Every message is a dataclass of JSON-native
+fields; the nested values (sampling params, logprobs, error codes, stats) are rebuilt from the
+fields' types. A request's life over these messages:
 
     prefill:   front ─PrefillSubmit─▶ core ─FirstToken | RequestFailed─▶ front
     decode:    front ─StreamSubmit─▶ core ─Ready─▶ front, then ─Tokens…(last: finish_reason)─▶
@@ -20,11 +20,10 @@ Must never: pickle, carry tensors, or import torch (the front imports this modul
 
 from __future__ import annotations
 
-import enum
-import json
-from dataclasses import dataclass, field, fields, is_dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
+from pdserve.common.codec import Codec
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer.counters import TransferStats
 from pdserve.node.errors import ErrorCode
@@ -65,12 +64,6 @@ class PromptLogprobs:
             return None
         return cls(list(engine_prompt.token_ids), [Logprobs.of(lp) for lp in engine_prompt.logprobs])
 
-    @classmethod
-    def from_json(cls, body: dict[str, Any] | None) -> PromptLogprobs | None:
-        if body is None:
-            return None
-        return cls(body["token_ids"], [Logprobs(**lp) for lp in body["logprobs"]])
-
 
 @dataclass(slots=True)
 class BeamOption:
@@ -95,14 +88,10 @@ class _Message:
 
     __slots__ = ()
 
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> Any:
-        return cls(**body)
-
 
 # -- front -> core -------------------------------------------------------------------
 @dataclass(slots=True)
-class PrefillSubmit(_Message):
+class PrefillSubmit:
     req_id: str
     prompt_token_ids: list[int]
     params: SamplingParams
@@ -114,13 +103,9 @@ class PrefillSubmit(_Message):
     # The layout's JSON, on the first request naming an id the core has not had yet; None after.
     kv_layout: str | None = None
 
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> PrefillSubmit:
-        return cls(**{**body, "params": _params(body["params"])})
-
 
 @dataclass(slots=True)
-class StreamSubmit(_Message):
+class StreamSubmit:
     """A request whose tokens stream back (a decode or a colocated node's call)."""
 
     req_id: str
@@ -135,30 +120,25 @@ class StreamSubmit(_Message):
     # it), or is computed here (`Generate`: a colocated node, a decode node with --local-prefill).
     imports_kv: bool = False
 
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> StreamSubmit:
-        beam = body.get("beam")
-        return cls(**{**body, "params": _params(body["params"]), "beam": None if beam is None else BeamOption(**beam)})
-
 
 @dataclass(slots=True)
-class Abort(_Message):
+class Abort:
     req_id: str
 
 
 @dataclass(slots=True)
-class StatsQuery(_Message):
+class StatsQuery:
     query_id: int
 
 
 @dataclass(slots=True)
-class Shutdown(_Message):
+class Shutdown:
     pass
 
 
 # -- core -> front -------------------------------------------------------------------
 @dataclass(slots=True)
-class CoreStarted(_Message):
+class CoreStarted:
     """The core has loaded the model and registered its KV cache: it serves from now on."""
 
     fingerprint: dict[str, Any]  # KVCacheSpec.fingerprint(): what the node registers with the router
@@ -168,7 +148,7 @@ class CoreStarted(_Message):
 
 
 @dataclass(slots=True)
-class CoreFailed(_Message):
+class CoreFailed:
     message: str
     # The core refused its configuration (a model folder or dtype it cannot serve): `message`
     # is the whole story, one line naming the flag, and the node exits as for a usage error.
@@ -176,14 +156,14 @@ class CoreFailed(_Message):
 
 
 @dataclass(slots=True)
-class Ready(_Message):
+class Ready:
     req_id: str
     kv_layout_id: str  # the decode node's layout, named (its front answers GetKVLayout with it)
     block_ids: list[int]
 
 
 @dataclass(slots=True)
-class FirstToken(_Message):
+class FirstToken:
     req_id: str
     token_id: int
     logprobs: Logprobs | None
@@ -193,14 +173,9 @@ class FirstToken(_Message):
     kv_transfer_bytes: int
     prompt_logprobs: PromptLogprobs | None = None  # when the params ask: scored with the prompt here
 
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> FirstToken:
-        return cls(**{**body, "logprobs": _logprobs(body["logprobs"]),
-                      "prompt_logprobs": PromptLogprobs.from_json(body.get("prompt_logprobs"))})
-
 
 @dataclass(slots=True)
-class Tokens(_Message):
+class Tokens:
     req_id: str
     token_ids: list[int]
     logprobs: list[Logprobs | None]  # one per token
@@ -208,14 +183,9 @@ class Tokens(_Message):
     stop_token_id: int | None = None
     prompt_logprobs: PromptLogprobs | None = None  # a colocated node's first event, when asked
 
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> Tokens:
-        return cls(**{**body, "logprobs": [_logprobs(lp) for lp in body["logprobs"]],
-                      "prompt_logprobs": PromptLogprobs.from_json(body.get("prompt_logprobs"))})
-
 
 @dataclass(slots=True)
-class BeamsDone(_Message):
+class BeamsDone:
     """A beam search's answer, once it ended: every hypothesis, best first."""
 
     req_id: str
@@ -223,20 +193,12 @@ class BeamsDone(_Message):
     num_prompt_tokens: int
     num_cached_tokens: int
 
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> BeamsDone:
-        return cls(**{**body, "beams": [BeamResult(**b) for b in body["beams"]]})
-
 
 @dataclass(slots=True)
-class RequestFailed(_Message):
+class RequestFailed:
     req_id: str
     code: ErrorCode
     message: str
-
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> RequestFailed:
-        return cls(**{**body, "code": ErrorCode(body["code"])})
 
 
 @dataclass(slots=True)
@@ -266,71 +228,29 @@ class StatsData:
 
 
 @dataclass(slots=True)
-class StatsReply(_Message):
+class StatsReply:
     query_id: int
     stats: StatsData
 
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> StatsReply:
-        return cls(query_id=body["query_id"], stats=_stats(body["stats"]))
-
 
 @dataclass(slots=True)
-class StatsPush(_Message):
+class StatsPush:
     """A snapshot the core sends unasked, so the front always has a recent one."""
 
     stats: StatsData
-
-    @classmethod
-    def from_json(cls, body: dict[str, Any]) -> StatsPush:
-        return cls(stats=_stats(body["stats"]))
 
 
 Message = (PrefillSubmit | StreamSubmit | Abort | StatsQuery | Shutdown | CoreStarted | CoreFailed
            | Ready | FirstToken | Tokens | BeamsDone | RequestFailed | StatsReply | StatsPush)
 
-_TYPES: dict[str, type[_Message]] = {
-    cls.__name__: cls
-    for cls in (PrefillSubmit, StreamSubmit, Abort, StatsQuery, Shutdown, CoreStarted, CoreFailed,
-                Ready, FirstToken, Tokens, BeamsDone, RequestFailed, StatsReply, StatsPush)
-}
+_CODEC = Codec((PrefillSubmit, StreamSubmit, Abort, StatsQuery, Shutdown, CoreStarted, CoreFailed, Ready,
+                FirstToken, Tokens, BeamsDone, RequestFailed, StatsReply, StatsPush), MessageError, "node message")
 
 
 def encode(msg: Message) -> bytes:
-    name = type(msg).__name__
-    if name not in _TYPES:
-        raise MessageError(f"{name} is not a node message")
-    return json.dumps({"type": name, "body": _plain(msg)}, separators=(",", ":")).encode()
+    return _CODEC.encode(msg)
 
 
 def decode(raw: bytes) -> Message:
-    try:
-        data = json.loads(raw)
-        cls = _TYPES[data["type"]]
-        return cls.from_json(data["body"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise MessageError(f"not a node message: {exc!r}") from exc
-
-
-def _plain(value: Any) -> Any:
-    if is_dataclass(value) and not isinstance(value, type):
-        return {f.name: _plain(getattr(value, f.name)) for f in fields(value)}
-    if isinstance(value, enum.Enum):
-        return value.value
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _params(body: dict[str, Any]) -> SamplingParams:
-    return SamplingParams.rebuilt(body)  # checked once, by the front that built them from the request
-
-
-def _stats(body: dict[str, Any]) -> StatsData:
-    ranks = [TransferStats(**rank) for rank in body.get("kv_transfer_ranks", [])]
-    return StatsData(**{**body, "kv_transfer": TransferStats(**body["kv_transfer"]), "kv_transfer_ranks": ranks})
-
-
-def _logprobs(body: dict[str, Any] | None) -> Logprobs | None:
-    return None if body is None else Logprobs(**body)
-
+    """Raises MessageError for bytes that are not a node message."""
+    return _CODEC.decode(raw)

@@ -47,7 +47,7 @@ from pdserve.common.auth import token_from_cli
 from pdserve.common.lifecycle import PARENT_CHECK_S, ExitStatus, status_after, supervisor_of
 from pdserve.common.ports import Listen, PortUnavailable, check_free
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
-from pdserve.node.affinity import format_cpu_list
+from pdserve.common.affinity import format_cpu_list
 
 __all__ = ["ClusterConfig", "ClusterError", "ClusterPlan", "build_plan", "config_from_args", "main", "resolve_port",
            "run_cluster"]

@@ -17,7 +17,7 @@ from pdserve.cluster_supervisor import RestartPolicy
 from pdserve.common.auth import add_auth_args
 from pdserve.common.config_flags import add_config_args, values_from_args
 from pdserve.engine.config import AUTO_DTYPE, DEFAULT_BLOCK_SIZE, EngineConfig
-from pdserve.node.affinity import cpu_list_arg, split_cpus
+from pdserve.common.affinity import cpu_list_arg, split_cpus
 
 # Flags the launcher sets itself on every node / on the router; pass-through args must not.
 NODE_OWNED_FLAGS = ("--model", "--host", "--port", "--router", "--node-id", "--kv-host", "--kv-port",

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 
 from pdserve.cluster_config import THREADS_FLAGS, ClusterConfig, ClusterError
 from pdserve.cluster_supervisor import ChildSpec
-from pdserve.node.affinity import available_cpus, check_available, format_cpu_list, split_cpus
+from pdserve.common.affinity import available_cpus, check_available, format_cpu_list, split_cpus
 
 @dataclass(frozen=True)
 class ClusterPlan:

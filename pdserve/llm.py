@@ -23,7 +23,7 @@ from pdserve.engine.beam_runner import BeamSearchRunner
 from pdserve.engine.beam_search import BeamSearchParams
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.detokenizer import IncrementalDetokenizer
-from pdserve.node.ranks.tp_group import start_engine
+from pdserve.ranks.tp_group import start_engine
 from pdserve.engine.output_processor import CompletionDelta, SequenceStream
 from pdserve.engine.prompt_logprobs import Logprob, as_vllm
 from pdserve.engine.request import FinishReason, PendingFork

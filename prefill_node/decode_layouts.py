@@ -17,7 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 
 from pdserve.node.errors import ErrorCode, NodeError
-from pdserve.node.ranks.kv_ranks import NodeKVDescriptor
+from pdserve.ranks.kv_ranks import NodeKVDescriptor
 
 
 class DecodeLayouts:

@@ -51,7 +51,7 @@ from pdserve.node.core.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.core.handoff import PREFILL_MOVES, HandoffState, OnMove
 from pdserve.node.core.kv_done import DoneStatus, KVDone
-from pdserve.node.ranks.kv_ranks import GroupHandle, NodeKVDescriptor, RankedTransport
+from pdserve.ranks.kv_ranks import GroupHandle, NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import FirstToken, Logprobs, PromptLogprobs, RequestFailed
 from pdserve.prefill_node.peers import PeerConnections
 

@@ -25,7 +25,7 @@ from pdserve.engine.engine_core import EngineCoreOutput
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.config import NodeConfig
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
-from pdserve.node.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
+from pdserve.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import Message, PrefillSubmit, RequestFailed
 from pdserve.node.core.node_core import NodeCore
 from pdserve.node.core.sibling_forks import add_sample

@@ -16,7 +16,7 @@ from concurrent.futures import Executor, Future
 
 from pdserve.kv_transfer import FingerprintMismatch
 from pdserve.node.errors import ErrorCode, NodeError
-from pdserve.node.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
+from pdserve.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
 
 
 class PeerConnections:

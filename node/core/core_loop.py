@@ -3,8 +3,8 @@
 Runs only in the child that node/core/spawn.py spawns. `core_main` gets the node kind's
 `CorePart` (node/core/core_part.py): it imports the kind's KV stage factories, builds the
 `EngineCore` with the kind's policy (with `--tensor-parallel-size T`, as rank 0 of T: the
-worker ranks start first, node/ranks/tp_group.py), registers rank 0's KV caches with a
-`UcxTransport` beside the workers' own in one `RankedTransport` (node/ranks/kv_ranks.py; not for a
+worker ranks start first, ranks/tp_group.py), registers rank 0's KV caches with a
+`UcxTransport` beside the workers' own in one `RankedTransport` (ranks/kv_ranks.py; not for a
 kind without KV stages), builds the node core (node/core/node_core.py) with the kind's stages, logs the cpus and torch
 threads it runs on, says `CoreStarted` with the KV fingerprint every kind registers with
 (or `CoreFailed`; `refused=True` and no traceback for a model folder the engine refuses, whose
@@ -35,17 +35,17 @@ import zmq
 from pdserve.common.refusal import Refused
 from pdserve.engine.engine_core import EngineCore, StepFailed
 from pdserve.kv_transfer import KVCacheSpec
-from pdserve.node.affinity import format_cpu_list
+from pdserve.common.affinity import format_cpu_list
 from pdserve.node.config import NodeConfig
 from pdserve.node.core.spawn import CoreAddresses
 from pdserve.node.core.core_part import CoreHandler, CorePart, ToFront
 from pdserve.node.core.fault_drills import poison_token, slow_every_step
-from pdserve.node.ranks.kv_ranks import LocalRank, RankedTransport, rank_cache_spec
+from pdserve.ranks.kv_ranks import LocalRank, RankedTransport, rank_cache_spec
 from pdserve.node.messages import (CoreFailed, CoreStarted, Message, MessageError, Shutdown, StatsData, StatsPush,
                                    StatsQuery, StatsReply, decode, encode)
 from pdserve.node.core.stats import build_stats
 from pdserve.node.core.node_core import make_node_core
-from pdserve.node.ranks.tp_group import TPGroup, start_engine
+from pdserve.ranks.tp_group import TPGroup, start_engine
 
 logger = logging.getLogger(__name__)
 

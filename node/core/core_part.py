@@ -29,7 +29,7 @@ if TYPE_CHECKING:
     from pdserve.engine.engine_core import EngineCoreOutput
     from pdserve.engine.policy import SchedulingPolicy
     from pdserve.node.config import NodeConfig
-    from pdserve.node.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
+    from pdserve.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
     from pdserve.node.core.node_core import KVStage, NodeCore
 
 ToFront = Callable[[Message], None]

@@ -6,7 +6,7 @@ pushes, so the decode node reads it only after every byte before it has landed. 
     {"status": "ok", "token_id": 123, "logprobs": {...} | null, "parts": 2}   token 1, sampled by P
     {"status": "aborted"}                                                      P gave up: nothing more lands
 
-Between tensor-parallel nodes each rank pair (route, node/ranks/kv_ranks.py) carries its own copy,
+Between tensor-parallel nodes each rank pair (route, ranks/kv_ranks.py) carries its own copy,
 behind that pair's pushes; `parts` is how many copies the decode node collects before the
 request's KV is whole on every one of its ranks.
 

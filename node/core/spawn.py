@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from multiprocessing.process import BaseProcess
 from pathlib import Path
 
-from pdserve.node.affinity import pin_to_cpus
+from pdserve.common.affinity import pin_to_cpus
 from pdserve.node.config import NodeConfig
 from pdserve.node.core.core_part import CorePart
 

@@ -24,7 +24,7 @@ from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.messages import StatsData
 
 if TYPE_CHECKING:
-    from pdserve.node.ranks.kv_ranks import RankedTransport
+    from pdserve.ranks.kv_ranks import RankedTransport
 
 
 def queued_tokens(engine: EngineCore) -> int:

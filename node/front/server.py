@@ -4,7 +4,7 @@
 row of pdserve/node_kinds.py: policy, KV stages, whether it computes its own prompts, services):
 parse the flags, check that its ports are free (`--port`, `--metrics-port`, `--kv-port`: a busy
 one is one line naming the flag, exit status 2, before anything slow), pin the process to
-`--cpus` (node/affinity.py), serve Prometheus `/metrics` and `/health` when `--metrics-port`
+`--cpus` (common/affinity.py), serve Prometheus `/metrics` and `/health` when `--metrics-port`
 is set (node/front/metrics.py; from the start, so /health answers 503 while the model loads), bind
 gRPC on `host:port`, start the engine core (and wait for its model and KV cache), serve gRPC
 (port 0: the OS picks; the line `pdserve <kind> node listening on HOST:PORT` on stdout says
@@ -38,7 +38,7 @@ from pdserve.common.lifecycle import ExitStatus, StopSignals, supervisor_of
 from pdserve.common.metrics_endpoint import MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.common.refusal import Refused
-from pdserve.node.affinity import pin_to_cpus
+from pdserve.common.affinity import pin_to_cpus
 from pdserve.node.front.client import CoreClient
 from pdserve.node.config import NodeConfig, parse_node_args
 from pdserve.node.core.core_part import CorePart

@@ -25,7 +25,7 @@ from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.kv_transfer import InProcessFabric, InProcessTransport, KVCacheSpec
 from pdserve.node.core.handoff import HandoffState
-from pdserve.node.ranks.kv_ranks import LocalRank, RankedTransport
+from pdserve.ranks.kv_ranks import LocalRank, NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import StreamSubmit, FirstToken, Message, PrefillSubmit, Ready, RequestFailed, Tokens
 from pdserve.node.core.node_core import NodeCore
 from pdserve.prefill_node.kv_export import KVExportStage

@@ -37,7 +37,7 @@ def test_timed_calls_restores_the_original_when_the_block_or_the_call_raises():
 
 def test_measured_step_costs_puts_torch_distributed_all_reduce_back():
     original = torch.distributed.all_reduce
-    runner = types.SimpleNamespace(fanout=lambda batch: None)
+    runner = types.SimpleNamespace(fanout=lambda batch, copies: None)
     with measured_step_costs(runner) as costs:
         assert torch.distributed.all_reduce is not original
     assert torch.distributed.all_reduce is original

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.node.affinity import check_available, format_cpu_list, parse_cpu_list, split_cpus
+from pdserve.common.affinity import check_available, format_cpu_list, parse_cpu_list, split_cpus
 from pdserve.node.config import NodeConfig, parse_node_args
 
 

@@ -14,7 +14,7 @@ import pytest
 
 from pdserve.kv_transfer import KVCacheSpec, KVDescriptor
 from pdserve.node.errors import ErrorCode, NodeError
-from pdserve.node.ranks.kv_ranks import NodeKVDescriptor
+from pdserve.ranks.kv_ranks import NodeKVDescriptor
 from pdserve.prefill_node.decode_layouts import DecodeLayouts
 from pdserve.prefill_node.layout_fetch import LayoutCache
 

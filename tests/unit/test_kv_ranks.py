@@ -16,7 +16,7 @@ from pdserve.engine.parallel import kv_head_ranges, split_reason
 from pdserve.kv_transfer import FingerprintMismatch, KVCacheSpec, TransferState
 from pdserve.kv_transfer.inprocess import InProcessFabric, InProcessTransport
 from pdserve.node.core.kv_done import DoneStatus, KVDone
-from pdserve.node.ranks.kv_ranks import LocalRank, NodeKVDescriptor, RankedTransport, Route, check_pairing, plan_routes
+from pdserve.ranks.kv_ranks import LocalRank, NodeKVDescriptor, RankedTransport, Route, check_pairing, plan_routes
 
 LAYERS, HEADS, BLOCK, DIM, BLOCKS = 2, 4, 4, 8, 16
 

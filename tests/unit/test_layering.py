@@ -20,9 +20,12 @@ ALLOWED: dict[str, set[str]] = {
     "kernels": {"common"},
     "engine": {"kernels", "common"},
     "kv_transfer": {"common"},
-    "node": {"engine", "kernels", "kv_transfer", "proto", "common"},
-    "prefill_node": {"node", "engine", "kernels", "kv_transfer", "proto", "common"},
-    "decode_node": {"node", "engine", "kernels", "kv_transfer", "proto", "common"},
+    # A node's tensor-parallel ranks: an engine on T processes, which the offline `LLM` starts as
+    # a node's core does, so they sit below node/ (never reaching the front's gRPC or ZMQ).
+    "ranks": {"engine", "kernels", "kv_transfer", "common"},
+    "node": {"ranks", "engine", "kernels", "kv_transfer", "proto", "common"},
+    "prefill_node": {"node", "ranks", "engine", "kernels", "kv_transfer", "proto", "common"},
+    "decode_node": {"node", "ranks", "engine", "kernels", "kv_transfer", "proto", "common"},
     "router": {"engine", "proto", "common"},
     # The test harness: it runs the real router server (router), serves the node services and
     # registers like a node (proto, and kv_transfer for the KV layout version a fingerprint
@@ -41,6 +44,7 @@ FORBIDDEN_EXTERNAL: dict[str, set[str]] = {
     "kernels": {"grpc", "zmq", "ucxx"},
     "common": {"zmq", "ucxx", "torch"},
     "planner": {"grpc", "zmq", "ucxx"},
+    "ranks": {"grpc", "zmq"},
 }
 
 
@@ -91,7 +95,7 @@ def test_every_part_folder_is_an_installed_package():
 
 # Parts with groups on import floors of their own (router/__init__.py, node/__init__.py), bottom
 # up: each group imports only the groups below it; "" is the part's own top-level modules.
-FLOORS = {"router": ("", "cluster", "requests", "dispatch", "fronts"), "node": ("", "ranks", "core", "front")}
+FLOORS = {"router": ("", "cluster", "requests", "dispatch", "fronts"), "node": ("", "core", "front")}
 
 
 def group_of(module: str, part: str) -> str | None:

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 import pytest
 
+from pdserve.engine.block_copies import CopyKind
 from pdserve.engine.block_pool import KVBlock, hash_block_tokens
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
@@ -210,16 +211,17 @@ class SchedLoop:
             self.exports[request.req_id] = (request, blocks)
 
     def _copy_swapped(self, out: SchedulerOutput) -> None:
-        """The model runner's swap copies, before the forward (engine/model_runner.py)."""
-        for pairs, src, dst in ((out.swap_out, self.kv_slots, self.swap_slots),
-                                (out.swap_in, self.swap_slots, self.kv_slots)):
-            for src_block, dst_block in pairs:
-                for offset in range(self.block_size):
-                    prefix = src.get((src_block, offset))
-                    if prefix is None:
-                        dst.pop((dst_block, offset), None)
-                    else:
-                        dst[dst_block, offset] = prefix
+        """The model runner's block copies, in the step's order, before the forward (engine/model_runner.py)."""
+        ends = {CopyKind.SWAP_OUT: (self.kv_slots, self.swap_slots), CopyKind.SWAP_IN: (self.swap_slots, self.kv_slots),
+                CopyKind.COW: (self.kv_slots, self.kv_slots)}
+        for copy in out.copies:
+            src, dst = ends[copy.kind]
+            for offset in range(self.block_size):
+                prefix = src.get((copy.src, offset))
+                if prefix is None:
+                    dst.pop((copy.dst, offset), None)
+                else:
+                    dst[copy.dst, offset] = prefix
 
     def _write_kv(self, request: Request, num_tokens: int) -> None:
         """The fake model: the KV of `num_tokens` tokens after the computed ones."""

@@ -14,7 +14,7 @@ per receiving rank.
 the node pair; `push` and `send_done` fan out over the routes (a done message per route, each
 behind that route's pushes, and `done_parts(peer)` says how many the receiver must collect before
 the request's KV is whole); `guard_writes`, `poll_done`, the done callback and the counters span
-every rank. Ranks other than 0 live in worker processes; node/ranks/tp_group.py gives them a `RankLink`
+every rank. Ranks other than 0 live in worker processes; ranks/tp_group.py gives them a `RankLink`
 that forwards these calls over the worker's ordered pipe.
 
 Must never: gather another rank's KV onto rank 0, or pair two layouts that do not both cover the

@@ -1,18 +1,18 @@
 """A worker rank of a tensor-parallel node: its slice of the model, its KV heads, its own KV transport.
 
-Started by rank 0 (node/ranks/tp_group.py) with a `WorkerSpec`; lives exactly as long as rank 0:
+Started by rank 0 (ranks/tp_group.py) with a `WorkerSpec`; lives exactly as long as rank 0:
 
     pin to its cores ─▶ join the gloo group ─▶ load its slice (engine/parallel.py)
-    ─▶ `start`: caches (and swap space) sized to rank 0's block counts, the step buffer mapped, its caches
-       registered with a KV transport of its own (a node that moves KV) ─▶ `ready`
-    ─▶ serve rank 0's messages in order, until `stop` or rank 0 is gone:
-         step       run the forward on the batch in the step buffer (no sampling: rank 0 samples)
-         swap       copy blocks between its KV caches and its swap space (before the step's forward)
-         connect    open a rank connection to a peer node's rank (on a thread: never stalls steps)
-         push, send_done   on its own transport; each reports its end to rank 0 as it happens
-         guard, grant, revoke   the write permits of a decode node's reservations
+    ─▶ `Start`: caches (and swap space) sized to rank 0's block counts, the step buffer mapped, its caches
+       registered with a KV transport of its own (a node that moves KV) ─▶ `Ready`
+    ─▶ serve rank 0's commands (ranks/tp_wire.py) in order, until `Stop` or rank 0 is gone:
+         Step       the step's block copies in their order (copy-on-write, to and from its swap
+                    space), then the forward on the batch in the step buffer (no sampling: rank 0 samples)
+         Connect    open a rank connection to a peer node's rank (on a thread: never stalls steps)
+         Push, SendDone   on its own transport; each reports its end to rank 0 as it happens
+         Guard, Grant, Revoke   the write permits of a decode node's reservations
 
-A failure is reported as `failed` and ends the process; rank 0 then takes the node down.
+A failure is reported as `Failed` and ends the process; rank 0 then takes the node down.
 
 Must never: schedule, sample or allocate blocks (rank 0 does), or outlive rank 0.
 """
@@ -24,12 +24,13 @@ import logging
 import os
 import signal
 import threading
-from dataclasses import asdict
-from typing import Any
 
 from pdserve.kv_transfer import KVTransferError, TransferState
-from pdserve.node.ranks.tp_group import COLLECTIVE_TIMEOUT_S, WorkerSpec
-from pdserve.node.ranks.tp_wire import StepBuffer, from_text, receive, send, to_text
+from pdserve.ranks.tp_group import WorkerSpec
+from pdserve.ranks.worker_link import COLLECTIVE_TIMEOUT_S
+from pdserve.ranks.tp_wire import (Command, Connect, Connected, Done, Event, Failed, Grant, Granted, Guard, Handle,
+                                   Push, Ready, Revoke, SendDone, Start, Step, StepBuffer, Stop, from_text,
+                                   receive_command, send_event, to_text)
 
 logger = logging.getLogger(__name__)
 PARENT_CHECK_S = 1.0  # how often an idle worker checks that rank 0 is still its parent
@@ -47,7 +48,7 @@ def worker_main(spec: WorkerSpec) -> None:
         pass  # rank 0 is gone: so is this rank
     except Exception as exc:  # noqa: BLE001 - reported to rank 0, which takes the node down
         logger.exception("rank %d failed", spec.rank)
-        events.send("failed", error=f"{type(exc).__name__}: {exc}")
+        events.send(Failed(f"{type(exc).__name__}: {exc}"))
         exit_code = 1
     logging.shutdown()
     os._exit(exit_code)  # skip torch's and UCX's slow teardown, as the engine core does
@@ -61,12 +62,12 @@ class _Events:
         self._lock = threading.Lock()
         self.transport = None  # its counters ride along every event once it exists
 
-    def send(self, op: str, **fields: Any) -> None:
+    def send(self, event: Event) -> None:
         with self._lock:  # the counters are read under the lock: events leave in the order they were read
             if self.transport is not None:
-                fields.update(sent=asdict(self.transport.stats()), received=asdict(self.transport.recv_stats()))
+                event.sent, event.received = self.transport.stats(), self.transport.recv_stats()
             try:
-                send(self._conn, op, **fields)
+                send_event(self._conn, event)
             except (OSError, ValueError):
                 pass  # rank 0 is gone; the command loop sees it and exits
 
@@ -83,7 +84,7 @@ class _Worker:
         from pdserve.engine.model_loader import load_model
         from pdserve.engine.model_runner import RankForward
         from pdserve.engine.parallel import TPShard
-        from pdserve.node.affinity import pin_to_cpus
+        from pdserve.common.affinity import pin_to_cpus
 
         from transformers.utils import logging as hf_logging
 
@@ -98,37 +99,36 @@ class _Worker:
                                              timeout=timeout)
         loaded = load_model(engine.model, engine.torch_dtype, engine.model_impl, TPShard(spec.rank, spec.size))
         start = self._next()
-        forward = RankForward(loaded, start["num_blocks"], engine.block_size, engine.torch_dtype,
-                              engine.attention_backend, start["num_swap_blocks"])
-        buffer = StepBuffer(start["buffer"], start["nbytes"])
+        if not isinstance(start, Start):
+            raise ValueError(f"rank {spec.rank}: {type(start).__name__} before Start")
+        forward = RankForward(loaded, start.num_blocks, engine.block_size, engine.torch_dtype,
+                              engine.attention_backend, start.num_swap_blocks)
+        buffer = StepBuffer(start.buffer, start.nbytes)
         transfer = _RankTransfer.start(spec, loaded, forward, self.events) if spec.transfer is not None else None
         logger.info("rank %d of %d on cpus %s with %d torch threads, KV heads %s", spec.rank, spec.size,
                     sorted(os.sched_getaffinity(0)), torch.get_num_threads(), loaded.local_kv_heads)
-        self.events.send("ready", descriptor=transfer.descriptor if transfer is not None else None)
+        self.events.send(Ready(transfer.descriptor if transfer is not None else None))
         while True:
             msg = self._next()
-            op = msg["op"]
-            if op == "step":
-                batch = buffer.read(msg["shapes"])
-                batch.block_copies = [tuple(c) for c in msg["block_copies"]]
-                forward(batch)
-            elif op == "swap":
-                forward.swap_blocks([tuple(p) for p in msg["swap_out"]], [tuple(p) for p in msg["swap_in"]])
-            elif op == "stop":
+            if isinstance(msg, Step):
+                forward.copy_blocks(msg.copies)  # before the forward, in the scheduler's order
+                if msg.batch is not None:
+                    forward(buffer.read(msg.batch))
+            elif isinstance(msg, Stop):
                 break
             elif transfer is not None:
-                transfer.handle(op, msg)
+                transfer.handle(msg)
             else:
-                raise ValueError(f"rank {spec.rank} has no KV transport for {op!r}")
+                raise ValueError(f"rank {spec.rank} has no KV transport for {type(msg).__name__}")
         if transfer is not None:
             transfer.close()
 
-    def _next(self) -> dict[str, Any]:
+    def _next(self) -> Command:
         """rank 0's next message; EOFError once rank 0 has gone (its pipe closed, or it died)."""
         while not self.commands.poll(PARENT_CHECK_S):
             if os.getppid() != self.spec.parent_pid:
                 raise EOFError("rank 0 is gone")
-        return receive(self.commands)
+        return receive_command(self.commands)
 
 
 class _RankTransfer:
@@ -149,7 +149,7 @@ class _RankTransfer:
         from dataclasses import replace
 
         from pdserve.kv_transfer import UcxTransport
-        from pdserve.node.ranks.kv_ranks import rank_cache_spec
+        from pdserve.ranks.kv_ranks import rank_cache_spec
 
         # Its own listener on a port the OS picks: the node's --kv-port is rank 0's.
         transport = UcxTransport(replace(spec.transfer, port=0))
@@ -157,52 +157,51 @@ class _RankTransfer:
         events.transport = transport
         return cls(spec, transport, events)
 
-    def handle(self, op: str, msg: dict[str, Any]) -> None:
-        if op == "connect":
-            threading.Thread(target=self._connect, args=(msg,), daemon=True).start()
-        elif op in ("push", "send_done"):
-            try:
-                handle = self._send(op, msg)
-            except (KVTransferError, ValueError) as exc:  # this transfer's failure, as on rank 0
-                self.events.send("handle", handle_id=msg["handle_id"], state=TransferState.FAILED.value,
-                                 error=f"rank {self.spec.rank}: {exc}")
-                return
-            self._watch(msg["handle_id"], handle)
-        elif op == "guard":
-            self.transport.guard_writes(self.permits)
-        elif op == "grant":
-            self.permits.grant(msg["req_id"], msg["block_ids"])
-            self.events.send("reply", reply_id=msg["reply_id"])
-        elif op == "revoke":
-            self.permits.revoke(msg["req_id"])
-        else:
-            raise ValueError(f"unknown message {op!r} from rank 0")
+    def handle(self, msg: Command) -> None:
+        match msg:
+            case Connect():
+                threading.Thread(target=self._connect, args=(msg,), daemon=True).start()
+            case Push() | SendDone():
+                self._send(msg)
+            case Guard():
+                self.transport.guard_writes(self.permits)
+            case Grant():
+                self.permits.grant(msg.req_id, msg.block_ids)
+                self.events.send(Granted(msg.reply_id))
+            case Revoke():
+                self.permits.revoke(msg.req_id)
+            case _:
+                raise ValueError(f"unexpected {type(msg).__name__} from rank 0")
 
-    def _send(self, op: str, msg: dict[str, Any]):
-        if op == "push":
-            return self.transport.push(msg["req_id"], msg["src"], msg["dst"], head_range=tuple(msg["heads"]),
-                                       peer=msg["peer"])
-        return self.transport.send_done(msg["req_id"], from_text(msg["payload"]), peer=msg["peer"])
+    def _send(self, msg: Push | SendDone) -> None:
+        try:
+            if isinstance(msg, Push):
+                handle = self.transport.push(msg.req_id, msg.src, msg.dst, head_range=msg.heads, peer=msg.peer)
+            else:
+                handle = self.transport.send_done(msg.req_id, from_text(msg.payload), peer=msg.peer)
+        except (KVTransferError, ValueError) as exc:  # this transfer's failure, as on rank 0
+            self.events.send(Handle(msg.handle_id, TransferState.FAILED, f"rank {self.spec.rank}: {exc}"))
+            return
+        self._watch(msg.handle_id, handle)
 
-    def _connect(self, msg: dict[str, Any]) -> None:
+    def _connect(self, msg: Connect) -> None:
         from pdserve.kv_transfer import FingerprintMismatch, KVDescriptor
 
         try:
-            peer = self.transport.connect(KVDescriptor.from_bytes(msg["descriptor"].encode()))
-            self.events.send("reply", reply_id=msg["reply_id"], peer=peer)
+            peer = self.transport.connect(KVDescriptor.from_bytes(msg.descriptor.encode()))
+            self.events.send(Connected(msg.reply_id, peer=peer))
         except FingerprintMismatch as exc:
-            self.events.send("reply", reply_id=msg["reply_id"], diffs={k: list(v) for k, v in exc.diffs.items()})
+            self.events.send(Connected(msg.reply_id, diffs={k: list(v) for k, v in exc.diffs.items()}))
         except Exception as exc:  # noqa: BLE001 - the connect's failure is rank 0's to report
-            self.events.send("reply", reply_id=msg["reply_id"], error=f"{type(exc).__name__}: {exc}")
+            self.events.send(Connected(msg.reply_id, error=f"{type(exc).__name__}: {exc}"))
 
     def _on_done(self, req_id: str, payload: bytes) -> None:
         self.transport.poll_done()  # rank 0 collects it from this event: nothing piles up here
-        self.events.send("done", req_id=req_id, payload=to_text(payload))
+        self.events.send(Done(req_id, to_text(payload)))
 
     def _watch(self, handle_id: int, handle) -> None:
         """Report the push or done message to rank 0 the moment it ends (on the transport's thread)."""
-        handle.add_done_callback(lambda ended: self.events.send(
-            "handle", handle_id=handle_id, state=ended.poll().value, error=ended.error))
+        handle.add_done_callback(lambda ended: self.events.send(Handle(handle_id, ended.poll(), ended.error)))
 
     def close(self) -> None:
         self.transport.close()

@@ -1,7 +1,7 @@
 """A tensor-parallel node's ranks, seen from rank 0: it starts them, feeds them, and goes down with them.
 
 A node with `--tensor-parallel-size T` is T processes: rank 0 is the engine core (it schedules,
-samples and talks to the front) and starts T−1 worker processes (node/ranks/tp_worker.py) that it
+samples and talks to the front) and starts T−1 worker processes (ranks/tp_worker.py) that it
 owns. All T join one gloo process group (127.0.0.1, a port rank 0 picks) for the all-reduces of
 the forward (engine/parallel.py). Each rank is pinned to its own share of the node's cores
 (`--cpus`, else the cores this process may use), split contiguously, and runs one torch thread
@@ -10,9 +10,10 @@ per core unless `--num-threads` says otherwise (per rank).
     TPGroup.start()      spawn the workers, join the group       (before rank 0 loads its slice)
     group.start_ranks()  caches sized, step buffer mapped, each worker's KV descriptor back
                          (start_engine: the three steps above, around rank 0's EngineCore)
-    group.fanout(batch)  every step: the batch into shared memory, a `step` message to each worker
-    group.fanout_swaps   a step's block copies to and from the swap space: a `swap` message
-    group.links()        each worker rank's KV transport, as a `RankLink` for node/ranks/kv_ranks.py
+    group.fanout(batch, copies)   every step: the batch into shared memory, a `Step` message to each
+                         worker with the step's block copies (copy-on-write and swaps, one ordered list)
+    group.links()        each worker rank's KV transport, as a `RankLink` for ranks/kv_ranks.py
+                         (ranks/worker_link.py: the pipe to one worker, its events, `WorkerDied`)
     group.check_alive()  every loop iteration: a worker that died takes the node down at once
     group.close()        stop, then terminate, the workers
 
@@ -27,39 +28,34 @@ Must never: send a step to some workers and not others, or leave a worker runnin
 from __future__ import annotations
 
 import datetime
-import itertools
 import logging
 import multiprocessing
 import os
-import select
 import threading
 import time
 from concurrent.futures import Future
 from dataclasses import dataclass, replace
 from multiprocessing.connection import Connection
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import torch
 
+from pdserve.engine.block_copies import BlockCopy
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.policy import SchedulingPolicy
 from pdserve.engine.model_runner import PackedBatch
 from pdserve.engine.parallel import TPShard
-from pdserve.kv_transfer import (FingerprintMismatch, KVDescriptor, KVTransferConfig, KVTransferError,
-                                 TransferHandle, TransferState, TransferStats, WritePermits)
-from pdserve.kv_transfer.base import DoneCallback
-from pdserve.node.affinity import available_cpus, pin_to_cpus, split_cpus
-from pdserve.node.ranks.tp_wire import StepBuffer, StepLimits, from_text, receive, send, to_text
+from pdserve.kv_transfer import KVTransferConfig
+from pdserve.common.affinity import available_cpus, pin_to_cpus, split_cpus
+from pdserve.ranks.tp_wire import Start, Step, StepBuffer, StepLimits
+from pdserve.ranks.worker_link import COLLECTIVE_TIMEOUT_S, WorkerLink
 
 if TYPE_CHECKING:
     from pdserve.engine.engine_core import EngineCore
 
 logger = logging.getLogger(__name__)
 
-# A collective waits this long for a silent rank (a frozen worker) before it fails the node.
-COLLECTIVE_TIMEOUT_S = 60.0
 WORKER_START_TIMEOUT_S = 300.0  # a worker loads its slice of the model meanwhile
-REPLY_TIMEOUT_S = 30.0  # a worker's answer to a grant (a connect adds the transport's own budget)
 STOP_GRACE_S = 5.0  # all workers together, after `stop`, before they are killed
 
 
@@ -78,7 +74,7 @@ def start_engine(engine: EngineConfig, policy: SchedulingPolicy | None = None, t
     group, engine = TPGroup.start(engine, transfer, cpus, log_prefix)
     try:
         loaded = load_model(engine.model, engine.torch_dtype, engine.model_impl, group.shard)
-        core = EngineCore(engine, policy, loaded, group.fanout, group.fanout_swaps)
+        core = EngineCore(engine, policy, loaded, group.fanout)
         group.start_ranks(core.num_blocks, StepLimits.of(engine.max_num_batched_tokens, engine.max_num_seqs,
                                                           core.max_model_len, engine.block_size),
                           core.swap.num_blocks)
@@ -87,10 +83,6 @@ def start_engine(engine: EngineConfig, policy: SchedulingPolicy | None = None, t
         group.close()
         raise
     return core, group
-
-
-class WorkerDied(RuntimeError):
-    """A worker rank exited or failed: the node cannot compute any more."""
 
 
 @dataclass(frozen=True)
@@ -161,7 +153,7 @@ class TPGroup:
         # multiprocessing refuses children to daemonic processes. Rank 0 owns its workers and
         # stops them itself (close(), and they exit when it dies), so it may have them.
         multiprocessing.current_process().daemon = False
-        from pdserve.node.ranks.tp_worker import worker_main  # the spawned side's entry point
+        from pdserve.ranks.tp_worker import worker_main  # the spawned side's entry point
 
         group = cls(size, [], [])
         try:
@@ -216,29 +208,23 @@ class TPGroup:
     def start_ranks(self, num_blocks: int, limits: StepLimits, num_swap_blocks: int = 0) -> None:
         """Every worker sizes its caches to `num_blocks` and its swap space to `num_swap_blocks`, maps
         the step buffer and (with a KV transport) registers its caches; returns once all are ready.
-        Raises WorkerDied."""
+        Raises WorkerDied (ranks/worker_link.py)."""
         self._buffer = StepBuffer.create(limits)
         try:
             for link in self._links:
-                link.send("start", num_blocks=num_blocks, num_swap_blocks=num_swap_blocks, buffer=self._buffer.path,
-                          nbytes=limits.nbytes)
+                link.send(Start(num_blocks, num_swap_blocks, self._buffer.path, limits.nbytes))
             for link in self._links:
                 link.wait_ready(WORKER_START_TIMEOUT_S)
         finally:
             self._buffer.unlink()  # mapped by every rank now (or the start failed): no file left behind
 
-    def fanout(self, batch: PackedBatch) -> None:
-        """The step's batch to every worker; rank 0 then runs its own share of the step."""
+    def fanout(self, batch: PackedBatch | None, copies: list[BlockCopy]) -> None:
+        """The step to every worker, one message each: its block copies, which the worker makes
+        first, and its batch (None: a step that only copies); rank 0 then runs its own share."""
         assert self._buffer is not None, "start_ranks() first"
-        shapes = self._buffer.write(batch)
+        msg = Step(None if batch is None else self._buffer.write(batch), copies)
         for link in self._links:
-            link.send("step", shapes=shapes, block_copies=batch.block_copies)
-
-    def fanout_swaps(self, swap_out: list[tuple[int, int]], swap_in: list[tuple[int, int]]) -> None:
-        """The step's block copies to and from the swap space, to every worker, ahead of its `step`
-        (one ordered pipe: each worker copies before it runs the step's forward)."""
-        for link in self._links:
-            link.send("swap", swap_out=swap_out, swap_in=swap_in)
+            link.send(msg)
 
     def links(self) -> list[WorkerLink]:
         return list(self._links)
@@ -265,193 +251,3 @@ class TPGroup:
             torch.distributed.destroy_process_group()
         os.sched_setaffinity(0, self._caller_cpus)
         torch.set_num_threads(self._caller_threads)
-
-
-class WorkerLink:
-    """One worker rank from rank 0: its command pipe (one lock: several threads send) and a
-    thread that reads its events. As a `RankLink` (node/ranks/kv_ranks.py) it forwards the KV
-    transport's calls; the handles it returns are finished by the worker's `handle` events."""
-
-    def __init__(self, rank: int, process: multiprocessing.Process, commands: Connection,
-                 events: Connection) -> None:
-        self.rank = rank
-        self._process = process
-        self._commands = commands
-        self._events = events
-        self._send_lock = threading.Lock()
-        self._lock = threading.Lock()
-        self._ids = itertools.count()
-        self._ready: Future[KVDescriptor | None] = Future()
-        self._replies: dict[int, Future[Any]] = {}
-        self._handles: dict[int, TransferHandle] = {}
-        self._dones: list[tuple[str, bytes]] = []
-        self._callback: DoneCallback | None = None
-        self._sent = TransferStats()
-        self._received = TransferStats()
-        self._failure: str | None = None
-        self._descriptor: KVDescriptor | None = None
-        self.connect_timeout_s = REPLY_TIMEOUT_S  # TPGroup.start sets the transport's own budget
-        self._reader = threading.Thread(target=self._read, name=f"pdserve-rank-{rank}-events", daemon=True)
-        self._reader.start()
-
-    # -- the pipe -------------------------------------------------------------------
-    def send(self, op: str, **fields: Any) -> None:
-        """One message, in order. A worker that reads nothing for a collective's timeout (frozen)
-        fails the node as a silent collective would, instead of blocking rank 0 on a full pipe."""
-        with self._send_lock:
-            try:
-                if self._commands.closed:
-                    raise OSError("its pipe is closed")
-                _, writable, _ = select.select([], [self._commands.fileno()], [], COLLECTIVE_TIMEOUT_S)
-                if not writable:
-                    raise WorkerDied(f"rank {self.rank} read nothing for {COLLECTIVE_TIMEOUT_S:g}s")
-                send(self._commands, op, **fields)
-            except (OSError, ValueError) as exc:  # the worker is gone
-                raise WorkerDied(f"rank {self.rank} is gone: {exc}") from exc
-
-    def _ask(self, op: str, timeout_s: float = REPLY_TIMEOUT_S, **fields: Any) -> Any:
-        reply_id = next(self._ids)
-        future: Future[Any] = Future()
-        with self._lock:
-            if self._failure is not None:
-                raise WorkerDied(self._failure)
-            self._replies[reply_id] = future
-        try:
-            self.send(op, reply_id=reply_id, **fields)
-            return future.result(timeout=timeout_s)
-        finally:
-            with self._lock:
-                self._replies.pop(reply_id, None)
-
-    def _read(self) -> None:
-        reason = None
-        try:
-            while True:
-                self._on_event(receive(self._events))
-        except (EOFError, OSError):
-            pass
-        except Exception as exc:  # noqa: BLE001 - a broken event fails this rank, never silently
-            reason = f"rank {self.rank}: unreadable event: {exc!r}"
-        self._fail_everything(reason or self._failure or f"rank {self.rank} exited")
-
-    def _on_event(self, event: dict[str, Any]) -> None:
-        op = event["op"]
-        if "sent" in event:
-            self._sent = TransferStats(**event["sent"])
-        if "received" in event:
-            self._received = TransferStats(**event["received"])
-        if op == "ready":
-            raw = event.get("descriptor")
-            self._ready.set_result(KVDescriptor.from_bytes(raw.encode()) if raw else None)
-        elif op == "reply":
-            with self._lock:
-                future = self._replies.pop(event["reply_id"], None)
-            if future is not None:
-                future.set_result(event)
-        elif op == "handle":
-            with self._lock:
-                handle = self._handles.pop(event["handle_id"], None)
-            if handle is not None:
-                handle._start()
-                handle._finish(TransferState(event["state"]), event.get("error"))
-        elif op == "done":
-            done = (event["req_id"], from_text(event["payload"]))
-            with self._lock:
-                self._dones.append(done)
-                callback = self._callback
-            if callback is not None:
-                callback(*done)
-        elif op == "failed":
-            self._failure = f"rank {self.rank} failed: {event['error']}"
-
-    def _fail_everything(self, reason: str) -> None:
-        self._failure = reason
-        with self._lock:
-            handles, self._handles = list(self._handles.values()), {}
-            replies, self._replies = list(self._replies.values()), {}
-        for handle in handles:
-            handle._finish(TransferState.FAILED, reason)
-        for future in replies:
-            future.set_exception(WorkerDied(reason))
-        if not self._ready.done():
-            self._ready.set_exception(WorkerDied(reason))
-
-    # -- lifetime -------------------------------------------------------------------
-    def wait_ready(self, timeout: float) -> None:
-        self._descriptor = self._ready.result(timeout=timeout)
-
-    def check_alive(self) -> None:
-        if self._failure is not None or not self._process.is_alive():
-            raise WorkerDied(self._failure or f"rank {self.rank} exited with {self._process.exitcode}")
-
-    def stop(self) -> None:
-        try:
-            self.send("stop")
-        except WorkerDied:
-            pass
-        with self._send_lock:
-            self._commands.close()
-
-    # -- RankLink -------------------------------------------------------------------
-    def descriptor(self) -> KVDescriptor:
-        if self._descriptor is None:
-            raise KVTransferError(f"rank {self.rank} runs no KV transport")
-        return self._descriptor
-
-    def connect(self, remote: KVDescriptor) -> str:
-        reply = self._ask("connect", timeout_s=self.connect_timeout_s, descriptor=remote.to_bytes().decode())
-        if reply.get("diffs") is not None:
-            raise FingerprintMismatch({k: tuple(v) for k, v in reply["diffs"].items()}, f"rank {self.rank}")
-        if reply.get("error") is not None:
-            raise KVTransferError(f"rank {self.rank}: {reply['error']}")
-        return reply["peer"]
-
-    def push(self, req_id: str, src: list[int], dst: list[int], heads: tuple[int, int], peer: str,
-             nbytes: int) -> TransferHandle:
-        return self._start_handle("push", TransferHandle(req_id, nbytes, len(dst)), req_id=req_id, src=src, dst=dst,
-                                  heads=list(heads), peer=peer)
-
-    def send_done(self, req_id: str, payload: bytes, peer: str) -> TransferHandle:
-        return self._start_handle("send_done", TransferHandle(req_id), req_id=req_id,
-                                  payload=to_text(payload), peer=peer)
-
-    def _start_handle(self, op: str, handle: TransferHandle, **fields: Any) -> TransferHandle:
-        handle_id = next(self._ids)
-        with self._lock:
-            if self._failure is not None:
-                handle._finish(TransferState.FAILED, self._failure)
-                return handle
-            self._handles[handle_id] = handle
-        self.send(op, handle_id=handle_id, **fields)
-        return handle
-
-    def poll_done(self) -> list[tuple[str, bytes]]:
-        with self._lock:
-            dones, self._dones = self._dones, []
-        return dones
-
-    def set_done_callback(self, callback: DoneCallback | None) -> None:
-        with self._lock:
-            self._callback = callback
-
-    def follow_permits(self, permits: WritePermits) -> None:
-        self.send("guard")
-        permits.follow(self)
-
-    def grant(self, req_id: str, block_ids) -> None:
-        """Answered before it returns: the reservation's READY may send a prefill node pushing at once."""
-        self._ask("grant", req_id=req_id, block_ids=list(block_ids))
-
-    def revoke(self, req_id: str) -> None:
-        """In order with every later step and grant on the worker's pipe, so nothing reuses the
-        blocks there before the worker has revoked."""
-        self.send("revoke", req_id=req_id)
-
-    def stats(self) -> TransferStats:
-        return self._sent.snapshot()
-
-    def recv_stats(self) -> TransferStats:
-        return self._received.snapshot()
-
-
-
