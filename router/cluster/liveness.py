@@ -38,7 +38,7 @@ class NodeGone(Exception):
 
 
 class GoneWatch:
-    """Watches nodes for the task that opens it, across any number of `until` awaits.
+    """Watches nodes across any number of `until` awaits, one at a time.
 
     One watch task per node for as long as the watch is open (`with GoneWatch(...)`);
     `until(awaitable)` then costs no task at all."""
@@ -46,12 +46,11 @@ class GoneWatch:
     def __init__(self, entries: Iterable[NodeEntry]) -> None:
         self._entries = list(entries)
         self._watches: dict[NodeEntry, asyncio.Future] = {}
-        self._task: asyncio.Task | None = None
+        self._task: asyncio.Task | None = None  # the task awaiting in `until`
         self._waiting = False  # inside `until`: a node gone now cancels the wait
         self._gone: NodeEntry | None = None  # the node whose loss cancelled the wait
 
     def __enter__(self) -> GoneWatch:
-        self._task = asyncio.current_task()
         for entry in self._entries:
             self._watch(entry)
         return self
@@ -74,6 +73,7 @@ class GoneWatch:
             if entry.gone.is_set():
                 _close(awaitable)
                 raise NodeGone(entry)
+        self._task = asyncio.current_task()
         self._waiting = True
         try:
             result = await awaitable
