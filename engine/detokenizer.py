@@ -12,9 +12,10 @@ partial character until the next token arrives.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 from transformers.tokenization_utils_base import PreTrainedTokenizerBase
+from transformers.tokenization_utils_tokenizers import TokenizersBackend
 
 # Prompt tokens decoded with the output, so a token's text is decoded in context
 # (e.g. leading-space rules of SentencePiece tokenizers); vLLM uses the same 5.
@@ -31,7 +32,7 @@ class IncrementalDetokenizer:
         prompt_token_ids: Sequence[int],
         skip_special_tokens: bool = True,
     ) -> None:
-        self._tokenizer = tokenizer
+        self._id_to_token, self._decode_tokens = _token_calls(tokenizer)
         self._skip_ids = frozenset(tokenizer.all_special_ids) if skip_special_tokens else frozenset()
         # Added tokens decode to their literal content, not through the decoder.
         self._added_tokens = frozenset(tokenizer.get_added_vocab())
@@ -47,7 +48,7 @@ class IncrementalDetokenizer:
         """Add one output token; returns the newly completed text (possibly "")."""
         if token_id in self._skip_ids:
             return ""
-        token = self._tokenizer.convert_ids_to_tokens(token_id)
+        token = self._id_to_token(token_id)
         if token is None:  # id beyond the tokenizer's vocab: decode() drops it too
             return ""
         self._tokens.append(token)
@@ -80,7 +81,7 @@ class IncrementalDetokenizer:
 
     def _tokens_to_string(self, tokens: list[str]) -> str:
         if not self._added_tokens.intersection(tokens):
-            return self._tokenizer.convert_tokens_to_string(tokens)
+            return self._decode_tokens(tokens)
         # Same as tokenizer.decode: runs of ordinary tokens go through the decoder,
         # added tokens are inserted verbatim.
         parts: list[str] = []
@@ -90,9 +91,22 @@ class IncrementalDetokenizer:
                 run.append(token)
                 continue
             if run:
-                parts.append(self._tokenizer.convert_tokens_to_string(run))
+                parts.append(self._decode_tokens(run))
                 run = []
             parts.append(token)
         if run:
-            parts.append(self._tokenizer.convert_tokens_to_string(run))
+            parts.append(self._decode_tokens(run))
         return "".join(parts)
+
+
+def _token_calls(tokenizer: PreTrainedTokenizerBase) -> tuple[Callable[[int], str | None], Callable[[list[str]], str]]:
+    """`convert_ids_to_tokens` for one id and `convert_tokens_to_string`, bound once. A fast
+    tokenizer that keeps transformers' own two methods gets the Rust calls they make, without
+    their per-call wrapper (looking the decoder up costs more than decoding a few tokens)."""
+    cls = type(tokenizer)
+    backend = tokenizer.backend_tokenizer if isinstance(tokenizer, TokenizersBackend) else None
+    if (backend is None or backend.decoder is None
+            or cls.convert_ids_to_tokens is not TokenizersBackend.convert_ids_to_tokens
+            or cls.convert_tokens_to_string is not TokenizersBackend.convert_tokens_to_string):
+        return tokenizer.convert_ids_to_tokens, tokenizer.convert_tokens_to_string
+    return backend.id_to_token, backend.decoder.decode

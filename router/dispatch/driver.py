@@ -44,7 +44,7 @@ import grpc
 
 from pdserve.proto import node_pb2
 from pdserve.router.errors import DeadlineExceeded, NodeFailed, NoNodeAvailable, Overloaded, from_node_error
-from pdserve.router.cluster.liveness import NodeGone, unless_gone
+from pdserve.router.cluster.liveness import GoneWatch, NodeGone, unless_gone
 from pdserve.router.cluster.placement import Candidate
 from pdserve.router.dispatch.recovery import NODE_LOST_CODES, NodeLost, RecoveryBudget, attempt_ids
 from pdserve.router.cluster.registry import NodeEntry, NodeKind
@@ -204,24 +204,26 @@ class SampleDriver:
         """Hand the stream's events to the sink until the sample ends; raises `NodeLost` when
         the node goes away first."""
         node, sink = f"{self._route.kind.value} node {leg.entry.address}", self.sink
-        # An opening event the sink takes (a colocated node's) is the first one to hand it.
-        event = leg.first if leg.first.WhichOneof("event") == sink.event else await self._next_event(leg)
-        while True:
-            if event.WhichOneof("event") != sink.event:
-                raise NodeFailed(f"{node} sent {event.WhichOneof('event')}, not {sink.event}")
-            if sink.push(event):
-                await self._await_end(leg.call)
-                return
-            if sink.finished:
-                return  # a stop string: the caller cancels the call
-            event = await self._next_event(leg)
+        # One watch on the stream's nodes for the whole stream, not one per event.
+        with GoneWatch([leg.entry, *leg.feeders]) as watch:
+            # An opening event the sink takes (a colocated node's) is the first one to hand it.
+            event = leg.first if leg.first.WhichOneof("event") == sink.event else await self._next_event(leg, watch)
+            while True:
+                if event.WhichOneof("event") != sink.event:
+                    raise NodeFailed(f"{node} sent {event.WhichOneof('event')}, not {sink.event}")
+                if sink.push(event):
+                    await self._await_end(leg.call)
+                    return
+                if sink.finished:
+                    return  # a stop string: the caller cancels the call
+                event = await self._next_event(leg, watch)
 
-    async def _next_event(self, leg: Leg) -> node_pb2.DecodeEvent:
+    async def _next_event(self, leg: Leg, watch: GoneWatch) -> node_pb2.DecodeEvent:
         node = f"{self._route.kind.value} node {leg.entry.address}"
         # Lost once the client has tokens: a resume; before any: a retry.
         decoding = bool(self.sink.streamed_token_ids)
         try:
-            event = await unless_gone(leg.call.read(), [leg.entry, *leg.feeders])
+            event = await watch.until(leg.call.read())
         except NodeGone as gone:
             # Frozen or replaced (the stream's node, or the prefill node still sending it KV): it
             # answers nothing, so no probe; never asked again for this sample.
@@ -236,8 +238,10 @@ class SampleDriver:
             raise self._route.stream_lost(leg, failure, decoding) from exc
         if event is grpc.aio.EOF:
             raise self._route.stream_lost(leg, NodeFailed(f"{node} ended the stream unfinished"), decoding)
-        if event.WhichOneof("event") == self.sink.event:
-            leg.feeders.clear()  # the KV has landed: the stream no longer depends on its sender
+        if leg.feeders and event.WhichOneof("event") == self.sink.event:
+            # The KV has landed: the stream no longer depends on its sender.
+            watch.forget(leg.feeders)
+            leg.feeders.clear()
         return event
 
     def _kv_never_came(self, leg: Leg, exc: grpc.aio.AioRpcError) -> bool:

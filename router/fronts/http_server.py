@@ -40,6 +40,8 @@ from pdserve.router.errors import InvalidRequest, RouterError
 from pdserve.router.requests.merge import merged
 
 RETRY_AFTER_S = "1"
+# Compact JSON, one encoder for every chunk (json.dumps with options builds one per call).
+_encode = json.JSONEncoder(separators=(",", ":")).encode
 Runner = Callable[[pdserve_pb2.GenerateRequest], AsyncIterator[pdserve_pb2.GenerateResponse]]
 
 
@@ -201,7 +203,9 @@ class HTTPFront:
         request_id = f"{'chatcmpl' if kind == 'chat.completion' else 'cmpl'}-{uuid.uuid4().hex}"
         n = max(1, requests[0].sampling_params.n or 1)
         # Every prompt's request at once; leaving early (a disconnect, an error) cancels them all.
-        events = merged([_prompt_producer(self._run, i, r, n) for i, r in enumerate(requests)])
+        # One prompt needs no merging: its responses are read in this task, without a queue.
+        events = (_prompt_responses(self._run, 0, requests[0], n) if len(requests) == 1 else
+                  merged([_prompt_producer(self._run, i, r, n) for i, r in enumerate(requests)]))
         if body.get("stream"):
             include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
             return await self._stream(request, events, request_id, kind, make_choice, opening,
@@ -229,6 +233,7 @@ class HTTPFront:
             first_event = None
         response = web.StreamResponse(headers={"Content-Type": "text/event-stream", "Cache-Control": "no-cache"})
         await response.prepare(request)
+        chunks = _ChunkWriter(response, head)
         try:
             pending = [first_event] if first_event is not None else []
             async for event in _chain(pending, events):
@@ -236,8 +241,8 @@ class HTTPFront:
                 if index not in opened:
                     opened.add(index)
                     if (first := opening(index, delta)) is not None:
-                        await _send(response, {**head, "choices": [first]})
-                await _send(response, {**head, "choices": [make_choice(oa.Choice(index), delta)]})
+                        await chunks.choice(first)
+                await chunks.choice(make_choice(oa.Choice(index), delta))
                 if usage is not None:
                     usage.add(index, delta)
             if usage is not None:
@@ -249,11 +254,29 @@ class HTTPFront:
         return response
 
 
-def _prompt_producer(run: Runner, prompt_index: int, request: pdserve_pb2.GenerateRequest, n: int):
+class _ChunkWriter:
+    """A stream's `data: {envelope..., "choices": [choice]}` events, the envelope encoded once:
+    the same bytes `_send` writes for `{**head, "choices": [choice]}`."""
+
+    def __init__(self, response: web.StreamResponse, head: dict[str, Any]) -> None:
+        self._response = response
+        self._prefix = b"data: " + _encode(head)[:-1].encode() + b',"choices":['
+
+    async def choice(self, choice: dict[str, Any]) -> None:
+        await self._response.write(self._prefix + _encode(choice).encode() + b"]}\n\n")
+
+
+async def _prompt_responses(run: Runner, prompt_index: int, request: pdserve_pb2.GenerateRequest, n: int):
     """One prompt's responses as (choice index, response); choice = prompt × n + sample."""
+    async for response in run(request):
+        yield prompt_index * n + response.index, response
+
+
+def _prompt_producer(run: Runner, prompt_index: int, request: pdserve_pb2.GenerateRequest, n: int):
+    """One prompt's responses, put as `_prompt_responses` yields them (one producer of a merge)."""
     async def produce(put) -> None:
-        async for response in run(request):
-            put((prompt_index * n + response.index, response))
+        async for item in _prompt_responses(run, prompt_index, request, n):
+            put(item)
     return produce
 
 
@@ -265,7 +288,7 @@ async def _chain(first: list, rest: AsyncIterator):
 
 
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
-    await response.write(b"data: " + json.dumps(payload, separators=(",", ":")).encode() + b"\n\n")
+    await response.write(b"data: " + _encode(payload).encode() + b"\n\n")
 
 
 async def _json(request: web.Request) -> dict[str, Any]:

@@ -68,6 +68,7 @@ class TokenRelay:
         self.streamed_token_ids: list[int] = []
         self.prefill = PrefillTotals()
         self._first_token_at: float | None = None
+        self._wants_logprobs = request.params.logprobs is not None
 
     @property
     def finished(self) -> bool:
@@ -101,18 +102,21 @@ class TokenRelay:
         """Relay one event of a node that judged the stop rules itself; True if the node
         ended the sample (False when a stop string ended it here, or it goes on)."""
         node_reason = finish_reason_from_proto(tokens.finish_reason)
+        stream = self._stream
+        token_ids = tokens.token_ids
+        last = len(token_ids) - 1
         ids: list[int] = []
         text = ""
-        for i, token in enumerate(tokens.token_ids):
-            last = i == len(tokens.token_ids) - 1
-            text += self._stream.push_token(token, None, node_reason if last else None).text
+        for i, token in enumerate(token_ids):
+            text += stream.push_token(token, None, node_reason if i == last else None).text
             ids.append(token)
-            if self.finished:
+            if stream.finish_reason is not None:
                 break
-        if not tokens.token_ids and node_reason is not None:
-            text += self._stream.finish(node_reason).text
-        self._respond(ids, text, list(tokens.logprobs[: len(ids)]), tokens.prompt_logprobs)
-        return node_reason is not None and not self._stream.hit_stop_string
+        if last < 0 and node_reason is not None:
+            text += stream.finish(node_reason).text
+        logprobs = list(tokens.logprobs[: len(ids)]) if self._wants_logprobs else []
+        self._respond(ids, text, logprobs, tokens.prompt_logprobs)
+        return node_reason is not None and not stream.hit_stop_string
 
     # -- responses ----------------------------------------------------------------------
 
@@ -123,20 +127,17 @@ class TokenRelay:
         # The client gets the prompt's logprobs once, with the sample's first token.
         first = not self.streamed_token_ids and bool(token_ids)
         self.streamed_token_ids.extend(token_ids)
-        if not token_ids and not text and not self.finished:
+        reason = self._stream.finish_reason
+        if not token_ids and not text and reason is None:
             return
-        response = pdserve_pb2.GenerateResponse(
-            request_id=self._request.request_id,
-            index=self._index,
-            token_ids=token_ids,
-            text=text,
-            logprobs=logprobs if self._request.params.logprobs is not None else [],
-            finish_reason=finish_reason_to_proto(self._stream.finish_reason),
-            stop_token_id=-1,
-        )
+        response = pdserve_pb2.GenerateResponse(request_id=self._request.request_id, index=self._index,
+                                                token_ids=token_ids, text=text, stop_token_id=-1)
+        if logprobs and self._wants_logprobs:
+            response.logprobs.extend(logprobs)
         if first and self._request.params.prompt_logprobs is not None:
             response.prompt_logprobs.extend(prompt_logprobs)
-        if self.finished:
+        if reason is not None:
+            response.finish_reason = finish_reason_to_proto(reason)
             self._finish(response)
         self._send(response)
 

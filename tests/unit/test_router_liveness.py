@@ -12,7 +12,7 @@ import asyncio
 import pytest
 
 from pdserve.proto import node_pb2
-from pdserve.router.cluster.liveness import NodeGone, unless_gone
+from pdserve.router.cluster.liveness import GoneWatch, NodeGone, unless_gone
 from pdserve.router.cluster.registry import NodeEntry, NodeKind, NodeRegistry
 from pdserve.testing.node_server import fake_nodes
 from pdserve.testing.router import run
@@ -156,3 +156,47 @@ def test_a_node_registering_again_ends_the_waits_on_its_old_process():
             return str(gone)
 
     assert run(scenario()) == "decode node d0 is gone: 127.0.0.1:1 registered again (a new process)"
+
+
+def test_a_stream_watch_returns_each_result_and_ends_the_wait_its_node_leaves():
+    # One watch for a whole stream: every await gets its result while the nodes are there; a
+    # node no longer depended on (forgotten) ends nothing; the stream's own node, gone while
+    # an await waits, ends that await with NodeGone.
+    stream_node = NodeEntry("d0", NodeKind.DECODE, "127.0.0.1:1", static=False)
+    feeder = NodeEntry("p0", NodeKind.PREFILL, "127.0.0.1:2", static=False)
+
+    async def scenario():
+        with GoneWatch([stream_node, feeder]) as watch:
+            results = [await watch.until(asyncio.sleep(0, result=i)) for i in range(3)]
+            watch.forget([feeder])
+            feeder.gone.set()
+            results.append(await watch.until(asyncio.sleep(0.05, result="after the feeder left")))
+            waiting = asyncio.ensure_future(watch.until(asyncio.Event().wait()))
+            await asyncio.sleep(0)
+            stream_node.gone_reason = "registered again (a new process)"
+            stream_node.gone.set()
+            try:
+                await asyncio.wait_for(waiting, 5)
+            except NodeGone as gone:
+                return results, gone.entry.node_id
+        return results, None
+
+    assert run(scenario()) == ([0, 1, 2, "after the feeder left"], "d0")
+
+
+def test_a_watched_wait_cancelled_from_elsewhere_stays_cancelled():
+    entry = NodeEntry("d0", NodeKind.DECODE, "127.0.0.1:1", static=False)
+
+    async def scenario():
+        waiting = asyncio.ensure_future(unless_gone(asyncio.Event().wait(), [entry]))
+        await asyncio.sleep(0)
+        waiting.cancel()  # the client left: the wait ends cancelled, not with NodeGone
+        entry.gone.set()
+        try:
+            await waiting
+        except asyncio.CancelledError:
+            return "cancelled"
+        except NodeGone:
+            return "gone"
+
+    assert run(scenario()) == "cancelled"
