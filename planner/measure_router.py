@@ -1,7 +1,7 @@
 """`pdserve profile`'s router measurement: the router's CPU per request and per streamed token.
 
 The serving bench's router-cost setup (bench/http_front.py): a real `pdserve router` process on
-the model folder behind fake nodes that answer at once (bench/fake_nodes.py), so the router is the
+the model folder behind fake nodes that answer at once (pdserve.testing.serve_fakes), so the router is the
 only work, driven by closed-loop gRPC streams. Two runs of the same requests with few and with
 many tokens each separate the two costs: CPU = per_request × requests + per_token × tokens.
 
