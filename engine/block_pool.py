@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 from array import array
 from collections import OrderedDict
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
 
 BlockHash = bytes
@@ -44,23 +44,55 @@ class PrefixCacheStats:
         return self.hits / self.queries if self.queries else 0.0
 
 
+class LazyBlocks:
+    """The pool's blocks by id, each made on first use: a pool of a million blocks (a node's
+    default KV budget on a tiny model, or every node of a simulated cluster) starts at once."""
+
+    def __init__(self, num_blocks: int) -> None:
+        self._num_blocks = num_blocks
+        self._made: dict[int, KVBlock] = {}
+
+    def __len__(self) -> int:
+        return self._num_blocks
+
+    def __getitem__(self, block_id: int) -> KVBlock:
+        block = self._made.get(block_id)
+        if block is None:
+            if not 0 <= block_id < self._num_blocks:
+                raise IndexError(f"block {block_id} is not in a pool of {self._num_blocks}")
+            block = self._made[block_id] = KVBlock(block_id)
+        return block
+
+    def __iter__(self) -> Iterator[KVBlock]:
+        return (self[i] for i in range(self._num_blocks))
+
+
 class BlockPool:
     def __init__(self, num_blocks: int, enable_caching: bool = True) -> None:
         self.num_blocks = num_blocks
         self.enable_caching = enable_caching
-        self.blocks = [KVBlock(i) for i in range(num_blocks)]
-        # Free blocks in eviction order: the first is handed out next.
-        self._free: OrderedDict[int, KVBlock] = OrderedDict((b.block_id, b) for b in self.blocks)
+        self.blocks = LazyBlocks(num_blocks)
+        # Free blocks in eviction order, the first handed out next: the pool starts with every
+        # block free in id order, so the never-used ids come first (from `_next_fresh` up, less
+        # those taken out of turn), then the blocks freed after use, oldest first (`_free`).
+        self._next_fresh = 0
+        self._fresh_taken: set[int] = set()  # never-used ids above `_next_fresh` a touch took
+        self._free: OrderedDict[int, KVBlock] = OrderedDict()
         self._cached: dict[BlockHash, KVBlock] = {}
         self.stats = PrefixCacheStats()
 
     @property
     def num_free_blocks(self) -> int:
-        return len(self._free)
+        return self.num_blocks - self._next_fresh - len(self._fresh_taken) + len(self._free)
 
     @property
     def num_used_blocks(self) -> int:
-        return self.num_blocks - len(self._free)
+        return self.num_blocks - self.num_free_blocks
+
+    def free_order(self) -> list[int]:
+        """Free block ids in the order they are handed out (for tests that pin the order down)."""
+        fresh = [i for i in range(self._next_fresh, self.num_blocks) if i not in self._fresh_taken]
+        return fresh + list(self._free)
 
     @property
     def num_cached_blocks(self) -> int:
@@ -86,10 +118,19 @@ class BlockPool:
 
     def allocate(self, num: int) -> list[KVBlock] | None:
         """Take `num` free blocks (LRU first), evicting any prefix they cached; None if short."""
-        if num > len(self._free):
+        if num > self.num_free_blocks:
             return None
         taken = []
-        for _ in range(num):
+        while len(taken) < num and self._next_fresh < self.num_blocks:
+            block_id = self._next_fresh
+            self._next_fresh += 1
+            if block_id in self._fresh_taken:
+                self._fresh_taken.discard(block_id)  # taken out of turn: it is in use, or in `_free`
+                continue
+            block = self.blocks[block_id]
+            block.ref_count = 1
+            taken.append(block)
+        while len(taken) < num:
             _, block = self._free.popitem(last=False)
             self._evict(block)
             block.ref_count = 1
@@ -99,8 +140,8 @@ class BlockPool:
     def touch(self, blocks: Iterable[KVBlock]) -> None:
         """Take one more reference on blocks found in the prefix cache."""
         for block in blocks:
-            if block.ref_count == 0:
-                del self._free[block.block_id]
+            if block.ref_count == 0 and self._free.pop(block.block_id, None) is None:
+                self._fresh_taken.add(block.block_id)  # never used yet: skipped when its turn comes
             block.ref_count += 1
 
     def free(self, blocks: Iterable[KVBlock]) -> None:

@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import random
+from collections import OrderedDict
+
 import pytest
 
-from pdserve.engine.block_pool import BlockPool, hash_block_tokens
+from pdserve.engine.block_pool import BlockPool, KVBlock, hash_block_tokens
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
@@ -139,3 +142,36 @@ def test_taken_blocks_stay_held_until_freed():
     assert kv.block_ids("a") == [] and kv.num_used_blocks == 2
     kv.pool.free(blocks)
     assert kv.num_used_blocks == 0
+
+
+def test_blocks_are_made_on_first_use_and_hand_out_in_the_order_of_one_free_queue():
+    """The pool makes a block when first taken, yet hands blocks out exactly as one queue of every
+    id would: never-used ids in order, then freed blocks oldest first; a touch of a never-used
+    block takes it out of turn."""
+    rng = random.Random(3)
+    pool = BlockPool(12, enable_caching=False)
+    queue: OrderedDict[int, None] = OrderedDict((i, None) for i in range(12))  # the one-queue model
+    held: list[KVBlock] = []
+    for _ in range(300):
+        op = rng.choice(("allocate", "free", "touch"))
+        if op == "allocate":
+            num = rng.randint(1, 3)
+            got = pool.allocate(num)
+            if num > len(queue):
+                assert got is None
+                continue
+            expected = [queue.popitem(last=False)[0] for _ in range(num)]
+            assert [b.block_id for b in got] == expected
+            held += got
+        elif op == "free" and held:
+            block = held.pop(rng.randrange(len(held)))
+            pool.free([block])
+            if block.ref_count == 0:
+                queue[block.block_id] = None
+        elif op == "touch":
+            block = pool.blocks[rng.randrange(12)]
+            pool.touch([block])
+            queue.pop(block.block_id, None)
+            held.append(block)
+        assert pool.free_order() == list(queue) and pool.num_free_blocks == len(queue)
+    assert len(pool.blocks) == 12 and [b.block_id for b in pool.blocks] == list(range(12))

@@ -54,9 +54,8 @@ def prefill() -> PolicySetup:
 
 
 def free_queue(kv: KVCacheManager) -> list[int]:
-    """Free block ids in the order the pool hands them out next. The pool exposes only
-    their count; the order is what these tests pin down, so it is read here alone."""
-    return list(kv.pool._free)
+    """Free block ids in the order the pool hands them out next."""
+    return kv.pool.free_order()
 
 
 def ref_counts(kv: KVCacheManager, block_ids: Iterable[int]) -> list[int]:
