@@ -19,6 +19,8 @@ from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
+import grpc
+
 from pdserve.cluster_process import ClusterProcess
 from pdserve.testing.waiting import settled
 from pdserve.proto import node_pb2
@@ -211,9 +213,22 @@ class FaultCluster:
         return _poll_held(self, timeout_s)
 
 
-def _poll_held(cluster: FaultCluster, timeout_s: float) -> dict[str, tuple[int, int]]:
-    return settled(lambda: {n: (s.used_blocks, s.reserved_blocks) for n in cluster.live_nodes() for s in [cluster.stats(n)]},
+def _poll_held(cluster: FaultCluster, timeout_s: float) -> dict[str, tuple[int, int] | None]:
+    """(used, reserved) of every live node once none holds a block; None for a node that does not
+    answer its stats yet (one the launcher just started again: its core may still be loading),
+    which keeps the poll going until it does."""
+    return settled(lambda: {n: _held(cluster, n) for n in cluster.live_nodes()},
                    lambda held: all(h == (0, 0) for h in held.values()), timeout_s, interval_s=0.1)
+
+
+def _held(cluster: FaultCluster, name: str) -> tuple[int, int] | None:
+    try:
+        stats = cluster.stats(name)
+    except grpc.RpcError as exc:
+        if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+            return None
+        raise
+    return stats.used_blocks, stats.reserved_blocks
 
 
 def _alive(pid: int) -> bool:
