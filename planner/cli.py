@@ -1,13 +1,15 @@
 """`pdserve plan`: from a workload and two SLOs to the `pdserve cluster` command that serves it best.
 
     pdserve plan --model DIR --devices N --ttft-slo S --tpot-slo S [--attainment 0.9] \\
-        [--workload fixed|uniform|chat|jsonl ...] [--output-json F]
+        [--workload fixed|uniform|chat|jsonl ...] [--output-json F] [--validate K]
 
 Profiles each node configuration the search needs (cached: `pdserve profile`), simulates every
 candidate on N devices under the workload (planner/search.py, planner/simulator.py), predicts
 its goodput per device and its TTFT/TPOT at that rate, prints a ranked table and the command
 line of the best. SLOs that no candidate meets are refused in one line naming the best figures
-attainable (exit 2). Owns the flags, their checks and the output; decides nothing itself.
+attainable (exit 2). `--validate K` then runs the top K and a few others for real and prints
+the plan's measured error (planner/validate.py). Owns the flags, their checks and the output;
+decides nothing itself.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import argparse
 import json
 import shlex
 import sys
+from dataclasses import replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -32,6 +35,7 @@ from pdserve.planner.goodput import Traffic
 from pdserve.planner.profile import Profile, ProfileCache
 from pdserve.planner.profile_cli import default_model, int_list, profiles_for, router_cost_for
 from pdserve.planner.search import Candidate, Evaluated, Knobs, evaluate, layouts, ranked
+from pdserve.planner.validate import ValidationPlan, chosen, format_validation, report_record, validate
 
 
 class Unattainable(Refused):
@@ -63,6 +67,14 @@ def _parser() -> argparse.ArgumentParser:
                              "than --num-requests at high rates), so a probe is a sustained load, not a burst")
     search.add_argument("--tolerance", type=float, default=0.1, help="stop when the bracket is this fraction")
     search.add_argument("--max-probes", type=int, default=10, help="simulated runs per candidate at most")
+    check = p.add_argument_group("validation (runs clusters for real: minutes per candidate)")
+    check.add_argument("--validate", type=int, default=0, metavar="K",
+                       help="start the top K candidates and --validate-others more for real, sweep each with "
+                            "`pdserve bench serve`'s machinery and print predicted vs measured goodput and P90s")
+    check.add_argument("--validate-others", type=int, default=2, metavar="M",
+                       help="with --validate: the best-ranked candidates of M more layouts")
+    check.add_argument("--validate-probes", type=int, default=6,
+                       help="with --validate: real runs per candidate's sweep at most")
     out = p.add_argument_group("output")
     out.add_argument("--output-json", type=Path)
     out.add_argument("--profile-dir", help="where profiles are cached (default: <pdserve cache>/profiles)")
@@ -89,6 +101,10 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Knobs]:
         p.error(f"--tolerance must be in (0, 1), got {args.tolerance}")
     if args.max_probes < 2:
         p.error("--max-probes must be >= 2")
+    if args.validate < 0 or args.validate_others < 0:
+        p.error("--validate and --validate-others must be >= 0")
+    if args.validate_probes < 2:
+        p.error("--validate-probes must be >= 2")
     schedules = [s.strip() for s in args.chunk_schedules.split(",") if s.strip()]
     bad = [s for s in schedules if s not in ("fixed", "staged", "target-step")] or ([] if schedules else ["(none)"])
     if bad:
@@ -168,7 +184,7 @@ def unattainable(results: list[Evaluated], devices: int, slo: Slo, target: float
         f"{best.prediction.run.rate:.3g} req/s)")
 
 
-def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[Evaluated], dict]:
+def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[Evaluated], dict, ValidationPlan]:
     model = default_model(args.model)
     candidates = [Candidate(lay, k) for lay in layouts(args.devices) for k in knobs]
     threads = sorted({t for c in candidates for t in c.layout.threads})
@@ -192,7 +208,9 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
         "command": best["command"], "mode": best["mode"], "predicted_goodput_rps": best["predicted_goodput_rps"],
         "predicted": {"ttft_p90_s": best["predicted"]["ttft_p90_s"], "tpot_p90_s": best["predicted"]["tpot_p90_s"]}},
         "candidates": records}
-    return results, report
+    checks = ValidationPlan(traffic, lambda limits: build_workload(args, limits), slo,
+                            replace(sweep, max_probes=args.validate_probes), first.setup.dtype, args.block_size)
+    return results, report, checks
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -200,8 +218,14 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     knobs = _check(p, args)
     try:
-        results, report = plan(args, knobs, log=lambda line: print(line, file=sys.stderr))
+        log = lambda line: print(line, file=sys.stderr)  # noqa: E731 - progress, not the answer
+        results, report, checks = plan(args, knobs, log=log)
         print(format_table(results))
+        if args.validate and report["recommended"] is not None:
+            validations = validate(chosen(results, args.validate, args.validate_others),
+                                   default_model(args.model), checks, log=log)
+            print(format_validation(validations))
+            report["validation"] = report_record(validations)
         if args.output_json is not None:
             args.output_json.parent.mkdir(parents=True, exist_ok=True)
             args.output_json.write_text(json.dumps(report, indent=1))

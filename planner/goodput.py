@@ -18,6 +18,7 @@ from dataclasses import dataclass
 
 from pdserve.bench.serve.arrivals import ArrivalProcess, arrival_times
 from pdserve.bench.serve.metrics import Slo, Summary, request_metrics, run_duration, summarize
+from pdserve.bench.serve.runner import RunLength
 from pdserve.bench.serve.sweep import SweepConfig, find_max_rate
 from pdserve.planner.simulator import ClusterSim, ClusterSpec, SimRequest
 from pdserve.planner.step_cost import StepShape
@@ -51,8 +52,13 @@ class Traffic:
             self._made.append(self._request(len(self._made)))
         return self._made[index]
 
+    @property
+    def length(self) -> RunLength:
+        """What a real run of this traffic sends (a validation runs it so)."""
+        return RunLength(num_requests=self.num_requests, min_duration_s=self.min_duration_s)
+
     def count(self, rate: float) -> int:
-        return max(self.num_requests, math.ceil(rate * self.min_duration_s))
+        return self.length.count_at(rate)
 
     def at_rate(self, rate: float) -> list[SimRequest]:
         times = arrival_times(ArrivalProcess(rate, self.cv), self.seed, num_requests=self.count(rate))

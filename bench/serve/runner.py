@@ -11,6 +11,7 @@ Never parses flags and never writes files.
 from __future__ import annotations
 
 import itertools
+import math
 from dataclasses import dataclass
 
 import uvloop
@@ -23,10 +24,23 @@ from pdserve.bench.serve.workloads import Workload
 
 @dataclass(frozen=True)
 class RunLength:
-    """A run sends `num_requests`, or every request due within `duration_s` (exactly one is set)."""
+    """A run sends `num_requests`, or every request due within `duration_s` (exactly one is set).
+
+    `min_duration_s`, with `num_requests`: more requests at high rates, enough that the arrivals
+    span it, so that every probe of a sweep is a sustained load (a short burst far above what a
+    cluster sustains can drain within the SLOs and pass)."""
 
     num_requests: int | None = None
     duration_s: float | None = None
+    min_duration_s: float = 0.0
+
+    def count_at(self, rate: float) -> int | None:
+        """How many requests a run at `rate` sends; None: all those due within `duration_s`."""
+        if self.num_requests is None:
+            return None
+        if not math.isfinite(rate):
+            return self.num_requests
+        return max(self.num_requests, math.ceil(rate * self.min_duration_s))
 
 
 @dataclass(frozen=True)
@@ -52,7 +66,7 @@ class ServeBench:
         self._runs = itertools.count()
 
     def run_at(self, rate: float) -> Run:
-        due = arrival_times(ArrivalProcess(rate, self._cv), self._seed, self._length.num_requests,
+        due = arrival_times(ArrivalProcess(rate, self._cv), self._seed, self._length.count_at(rate),
                             self._length.duration_s)
         if not due:
             raise ValueError(f"no request is due within {self._length.duration_s} s at {rate:g} requests/s")

@@ -1,0 +1,193 @@
+"""`pdserve plan --validate K`: the plan's own error, measured — predicted against real runs.
+
+The top K candidates of the ranking and a few others (the best-ranked candidates of layouts
+not yet chosen, so that a validation also sees the modes the plan turned down) are each started
+for real with the command line the plan prints (`pdserve cluster`, as users run it), warmed up,
+and swept with `pdserve bench serve`'s own machinery: the same workload, arrivals, run length
+(planner/goodput.py's `Traffic`), SLOs, attainment target and bisection the prediction used.
+A prediction and its measurement therefore differ only in what produced the traces.
+
+The sweep starts at the predicted goodput, so its first probe also measures the P90s at the
+predicted rate: the latency error is read there, at the same rate on both sides.
+
+Must never: decide the plan (that is planner/search.py's), or leave a cluster running.
+"""
+
+from __future__ import annotations
+
+import math
+import statistics
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import uvloop
+
+from pdserve.bench.serve.client import ClientOptions
+from pdserve.bench.serve.grpc_backend import GrpcBackend
+from pdserve.bench.serve.metrics import Slo, Summary
+from pdserve.bench.serve.runner import Run, RunLength, ServeBench
+from pdserve.bench.serve.sweep import SweepConfig, SweepResult, find_max_rate
+from pdserve.bench.serve.workloads import ModelLimits, Workload
+from pdserve.cluster_process import ClusterProcess
+from pdserve.planner.goodput import Traffic
+from pdserve.planner.search import Evaluated
+
+WARMUP_REQUESTS = 4  # every node's first shapes (kernel builds, allocator growth) before any probe
+
+
+def chosen(results: list[Evaluated], top: int, others: int) -> list[Evaluated]:
+    """The first `top` of the ranking, then the best-ranked candidate of each layout not yet
+    chosen, in ranking order, until `others` more are chosen."""
+    picked = list(results[:top])
+    layouts = {e.candidate.layout for e in picked}
+    for e in results[top:]:
+        if len(picked) >= top + others:
+            break
+        if e.candidate.layout not in layouts:
+            picked.append(e)
+            layouts.add(e.candidate.layout)
+    return picked
+
+
+@dataclass(frozen=True)
+class Validation:
+    evaluated: Evaluated
+    measured_goodput_rps: float  # 0 when no probed rate met the target
+    at_predicted_rate: Summary | None  # the real run at the predicted goodput (None: nothing was predicted)
+    sweep: SweepResult[Run]
+
+    @property
+    def predicted_goodput_rps(self) -> float:
+        return self.evaluated.prediction.goodput_rps
+
+    @property
+    def goodput_error(self) -> float | None:
+        """(predicted - measured) / measured; None when nothing was measured to divide by."""
+        if self.measured_goodput_rps <= 0:
+            return None
+        return (self.predicted_goodput_rps - self.measured_goodput_rps) / self.measured_goodput_rps
+
+
+@dataclass(frozen=True)
+class ValidationPlan:
+    """How each chosen candidate is measured."""
+
+    traffic: Traffic
+    make_workload: Callable[[ModelLimits], Workload]
+    slo: Slo
+    sweep: SweepConfig  # the prediction's own target, tolerance and probe budget
+    dtype: str  # the plan's, resolved: the command line names it
+    block_size: int
+    timeout_s: float = 600.0
+
+
+def validate(candidates: list[Evaluated], model: str, plan: ValidationPlan, log=print) -> list[Validation]:
+    return [_measure(e, model, plan, log) for e in candidates]
+
+
+def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Validation:
+    command = e.candidate.command(model, plan.dtype, plan.block_size)
+    log(f"validate: starting {e.candidate.layout.describe()}: {' '.join(command)}")
+    with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as workdir:
+        # command[:2] is "pdserve cluster"; ClusterProcess runs the same program with its own ports.
+        with ClusterProcess([*command[2:], "--http-port", "0"], workdir) as cluster:
+            backend = GrpcBackend(cluster.router, ClientOptions(timeout_s=plan.timeout_s, progress=False))
+            workload = plan.make_workload(uvloop.run(backend.model()).limits)
+            traffic = plan.traffic
+            bench = ServeBench(backend, workload, traffic.length, traffic.cv, traffic.seed, plan.slo)
+            ServeBench(backend, workload, RunLength(num_requests=WARMUP_REQUESTS), traffic.cv, traffic.seed + 1,
+                       Slo()).run_at(math.inf)
+            predicted = e.prediction.goodput_rps
+            runs: dict[float, Run] = {}
+
+            def run_at(rate: float) -> Run:
+                runs[rate] = bench.run_at(rate)
+                log(f"validate: {e.candidate.layout.describe()} at {rate:.3g} req/s: attainment "
+                    f"{runs[rate].attainment:.3f}")
+                return runs[rate]
+
+            start = predicted if predicted > 0 else plan.sweep.start_rate
+            sweep = find_max_rate(run_at, SweepConfig(plan.sweep.target_attainment, start_rate=start,
+                                                      tolerance=plan.sweep.tolerance,
+                                                      max_probes=plan.sweep.max_probes))
+    at_predicted = runs[predicted].summary if predicted > 0 else None
+    return Validation(e, sweep.best_rate or 0.0, at_predicted, sweep)
+
+
+# -- the report ---------------------------------------------------------------------------------
+def _p90(summary: Summary | None, field: str) -> float | None:
+    dist = getattr(summary, field) if summary is not None else None
+    return None if dist is None else dist.p90
+
+
+def _error(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def median_abs_goodput_error(validations: list[Validation]) -> float | None:
+    errors = [abs(v.goodput_error) for v in validations if v.goodput_error is not None]
+    return statistics.median(errors) if errors else None
+
+
+def recommended_share_of_best(validations: list[Validation]) -> float | None:
+    """The recommended (first-ranked) candidate's measured goodput over the best measured one's."""
+    best = max((v.measured_goodput_rps / v.evaluated.candidate.layout.devices for v in validations), default=0.0)
+    if not validations or best <= 0:
+        return None
+    first = validations[0]
+    return first.measured_goodput_rps / first.evaluated.candidate.layout.devices / best
+
+
+def validation_record(v: Validation) -> dict:
+    predicted = v.evaluated.prediction.run.summary
+    return {
+        "layout": v.evaluated.candidate.layout.describe(),
+        "predicted_goodput_rps": v.predicted_goodput_rps,
+        "measured_goodput_rps": v.measured_goodput_rps,
+        "goodput_error": v.goodput_error,
+        "measured_converged": v.sweep.converged,
+        "at_predicted_rate": {
+            "ttft_p90_s": {"predicted": _p90(predicted, "ttft_s"), "measured": _p90(v.at_predicted_rate, "ttft_s")},
+            "tpot_p90_s": {"predicted": _p90(predicted, "tpot_s"), "measured": _p90(v.at_predicted_rate, "tpot_s")},
+            "attainment": {"predicted": predicted.attainment,
+                           "measured": None if v.at_predicted_rate is None else v.at_predicted_rate.attainment},
+        },
+        "probes": [{"rate": p.rate, "attainment": p.result.attainment, "passed": p.passed} for p in v.sweep.probes],
+    }
+
+
+def report_record(validations: list[Validation]) -> dict:
+    return {"candidates": [validation_record(v) for v in validations],
+            "median_abs_goodput_error": median_abs_goodput_error(validations),
+            "recommended_share_of_best_measured": recommended_share_of_best(validations)}
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.0%}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
+
+
+def format_validation(validations: list[Validation]) -> str:
+    rows = [("layout", "goodput pred/meas", "error", "TTFT p90 ms pred/meas", "TPOT p90 ms pred/meas")]
+    for v in validations:
+        predicted = v.evaluated.prediction.run.summary
+        ttft = (_p90(predicted, "ttft_s"), _p90(v.at_predicted_rate, "ttft_s"))
+        tpot = (_p90(predicted, "tpot_s"), _p90(v.at_predicted_rate, "tpot_s"))
+        rows.append((v.evaluated.candidate.layout.describe(),
+                     f"{v.predicted_goodput_rps:.3g}/{v.measured_goodput_rps:.3g}", _pct(v.goodput_error),
+                     f"{_ms(ttft[0])}/{_ms(ttft[1])} ({_pct(_error(*ttft))})",
+                     f"{_ms(tpot[0])}/{_ms(tpot[1])} ({_pct(_error(*tpot))})"))
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    median, share = median_abs_goodput_error(validations), recommended_share_of_best(validations)
+    lines.append("median |goodput error|: " + ("-" if median is None else f"{median:.0%}") +
+                 "; the recommended configuration measured " +
+                 ("-" if share is None else f"{share:.0%}") + " of the best measured goodput per device")
+    lines.append("(error = (predicted - measured) / measured; P90s at the predicted goodput rate)")
+    return "\n".join(lines)

@@ -1,0 +1,46 @@
+"""`pdserve plan --validate 1` as a user runs it, on the tiny model: the profile measured for real
+(nothing cached), the plan, then the recommended cluster started with the printed command line
+and swept for real, predicted beside measured in the table and the JSON."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+import sys
+
+
+def test_plan_validate_runs_the_recommended_cluster_and_reports_predicted_beside_measured(tiny_model, tmp_path):
+    out_file = tmp_path / "plan.json"
+    # Loose SLOs: every real run meets them, so what is checked is the plumbing, never a timing.
+    argv = [sys.executable, "-m", "pdserve", "plan", "--model", str(tiny_model), "--devices", "1",
+            "--profile-dir", str(tmp_path / "profiles"), "--no-progress", "--workload", "fixed",
+            "--input-len", "24", "--output-len", "4", "--num-requests", "6", "--min-duration-s", "0",
+            "--batched-tokens", "256", "--ttft-slo", "60", "--tpot-slo", "10", "--max-probes", "3",
+            "--validate", "1", "--validate-probes", "2", "--output-json", str(out_file)]
+    result = subprocess.run(argv, capture_output=True, text=True, timeout=900)
+    assert result.returncode == 0, result.stderr[-3000:]
+
+    report = json.loads(out_file.read_text())
+    validation = report["validation"]
+    [checked] = validation["candidates"]  # one device: colocated x1 is the only layout
+    assert checked["layout"] == "colocated x1 (1 core)" == report["candidates"][0]["layout"]
+    assert checked["predicted_goodput_rps"] == report["recommended"]["predicted_goodput_rps"] > 0
+    probes = checked["probes"]
+    assert 1 <= len(probes) <= 2
+    assert probes[0]["rate"] == checked["predicted_goodput_rps"]  # the sweep starts at the prediction
+    assert all(p["passed"] and p["attainment"] == 1.0 for p in probes)
+    assert checked["measured_goodput_rps"] == max(p["rate"] for p in probes)
+    assert checked["goodput_error"] == (checked["predicted_goodput_rps"] - checked["measured_goodput_rps"]) \
+        / checked["measured_goodput_rps"]
+    measured = checked["at_predicted_rate"]
+    assert measured["attainment"]["measured"] == 1.0
+    assert measured["ttft_p90_s"]["measured"] > 0 and measured["tpot_p90_s"]["measured"] > 0
+    assert validation["median_abs_goodput_error"] == abs(checked["goodput_error"])
+    assert validation["recommended_share_of_best_measured"] == 1.0
+
+    table = result.stdout.splitlines()
+    header = next(i for i, line in enumerate(table) if line.startswith("layout "))
+    assert table[header].split()[:3] == ["layout", "goodput", "pred/meas"]
+    assert table[header + 1].startswith("colocated x1 (1 core)")
+    assert table[header + 2].startswith("median |goodput error|: ")
+    assert "validate: starting colocated x1 (1 core): pdserve cluster --model" in result.stderr

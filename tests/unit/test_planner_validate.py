@@ -1,0 +1,62 @@
+"""Which candidates `pdserve plan --validate` runs, and how it reports its error (planner/validate.py).
+The real runs are tests/e2e/test_plan_validate.py's."""
+
+from __future__ import annotations
+
+from pdserve.bench.serve.metrics import Slo, summarize
+from pdserve.bench.serve.sweep import SweepResult
+from pdserve.planner.goodput import Prediction, SimRun
+from pdserve.planner.search import Candidate, Evaluated, Knobs, Layout, layouts
+from pdserve.planner.validate import (
+    Validation, chosen, format_validation, median_abs_goodput_error, recommended_share_of_best, report_record,
+)
+
+EMPTY = summarize([], Slo(), 1.0)
+
+
+def evaluated(layout: Layout, goodput: float, tokens: int = 256) -> Evaluated:
+    return Evaluated(Candidate(layout, Knobs(tokens, 64)), Prediction(goodput, SimRun(goodput, EMPTY), 3, True))
+
+
+def validation(e: Evaluated, measured: float) -> Validation:
+    return Validation(e, measured, None, SweepResult(best_rate=measured or None))
+
+
+ONE_NODE_2_CORES, TWO_NODES_1_CORE, ONE_P_ONE_D = list(layouts(2))
+
+
+def test_the_top_k_then_the_best_of_layouts_not_yet_chosen():
+    ranking = [evaluated(TWO_NODES_1_CORE, 10), evaluated(TWO_NODES_1_CORE, 9, tokens=512),
+               evaluated(ONE_NODE_2_CORES, 8), evaluated(ONE_NODE_2_CORES, 7, tokens=512), evaluated(ONE_P_ONE_D, 5)]
+    assert chosen(ranking, 1, 2) == [ranking[0], ranking[2], ranking[4]]
+    assert chosen(ranking, 2, 1) == [ranking[0], ranking[1], ranking[2]]
+    assert chosen(ranking, 1, 0) == [ranking[0]]
+    assert chosen(ranking, 3, 5) == [ranking[0], ranking[1], ranking[2], ranking[4]]
+
+
+def test_the_error_is_relative_to_the_measurement_and_its_median_is_over_those_measured():
+    vals = [validation(evaluated(TWO_NODES_1_CORE, 12), 10), validation(evaluated(ONE_NODE_2_CORES, 6), 8),
+            validation(evaluated(ONE_P_ONE_D, 3), 0)]
+    assert vals[0].goodput_error == 0.2 and vals[1].goodput_error == -0.25 and vals[2].goodput_error is None
+    assert median_abs_goodput_error(vals) == (0.2 + 0.25) / 2
+    assert median_abs_goodput_error([vals[2]]) is None
+
+
+def test_the_recommendation_is_compared_per_device_with_the_best_measured():
+    # colocated x1 on 2 cores measured 4 req/s (2 per device), colocated x2 on 1 core each 6 (3 per device).
+    vals = [validation(evaluated(ONE_NODE_2_CORES, 5), 4), validation(evaluated(TWO_NODES_1_CORE, 4), 6)]
+    assert ONE_NODE_2_CORES.devices == TWO_NODES_1_CORE.devices == 2
+    assert recommended_share_of_best(vals) == 4 / 6
+    assert recommended_share_of_best([validation(evaluated(ONE_NODE_2_CORES, 5), 0)]) is None
+
+
+def test_the_report_names_each_layout_with_its_predicted_and_measured_goodput():
+    vals = [validation(evaluated(ONE_P_ONE_D, 3), 2)]
+    record = report_record(vals)
+    [row] = record["candidates"]
+    assert (row["layout"], row["predicted_goodput_rps"], row["measured_goodput_rps"], row["goodput_error"]) == \
+        ("1P (1 core) + 1D (1 core)", 3, 2, 0.5)
+    assert record["median_abs_goodput_error"] == 0.5 and record["recommended_share_of_best_measured"] == 1.0
+    lines = format_validation(vals).splitlines()
+    assert lines[1].split("  ")[0] == "1P (1 core) + 1D (1 core)" and "3/2" in lines[1] and "+50%" in lines[1]
+    assert lines[2].startswith("median |goodput error|: 50%; the recommended configuration measured 100%")
