@@ -1,14 +1,18 @@
-"""Disaggregated 1P1D (one core each) vs colocated on the same two cores: goodput per SLO.
+"""Disaggregated 1P1D (one core each), colocated, and hybrid on the same two cores: goodput per SLO.
 
     pdserve bench serve-compare [--model-dir DIR] [--num-requests 24] [--out-dir results/serve_compare]
+                                [--architectures disaggregated,colocated,hybrid]
 
 One run, one workload, one client: for each architecture, start it on cores 0 and 1
 (the router shares core 1), warm it up, measure the unloaded TTFT/TPOT, then bisect for
 the goodput (the highest rate at which `--attainment` of the requests meet both SLOs)
-under a TPOT-tight and a TTFT-tight SLO, with `pdserve bench serve`'s own machinery.
+under a TPOT-tight, a TTFT-tight and a balanced SLO, with `pdserve bench serve`'s own machinery.
+The hybrid is the 1P1D pair with a decode node that can also prefill (`--local-prefill`) and
+the router choosing per request (`--disaggregation auto`, router/dispatch/hybrid.py).
 On the disaggregated cluster it also measures the KV transfer's share of TTFT (the
-transfer time left after token 1, one request at a time). Prints a table of goodputs
-and their ratio (disaggregated over colocated), writes JSON and the plots of every sweep.
+transfer time left after token 1, one request at a time). Prints a table of goodputs,
+each architecture's over colocated's, and whether the hybrid reached the better of the
+other two under each SLO; writes JSON and the plots of every sweep.
 """
 
 from __future__ import annotations
@@ -43,15 +47,19 @@ UNLOADED_RATE = 0.1  # requests/s: one at a time, nearly always
 
 @dataclass(frozen=True)
 class Architecture:
+    key: str  # --architectures names it
     name: str
     pools: tuple[str, ...]  # `pdserve cluster` flags: the pools and their cores (cores as devices)
+    kind_args: tuple[tuple[str, tuple[str, ...]], ...] = ()  # more flags for one kind's nodes
 
 
-ARCHITECTURES = (
-    Architecture("disaggregated 1P1D", ("--prefill", "1", "--decode", "1", "--prefill-cores", "0",
-                                        "--decode-cores", "1", "--router-cores", "1")),
-    Architecture("colocated 2x1", ("--colocated", "2", "--colocated-cores", "0-1", "--router-cores", "1")),
-)
+PAIR = ("--prefill", "1", "--decode", "1", "--prefill-cores", "0", "--decode-cores", "1", "--router-cores", "1")
+ARCHITECTURES = {a.key: a for a in (
+    Architecture("disaggregated", "disaggregated 1P1D", PAIR),
+    Architecture("colocated", "colocated 2x1", ("--colocated", "2", "--colocated-cores", "0-1", "--router-cores", "1")),
+    Architecture("hybrid", "hybrid 1P1D auto", (*PAIR, "--router-args", "--disaggregation auto"),
+                 (("decode", ("--local-prefill",)),)),
+)}
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -65,6 +73,10 @@ def _parser() -> argparse.ArgumentParser:
                    help="SLO seconds: loose TTFT, tight TPOT")
     p.add_argument("--ttft-tight", default="2.0,0.3", metavar="TTFT,TPOT",
                    help="SLO seconds: tight TTFT, loose TPOT")
+    p.add_argument("--balanced", default="3.0,0.15", metavar="TTFT,TPOT",
+                   help="SLO seconds: both between the tight and the loose ones")
+    p.add_argument("--architectures", default=",".join(ARCHITECTURES),
+                   help=f"comma-separated, of {', '.join(ARCHITECTURES)} (colocated is the ratios' baseline)")
     p.add_argument("--attainment", type=float, default=0.9)
     p.add_argument("--start-rate", type=float, default=0.5)
     p.add_argument("--rate-min", type=float, help="never probe below this")
@@ -84,7 +96,7 @@ def _slo(text: str) -> Slo:
 @contextmanager
 def _cluster(arch: Architecture, model_dir: str, chunk: int) -> Iterator[ClusterProcess]:
     node_args = ("--num-blocks", "4096", "--max-num-batched-tokens", str(chunk), "--max-num-seqs", "64")
-    with local_cluster(model_dir, arch.pools, node_args) as cluster:
+    with local_cluster(model_dir, arch.pools, node_args, kind_args=dict(arch.kind_args)) as cluster:
         yield cluster
 
 
@@ -118,7 +130,7 @@ def _measure(arch: Architecture, args: argparse.Namespace, model_dir: str, slos:
         result["unloaded"] = {"ttft_p50_s": unloaded.summary.ttft_s.p50, "tpot_p50_s": unloaded.summary.tpot_s.p50}
         print(f"{arch.name}: unloaded TTFT p50 {unloaded.summary.ttft_s.p50 * 1e3:.0f} ms, "
               f"TPOT p50 {unloaded.summary.tpot_s.p50 * 1e3:.0f} ms", flush=True)
-        if "--prefill" in arch.pools:  # the KV transfer share exists only between pools
+        if arch.key == "disaggregated":  # the KV transfer share of the pair that always moves it
             result["kv_share"] = _kv_share(cluster.router, random.Random(args.seed), high)
         result["sweeps"] = {}
         for phase, (slo_name, slo) in enumerate(slos.items(), start=3):
@@ -148,25 +160,47 @@ def _slug(name: str) -> str:
     return name.lower().replace(" ", "-")
 
 
+def _architectures(p: argparse.ArgumentParser, text: str) -> list[Architecture]:
+    keys = [k.strip() for k in text.split(",") if k.strip()]
+    unknown = [k for k in keys if k not in ARCHITECTURES] or ([] if keys else ["(none)"])
+    if unknown:
+        p.error(f"--architectures: unknown architecture {unknown[0]!r} ({', '.join(ARCHITECTURES)})")
+    return [ARCHITECTURES[k] for k in keys]
+
+
+def _summary_lines(results: dict[str, dict], slos: dict[str, Slo], attainment: float) -> list[str]:
+    """Each SLO's goodput per architecture, each over colocated's, and the hybrid against the best
+    of the others (its goal: at least the better of them under a tight SLO, above both when balanced)."""
+    lines = [f"goodput per device (req/s/core, attainment >= {attainment:g}):"]
+    for slo_name, slo in slos.items():
+        goodput = {key: r["sweeps"][slo_name]["goodput_per_device"] or 0.0 for key, r in results.items()}
+        base = goodput.get("colocated")
+        cells = [f"{key} {value:.3g}" + (f" ({value / base:.2f}x)" if base and key != "colocated" else "")
+                 for key, value in goodput.items()]
+        line = f"  {slo_name:10s} (TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s:g} s): " + ", ".join(cells)
+        others = [v for k, v in goodput.items() if k != "hybrid"]
+        if "hybrid" in goodput and others:
+            best = max(others)
+            line += f"; hybrid/best other {goodput['hybrid'] / best:.2f}x" if best else "; no other met the SLOs"
+        lines.append(line)
+    return lines
+
+
 def main(argv: list[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    p = _parser()
+    args = p.parse_args(argv)
+    architectures = _architectures(p, args.architectures)
     model_dir = str(args.model_dir or ensure_model("llama", "smol135m", "bfloat16"))
-    slos = {"tpot-tight": _slo(args.tpot_tight), "ttft-tight": _slo(args.ttft_tight)}
-    results = [_measure(arch, args, model_dir, slos) for arch in ARCHITECTURES]
+    slos = {"tpot-tight": _slo(args.tpot_tight), "ttft-tight": _slo(args.ttft_tight), "balanced": _slo(args.balanced)}
+    results = {arch.key: _measure(arch, args, model_dir, slos) for arch in architectures}
     args.out_dir.mkdir(parents=True, exist_ok=True)
     config = {k: str(v) for k, v in vars(args).items()}
     (args.out_dir / "results.json").write_text(json.dumps({"config": config, "results": results}, indent=1))
-    disagg, colocated = results
-    print(f"\ngoodput per device (req/s/core, attainment >= {args.attainment:g}):")
-    for slo_name, slo in slos.items():
-        d = disagg["sweeps"][slo_name]["goodput_per_device"]
-        c = colocated["sweeps"][slo_name]["goodput_per_device"]
-        ratio = f"{d / c:.2f}x" if d and c else "n/a"
-        print(f"  {slo_name:10s} (TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s:g} s): "
-              f"disaggregated {d}, colocated {c}, disaggregated/colocated {ratio}")
-    share = disagg["kv_share"]
-    print(f"KV transfer left after token 1: {share['kv_transfer_after_token1_s'] * 1e3:.1f} ms = "
-          f"{share['share_of_ttft']:.3f} of TTFT ({share['prompt_len']}-token prompt)")
+    print("\n" + "\n".join(_summary_lines(results, slos, args.attainment)))
+    if "disaggregated" in results:
+        share = results["disaggregated"]["kv_share"]
+        print(f"KV transfer left after token 1: {share['kv_transfer_after_token1_s'] * 1e3:.1f} ms = "
+              f"{share['share_of_ttft']:.3f} of TTFT ({share['prompt_len']}-token prompt)")
     print(f"results: {args.out_dir / 'results.json'}")
     return 0
 
