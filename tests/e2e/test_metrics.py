@@ -35,7 +35,7 @@ WAIT_S = 15.0
 
 ROUTER_FAMILIES = {
     "pdserve_request_ttft_seconds", "pdserve_request_tpot_seconds", "pdserve_request_e2e_seconds",
-    "pdserve_requests", "pdserve_generated_tokens", "pdserve_prompt_tokens", "pdserve_requests_in_flight",
+    "pdserve_request_prompt_tokens", "pdserve_request_generation_tokens", "pdserve_requests", "pdserve_generated_tokens", "pdserve_prompt_tokens", "pdserve_requests_in_flight",
     "pdserve_node_kv_blocks_used", "pdserve_node_kv_blocks_free", "pdserve_node_kv_blocks_reserved",
     "pdserve_node_requests_waiting", "pdserve_node_requests_running", "pdserve_node_queued_prefill_tokens",
 }

@@ -87,6 +87,12 @@ def test_two_samples_record_latency_tokens_and_ok() -> None:
     assert value(registry, "pdserve_request_ttft_seconds_bucket", le="0.25") == 2
     assert value(registry, "pdserve_generated_tokens_total") == 4
     assert value(registry, "pdserve_prompt_tokens_total") == PROMPT_TOKENS  # once per request, not per sample
+    # Lengths per finished sample: the workload's mix, as the planner's load mode reads it.
+    assert value(registry, "pdserve_request_prompt_tokens_count") == 2
+    assert value(registry, "pdserve_request_prompt_tokens_sum") == 2 * PROMPT_TOKENS
+    assert value(registry, "pdserve_request_generation_tokens_sum") == 3 + 1
+    assert value(registry, "pdserve_request_generation_tokens_bucket", le="1.0") == 1
+    assert value(registry, "pdserve_request_generation_tokens_bucket", le="4.0") == 2
     assert value(registry, "pdserve_requests_total", status="OK") == 1
     assert value(registry, "pdserve_requests_in_flight") == 0
 
@@ -194,6 +200,8 @@ def test_exposition_names_follow_prometheus_conventions() -> None:
         "pdserve_request_ttft_seconds": "histogram",
         "pdserve_request_tpot_seconds": "histogram",
         "pdserve_request_e2e_seconds": "histogram",
+        "pdserve_request_prompt_tokens": "histogram",
+        "pdserve_request_generation_tokens": "histogram",
         "pdserve_requests": "counter",
         "pdserve_generated_tokens": "counter",
         "pdserve_prompt_tokens": "counter",
