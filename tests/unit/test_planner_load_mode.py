@@ -1,0 +1,102 @@
+"""The planner's load mode (planner/load_mode.py): the window read back from two scrapes of the
+router's own metrics, and the split it moves toward on synthetic profiles."""
+
+from __future__ import annotations
+
+import pytest
+from prometheus_client import CollectorRegistry, generate_latest
+
+from pdserve.bench.serve.metrics import Slo
+from pdserve.engine.config import EngineConfig
+from pdserve.planner.load_mode import LoadModeConfig, Rebalancer, Scrape, Split, Window
+from pdserve.proto import pdserve_pb2
+from pdserve.router.fronts.metrics import RouterMetrics
+from tests.unit.planner_profiles import synthetic_profile
+
+SLO = Slo(ttft_s=1.0, tpot_s=0.05)
+
+
+def finish(metrics: RouterMetrics, prompt: int, output: int, ttft_s: float, tpot_s: float) -> None:
+    metrics._record_sample(pdserve_pb2.GenerateResponse(  # one sample's last response, as the relay sees it
+        usage=pdserve_pb2.Usage(prompt_tokens=prompt, completion_tokens=output),
+        timings=pdserve_pb2.Timings(ttft_s=ttft_s, e2e_s=ttft_s + tpot_s * (output - 1))))
+
+
+def test_the_window_reads_the_rate_the_mix_and_the_slo_shares_back_from_the_histograms():
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    finish(metrics, 100, 10, 0.2, 0.01)  # before the window: not counted
+    before = Scrape.parse(generate_latest(registry).decode(), at_s=10.0)
+    for _ in range(3):
+        finish(metrics, 100, 10, 0.2, 0.01)  # within both SLOs
+    finish(metrics, 1000, 300, 3.0, 0.2)  # misses both
+    window = Window.between(before, Scrape.parse(generate_latest(registry).decode(), at_s=12.0), SLO)
+
+    assert window.rate == 4 / 2.0
+    # Each bucket's count spread evenly across it: three in (96, 128], one in (768, 1024] ...
+    assert sorted(p for p, _ in window.mix) == [101, 112, 123, 896]
+    assert sorted(o for _, o in window.mix) == [9, 12, 15, 320]  # ... three in (8, 16], one in (256, 384]
+    assert window.ttft_share == window.tpot_share == 0.75
+    assert not window.meets(0.9) and window.meets(0.75)
+
+
+def test_a_router_that_restarted_between_scrapes_gives_an_empty_window():
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    for _ in range(2):
+        finish(metrics, 10, 10, 0.1, 0.01)
+    before = Scrape.parse(generate_latest(registry).decode(), at_s=0.0)
+    after = Scrape.parse(generate_latest(RouterMetrics(CollectorRegistry()).registry).decode(), at_s=5.0)
+    window = Window.between(before, after, SLO)
+    assert window.mix == () and window.rate == 0.0 and window.meets(0.9)
+
+
+# A node whose step costs 2 ms plus 0.2 ms per token and 1 ms per request in it.
+PROFILE = synthetic_profile(base_s=0.002, per_token_s=0.0002, per_seq_s=0.001)
+ENGINE = EngineConfig(model="synthetic", dtype="float32", block_size=16, max_num_batched_tokens=512,
+                      max_num_seqs=64, num_blocks=100_000)
+
+
+def rebalancer(slo: Slo, **kw) -> Rebalancer:
+    return Rebalancer(LoadModeConfig(slo, **kw), ENGINE, ENGINE, PROFILE)
+
+
+def window(rate: float, prompt: int, output: int, share: float = 0.5, count: int = 32) -> Window:
+    return Window(rate, ((prompt, output),) * count, share, share)
+
+
+def test_long_outputs_move_a_prefill_node_to_the_decode_pool():
+    decide = rebalancer(Slo(ttft_s=2.0, tpot_s=0.03))
+    move = decide.decide(window(rate=6.0, prompt=32, output=256), Split(2, 1))
+    assert (move.source, move.target) == ("prefill", "decode")
+    assert move.best.decode > 1 and move.predicted[move.best] >= move.predicted[Split(2, 1)] + 0.05
+
+
+def test_long_prompts_move_a_decode_node_to_the_prefill_pool():
+    decide = rebalancer(Slo(ttft_s=0.6, tpot_s=0.5))
+    move = decide.decide(window(rate=8.0, prompt=1500, output=4), Split(1, 2))
+    assert (move.source, move.target) == ("decode", "prefill")
+    assert move.best.prefill > 1
+
+
+def test_a_window_that_meets_the_slos_or_says_too_little_moves_nothing():
+    decide = rebalancer(Slo(ttft_s=2.0, tpot_s=0.03))
+    assert decide.decide(window(6.0, 32, 256, share=0.95), Split(2, 1)) is None  # meets the target
+    assert decide.decide(window(6.0, 32, 256, count=4), Split(2, 1)) is None  # too few samples
+
+
+def test_no_move_when_the_best_split_gains_less_than_the_margin():
+    decide = rebalancer(Slo(ttft_s=2.0, tpot_s=0.03), margin=1.0)  # no split can gain a whole 100%
+    assert decide.decide(window(6.0, 32, 256), Split(2, 1)) is None
+
+
+@pytest.mark.parametrize("nodes", [2, 3, 4])
+def test_the_moves_describe_every_split_of_the_same_nodes(nodes):
+    decide = rebalancer(Slo(ttft_s=2.0, tpot_s=0.03), margin=0.0)
+    current = Split(nodes - 1, 1)
+    move = decide.decide(window(6.0, 32, 256), current)
+    if nodes == 2:
+        assert move is None  # 1P1D is the only split of two nodes
+    else:
+        assert sorted(move.predicted) == [Split(p, nodes - p) for p in range(1, nodes)]
+        assert move.describe(current).startswith(f"a prefill node becomes a decode node ({nodes - 1}P1D toward ")
