@@ -26,7 +26,9 @@ given), bind anything but the configured host, or leave a child process behind.
 
 from __future__ import annotations
 
+import itertools
 import os
+import queue
 import shlex
 import signal
 import subprocess
@@ -35,12 +37,13 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import TextIO
+from typing import TYPE_CHECKING, TextIO
 
 from pdserve.cluster_config import ClusterConfig, ClusterError, config_from_args
-from pdserve.cluster_plan import ClusterPlan, build_plan, check_cores, resolve_port
+from pdserve.cluster_load_mode import LoadWatcher, build_rebalancer, scrape_url
+from pdserve.cluster_plan import ClusterPlan, NodeSite, build_plan, check_cores, node_spec, resolve_port, spec_port
 from pdserve.cluster_state import ChildState, ClusterState, write_state
 from pdserve.cluster_supervisor import ChildExited, ClusterSupervisor
 from pdserve.common.auth import token_from_cli
@@ -48,6 +51,9 @@ from pdserve.common.lifecycle import PARENT_CHECK_S, ExitStatus, status_after, s
 from pdserve.common.ports import Listen, PortUnavailable, check_free
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
 from pdserve.common.affinity import format_cpu_list
+
+if TYPE_CHECKING:
+    from pdserve.planner.load_mode import Move, Rebalancer, Split
 
 __all__ = ["ClusterConfig", "ClusterError", "ClusterPlan", "build_plan", "config_from_args", "main", "resolve_port",
            "run_cluster"]
@@ -57,8 +63,10 @@ Probe = Callable[[], Verdict]  # one Health probe of the router
 
 
 def run_cluster(config: ClusterConfig, plan: ClusterPlan, supervisor: ClusterSupervisor,
-                probe: Probe, stop: threading.Event, out: TextIO | None = None) -> int:
-    """Start, wait until ready, serve until `stop` is set; stop every child on every path."""
+                probe: Probe, stop: threading.Event, out: TextIO | None = None,
+                rebalancer: Rebalancer | None = None) -> int:
+    """Start, wait until ready, serve until `stop` is set; stop every child on every path.
+    `rebalancer`: the load mode's (config.rebalance), which moves nodes between the pools."""
     out = out or sys.stdout
     try:
         deadline = time.monotonic() + config.ready_timeout_s
@@ -70,7 +78,10 @@ def run_cluster(config: ClusterConfig, plan: ClusterPlan, supervisor: ClusterSup
         if not _wait_for(lambda: probe().healthy, "the cluster to serve", supervisor, stop, deadline, config):
             return 0
         _print_ready(config, plan, out)
-        _Keeper(config, plan, supervisor, out).serve(stop)
+        keeper = _Keeper(config, plan, supervisor, out)
+        if rebalancer is not None:
+            keeper.watch_load(rebalancer, stop)
+        keeper.serve(stop)
         return 0
     except ChildExited as err:
         _print_failure(str(err), err.tail, out)
@@ -96,7 +107,8 @@ def _wait_for(ready: Callable[[], bool], what: str, supervisor: ClusterSuperviso
 
 
 class _Keeper:
-    """Keeps a serving cluster up: restarts children that exit, per the restart policy."""
+    """Keeps a serving cluster up: restarts children that exit, per the restart policy; in the
+    load mode, carries out the moves of nodes between the pools."""
 
     def __init__(self, config: ClusterConfig, plan: ClusterPlan, supervisor: ClusterSupervisor, out: TextIO):
         self._config, self._plan, self._supervisor, self._out = config, plan, supervisor, out
@@ -104,11 +116,28 @@ class _Keeper:
         self._due: dict[str, float] = {}  # child name -> when to start it again
         self._recent: dict[str, deque[float]] = {}  # child name -> its restart times inside the window
         self._restarts: dict[str, int] = {}  # child name -> restarts so far
+        self._watcher: LoadWatcher | None = None
+        self._moving: tuple[Move, str] | None = None  # a move under way, and the node it retires
         self._write_state()
+
+    def watch_load(self, rebalancer: Rebalancer, stop: threading.Event) -> None:
+        url = self._plan.metrics_urls(self._config.host)["router"]
+        self._watcher = LoadWatcher(rebalancer, self._config.rebalance, scrape_url(url), self.split,
+                                    lambda: self._moving is not None, self._say)
+        self._watcher.start(stop)
+        self._say(f"load mode: watching {url} every {self._config.rebalance.interval_s:g}s")
+
+    def split(self) -> Split:
+        from pdserve.planner.load_mode import Split
+
+        kinds = [spec.name.rsplit("-", 1)[0] for spec in self._plan.nodes]
+        return Split(kinds.count("prefill"), kinds.count("decode"))
 
     def serve(self, stop: threading.Event) -> None:
         while not stop.wait(self._config.poll_interval_s):
             now = time.monotonic()
+            if self._watcher is not None:
+                self._carry_out_moves()
             for exited in self._supervisor.exits():
                 self._on_exit(exited, now)
             for name in [n for n, due in self._due.items() if due <= now]:
@@ -138,6 +167,40 @@ class _Keeper:
         recent.append(now + delay)
         self._due[exited.name] = now + delay
         self._say(f"{exited}; starting it again in {delay:g}s")
+
+    def _carry_out_moves(self) -> None:
+        """Retire a node of the move's source pool; once it is gone, start one of the target pool
+        on its cores (a new name and port: the router sees a node leave and another join)."""
+        for spec, code in self._supervisor.retired():
+            move, _ = self._moving
+            taken = {s.name for s in self._plan.nodes}
+            name = next(f"{move.target}-{i}" for i in itertools.count() if f"{move.target}-{i}" not in taken)
+            metrics = {name: resolve_port(self._config.host, 0)} if self._plan.metrics_ports else {}
+            joined = node_spec(self._config, NodeSite(self._plan.model_dir, self._plan.router_addr), move.target,
+                               name, spec.cpus, resolve_port(self._config.host, 0), metrics.get(name))
+            self._supervisor.start(joined)
+            addresses = {n: a for n, a in self._plan.addresses.items() if n != spec.name}
+            self._plan = replace(
+                self._plan, nodes=tuple(s for s in self._plan.nodes if s.name != spec.name) + (joined,),
+                addresses={**addresses, name: f"{self._config.host}:{spec_port(joined)}"},
+                metrics_ports={**{n: p for n, p in self._plan.metrics_ports.items() if n != spec.name}, **metrics})
+            self._moving = None
+            self._watcher.moved()
+            self._say(f"load mode: {spec.name} left (exit code {code}); {name} started on its cores: "
+                      f"now {self.split().describe()}")
+            self._write_state()
+        if self._moving is not None:
+            return
+        try:
+            move, split = self._watcher.moves.get_nowait()
+        except queue.Empty:
+            return
+        if split != self.split():
+            return  # decided on a split that is no longer the cluster's
+        leaving = [s.name for s in self._plan.nodes if s.name.rsplit("-", 1)[0] == move.source][-1]
+        self._say(f"load mode: {move.describe(split)}; {leaving} drains and leaves")
+        self._supervisor.retire(leaving, self._config.rebalance.retire_grace_s)
+        self._moving = (move, leaving)
 
     def _give_up(self, exited: ChildExited, message: str) -> None:
         self._say(f"giving up on {exited.name}: {message}; serving on without it")
@@ -250,7 +313,9 @@ def main(argv: list[str] | None = None) -> int:
         check_cores(config, None)  # before the demo model is built: a typo fails at once
         _check_ports(config)
         plan = build_plan(config, _model_dir(config), resolve_port(config.host, config.port))
-    except (ValueError, ClusterError, PortUnavailable) as err:
+        rebalancer = None if config.rebalance is None else build_rebalancer(
+            config.rebalance, [spec.argv for spec in plan.nodes], log=lambda line: print(line, flush=True))
+    except (ValueError, ClusterError, PortUnavailable, subprocess.CalledProcessError) as err:
         print(f"pdserve cluster: {err}", file=sys.stderr)
         return ExitStatus.USAGE
     except KeyboardInterrupt:  # Ctrl-C while the demo model builds: nothing started yet
@@ -263,7 +328,8 @@ def main(argv: list[str] | None = None) -> int:
         print(f"logs in {config.log_dir}/<name>.log", flush=True)
     stop = threading.Event()
     with _StopSignals(stop, supervisor_of(os.environ)) as signals:
-        status = run_cluster(config, plan, supervisor, lambda: check(plan.router_addr, "router", probe_config), stop)
+        status = run_cluster(config, plan, supervisor, lambda: check(plan.router_addr, "router", probe_config), stop,
+                             rebalancer=rebalancer)
     return status_after(signals.received) if status == ExitStatus.OK else status
 
 

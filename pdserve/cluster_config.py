@@ -13,6 +13,7 @@ import shlex
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
+from pdserve.cluster_load_mode import LoadModeSettings
 from pdserve.cluster_supervisor import RestartPolicy
 from pdserve.common.auth import add_auth_args
 from pdserve.common.config_flags import add_config_args, values_from_args
@@ -72,6 +73,9 @@ class ClusterConfig:
     log_dir: str | None = None  # None: logs go to the console, prefixed by child name
     # Handed to every child; without it, children inherit $PDSERVE_AUTH_TOKEN (if set).
     auth_token_file: str | None = None
+    # The planner's load mode (cluster_load_mode.py): nodes move between the prefill and decode
+    # pools as the traffic's mix shifts; None: the pools keep their sizes.
+    rebalance: LoadModeSettings | None = None
 
     def __post_init__(self) -> None:
         if self.num_colocated < 0:
@@ -94,6 +98,12 @@ class ClusterConfig:
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
         _reject_owned_flags("--router-args", self.router_args, ROUTER_OWNED_FLAGS)
+        if self.rebalance is not None:
+            if self.num_colocated or self.num_prefill + self.num_decode < 3:
+                raise ValueError("--rebalance moves nodes between the prefill and decode pools: it needs both "
+                                 "pools and at least 3 nodes (with 2, 1 prefill + 1 decode is the only split)")
+            if self.metrics_port is None:  # the load mode reads the router's /metrics: on, on a free port
+                object.__setattr__(self, "metrics_port", 0)
         for pool in self.pools:
             _reject_owned_flags(f"--{pool.kind}-args", pool.args, NODE_OWNED_FLAGS)
             if pool.cores is not None and pool.count == 0:
@@ -175,6 +185,11 @@ def cluster_parser() -> argparse.ArgumentParser:
                    help="write the router address and every child's pid and addresses here (JSON) when ready "
                         "and after every restart")
     add_config_args(p.add_argument_group("restarts"), RestartPolicy, prefix="restart_")
+    load_mode = p.add_argument_group("load mode (planner): nodes move between the pools as the traffic's mix shifts")
+    load_mode.add_argument("--rebalance", action="store_true",
+                           help="watch the router's metrics and move a node to the other pool when the simulator "
+                                "predicts another prefill:decode split meets the SLOs better")
+    add_config_args(load_mode, LoadModeSettings, prefix="rebalance_")
     p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s)
     p.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s)
     p.add_argument("--log-dir", default=d.log_dir, help="write one log file per child here instead of the console")
@@ -196,4 +211,5 @@ def config_from_args(argv: Sequence[str] | None) -> ClusterConfig:
         router_cores=args.router_cores, ready_timeout_s=args.ready_timeout_s, stop_grace_s=args.stop_grace_s,
         log_dir=args.log_dir, auth_token_file=args.auth_token_file, metrics_port=args.metrics_port,
         http_port=None if args.no_http else args.http_port,
-        state_file=args.state_file, restart=RestartPolicy(**values_from_args(args, RestartPolicy, "restart_")))
+        state_file=args.state_file, restart=RestartPolicy(**values_from_args(args, RestartPolicy, "restart_")),
+        rebalance=LoadModeSettings(**values_from_args(args, LoadModeSettings, "rebalance_")) if args.rebalance else None)

@@ -30,6 +30,7 @@ class ClusterPlan:
     addresses: dict[str, str] = field(default_factory=dict)  # node name -> its gRPC HOST:PORT
     metrics_ports: dict[str, int] = field(default_factory=dict)  # child name -> /metrics port, when asked
     http_port: int | None = None  # the router's OpenAI-compatible API
+    model_dir: str = ""
 
     def http_url(self, host: str) -> str | None:
         return f"http://{host}:{self.http_port}/v1" if self.http_port is not None else None
@@ -62,18 +63,41 @@ def build_plan(config: ClusterConfig, model_dir: str, router_port: int, python: 
         cores = split_cpus(pool.cores, pool.count, pool.cores_flag) if pool.cores else [None] * pool.count
         for index, cpus in enumerate(cores):
             name = f"{pool.kind}-{index}"
-            # A colocated node moves no KV between nodes: it has no transfer listener to place.
-            kv = ("--kv-host", config.host, "--kv-port", "0") if pool.kind != "colocated" else ()
-            pin = ("--cpus", format_cpu_list(cpus)) if cpus else ()
-            port = pick_port()
-            argv = (*base, pool.kind, "--model", model_dir, "--host", config.host, "--port", str(port),
-                    "--router", router_addr, "--node-id", name, *kv, "--dtype", config.dtype,
-                    "--block-size", str(config.block_size), *_auth_args(config), *pin,
-                    *_metrics_args(metrics_ports, name),
-                    *_threads_args(config, pool.args, pinned=cpus is not None), *pool.args)
-            nodes.append(ChildSpec(name, argv, cpus=cpus))
-            addresses[name] = f"{config.host}:{port}"
-    return ClusterPlan(router, tuple(nodes), router_addr, addresses, metrics_ports, http_port)
+            spec = node_spec(config, NodeSite(model_dir, router_addr, python), pool.kind, name, cpus, pick_port(),
+                             metrics_ports.get(name))
+            nodes.append(spec)
+            addresses[name] = f"{config.host}:{spec_port(spec)}"
+    return ClusterPlan(router, tuple(nodes), router_addr, addresses, metrics_ports, http_port, model_dir)
+
+
+@dataclass(frozen=True)
+class NodeSite:
+    """What every node of one cluster is started with: the model, the router, the interpreter."""
+
+    model_dir: str
+    router_addr: str
+    python: str = sys.executable
+
+
+def node_spec(config: ClusterConfig, site: NodeSite, kind: str, name: str, cpus: tuple[int, ...] | None,
+              port: int, metrics_port: int | None) -> ChildSpec:
+    """One node's command line: `kind`'s pool flags, on `port`, pinned to `cpus` (None: not pinned).
+    Also how the launcher's load mode starts a node moved into another pool."""
+    pool = next(p for p in config.pools if p.kind == kind)
+    # A colocated node moves no KV between nodes: it has no transfer listener to place.
+    kv = ("--kv-host", config.host, "--kv-port", "0") if kind != "colocated" else ()
+    pin = ("--cpus", format_cpu_list(cpus)) if cpus else ()
+    metrics = ("--metrics-port", str(metrics_port)) if metrics_port is not None else ()
+    argv = (site.python, "-m", "pdserve", kind, "--model", site.model_dir, "--host", config.host, "--port", str(port),
+            "--router", site.router_addr, "--node-id", name, *kv, "--dtype", config.dtype,
+            "--block-size", str(config.block_size), *_auth_args(config), *pin, *metrics,
+            *_threads_args(config, pool.args, pinned=cpus is not None), *pool.args)
+    return ChildSpec(name, argv, cpus=cpus)
+
+
+def spec_port(spec: ChildSpec) -> int:
+    """The gRPC port on a node's command line."""
+    return int(spec.argv[spec.argv.index("--port") + 1])
 
 
 def _metrics_ports(config: ClusterConfig, pick_port: Callable[[], int]) -> dict[str, int]:

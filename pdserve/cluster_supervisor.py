@@ -111,6 +111,7 @@ class _Child:
     reader: threading.Thread
     killed: bool = False  # the supervisor stopped it (not an exit to report)
     reported: bool = False  # its exit was handed out by `exits()`
+    retire_by: float | None = None  # retiring (`retire`): SIGKILL of its group if it still runs then
 
 
 class ClusterSupervisor:
@@ -176,6 +177,30 @@ class ClusterSupervisor:
         child.reader.join(READER_JOIN_S)
         self._children.remove(child)
         return self.start(child.spec)
+
+    def retire(self, name: str, grace_s: float) -> None:
+        """Ask child `name` to leave: SIGTERM (a node drains what it holds, deregisters and exits),
+        its exit no failure to report; `retired()` hands it back once gone, SIGKILLed after `grace_s`."""
+        child = next(c for c in self._children if c.spec.name == name)
+        child.killed = True
+        child.retire_by = time.monotonic() + grace_s
+        if child.proc.poll() is None:
+            child.proc.send_signal(signal.SIGTERM)
+
+    def retired(self) -> list[tuple[ChildSpec, int]]:
+        """Retiring children that are gone, each with its exit code, no longer supervised."""
+        gone = []
+        for child in [c for c in self._children if c.retire_by is not None]:
+            if child.proc.poll() is None and time.monotonic() >= child.retire_by:
+                _signal_group(child.proc.pid, signal.SIGKILL)
+                child.proc.wait()
+            if child.proc.poll() is None:
+                continue
+            _signal_group(child.proc.pid, signal.SIGKILL)  # whatever it left behind in its group
+            child.reader.join(READER_JOIN_S)
+            self._children.remove(child)
+            gone.append((child.spec, child.proc.returncode))
+        return gone
 
     def raise_if_exited(self) -> None:
         exited = self.first_exit()

@@ -1,7 +1,8 @@
 """The planner's load mode: from the router's recent traffic to the prefill:decode split that serves it.
 
 `pdserve cluster --rebalance` scrapes the router's /metrics every interval; two scrapes make a
-`Window`: how many samples finished per second (the rate), their prompt and output lengths read
+`Window`: how many requests arrived per second (those that ended plus the change in those in
+flight: under overload, more arrive than finish), the finished samples' prompt and output lengths read
 back from the length histograms (each bucket's count spread evenly across the bucket; prompt and
 output lengths paired at random, since the histograms do not keep pairs), and the share of
 samples whose TTFT and whose TPOT fell in a bucket within the SLO (a lower bound: a bucket
@@ -34,25 +35,31 @@ from pdserve.planner.simulator import ClusterSpec, Pool
 
 PROMPT, OUTPUT = "pdserve_request_prompt_tokens", "pdserve_request_generation_tokens"
 TTFT, TPOT = "pdserve_request_ttft_seconds", "pdserve_request_tpot_seconds"
+ENDED, IN_FLIGHT = "pdserve_requests", "pdserve_requests_in_flight"
 SIMULATED_REQUESTS = 64  # at least this many per simulated run: the window's mix, repeated
 
 
 @dataclass(frozen=True)
 class Scrape:
-    """The cumulative buckets of the router's histograms at one moment: name -> ((le, count), ...)."""
+    """The router's series at one moment: the cumulative buckets of its histograms (name ->
+    ((le, count), ...)), and how many requests had arrived (ended, of any status, or in flight)."""
 
     at_s: float
     buckets: dict[str, tuple[tuple[float, float], ...]]
+    arrived: float = 0.0
 
     @classmethod
     def parse(cls, text: str, at_s: float) -> Scrape:
         wanted = {PROMPT, OUTPUT, TTFT, TPOT}
         buckets: dict[str, list[tuple[float, float]]] = {}
+        arrived = 0.0
         for family in text_string_to_metric_families(text):
             if family.name in wanted:
                 buckets[family.name] = sorted((float(s.labels["le"]), s.value) for s in family.samples
                                               if s.name.endswith("_bucket"))
-        return cls(at_s, {name: tuple(b) for name, b in buckets.items()})
+            elif family.name in (ENDED, IN_FLIGHT):
+                arrived += sum(s.value for s in family.samples if s.name in (f"{ENDED}_total", IN_FLIGHT))
+        return cls(at_s, {name: tuple(b) for name, b in buckets.items()}, arrived)
 
 
 def _delta(after: Scrape, before: Scrape, name: str) -> list[tuple[float, float]]:
@@ -92,7 +99,7 @@ def _share_within(buckets: list[tuple[float, float]], limit: float | None) -> fl
 
 @dataclass(frozen=True)
 class Window:
-    rate: float  # finished samples per second
+    rate: float  # requests arrived per second
     mix: tuple[tuple[int, int], ...]  # (prompt length, output length) of each finished sample
     ttft_share: float | None  # share within the TTFT SLO; None: no sample
     tpot_share: float | None
@@ -101,11 +108,16 @@ class Window:
     def between(cls, before: Scrape, after: Scrape, slo: Slo, seed: int = 0) -> Window:
         prompts, outputs = _spread(_delta(after, before, PROMPT)), _spread(_delta(after, before, OUTPUT))
         random.Random(seed).shuffle(outputs)
-        seconds = after.at_s - before.at_s
+        seconds, arrived = after.at_s - before.at_s, after.arrived - before.arrived
         mix = tuple(zip(prompts, outputs))
-        return cls(len(mix) / seconds if seconds > 0 else 0.0, mix,
+        return cls(arrived / seconds if seconds > 0 and arrived > 0 else 0.0, mix,
                    _share_within(_delta(after, before, TTFT), slo.ttft_s),
                    _share_within(_delta(after, before, TPOT), slo.tpot_s))
+
+    def describe(self) -> str:
+        shares = ", ".join(f"{'-' if share is None else f'{share:.0%}'} within the {name} SLO"
+                           for name, share in (("TTFT", self.ttft_share), ("TPOT", self.tpot_share)))
+        return f"{self.rate:.3g} requests/s arrived, {len(self.mix)} samples finished, {shares}"
 
     def meets(self, target: float) -> bool:
         return all(share is None or share >= target for share in (self.ttft_share, self.tpot_share))

@@ -107,10 +107,11 @@ class Cluster(ClusterProcess):
 @contextmanager
 def running_cluster(model_dir: str, num_prefill: int, num_decode: int, node: NodeSettings = NodeSettings(),
                     metrics: bool = False, router_args=(), prefill_args=(), decode_args=(), num_colocated: int = 0,
-                    colocated_args=(), auth_token: str | None = None) -> Iterator[Cluster]:
-    """`*_args`: extra flags for the router / every node of a pool (they win over the defaults)."""
-    flags = cluster_flags(num_prefill, num_decode, node, num_colocated, router_args, prefill_args, decode_args,
-                          colocated_args, metrics)
+                    colocated_args=(), auth_token: str | None = None, launcher_args=()) -> Iterator[Cluster]:
+    """`*_args`: extra flags for the router / every node of a pool (they win over the defaults);
+    `launcher_args`: more `pdserve cluster` flags."""
+    flags = [*cluster_flags(num_prefill, num_decode, node, num_colocated, router_args, prefill_args, decode_args,
+                            colocated_args, metrics), *launcher_args]
     with tempfile.TemporaryDirectory(prefix="pdserve-cluster-") as workdir:
         with Cluster([*flags, "--model", model_dir], workdir, auth_token=auth_token,
                          ready_timeout_s=START_TIMEOUT_S) as cluster:

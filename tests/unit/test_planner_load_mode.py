@@ -3,6 +3,9 @@ router's own metrics, and the split it moves toward on synthetic profiles."""
 
 from __future__ import annotations
 
+import asyncio
+
+import grpc
 import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
@@ -17,9 +20,19 @@ SLO = Slo(ttft_s=1.0, tpot_s=0.05)
 
 
 def finish(metrics: RouterMetrics, prompt: int, output: int, ttft_s: float, tpot_s: float) -> None:
-    metrics._record_sample(pdserve_pb2.GenerateResponse(  # one sample's last response, as the relay sees it
-        usage=pdserve_pb2.Usage(prompt_tokens=prompt, completion_tokens=output),
-        timings=pdserve_pb2.Timings(ttft_s=ttft_s, e2e_s=ttft_s + tpot_s * (output - 1))))
+    """One request of one sample through the router's metrics, from arrival to its last response."""
+    last = pdserve_pb2.GenerateResponse(usage=pdserve_pb2.Usage(prompt_tokens=prompt, completion_tokens=output),
+                                        timings=pdserve_pb2.Timings(ttft_s=ttft_s, e2e_s=ttft_s + tpot_s * (output - 1)))
+    asyncio.run(drain(metrics.observe(one(last), lambda completed, error: grpc.StatusCode.OK)))
+
+
+async def one(response):
+    yield response
+
+
+async def drain(stream) -> None:
+    async for _ in stream:
+        pass
 
 
 def test_the_window_reads_the_rate_the_mix_and_the_slo_shares_back_from_the_histograms():
@@ -32,7 +45,7 @@ def test_the_window_reads_the_rate_the_mix_and_the_slo_shares_back_from_the_hist
     finish(metrics, 1000, 300, 3.0, 0.2)  # misses both
     window = Window.between(before, Scrape.parse(generate_latest(registry).decode(), at_s=12.0), SLO)
 
-    assert window.rate == 4 / 2.0
+    assert window.rate == 4 / 2.0  # arrived: ended, as none is in flight at either scrape
     # Each bucket's count spread evenly across it: three in (96, 128], one in (768, 1024] ...
     assert sorted(p for p, _ in window.mix) == [101, 112, 123, 896]
     assert sorted(o for _, o in window.mix) == [9, 12, 15, 320]  # ... three in (8, 16], one in (256, 384]
@@ -49,6 +62,17 @@ def test_a_router_that_restarted_between_scrapes_gives_an_empty_window():
     after = Scrape.parse(generate_latest(RouterMetrics(CollectorRegistry()).registry).decode(), at_s=5.0)
     window = Window.between(before, after, SLO)
     assert window.mix == () and window.rate == 0.0 and window.meets(0.9)
+
+
+def test_requests_still_in_flight_count_as_arrived():
+    registry = CollectorRegistry()
+    metrics = RouterMetrics(registry)
+    before = Scrape.parse(generate_latest(registry).decode(), at_s=0.0)
+    finish(metrics, 10, 10, 0.1, 0.01)
+    for _ in range(3):
+        metrics._in_flight.inc()  # arrived, no token yet (an overloaded prefill pool)
+    window = Window.between(before, Scrape.parse(generate_latest(registry).decode(), at_s=2.0), SLO)
+    assert window.rate == 4 / 2.0 and len(window.mix) == 1
 
 
 # A node whose step costs 2 ms plus 0.2 ms per token and 1 ms per request in it.
