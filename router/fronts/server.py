@@ -51,8 +51,9 @@ from pdserve.router.requests.validation import RequestValidator, live_capacity
 
 log = logging.getLogger(__name__)
 # The router's own services, by full name: what reflection lists and Health reports on.
-ROUTER_SERVICES = (pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
-                   node_pb2.DESCRIPTOR.services_by_name["Registry"].full_name)
+GENERATION_SERVICE = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+REGISTRY_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+ROUTER_SERVICES = (GENERATION_SERVICE, REGISTRY_SERVICE)
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
@@ -228,8 +229,10 @@ class RouterServer:
             def observed(request: pdserve_pb2.GenerateRequest) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
                 return self.metrics.observe(requests.run(request), http_end_status)
             self.http = HTTPFront(observed, served, self._can_serve, self.config.auth_token)
-        # grpc.health.v1: SERVING only while the router can serve a request, not merely while it runs.
-        self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve)
+        # grpc.health.v1: SERVING only while the router can serve a request, not merely while it runs;
+        # the Registry while it runs (nodes can join): a liveness probe's question.
+        self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve,
+                                                     {REGISTRY_SERVICE: self._running})
         node_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.state, standard.refresh), server)
         self.port = _bind(server, self.config)
         await self._standard.refresh()  # NOT_SERVING from the first call (grpc's default says SERVING)
@@ -245,8 +248,11 @@ class RouterServer:
         await self._standard.start()
         return self.port
 
+    def _running(self) -> bool:
+        return self.phase is ServerPhase.SERVING
+
     def _can_serve(self) -> bool:
-        return self.phase is ServerPhase.SERVING and can_serve(*live_counts(self.state.registry))
+        return self._running() and can_serve(*live_counts(self.state.registry))
 
     def health(self) -> Health:
         """What `/health` answers: serving only between a finished `start` and `stop`."""

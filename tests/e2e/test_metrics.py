@@ -41,7 +41,8 @@ ROUTER_FAMILIES = {
 }
 NODE_FAMILIES = {
     "pdserve_num_requests_waiting", "pdserve_num_requests_running", "pdserve_kv_cache_blocks_used",
-    "pdserve_kv_cache_blocks_free", "pdserve_kv_cache_blocks_reserved", "pdserve_queued_prefill_tokens",
+    "pdserve_kv_cache_blocks_free", "pdserve_kv_cache_usage_ratio", "pdserve_kv_cache_blocks_reserved",
+    "pdserve_queued_prefill_tokens",
     "pdserve_prefix_cache_queries", "pdserve_prefix_cache_hits", "pdserve_prefix_cache_hit_rate",
     "pdserve_kv_transfer_bytes", "pdserve_kv_transfer_blocks", "pdserve_kv_transfers",
     "pdserve_kv_transfer_failures", "pdserve_kv_transfer_seconds",

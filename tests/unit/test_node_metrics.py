@@ -50,6 +50,7 @@ def test_series_are_the_latest_snapshot() -> None:
     expected = {
         "pdserve_num_requests_waiting": 4, "pdserve_num_requests_running": 5,
         "pdserve_kv_cache_blocks_used": 3, "pdserve_kv_cache_blocks_free": 61,
+        "pdserve_kv_cache_usage_ratio": 3 / 64,
         "pdserve_kv_cache_blocks_reserved": 1, "pdserve_queued_prefill_tokens": 40,
         "pdserve_prefix_cache_hit_rate": 0.25,
         "pdserve_prefix_cache_queries_total": 8, "pdserve_prefix_cache_hits_total": 2,
@@ -61,6 +62,7 @@ def test_series_are_the_latest_snapshot() -> None:
 
     latest.stats = snapshot(used_blocks=0, queries=0, hits=0)  # read at scrape time
     assert registry.get_sample_value("pdserve_kv_cache_blocks_used") == 0
+    assert registry.get_sample_value("pdserve_kv_cache_usage_ratio") == 0
     assert registry.get_sample_value("pdserve_prefix_cache_hit_rate") == 0  # no queries yet: 0, not NaN
 
 
