@@ -4,8 +4,10 @@
     POST /v1/chat/completions   messages → the chat template → one assistant message per choice
                                 (both: vLLM's `use_beam_search` with `best_of`/`n`, `length_penalty`:
                                 the n best beams as the choices, best first; never streamed)
-    GET  /v1/models             the served model (`--served-model-name`, default the folder's name)
-    GET  /health                200 while the router can serve (a colocated node, or both kinds)
+    GET  /v1/models             the served model (`--served-model-name`, default the folder's name);
+                                503 (OpenAI's error JSON) while the router cannot serve yet
+    GET  /health                200 while the router can serve (a colocated node, or both kinds),
+                                else 503 with the reason: the router's one verdict (`health`)
     POST /tokenize, /detokenize, GET /version
 
 Every request becomes the router's own `GenerateRequest`s (router/fronts/openai_api.py) and runs
@@ -34,9 +36,10 @@ from typing import Any
 from aiohttp import web
 
 from pdserve.common.auth import SCHEME
+from pdserve.common.metrics_endpoint import HealthCheck
 from pdserve.proto import pdserve_pb2
 from pdserve.router.fronts import openai_api as oa
-from pdserve.router.errors import InvalidRequest, RouterError
+from pdserve.router.errors import InvalidRequest, NotReady, RouterError
 from pdserve.router.requests.merge import merged
 
 RETRY_AFTER_S = "1"
@@ -57,13 +60,13 @@ class ServedModel:
 
 
 class HTTPFront:
-    def __init__(self, run: Runner, model: ServedModel, can_serve: Callable[[], bool],
-                 auth_token: str | None = None) -> None:
+    def __init__(self, run: Runner, model: ServedModel, health: HealthCheck, auth_token: str | None = None) -> None:
+        """`health`: whether the router serves (a client waiting on /v1/models or /health waits for it)."""
         self._run = run
         self._model = model
         self._tokenizer = model.tokenizer
         self._served_name = model.name
-        self._can_serve = can_serve
+        self._health = health
         self._expected = (SCHEME + auth_token).encode() if auth_token else None
         self._template = model.chat_template
         self._runner: web.AppRunner | None = None
@@ -106,14 +109,19 @@ class HTTPFront:
 
     # -- the simple routes -------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
+        # What OpenAI clients poll to wait for a server: only a server that can run a request lists.
+        verdict = self._health()
+        if not verdict.serving:
+            raise NotReady(verdict.reason)
         # max_model_len as vLLM gives it; vocab_size too, so a benchmark can draw prompt token ids.
         return web.json_response({"object": "list", "data": [
             {"id": self._served_name, "object": "model", "created": 0, "owned_by": "pdserve",
              "max_model_len": self._model.max_model_len, "vocab_size": self._model.vocab_size}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        serving = self._can_serve()
-        return web.Response(status=200 if serving else 503, text="serving" if serving else "not serving: no nodes")
+        verdict = self._health()
+        return web.Response(status=200 if verdict.serving else 503,
+                            text=f"{'serving' if verdict.serving else 'not serving'}: {verdict.reason}\n")
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": version("pdserve")})

@@ -3,7 +3,7 @@
 Owns the grpc.aio server, the servicers (thin: validate, hand to the orchestrator or
 the registry, turn a `RouterError` into a status via `errors.status_of`; `Generate`'s
 stream is observed by `RouterMetrics`), the optional `/metrics` + `/health` endpoint (200
-only while the gRPC server serves), the registry maintenance loop, signal handling and
+only while the router can serve a request: `RouterServer.health`), the registry maintenance loop, signal handling and
 `main(argv)` for `pdserve router`: a port that cannot be had (`--port`, `--metrics-port`) is
 one line naming the flag and exit status 2; Ctrl-C stops gracefully with 130, SIGTERM with
 0. It loads only the tokenizer and config of the model, never weights, and never runs model
@@ -228,7 +228,7 @@ class RouterServer:
                                  model.vocab_size, _read_template(self.config.chat_template))
             def observed(request: pdserve_pb2.GenerateRequest) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
                 return self.metrics.observe(requests.run(request), http_end_status)
-            self.http = HTTPFront(observed, served, self._can_serve, self.config.auth_token)
+            self.http = HTTPFront(observed, served, self.health, self.config.auth_token)
         # grpc.health.v1: SERVING only while the router can serve a request, not merely while it runs;
         # the Registry while it runs (nodes can join): a liveness probe's question.
         self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve,
@@ -252,13 +252,20 @@ class RouterServer:
         return self.phase is ServerPhase.SERVING
 
     def _can_serve(self) -> bool:
-        return self._running() and can_serve(*live_counts(self.state.registry))
+        return self.health().serving
 
     def health(self) -> Health:
-        """What `/health` answers: serving only between a finished `start` and `stop`."""
-        if self.phase is not ServerPhase.SERVING:
+        """Whether the router serves, the one verdict that `/health` (API and metrics ports),
+        grpc.health.v1 and `/v1/models` give: only between a finished `start` and `stop`, and
+        only with a route for a request (a colocated node, or a prefill and a decode node, live)."""
+        if not self._running():
             return Health(False, f"router {self.phase.value}")
-        return Health(True, f"router on {self.config.host}:{self.port} (pdserve.Generation, pdserve.Registry)")
+        prefill, decode, colocated = live_counts(self.state.registry)
+        nodes = f"{prefill} prefill, {decode} decode and {colocated} colocated nodes live"
+        if not can_serve(prefill, decode, colocated):
+            return Health(False, f"no route for a request yet ({nodes}): the router serves once a colocated "
+                                 "node, or a prefill and a decode node, have registered")
+        return Health(True, f"router on {self.config.host}:{self.port}, {nodes}")
 
     async def stop(self, grace_s: float | None = None) -> None:
         self.phase = ServerPhase.STOPPING

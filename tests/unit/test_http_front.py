@@ -10,6 +10,7 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from pdserve.common.metrics_endpoint import Health
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import InvalidRequest, NoNodeAvailable, Overloaded
 from pdserve.router.fronts.http_server import HTTPFront, ServedModel
@@ -57,8 +58,12 @@ class FakeRunner:
             raise
 
 
+NO_ROUTE = "no route for a request yet"
+
+
 def front(runner: FakeRunner, token: str | None = None, serving: bool = True) -> HTTPFront:
-    return HTTPFront(runner.run, ServedModel("tiny", Tokenizer(), max_model_len=64, vocab_size=256), lambda: serving,
+    verdict = Health(True, "router on 127.0.0.1:1") if serving else Health(False, NO_ROUTE)
+    return HTTPFront(runner.run, ServedModel("tiny", Tokenizer(), max_model_len=64, vocab_size=256), lambda: verdict,
                      token)
 
 
@@ -141,13 +146,29 @@ def test_bad_bodies_and_unknown_models_are_refused_naming_what_is_wrong():
 def test_the_token_guards_every_path_but_health():
     async def go():
         async with await client_of(front(FakeRunner(), token="s3cret", serving=False)) as client:
-            no = await client.get("/v1/models")
-            wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
-            right = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+            no = await client.get("/version")
+            wrong = await client.get("/version", headers={"Authorization": "Bearer nope"})
+            right = await client.get("/version", headers={"Authorization": "Bearer s3cret"})
             health = await client.get("/health")
-            return no.status, wrong.status, right.status, (await right.json())["data"][0]["id"], health.status
+            return no.status, wrong.status, right.status, health.status
 
-    assert run(go()) == (401, 401, 200, "tiny", 503)
+    assert run(go()) == (401, 401, 200, 503)
+
+
+def test_models_and_health_say_not_ready_until_the_router_can_serve():
+    async def go(serving: bool):
+        async with await client_of(front(FakeRunner(), serving=serving)) as client:
+            models = await client.get("/v1/models")
+            health = await client.get("/health")
+            return models.status, await models.json(), health.status, await health.text()
+
+    status, body, health_status, health_text = run(go(False))
+    assert (status, health_status, health_text) == (503, 503, f"not serving: {NO_ROUTE}\n")
+    assert body == {"error": {"message": NO_ROUTE, "type": "service_unavailable", "param": None,
+                              "code": "UNAVAILABLE"}}
+    status, body, health_status, health_text = run(go(True))
+    assert (status, body["data"][0]["id"], health_status, health_text) == (200, "tiny", 200,
+                                                                           "serving: router on 127.0.0.1:1\n")
 
 
 def test_a_client_that_leaves_mid_stream_cancels_the_request():
