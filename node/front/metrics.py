@@ -66,6 +66,7 @@ _COUNTERS = (
     ("pdserve_kv_transfers", "KV transfers completed", lambda s: s.kv_transfer.transfers),
     ("pdserve_kv_transfer_failures", "KV transfers failed", lambda s: s.kv_transfer.failures),
     ("pdserve_kv_transfer_seconds", "Sum of completed KV transfers' latency", lambda s: s.kv_transfer.latency_s),
+    ("pdserve_preemptions", "Preemptions, recomputed and swapped out alike", lambda s: s.preemptions),
     ("pdserve_swaps_out", "Preemptions that swapped a request out", lambda s: s.swaps_out),
     ("pdserve_swaps_in", "Swapped-out requests swapped back in", lambda s: s.swaps_in),
     ("pdserve_forked_samples", "Samples forked off a sibling sample, sharing its prompt blocks",

@@ -8,14 +8,16 @@
                                 503 (OpenAI's error JSON) while the router cannot serve yet
     GET  /health                200 while the router can serve (a colocated node, or both kinds),
                                 else 503 with the reason: the router's one verdict (`health`)
+    GET  /metrics               Prometheus: the router's registry, the same series as --metrics-port
+                                (vLLM serves /metrics on its API port too)
     POST /tokenize, /detokenize, GET /version
 
 Every request becomes the router's own `GenerateRequest`s (router/fronts/openai_api.py) and runs
 through `RequestRunner` — the same validation, admission, deadlines, failover and cancellation
 as gRPC: a client that disconnects cancels its handler, which cancels the request on every node.
 Errors are OpenAI's JSON with the HTTP status of the gRPC code (400 naming `param`, 401, 404,
-429 with Retry-After, 503, 504). With an auth token, every path but /health needs
-`Authorization: Bearer <token>`.
+429 with Retry-After, 503, 504). With an auth token, every path but /health and /metrics
+(what probes and Prometheus ask, as on the metrics port) needs `Authorization: Bearer <token>`.
 
 aiohttp because it runs on an event loop that is already running (the router's uvloop),
 without a server of its own to start.
@@ -34,6 +36,7 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pdserve.common.auth import SCHEME
 from pdserve.common.metrics_endpoint import HealthCheck
@@ -43,6 +46,7 @@ from pdserve.router.errors import InvalidRequest, NotReady, RouterError
 from pdserve.router.requests.merge import merged
 
 RETRY_AFTER_S = "1"
+OPEN_PATHS = ("/health", "/metrics")  # answered without the token
 # Compact JSON, one encoder for every chunk (json.dumps with options builds one per call).
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 Runner = Callable[[pdserve_pb2.GenerateRequest], AsyncIterator[pdserve_pb2.GenerateResponse]]
@@ -60,13 +64,16 @@ class ServedModel:
 
 
 class HTTPFront:
-    def __init__(self, run: Runner, model: ServedModel, health: HealthCheck, auth_token: str | None = None) -> None:
-        """`health`: whether the router serves (a client waiting on /v1/models or /health waits for it)."""
+    def __init__(self, run: Runner, model: ServedModel, health: HealthCheck, auth_token: str | None = None,
+                 metrics: CollectorRegistry | None = None) -> None:
+        """`health`: whether the router serves (a client waiting on /v1/models or /health waits for it);
+        `metrics`: the registry /metrics serves (None: an empty one)."""
         self._run = run
         self._model = model
         self._tokenizer = model.tokenizer
         self._served_name = model.name
         self._health = health
+        self._metrics = metrics if metrics is not None else CollectorRegistry()
         self._expected = (SCHEME + auth_token).encode() if auth_token else None
         self._template = model.chat_template
         self._runner: web.AppRunner | None = None
@@ -75,6 +82,7 @@ class HTTPFront:
         app = web.Application(middlewares=[self._errors, self._auth])
         app.add_routes([web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/metrics", self.metrics),
                         web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
                         web.get("/version", self.version)])
         return app
@@ -99,7 +107,7 @@ class HTTPFront:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self._expected is not None and request.path != "/health":
+        if self._expected is not None and request.path not in OPEN_PATHS:
             presented = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(presented, self._expected):
                 return web.json_response({"error": {"message": "missing or wrong auth token: send "
@@ -122,6 +130,9 @@ class HTTPFront:
         verdict = self._health()
         return web.Response(status=200 if verdict.serving else 503,
                             text=f"{'serving' if verdict.serving else 'not serving'}: {verdict.reason}\n")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self._metrics), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": version("pdserve")})

@@ -228,7 +228,7 @@ class RouterServer:
                                  model.vocab_size, _read_template(self.config.chat_template))
             def observed(request: pdserve_pb2.GenerateRequest) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
                 return self.metrics.observe(requests.run(request), http_end_status)
-            self.http = HTTPFront(observed, served, self.health, self.config.auth_token)
+            self.http = HTTPFront(observed, served, self.health, self.config.auth_token, self.metrics.registry)
         # grpc.health.v1: SERVING only while the router can serve a request, not merely while it runs;
         # the Registry while it runs (nodes can join): a liveness probe's question.
         self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve,

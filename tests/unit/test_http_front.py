@@ -143,16 +143,17 @@ def test_bad_bodies_and_unknown_models_are_refused_naming_what_is_wrong():
     assert run(go()) == [(400, "prompt"), (400, "messages"), (404, None), (400, "temperature"), (400, "body")]
 
 
-def test_the_token_guards_every_path_but_health():
+def test_the_token_guards_every_path_but_health_and_metrics():
     async def go():
         async with await client_of(front(FakeRunner(), token="s3cret", serving=False)) as client:
             no = await client.get("/version")
             wrong = await client.get("/version", headers={"Authorization": "Bearer nope"})
             right = await client.get("/version", headers={"Authorization": "Bearer s3cret"})
             health = await client.get("/health")
-            return no.status, wrong.status, right.status, health.status
+            metrics = await client.get("/metrics")
+            return no.status, wrong.status, right.status, health.status, metrics.status
 
-    assert run(go()) == (401, 401, 200, 503)
+    assert run(go()) == (401, 401, 200, 503, 200)
 
 
 def test_models_and_health_say_not_ready_until_the_router_can_serve():
