@@ -11,13 +11,15 @@
     GET  /metrics               Prometheus: the router's registry, the same series as --metrics-port
                                 (vLLM serves /metrics on its API port too)
     POST /tokenize, /detokenize, GET /version
+    GET  /openapi.json          the OpenAPI document of these paths (router/fronts/openapi.py)
 
 Every request becomes the router's own `GenerateRequest`s (router/fronts/openai_api.py) and runs
 through `RequestRunner` — the same validation, admission, deadlines, failover and cancellation
 as gRPC: a client that disconnects cancels its handler, which cancels the request on every node.
 Errors are OpenAI's JSON with the HTTP status of the gRPC code (400 naming `param`, 401, 404,
-429 with Retry-After, 503, 504). With an auth token, every path but /health and /metrics
-(what probes and Prometheus ask, as on the metrics port) needs `Authorization: Bearer <token>`.
+429 with Retry-After, 503, 504). With an auth token, every path but /health, /metrics (what
+probes and Prometheus ask, as on the metrics port) and /openapi.json needs `Authorization:
+Bearer <token>`.
 
 aiohttp because it runs on an event loop that is already running (the router's uvloop),
 without a server of its own to start.
@@ -42,11 +44,12 @@ from pdserve.common.auth import SCHEME
 from pdserve.common.metrics_endpoint import HealthCheck
 from pdserve.proto import pdserve_pb2
 from pdserve.router.fronts import openai_api as oa
+from pdserve.router.fronts.openapi import openapi_document
 from pdserve.router.errors import InvalidRequest, NotReady, RouterError
 from pdserve.router.requests.merge import merged
 
 RETRY_AFTER_S = "1"
-OPEN_PATHS = ("/health", "/metrics")  # answered without the token
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # answered without the token
 # Compact JSON, one encoder for every chunk (json.dumps with options builds one per call).
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 Runner = Callable[[pdserve_pb2.GenerateRequest], AsyncIterator[pdserve_pb2.GenerateResponse]]
@@ -82,7 +85,7 @@ class HTTPFront:
         app = web.Application(middlewares=[self._errors, self._auth])
         app.add_routes([web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
-                        web.get("/metrics", self.metrics),
+                        web.get("/metrics", self.metrics), web.get("/openapi.json", self.openapi),
                         web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
                         web.get("/version", self.version)])
         return app
@@ -134,6 +137,9 @@ class HTTPFront:
     async def metrics(self, request: web.Request) -> web.Response:
         return web.Response(body=generate_latest(self._metrics), headers={"Content-Type": CONTENT_TYPE_LATEST})
 
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document(version("pdserve")))
+
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": version("pdserve")})
 
@@ -150,6 +156,7 @@ class HTTPFront:
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise InvalidRequest("tokens", "tokens must be a list of token ids")
+        oa.check_token_ids("tokens", tokens, self._model.vocab_size)
         return web.json_response({"prompt": self._tokenizer.decode(tokens)})
 
     # -- generation ------------------------------------------------------------------------
@@ -159,6 +166,9 @@ class HTTPFront:
         params = oa.sampling_params(body, oa.DEFAULT_COMPLETION_MAX_TOKENS)
         beam = oa.beam_search(body, params)
         prompts = oa.completion_prompts(body)
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                oa.check_token_ids("prompt", prompt, self._model.vocab_size)
         echoes = oa.echoes(body, prompts, self._tokenizer)
         requests = [oa.generate_request(p, params, beam) for p in prompts]
         n = max(1, params.n or 1)
@@ -226,7 +236,7 @@ class HTTPFront:
         events = (_prompt_responses(self._run, 0, requests[0], n) if len(requests) == 1 else
                   merged([_prompt_producer(self._run, i, r, n) for i, r in enumerate(requests)]))
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            include_usage = oa.include_usage(body)
             return await self._stream(request, events, request_id, kind, make_choice, opening,
                                       oa.UsageTally(n) if include_usage else None)
         choices = [oa.Choice(i) for i in range(len(requests) * n)]

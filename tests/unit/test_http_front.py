@@ -143,6 +143,48 @@ def test_bad_bodies_and_unknown_models_are_refused_naming_what_is_wrong():
     assert run(go()) == [(400, "prompt"), (400, "messages"), (404, None), (400, "temperature"), (400, "body")]
 
 
+def test_what_the_fuzz_found_is_a_400_naming_the_field_not_a_500():
+    """Bodies tests/e2e/test_openapi_fuzz.py found answered 500, or that failed the same way."""
+    async def go():
+        async with await client_of(front(FakeRunner())) as client:
+            answers = []
+            for path, body in (("/v1/completions", {"prompt": [[65, -4666188342272892577251328]]}),
+                               ("/v1/completions", {"prompt": [256], "echo": True}),
+                               ("/detokenize", {"tokens": [685995912]}),
+                               ("/detokenize", {"tokens": [-1]}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                         "logprobs": True, "top_logprobs": "many"}),
+                               ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": [1]})):
+                resp = await client.post(path, json=body)
+                error = (await resp.json())["error"]
+                answers.append((resp.status, error["param"], error["message"]))
+            return answers
+
+    assert run(go()) == [
+        (400, "prompt", "prompt contains -4666188342272892577251328, outside the vocabulary [0, 256)"),
+        (400, "prompt", "prompt contains 256, outside the vocabulary [0, 256)"),
+        (400, "tokens", "tokens contains 685995912, outside the vocabulary [0, 256)"),
+        (400, "tokens", "tokens contains -1, outside the vocabulary [0, 256)"),
+        (400, "top_logprobs", "top_logprobs must be an integer"),
+        (400, "stream_options", "stream_options must be an object"),
+    ]
+
+
+def test_the_openapi_document_describes_every_route_and_is_served_without_the_token():
+    async def go():
+        http = front(FakeRunner(), token="s3cret")
+        routes = {(r.method, r.resource.canonical) for r in http.app().router.routes() if r.method != "HEAD"}
+        async with await client_of(http) as client:
+            resp = await client.get("/openapi.json")
+            return routes, resp.status, await resp.json()
+
+    routes, status, document = run(go())
+    assert status == 200 and document["openapi"] == "3.0.3"
+    assert {(method.upper(), path) for path, item in document["paths"].items() for method in item} == routes
+    error = document["components"]["schemas"]["Error"]["properties"]["error"]
+    assert error["required"] == ["message", "type", "param", "code"]
+
+
 def test_the_token_guards_every_path_but_health_and_metrics():
     async def go():
         async with await client_of(front(FakeRunner(), token="s3cret", serving=False)) as client:
