@@ -50,6 +50,7 @@ from pdserve.router.dispatch.state import RouterState
 from pdserve.router.requests.validation import RequestValidator, live_capacity
 
 log = logging.getLogger(__name__)
+_COUNT_ATTEMPTS = 3  # reads of the node table from another thread (see _live_counts_from_any_thread)
 # The router's own services, by full name: what reflection lists and Health reports on.
 GENERATION_SERVICE = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
 REGISTRY_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
@@ -133,6 +134,17 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
 def live_counts(registry: NodeRegistry) -> tuple[int, int, int]:
     """Live (prefill, decode, colocated) nodes."""
     return tuple(len(registry.live(kind)) for kind in (NodeKind.PREFILL, NodeKind.DECODE, NodeKind.COLOCATED))
+
+
+def _live_counts_from_any_thread(registry: NodeRegistry) -> tuple[int, int, int]:
+    """`live_counts`, safe from the metrics endpoint's thread (its /health): the event loop may add
+    or drop a node mid-read, and a node table that changed size is simply read again."""
+    for _ in range(_COUNT_ATTEMPTS - 1):
+        try:
+            return live_counts(registry)
+        except RuntimeError:
+            continue
+    return live_counts(registry)  # still changing: the endpoint answers 503 naming the error
 
 
 def can_serve(prefill: int, decode: int, colocated: int) -> bool:
@@ -260,7 +272,7 @@ class RouterServer:
         only with a route for a request (a colocated node, or a prefill and a decode node, live)."""
         if not self._running():
             return Health(False, f"router {self.phase.value}")
-        prefill, decode, colocated = live_counts(self.state.registry)
+        prefill, decode, colocated = _live_counts_from_any_thread(self.state.registry)
         nodes = f"{prefill} prefill, {decode} decode and {colocated} colocated nodes live"
         if not can_serve(prefill, decode, colocated):
             return Health(False, f"no route for a request yet ({nodes}): the router serves once a colocated "
