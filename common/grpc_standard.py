@@ -5,7 +5,8 @@ What a Kubernetes gRPC probe, `grpc_health_probe` or `grpcurl list` expect of an
 - Health (grpcio-health-checking): the overall status ("") and each of the server's own services
   are SERVING exactly while the server's `serving()` check says so — a router while it can serve
   (a colocated node, or a prefill and a decode node, are live), a node while its engine core
-  runs. `StandardServices` follows the check every `POLL_S` and whenever the server says it
+  runs — except a service given a check of its own (`own_checks`): the router's Registry is
+  SERVING while the router runs, nodes or none, which is what a liveness probe asks. `StandardServices` follows the check every `POLL_S` and whenever the server says it
   changed (`refresh`: the router on each registration; a Watch sees each change), and
   says NOT_SERVING for good once the server stops. Health answers without the auth token
   (common/auth.py): a probe cannot send one, and the answer reveals only SERVING or not.
@@ -18,7 +19,7 @@ Must never: import another pdserve part, or block the event loop.
 from __future__ import annotations
 
 import asyncio
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -29,14 +30,16 @@ POLL_S = 0.5
 
 
 class StandardServices:
-    def __init__(self, server: grpc.aio.Server, services: Sequence[str], serving: Callable[[], bool]) -> None:
-        """Add Health and reflection to `server` (before it starts); `services`: its own, by full name."""
+    def __init__(self, server: grpc.aio.Server, services: Sequence[str], serving: Callable[[], bool],
+                 own_checks: Mapping[str, Callable[[], bool]] | None = None) -> None:
+        """Add Health and reflection to `server` (before it starts); `services`: its own, by full
+        name, each SERVING while `serving()` says so, or while its check in `own_checks` does."""
         self._health = health.aio.HealthServicer()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, server)
         reflection.enable_server_reflection((*services, HEALTH_SERVICE, reflection.SERVICE_NAME), server)
-        self._names = ("", *services)
-        self._serving = serving
-        self._status: int | None = None
+        own_checks = own_checks or {}
+        self._checks = {name: own_checks.get(name, serving) for name in ("", *services)}
+        self._statuses: dict[str, int] = {}
         self._task: asyncio.Task | None = None
 
     async def start(self) -> None:
@@ -57,14 +60,13 @@ class StandardServices:
             await self.refresh()
 
     async def refresh(self) -> None:
-        """Set the statuses from the check now (the server calls it when it knows things changed)."""
-        status = health_pb2.HealthCheckResponse.SERVING if self._serving() else \
-            health_pb2.HealthCheckResponse.NOT_SERVING
-        if status == self._status:
-            return
-        self._status = status
-        for name in self._names:
-            await self._health.set(name, status)
+        """Set the statuses from the checks now (the server calls it when it knows things changed)."""
+        for name, check in self._checks.items():
+            status = health_pb2.HealthCheckResponse.SERVING if check() else \
+                health_pb2.HealthCheckResponse.NOT_SERVING
+            if self._statuses.get(name) != status:
+                self._statuses[name] = status
+                await self._health.set(name, status)
 
 
 def is_health_call(method: str) -> bool:

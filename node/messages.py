@@ -223,6 +223,7 @@ class StatsData:
     used_swap_blocks: int = 0
     swaps_out: int = 0
     swaps_in: int = 0
+    preemptions: int = 0  # recomputed and swapped out alike
     forked_samples: int = 0  # samples forked off a sibling sample's first logits (node/core/sibling_forks.py)
     failed_requests: int = 0  # failed because a step they were in raised (engine StepFailed)
 

@@ -37,6 +37,13 @@ class NoNodeAvailable(RouterError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class NotReady(RouterError):
+    """The router cannot serve a request yet (no colocated node, nor a prefill and a decode node,
+    registered) or any more (stopping); the message says which."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class Overloaded(RouterError):
     """Every candidate node refused for lack of capacity."""
 

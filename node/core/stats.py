@@ -65,6 +65,7 @@ def build_stats(kind: str, engine: EngineCore, transport: RankedTransport | None
         used_swap_blocks=engine.swap.num_used_blocks,
         swaps_out=scheduler.num_swaps_out,
         swaps_in=scheduler.num_swaps_in,
+        preemptions=scheduler.num_preemptions,
         forked_samples=engine.num_forked_samples,
         failed_requests=engine.num_failed_requests,
     )

@@ -33,6 +33,10 @@ LatestStats = Callable[[], StatsData | None]
 CoreAlive = Callable[[], bool]  # safe from any thread
 
 
+def _kv_usage(stats: StatsData) -> float:
+    return stats.used_blocks / stats.num_blocks if stats.num_blocks else 0.0
+
+
 def _hit_rate(stats: StatsData) -> float:
     return stats.prefix_cache_hits / stats.prefix_cache_queries if stats.prefix_cache_queries else 0.0
 
@@ -43,6 +47,8 @@ _GAUGES = (
     ("pdserve_num_requests_running", "Requests running in the scheduler", lambda s: s.num_running),
     ("pdserve_kv_cache_blocks_used", "KV cache blocks in use", lambda s: s.used_blocks),
     ("pdserve_kv_cache_blocks_free", "KV cache blocks free", lambda s: max(0, s.num_blocks - s.used_blocks)),
+    # vLLM's kv_cache_usage_perc: comparable across nodes of any cache size (what an autoscaler reads).
+    ("pdserve_kv_cache_usage_ratio", "Share of the KV cache blocks in use (0 to 1)", _kv_usage),
     ("pdserve_kv_cache_blocks_reserved", "Decode blocks reserved for KV still in transfer",
      lambda s: s.reserved_blocks),
     ("pdserve_queued_prefill_tokens", "Prompt tokens yet to prefill", lambda s: s.queued_prefill_tokens),
@@ -60,6 +66,7 @@ _COUNTERS = (
     ("pdserve_kv_transfers", "KV transfers completed", lambda s: s.kv_transfer.transfers),
     ("pdserve_kv_transfer_failures", "KV transfers failed", lambda s: s.kv_transfer.failures),
     ("pdserve_kv_transfer_seconds", "Sum of completed KV transfers' latency", lambda s: s.kv_transfer.latency_s),
+    ("pdserve_preemptions", "Preemptions, recomputed and swapped out alike", lambda s: s.preemptions),
     ("pdserve_swaps_out", "Preemptions that swapped a request out", lambda s: s.swaps_out),
     ("pdserve_swaps_in", "Swapped-out requests swapped back in", lambda s: s.swaps_in),
     ("pdserve_forked_samples", "Samples forked off a sibling sample, sharing its prompt blocks",

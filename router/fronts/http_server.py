@@ -4,16 +4,22 @@
     POST /v1/chat/completions   messages → the chat template → one assistant message per choice
                                 (both: vLLM's `use_beam_search` with `best_of`/`n`, `length_penalty`:
                                 the n best beams as the choices, best first; never streamed)
-    GET  /v1/models             the served model (`--served-model-name`, default the folder's name)
-    GET  /health                200 while the router can serve (a colocated node, or both kinds)
+    GET  /v1/models             the served model (`--served-model-name`, default the folder's name);
+                                503 (OpenAI's error JSON) while the router cannot serve yet
+    GET  /health                200 while the router can serve (a colocated node, or both kinds),
+                                else 503 with the reason: the router's one verdict (`health`)
+    GET  /metrics               Prometheus: the router's registry, the same series as --metrics-port
+                                (vLLM serves /metrics on its API port too)
     POST /tokenize, /detokenize, GET /version
+    GET  /openapi.json          the OpenAPI document of these paths (router/fronts/openapi.py)
 
 Every request becomes the router's own `GenerateRequest`s (router/fronts/openai_api.py) and runs
 through `RequestRunner` — the same validation, admission, deadlines, failover and cancellation
 as gRPC: a client that disconnects cancels its handler, which cancels the request on every node.
 Errors are OpenAI's JSON with the HTTP status of the gRPC code (400 naming `param`, 401, 404,
-429 with Retry-After, 503, 504). With an auth token, every path but /health needs
-`Authorization: Bearer <token>`.
+429 with Retry-After, 503, 504). With an auth token, every path but /health, /metrics (what
+probes and Prometheus ask, as on the metrics port) and /openapi.json needs `Authorization:
+Bearer <token>`.
 
 aiohttp because it runs on an event loop that is already running (the router's uvloop),
 without a server of its own to start.
@@ -32,14 +38,18 @@ from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 from aiohttp import web
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
 from pdserve.common.auth import SCHEME
+from pdserve.common.metrics_endpoint import HealthCheck
 from pdserve.proto import pdserve_pb2
 from pdserve.router.fronts import openai_api as oa
-from pdserve.router.errors import InvalidRequest, RouterError
+from pdserve.router.fronts.openapi import openapi_document
+from pdserve.router.errors import InvalidRequest, NotReady, RouterError
 from pdserve.router.requests.merge import merged
 
 RETRY_AFTER_S = "1"
+OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # answered without the token
 # Compact JSON, one encoder for every chunk (json.dumps with options builds one per call).
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 Runner = Callable[[pdserve_pb2.GenerateRequest], AsyncIterator[pdserve_pb2.GenerateResponse]]
@@ -57,13 +67,16 @@ class ServedModel:
 
 
 class HTTPFront:
-    def __init__(self, run: Runner, model: ServedModel, can_serve: Callable[[], bool],
-                 auth_token: str | None = None) -> None:
+    def __init__(self, run: Runner, model: ServedModel, health: HealthCheck, auth_token: str | None = None,
+                 metrics: CollectorRegistry | None = None) -> None:
+        """`health`: whether the router serves (a client waiting on /v1/models or /health waits for it);
+        `metrics`: the registry /metrics serves (None: an empty one)."""
         self._run = run
         self._model = model
         self._tokenizer = model.tokenizer
         self._served_name = model.name
-        self._can_serve = can_serve
+        self._health = health
+        self._metrics = metrics if metrics is not None else CollectorRegistry()
         self._expected = (SCHEME + auth_token).encode() if auth_token else None
         self._template = model.chat_template
         self._runner: web.AppRunner | None = None
@@ -72,6 +85,7 @@ class HTTPFront:
         app = web.Application(middlewares=[self._errors, self._auth])
         app.add_routes([web.post("/v1/completions", self.completions), web.post("/v1/chat/completions", self.chat),
                         web.get("/v1/models", self.models), web.get("/health", self.health),
+                        web.get("/metrics", self.metrics), web.get("/openapi.json", self.openapi),
                         web.post("/tokenize", self.tokenize), web.post("/detokenize", self.detokenize),
                         web.get("/version", self.version)])
         return app
@@ -96,7 +110,7 @@ class HTTPFront:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self._expected is not None and request.path != "/health":
+        if self._expected is not None and request.path not in OPEN_PATHS:
             presented = request.headers.get("Authorization", "").encode()
             if not hmac.compare_digest(presented, self._expected):
                 return web.json_response({"error": {"message": "missing or wrong auth token: send "
@@ -106,14 +120,25 @@ class HTTPFront:
 
     # -- the simple routes -------------------------------------------------------------
     async def models(self, request: web.Request) -> web.Response:
+        # What OpenAI clients poll to wait for a server: only a server that can run a request lists.
+        verdict = self._health()
+        if not verdict.serving:
+            raise NotReady(verdict.reason)
         # max_model_len as vLLM gives it; vocab_size too, so a benchmark can draw prompt token ids.
         return web.json_response({"object": "list", "data": [
             {"id": self._served_name, "object": "model", "created": 0, "owned_by": "pdserve",
              "max_model_len": self._model.max_model_len, "vocab_size": self._model.vocab_size}]})
 
     async def health(self, request: web.Request) -> web.Response:
-        serving = self._can_serve()
-        return web.Response(status=200 if serving else 503, text="serving" if serving else "not serving: no nodes")
+        verdict = self._health()
+        return web.Response(status=200 if verdict.serving else 503,
+                            text=f"{'serving' if verdict.serving else 'not serving'}: {verdict.reason}\n")
+
+    async def metrics(self, request: web.Request) -> web.Response:
+        return web.Response(body=generate_latest(self._metrics), headers={"Content-Type": CONTENT_TYPE_LATEST})
+
+    async def openapi(self, request: web.Request) -> web.Response:
+        return web.json_response(openapi_document(version("pdserve")))
 
     async def version(self, request: web.Request) -> web.Response:
         return web.json_response({"version": version("pdserve")})
@@ -131,6 +156,7 @@ class HTTPFront:
         tokens = body.get("tokens")
         if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
             raise InvalidRequest("tokens", "tokens must be a list of token ids")
+        oa.check_token_ids("tokens", tokens, self._model.vocab_size)
         return web.json_response({"prompt": self._tokenizer.decode(tokens)})
 
     # -- generation ------------------------------------------------------------------------
@@ -140,6 +166,9 @@ class HTTPFront:
         params = oa.sampling_params(body, oa.DEFAULT_COMPLETION_MAX_TOKENS)
         beam = oa.beam_search(body, params)
         prompts = oa.completion_prompts(body)
+        for prompt in prompts:
+            if not isinstance(prompt, str):
+                oa.check_token_ids("prompt", prompt, self._model.vocab_size)
         echoes = oa.echoes(body, prompts, self._tokenizer)
         requests = [oa.generate_request(p, params, beam) for p in prompts]
         n = max(1, params.n or 1)
@@ -207,7 +236,7 @@ class HTTPFront:
         events = (_prompt_responses(self._run, 0, requests[0], n) if len(requests) == 1 else
                   merged([_prompt_producer(self._run, i, r, n) for i, r in enumerate(requests)]))
         if body.get("stream"):
-            include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
+            include_usage = oa.include_usage(body)
             return await self._stream(request, events, request_id, kind, make_choice, opening,
                                       oa.UsageTally(n) if include_usage else None)
         choices = [oa.Choice(i) for i in range(len(requests) * n)]

@@ -4,7 +4,8 @@ Owns `RouterMetrics`, built on a `CollectorRegistry` the router passes in (one p
 process, never the library's global one). Requests are recorded by observing the public
 response stream of a request (`RouterMetrics.observe`: gRPC's `Generate`, and each prompt of
 an HTTP request), the one place that sees a whole request: TTFT and end-to-end latency from each sample's last response (its
-`timings`), TPOT = (e2e - ttft) / (completion_tokens - 1), every streamed token, the
+`timings`), TPOT = (e2e - ttft) / (completion_tokens - 1), ITL (the gap between a sample's
+successive responses on the router's clock, over the tokens the later one carries), every streamed token, the
 prompt's tokens once per request, and the request's final status. The per-node gauges
 come from the heartbeats the registry already keeps, read at scrape time by
 `NodeStatsCollector` (no polling of its own).
@@ -16,6 +17,7 @@ aborted with), or call a node.
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
@@ -36,13 +38,19 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 76
 
 
 class RouterMetrics:
-    def __init__(self, registry: CollectorRegistry, nodes: NodeRegistry | None = None) -> None:
+    def __init__(self, registry: CollectorRegistry, nodes: NodeRegistry | None = None,
+                 clock: Callable[[], float] = time.monotonic) -> None:
+        """`clock`: what inter-token gaps are measured with (tests hand in their own)."""
         self.registry = registry
+        self._clock = clock
         self._ttft = Histogram("pdserve_request_ttft_seconds", "Time to first token of each sample",
                                buckets=LATENCY_BUCKETS_S, registry=registry)
         self._tpot = Histogram("pdserve_request_tpot_seconds",
                                "Time per output token after the first, of each sample with more than one token",
                                buckets=TPOT_BUCKETS_S, registry=registry)
+        self._itl = Histogram("pdserve_request_itl_seconds",
+                              "Inter-token latency: the gap between a sample's successive responses, per token",
+                              buckets=TPOT_BUCKETS_S, registry=registry)
         self._e2e = Histogram("pdserve_request_e2e_seconds", "Request received to last token, of each sample",
                               buckets=LATENCY_BUCKETS_S, registry=registry)
         self._sample_prompt = Histogram("pdserve_request_prompt_tokens", "Prompt tokens of each finished sample",
@@ -68,9 +76,11 @@ class RouterMetrics:
         completed = False
         error: BaseException | None = None
         prompt_counted = False
+        last_at: dict[int, float] = {}  # each sample's last response, on the router's clock
         try:
             async for response in responses:
                 self._generated_tokens.inc(len(response.token_ids))
+                self._record_gap(last_at, response)
                 if response.HasField("usage"):  # a sample's last response
                     self._record_sample(response)
                     if not prompt_counted:
@@ -84,6 +94,18 @@ class RouterMetrics:
         finally:
             self._in_flight.dec()
             self._requests.labels(status=ended(completed, error).name).inc()
+
+    def _record_gap(self, last_at: dict[int, float], response: pdserve_pb2.GenerateResponse) -> None:
+        if not response.token_ids:
+            return
+        now = self._clock()
+        previous = last_at.get(response.index)
+        last_at[response.index] = now
+        if previous is None:  # the first token's wait is TTFT, not an inter-token gap
+            return
+        per_token = (now - previous) / len(response.token_ids)
+        for _ in response.token_ids:
+            self._itl.observe(per_token)
 
     def _record_sample(self, response: pdserve_pb2.GenerateResponse) -> None:
         timings, completion_tokens = response.timings, response.usage.completion_tokens

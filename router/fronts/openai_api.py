@@ -24,7 +24,7 @@ from pdserve.router.errors import InvalidRequest, ModelNotFound, NeedsNodes, sta
 FINISH_REASONS = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length",
                   pdserve_pb2.FINISH_REASON_ABORT: "abort"}
 # OpenAI's sampling fields that map one to one onto the router's.
-_SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
+SAMPLING_FIELDS = ("temperature", "top_p", "top_k", "min_p", "seed", "presence_penalty", "frequency_penalty",
                     "repetition_penalty", "min_tokens", "ignore_eos", "stop_token_ids", "n", "prompt_logprobs")
 DEFAULT_COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 HTTP_STATUS = {
@@ -74,7 +74,7 @@ def check_model(body: dict[str, Any], served_name: str) -> None:
 def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> pdserve_pb2.SamplingParams:
     """The router's sampling params from OpenAI's fields; a wrongly typed field is refused by name."""
     params = pdserve_pb2.SamplingParams()
-    for name in _SAMPLING_FIELDS:
+    for name in SAMPLING_FIELDS:
         value = body.get(name)
         if value is None:
             continue
@@ -106,8 +106,19 @@ def _logprobs_field(body: dict[str, Any]) -> int | None:
     """Completions: `logprobs` is a count. Chat: `logprobs` is a flag and `top_logprobs` the count."""
     value = body.get("logprobs")
     if isinstance(value, bool):
-        return int(body.get("top_logprobs") or 0) if value else None
+        top = body.get("top_logprobs") or 0
+        if not isinstance(top, int) or isinstance(top, bool):
+            raise InvalidRequest("top_logprobs", "top_logprobs must be an integer")
+        return top if value else None
     return value
+
+
+def include_usage(body: dict[str, Any]) -> bool:
+    """`stream_options.include_usage`: a stream's last chunk carries the usage."""
+    options = body.get("stream_options") or {}
+    if not isinstance(options, dict):
+        raise InvalidRequest("stream_options", "stream_options must be an object")
+    return bool(options.get("include_usage"))
 
 
 def _set(params: pdserve_pb2.SamplingParams | pdserve_pb2.BeamSearch, name: str, value: object) -> None:
@@ -129,6 +140,15 @@ def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
         return list(prompt)
     raise InvalidRequest("prompt", "prompt must be a string, a list of strings, a list of token ids, "
                                    "or a list of such lists")
+
+
+def check_token_ids(field: str, ids: Sequence[int], vocab_size: int) -> None:
+    """Ids a request gives are inside the vocabulary: before anything decodes or packs them (a
+    tokenizer or protobuf raises on an id beyond its integer type). The router's validator says
+    the same of gRPC's token_ids."""
+    bad = next((t for t in ids if not 0 <= t < vocab_size), None)
+    if bad is not None:
+        raise InvalidRequest(field, f"{field} contains {bad}, outside the vocabulary [0, {vocab_size})")
 
 
 @dataclass(frozen=True)

@@ -3,7 +3,7 @@
 Owns the grpc.aio server, the servicers (thin: validate, hand to the orchestrator or
 the registry, turn a `RouterError` into a status via `errors.status_of`; `Generate`'s
 stream is observed by `RouterMetrics`), the optional `/metrics` + `/health` endpoint (200
-only while the gRPC server serves), the registry maintenance loop, signal handling and
+only while the router can serve a request: `RouterServer.health`), the registry maintenance loop, signal handling and
 `main(argv)` for `pdserve router`: a port that cannot be had (`--port`, `--metrics-port`) is
 one line naming the flag and exit status 2; Ctrl-C stops gracefully with 130, SIGTERM with
 0. It loads only the tokenizer and config of the model, never weights, and never runs model
@@ -50,9 +50,11 @@ from pdserve.router.dispatch.state import RouterState
 from pdserve.router.requests.validation import RequestValidator, live_capacity
 
 log = logging.getLogger(__name__)
+_COUNT_ATTEMPTS = 3  # reads of the node table from another thread (see _live_counts_from_any_thread)
 # The router's own services, by full name: what reflection lists and Health reports on.
-ROUTER_SERVICES = (pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name,
-                   node_pb2.DESCRIPTOR.services_by_name["Registry"].full_name)
+GENERATION_SERVICE = pdserve_pb2.DESCRIPTOR.services_by_name["Generation"].full_name
+REGISTRY_SERVICE = node_pb2.DESCRIPTOR.services_by_name["Registry"].full_name
+ROUTER_SERVICES = (GENERATION_SERVICE, REGISTRY_SERVICE)
 
 
 async def _abort(context: grpc.aio.ServicerContext, error: BaseException) -> None:
@@ -132,6 +134,17 @@ class GenerationServicer(pdserve_pb2_grpc.GenerationServicer):
 def live_counts(registry: NodeRegistry) -> tuple[int, int, int]:
     """Live (prefill, decode, colocated) nodes."""
     return tuple(len(registry.live(kind)) for kind in (NodeKind.PREFILL, NodeKind.DECODE, NodeKind.COLOCATED))
+
+
+def _live_counts_from_any_thread(registry: NodeRegistry) -> tuple[int, int, int]:
+    """`live_counts`, safe from the metrics endpoint's thread (its /health): the event loop may add
+    or drop a node mid-read, and a node table that changed size is simply read again."""
+    for _ in range(_COUNT_ATTEMPTS - 1):
+        try:
+            return live_counts(registry)
+        except RuntimeError:
+            continue
+    return live_counts(registry)  # still changing: the endpoint answers 503 naming the error
 
 
 def can_serve(prefill: int, decode: int, colocated: int) -> bool:
@@ -227,9 +240,11 @@ class RouterServer:
                                  model.vocab_size, _read_template(self.config.chat_template))
             def observed(request: pdserve_pb2.GenerateRequest) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
                 return self.metrics.observe(requests.run(request), http_end_status)
-            self.http = HTTPFront(observed, served, self._can_serve, self.config.auth_token)
-        # grpc.health.v1: SERVING only while the router can serve a request, not merely while it runs.
-        self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve)
+            self.http = HTTPFront(observed, served, self.health, self.config.auth_token, self.metrics.registry)
+        # grpc.health.v1: SERVING only while the router can serve a request, not merely while it runs;
+        # the Registry while it runs (nodes can join): a liveness probe's question.
+        self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve,
+                                                     {REGISTRY_SERVICE: self._running})
         node_pb2_grpc.add_RegistryServicer_to_server(RegistryServicer(self.state, standard.refresh), server)
         self.port = _bind(server, self.config)
         await self._standard.refresh()  # NOT_SERVING from the first call (grpc's default says SERVING)
@@ -245,14 +260,24 @@ class RouterServer:
         await self._standard.start()
         return self.port
 
+    def _running(self) -> bool:
+        return self.phase is ServerPhase.SERVING
+
     def _can_serve(self) -> bool:
-        return self.phase is ServerPhase.SERVING and can_serve(*live_counts(self.state.registry))
+        return self.health().serving
 
     def health(self) -> Health:
-        """What `/health` answers: serving only between a finished `start` and `stop`."""
-        if self.phase is not ServerPhase.SERVING:
+        """Whether the router serves, the one verdict that `/health` (API and metrics ports),
+        grpc.health.v1 and `/v1/models` give: only between a finished `start` and `stop`, and
+        only with a route for a request (a colocated node, or a prefill and a decode node, live)."""
+        if not self._running():
             return Health(False, f"router {self.phase.value}")
-        return Health(True, f"router on {self.config.host}:{self.port} (pdserve.Generation, pdserve.Registry)")
+        prefill, decode, colocated = _live_counts_from_any_thread(self.state.registry)
+        nodes = f"{prefill} prefill, {decode} decode and {colocated} colocated nodes live"
+        if not can_serve(prefill, decode, colocated):
+            return Health(False, f"no route for a request yet ({nodes}): the router serves once a colocated "
+                                 "node, or a prefill and a decode node, have registered")
+        return Health(True, f"router on {self.config.host}:{self.port}, {nodes}")
 
     async def stop(self, grace_s: float | None = None) -> None:
         self.phase = ServerPhase.STOPPING

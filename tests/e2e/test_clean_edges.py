@@ -5,8 +5,8 @@
   serve` and `pdserve cluster` (with every child) with exit status 130 and no traceback.
 - A port something else listens on is one line naming the flag and the address, exit
   status 2, for every port of every command: `--port`, `--metrics-port`, `--kv-port`.
-- `/health` on the metrics port: 200 saying what serves, for a router and a node; 503 with
-  the reason once a node's engine core is dead.
+- `/health` on the metrics port: 200 saying what serves, for a node; 503 with the reason
+  for a router that has no node yet, and once a node's engine core is dead.
 """
 
 from __future__ import annotations
@@ -171,12 +171,13 @@ def test_a_busy_port_is_one_line_naming_the_flag_and_exit_2(command, flag, bind_
 # -- Ctrl-C and /health of single processes -------------------------------------------------
 
 
-def test_ctrl_c_stops_a_router_and_its_health_said_it_served(model_dir):
+def test_ctrl_c_stops_a_router_and_its_health_said_why_it_did_not_serve(model_dir):
     with Command("router", "--model", model_dir, "--port", "0", "--metrics-port", "0") as router:
         router.wait_for("pdserve router metrics on ")
-        address = line_value(router.stdout, "pdserve router listening on ")
         health = get(health_url(line_value(router.stdout, "pdserve router metrics on ")))
-        assert health == (200, f"serving: router on {address} (pdserve.Generation, pdserve.Registry)\n")
+        assert health == (503, "not serving: no route for a request yet (0 prefill, 0 decode and 0 colocated nodes "
+                               "live): the router serves once a colocated node, or a prefill and a decode node, "
+                               "have registered\n")
         assert_interrupted(router, router.interrupt())
 
 

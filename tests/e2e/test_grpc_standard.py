@@ -2,7 +2,8 @@
 
 - `grpc.health.v1.Health` (the grpc_health_probe call): the router and every node answer
   SERVING for the overall status and for their own services; a router with no nodes answers
-  NOT_SERVING (it runs, but cannot serve a request); an unknown service is NOT_FOUND.
+  NOT_SERVING (it runs, but cannot serve a request) but SERVING for its Registry (nodes can
+  join: it is alive); an unknown service is NOT_FOUND.
 - Reflection lists each server's services (what `grpcurl -plaintext HOST:PORT list` prints).
 - A bad request's INVALID_ARGUMENT carries a `google.rpc.BadRequest` detail naming the field.
 """
@@ -81,6 +82,8 @@ def test_a_router_without_nodes_runs_but_is_not_serving(model_dir):
         address = f"127.0.0.1:{port}"
         assert health_of(address) == NOT_SERVING
         assert health_of(address, "pdserve.v1.Generation") == NOT_SERVING
+        # Alive, waiting for nodes: what Kubernetes' liveness probe asks (deploy/k8s/).
+        assert health_of(address, "pdserve.node.v1.Registry") == SERVING
     finally:
         router.terminate()
         router.wait(timeout=30)

@@ -34,17 +34,19 @@ NEW_TOKENS = [6, 4, 8]
 WAIT_S = 15.0
 
 ROUTER_FAMILIES = {
-    "pdserve_request_ttft_seconds", "pdserve_request_tpot_seconds", "pdserve_request_e2e_seconds",
-    "pdserve_request_prompt_tokens", "pdserve_request_generation_tokens", "pdserve_requests", "pdserve_generated_tokens", "pdserve_prompt_tokens", "pdserve_requests_in_flight",
+    "pdserve_request_ttft_seconds", "pdserve_request_tpot_seconds", "pdserve_request_itl_seconds",
+    "pdserve_request_e2e_seconds", "pdserve_request_prompt_tokens", "pdserve_request_generation_tokens",
+    "pdserve_requests", "pdserve_generated_tokens", "pdserve_prompt_tokens", "pdserve_requests_in_flight",
     "pdserve_node_kv_blocks_used", "pdserve_node_kv_blocks_free", "pdserve_node_kv_blocks_reserved",
     "pdserve_node_requests_waiting", "pdserve_node_requests_running", "pdserve_node_queued_prefill_tokens",
 }
 NODE_FAMILIES = {
     "pdserve_num_requests_waiting", "pdserve_num_requests_running", "pdserve_kv_cache_blocks_used",
-    "pdserve_kv_cache_blocks_free", "pdserve_kv_cache_blocks_reserved", "pdserve_queued_prefill_tokens",
+    "pdserve_kv_cache_blocks_free", "pdserve_kv_cache_usage_ratio", "pdserve_kv_cache_blocks_reserved",
+    "pdserve_queued_prefill_tokens",
     "pdserve_prefix_cache_queries", "pdserve_prefix_cache_hits", "pdserve_prefix_cache_hit_rate",
     "pdserve_kv_transfer_bytes", "pdserve_kv_transfer_blocks", "pdserve_kv_transfers",
-    "pdserve_kv_transfer_failures", "pdserve_kv_transfer_seconds",
+    "pdserve_kv_transfer_failures", "pdserve_kv_transfer_seconds", "pdserve_preemptions",
 }
 
 
@@ -155,6 +157,8 @@ def test_metrics_series_served_and_moving(model_dir):
         assert router.value("pdserve_request_ttft_seconds_count") == num_ok
         assert router.value("pdserve_request_e2e_seconds_count") == num_ok
         assert router.value("pdserve_request_tpot_seconds_count") == num_ok  # every one has > 1 token
+        # One inter-token gap per token after each sample's first.
+        assert router.value("pdserve_request_itl_seconds_count") == sum(NEW_TOKENS) + NEW_TOKENS[2] - num_ok
         assert router.value("pdserve_generated_tokens_total") == sum(NEW_TOKENS) + NEW_TOKENS[2]
         assert router.value("pdserve_prompt_tokens_total") == sum(len(p) for p in all_prompts)
         assert router.value("pdserve_requests_in_flight") == 0
@@ -194,6 +198,13 @@ def test_metrics_series_served_and_moving(model_dir):
         assert router.value("pdserve_requests_total", status="INVALID_ARGUMENT") == 2
         assert router.value("pdserve_generated_tokens_total") == tokens_before + 3
         assert router.value("pdserve_requests_in_flight") == 0
+
+        # /metrics on the HTTP API port: the same registry, in the exposition format Prometheus parses.
+        api = scrape(cluster.state.http.removesuffix("/v1") + "/metrics")
+        assert api.families == router.families
+        for sample, labels in (("pdserve_requests_total", {"status": "OK"}), ("pdserve_generated_tokens_total", {}),
+                               ("pdserve_request_ttft_seconds_count", {})):
+            assert api.value(sample, **labels) == router.value(sample, **labels)
 
         assert all(s.used_blocks == 0 for s in cluster.wait_all_blocks_free(10.0))
         router = scrape_until(router_url, lambda s: all(

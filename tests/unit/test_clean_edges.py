@@ -194,7 +194,7 @@ def test_a_node_serves_only_between_start_and_stop_while_its_core_runs():
     assert health() == Health(False, "decode node stopping")
 
 
-def test_the_router_serves_health_only_while_its_grpc_server_serves(router_model):
+def test_the_router_serves_health_only_while_it_can_serve(router_model):
     path, loaded = router_model
 
     def verdict(server: RouterServer) -> tuple[int, str]:
@@ -212,5 +212,7 @@ def test_the_router_serves_health_only_while_its_grpc_server_serves(router_model
 
     port, seen = run(scenario())
     assert seen == [(503, "router starting"),
-                    (200, f"serving: router on 127.0.0.1:{port} (pdserve.Generation, pdserve.Registry)\n"),
+                    (503, "not serving: no route for a request yet (0 prefill, 0 decode and 0 colocated nodes "
+                          "live): the router serves once a colocated node, or a prefill and a decode node, have "
+                          "registered\n"),
                     (503, "router stopping")]

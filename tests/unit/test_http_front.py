@@ -10,6 +10,7 @@ import json
 import pytest
 from aiohttp.test_utils import TestClient, TestServer
 
+from pdserve.common.metrics_endpoint import Health
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import InvalidRequest, NoNodeAvailable, Overloaded
 from pdserve.router.fronts.http_server import HTTPFront, ServedModel
@@ -57,8 +58,12 @@ class FakeRunner:
             raise
 
 
+NO_ROUTE = "no route for a request yet"
+
+
 def front(runner: FakeRunner, token: str | None = None, serving: bool = True) -> HTTPFront:
-    return HTTPFront(runner.run, ServedModel("tiny", Tokenizer(), max_model_len=64, vocab_size=256), lambda: serving,
+    verdict = Health(True, "router on 127.0.0.1:1") if serving else Health(False, NO_ROUTE)
+    return HTTPFront(runner.run, ServedModel("tiny", Tokenizer(), max_model_len=64, vocab_size=256), lambda: verdict,
                      token)
 
 
@@ -138,16 +143,75 @@ def test_bad_bodies_and_unknown_models_are_refused_naming_what_is_wrong():
     assert run(go()) == [(400, "prompt"), (400, "messages"), (404, None), (400, "temperature"), (400, "body")]
 
 
-def test_the_token_guards_every_path_but_health():
+def test_what_the_fuzz_found_is_a_400_naming_the_field_not_a_500():
+    """Bodies tests/e2e/test_openapi_fuzz.py found answered 500, or that failed the same way."""
+    async def go():
+        async with await client_of(front(FakeRunner())) as client:
+            answers = []
+            for path, body in (("/v1/completions", {"prompt": [[65, -4666188342272892577251328]]}),
+                               ("/v1/completions", {"prompt": [256], "echo": True}),
+                               ("/detokenize", {"tokens": [685995912]}),
+                               ("/detokenize", {"tokens": [-1]}),
+                               ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
+                                                         "logprobs": True, "top_logprobs": "many"}),
+                               ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": [1]})):
+                resp = await client.post(path, json=body)
+                error = (await resp.json())["error"]
+                answers.append((resp.status, error["param"], error["message"]))
+            return answers
+
+    assert run(go()) == [
+        (400, "prompt", "prompt contains -4666188342272892577251328, outside the vocabulary [0, 256)"),
+        (400, "prompt", "prompt contains 256, outside the vocabulary [0, 256)"),
+        (400, "tokens", "tokens contains 685995912, outside the vocabulary [0, 256)"),
+        (400, "tokens", "tokens contains -1, outside the vocabulary [0, 256)"),
+        (400, "top_logprobs", "top_logprobs must be an integer"),
+        (400, "stream_options", "stream_options must be an object"),
+    ]
+
+
+def test_the_openapi_document_describes_every_route_and_is_served_without_the_token():
+    async def go():
+        http = front(FakeRunner(), token="s3cret")
+        routes = {(r.method, r.resource.canonical) for r in http.app().router.routes() if r.method != "HEAD"}
+        async with await client_of(http) as client:
+            resp = await client.get("/openapi.json")
+            return routes, resp.status, await resp.json()
+
+    routes, status, document = run(go())
+    assert status == 200 and document["openapi"] == "3.0.3"
+    assert {(method.upper(), path) for path, item in document["paths"].items() for method in item} == routes
+    error = document["components"]["schemas"]["Error"]["properties"]["error"]
+    assert error["required"] == ["message", "type", "param", "code"]
+
+
+def test_the_token_guards_every_path_but_health_and_metrics():
     async def go():
         async with await client_of(front(FakeRunner(), token="s3cret", serving=False)) as client:
-            no = await client.get("/v1/models")
-            wrong = await client.get("/v1/models", headers={"Authorization": "Bearer nope"})
-            right = await client.get("/v1/models", headers={"Authorization": "Bearer s3cret"})
+            no = await client.get("/version")
+            wrong = await client.get("/version", headers={"Authorization": "Bearer nope"})
+            right = await client.get("/version", headers={"Authorization": "Bearer s3cret"})
             health = await client.get("/health")
-            return no.status, wrong.status, right.status, (await right.json())["data"][0]["id"], health.status
+            metrics = await client.get("/metrics")
+            return no.status, wrong.status, right.status, health.status, metrics.status
 
-    assert run(go()) == (401, 401, 200, "tiny", 503)
+    assert run(go()) == (401, 401, 200, 503, 200)
+
+
+def test_models_and_health_say_not_ready_until_the_router_can_serve():
+    async def go(serving: bool):
+        async with await client_of(front(FakeRunner(), serving=serving)) as client:
+            models = await client.get("/v1/models")
+            health = await client.get("/health")
+            return models.status, await models.json(), health.status, await health.text()
+
+    status, body, health_status, health_text = run(go(False))
+    assert (status, health_status, health_text) == (503, 503, f"not serving: {NO_ROUTE}\n")
+    assert body == {"error": {"message": NO_ROUTE, "type": "service_unavailable", "param": None,
+                              "code": "UNAVAILABLE"}}
+    status, body, health_status, health_text = run(go(True))
+    assert (status, body["data"][0]["id"], health_status, health_text) == (200, "tiny", 200,
+                                                                           "serving: router on 127.0.0.1:1\n")
 
 
 def test_a_client_that_leaves_mid_stream_cancels_the_request():

@@ -19,7 +19,7 @@ def snapshot(used_blocks: int = 3, queries: int = 8, hits: int = 2) -> StatsData
     return StatsData(kind="prefill", num_blocks=64, used_blocks=used_blocks, reserved_blocks=1, num_waiting=4,
                      num_running=5, queued_prefill_tokens=40,
                      kv_transfer=TransferStats(bytes=4096, blocks=2, transfers=1, failures=0, latency_s=0.25),
-                     prefix_cache_queries=queries, prefix_cache_hits=hits)
+                     prefix_cache_queries=queries, prefix_cache_hits=hits, preemptions=6)
 
 
 class Latest:
@@ -50,17 +50,19 @@ def test_series_are_the_latest_snapshot() -> None:
     expected = {
         "pdserve_num_requests_waiting": 4, "pdserve_num_requests_running": 5,
         "pdserve_kv_cache_blocks_used": 3, "pdserve_kv_cache_blocks_free": 61,
+        "pdserve_kv_cache_usage_ratio": 3 / 64,
         "pdserve_kv_cache_blocks_reserved": 1, "pdserve_queued_prefill_tokens": 40,
         "pdserve_prefix_cache_hit_rate": 0.25,
         "pdserve_prefix_cache_queries_total": 8, "pdserve_prefix_cache_hits_total": 2,
         "pdserve_kv_transfer_bytes_total": 4096, "pdserve_kv_transfer_blocks_total": 2,
         "pdserve_kv_transfers_total": 1, "pdserve_kv_transfer_failures_total": 0,
-        "pdserve_kv_transfer_seconds_total": 0.25,
+        "pdserve_kv_transfer_seconds_total": 0.25, "pdserve_preemptions_total": 6,
     }
     assert {name: registry.get_sample_value(name) for name in expected} == expected
 
     latest.stats = snapshot(used_blocks=0, queries=0, hits=0)  # read at scrape time
     assert registry.get_sample_value("pdserve_kv_cache_blocks_used") == 0
+    assert registry.get_sample_value("pdserve_kv_cache_usage_ratio") == 0
     assert registry.get_sample_value("pdserve_prefix_cache_hit_rate") == 0  # no queries yet: 0, not NaN
 
 

@@ -97,6 +97,21 @@ def test_two_samples_record_latency_tokens_and_ok() -> None:
     assert value(registry, "pdserve_requests_in_flight") == 0
 
 
+def test_inter_token_latency_is_each_gap_over_the_tokens_it_brought() -> None:
+    registry = CollectorRegistry()
+    ticks = iter([10.0, 10.5, 11.0, 20.0, 20.4])  # the router's clock at each response with tokens
+    metrics = RouterMetrics(registry, clock=lambda: next(ticks))
+    responses = [token(0, 1), token(0, 2),  # sample 0: first token, then a 0.5 s gap
+                 token(1, 7),  # sample 1's first token: no gap of its own
+                 last(0, [3, 4], completion_tokens=4, ttft_s=0.1, e2e_s=2.0),  # 9.5 s over two tokens
+                 last(1, [8], completion_tokens=2, ttft_s=0.1, e2e_s=2.0)]  # 9.4 s after its first
+    drain(metrics, stream(responses), grpc_end_status(FakeContext()))
+
+    assert value(registry, "pdserve_request_itl_seconds_count") == 4
+    assert value(registry, "pdserve_request_itl_seconds_sum") == pytest.approx(0.5 + 4.75 * 2 + 9.4)
+    assert value(registry, "pdserve_request_itl_seconds_bucket", le="0.5") == 1
+
+
 def test_in_flight_while_streaming() -> None:
     registry = CollectorRegistry()
     metrics = RouterMetrics(registry)
