@@ -48,7 +48,8 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "disagg-latency": ("pdserve.bench.disagg_latency", "one request through 1P1D: TTFT vs KV transfer"),
     "overload": ("pdserve.bench.overload", "10x the cluster's capacity: rejections and admitted latency"),
     "serve": ("pdserve.bench.serve.cli", "open-loop load on a running cluster: SLO attainment, goodput sweep"),
-    "serve-compare": ("pdserve.bench.serve_compare", "1P1D on one core each vs colocated on the same two cores"),
+    "serve-compare": ("pdserve.bench.serve_compare", "1P1D, colocated and hybrid on the same two cores: goodput per SLO"),
+    "rebalance": ("pdserve.bench.rebalance", "a mix that shifts halfway, with and without the load mode"),
 }
 
 
