@@ -12,12 +12,11 @@ import json
 
 import jsonschema
 import pytest
-import torch
 
 from pdserve import LLM, SamplingParams, StructuredOutput
-from pdserve.engine.model_loader import load_reference_model
 from pdserve.engine.request import FinishReason
-from pdserve.engine.structured_output import grammar_of
+
+from .reference import constrained_references
 
 SCHEMA = {
     "type": "object",
@@ -53,30 +52,13 @@ def no_leaks(request):
         assert not engine.has_unfinished()
 
 
-def transformers_constrained(model_dir, llm: LLM, prompt: list[int], structured: StructuredOutput,
-                             max_new_tokens: int) -> list[int]:
-    """Greedy transformers `generate` under xgrammar's HF logits processor, cut after eos."""
-    import xgrammar as xgr
-
-    loaded = llm.engine.loaded
-    info = xgr.TokenizerInfo.from_huggingface(loaded.tokenizer, vocab_size=loaded.vocab_size,
-                                              stop_token_ids=loaded.eos_token_ids)
-    compiled = xgr.GrammarCompiler(info).compile_grammar(grammar_of(structured))
-    model = load_reference_model(model_dir, torch.float32)
-    with torch.inference_mode():
-        out = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-                             do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=loaded.eos_token_ids,
-                             pad_token_id=0, logits_processor=[xgr.contrib.hf.LogitsProcessor(compiled)])
-    return out[0, len(prompt):].tolist()
-
-
 @pytest.mark.parametrize("kind", sorted(CASES))
 def test_greedy_tokens_equal_transformers_with_the_libraries_logits_processor(llm, model_dirs, kind):
     structured = CASES[kind]
     params = SamplingParams(temperature=0, max_tokens=48, structured_output=structured)
     outputs = llm.generate(PROMPTS, params, use_tqdm=False)
     for prompt, out in zip(PROMPTS, outputs):
-        expected = transformers_constrained(model_dirs["llama"], llm, out.prompt_token_ids, structured, 48)
+        (expected,) = constrained_references(model_dirs["llama"], [out.prompt_token_ids], structured, 48)
         assert out.outputs[0].token_ids == expected, prompt
         assert out.outputs[0].finish_reason is FinishReason.STOP
 
