@@ -49,6 +49,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "overload": ("pdserve.bench.overload", "10x the cluster's capacity: rejections and admitted latency"),
     "serve": ("pdserve.bench.serve.cli", "open-loop load on a running cluster: SLO attainment, goodput sweep"),
     "serve-compare": ("pdserve.bench.serve_compare", "1P1D on one core each vs colocated on the same two cores"),
+    "structured": ("pdserve.bench.structured", "engine tokens/s with none, one or all requests under a JSON schema"),
 }
 
 
