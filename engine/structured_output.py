@@ -16,6 +16,7 @@ from __future__ import annotations
 import enum
 import json
 import re
+import sys
 from dataclasses import dataclass
 from typing import Any
 
@@ -73,6 +74,16 @@ class StructuredOutput:
 
 
 _KINDS = frozenset(k.value for k in StructuredKind)
+
+
+def library_loaded() -> bool:
+    return "xgrammar" in sys.modules
+
+
+def load_library() -> None:
+    """Import the grammar library: seconds the first time (it loads its compiled core and its kernels'
+    dependencies), so a caller on an event loop runs it in a thread before its first `grammar_of`."""
+    import xgrammar  # noqa: F401
 
 
 def grammar_of(structured: StructuredOutput):

@@ -26,6 +26,11 @@ _STRUCTURED_OUTPUTS = {"json": "json_schema", "regex": "regex", "choice": "choic
                        "json_object": "json_object"}
 
 
+def constrains(body: dict[str, Any]) -> bool:
+    """Does the body name an output constraint (so the grammar library is needed to check it)?"""
+    return any(body.get(name) is not None for name in ("response_format", *_GUIDED, "structured_outputs"))
+
+
 def structured_output(body: dict[str, Any]) -> pdserve_pb2.StructuredOutput | None:
     """The request's constraint, or None; InvalidRequest naming the field when malformed or doubled."""
     found = [*_response_format(body), *_guided(body), *_structured_outputs(body)]
