@@ -181,6 +181,10 @@ class SamplingParams:
         if not isinstance(self.structured_output, StructuredOutput):
             raise ValueError(f"structured_output must be a StructuredOutput, got "
                              f"{type(self.structured_output).__name__}")
+        if self.min_tokens:
+            # Masking eos where only eos completes the grammar would leave no token to draw.
+            raise ValueError("min_tokens must be 0 with structured_output: the grammar decides where the output "
+                             f"ends, got {self.min_tokens}")
         grammar_of(self.structured_output)  # parsed here so a bad one is refused where the params are built
 
     @property

@@ -103,6 +103,19 @@ def test_a_grammar_that_cannot_finish_in_max_tokens_ends_with_length(llm):
     assert out.outputs[0].finish_reason is FinishReason.LENGTH
 
 
+def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(llm):
+    structured = StructuredOutput.regex("never-compiled-before [0-9]+")
+    llm.engine.add_request("held", [1, 2, 3], SamplingParams(max_tokens=4, structured_output=structured))
+    assert llm.engine.abort("held")
+    assert not llm.engine.has_unfinished()
+
+
+def test_min_tokens_with_a_constraint_is_refused_by_name():
+    with pytest.raises(ValueError, match="^min_tokens must be 0 with structured_output: the grammar decides where "
+                                         "the output ends, got 2$"):
+        SamplingParams(min_tokens=2, max_tokens=4, structured_output=CASES["choice"])
+
+
 @pytest.mark.parametrize("structured, message", [
     (StructuredOutput("json_schema", '{"type": "objectx"}'), 'structured_output.json_schema: Unsupported type "objectx"'),
     (StructuredOutput("regex", "[a-"), "structured_output.regex: Regex parsing error at position 4: Unclosed '['"),
