@@ -9,12 +9,14 @@ blocks in use.
 from __future__ import annotations
 
 import json
+from concurrent.futures import Future
 
 import jsonschema
 import pytest
 
 from pdserve import LLM, SamplingParams, StructuredOutput
-from pdserve.engine.request import FinishReason
+from pdserve.engine.grammar import GrammarCompiler, GrammarGate
+from pdserve.engine.request import FinishReason, Request
 
 from .reference import constrained_references
 
@@ -108,6 +110,37 @@ def test_a_request_aborted_while_its_grammar_compiles_leaves_nothing(llm):
     llm.engine.add_request("held", [1, 2, 3], SamplingParams(max_tokens=4, structured_output=structured))
     assert llm.engine.abort("held")
     assert not llm.engine.has_unfinished()
+
+
+class HeldCompiler:
+    """A compiler whose compiles end when the test says."""
+
+    def __init__(self) -> None:
+        self.futures: list[Future] = []
+
+    def compile(self, structured: StructuredOutput) -> Future:
+        self.futures.append(Future())
+        return self.futures[-1]
+
+
+def test_the_gate_holds_a_request_until_its_grammar_is_compiled_and_fails_a_failed_compile(llm):
+    loaded = llm.engine.loaded
+    compiled = GrammarCompiler(loaded.tokenizer, loaded.vocab_size, loaded.eos_token_ids).compile(
+        CASES["choice"]).result()
+    compiler = HeldCompiler()
+    gate = GrammarGate(lambda: compiler)
+    params = SamplingParams(structured_output=CASES["choice"])
+    ok, bad = Request("ok", [1, 2], params, 0, seed=0), Request("bad", [1, 2], params, 1, seed=0)
+    for request in (ok, bad):
+        gate.start(request)
+        assert not gate.attach_if_ready(request)
+        gate.hold(request)
+    assert gate.ready() == ([], []) and len(gate) == 2
+    compiler.futures[0].set_result(compiled)
+    error = RuntimeError("no")
+    compiler.futures[1].set_exception(error)
+    assert gate.ready() == ([ok], [(bad, error)])
+    assert ok.grammar is not None and bad.grammar is None and len(gate) == 0
 
 
 def test_min_tokens_with_a_constraint_is_refused_by_name():
