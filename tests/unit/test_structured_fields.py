@@ -57,3 +57,16 @@ def test_a_bad_or_doubled_constraint_is_refused_naming_the_field(body, field, me
         structured_output(body)
     assert info.value.field == field
     assert str(info.value) == message
+
+
+def test_the_generate_client_sends_its_constraint_flags():
+    from pdserve.router.fronts.client import _parser, build_request
+
+    def sent(*flags: str) -> pdserve_pb2.StructuredOutput:
+        return build_request(_parser().parse_args(["hi", *flags])).sampling_params.structured_output
+
+    assert sent("--regex", "[ab]+") == pdserve_pb2.StructuredOutput(regex="[ab]+")
+    assert sent("--choice", "x", "--choice", "y").choice.options == ["x", "y"]
+    assert sent("--json-object") == pdserve_pb2.StructuredOutput(json_object=True)
+    assert sent("--json-schema", '{"type": "object"}') == pdserve_pb2.StructuredOutput(json_schema='{"type": "object"}')
+    assert not build_request(_parser().parse_args(["hi"])).sampling_params.HasField("structured_output")
