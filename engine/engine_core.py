@@ -36,6 +36,7 @@ from pdserve.engine.chunk_schedule import CHUNK_ALIGN, chunk_schedule_for
 from pdserve.engine.clock import MonotonicClock
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.first_steps import check_first_steps
+from pdserve.engine.grammar import GrammarCompiler, GrammarGate, RequestGrammar
 from pdserve.engine.kv_budget import max_concurrency
 from pdserve.engine.kv_capacity import num_kv_blocks
 from pdserve.engine.kv_cache_manager import KVCacheManager
@@ -53,6 +54,9 @@ from pdserve.engine.stop_rules import token_finish_reason
 from pdserve.engine.swap_space import SwapSpace, swap_blocks_for
 
 logger = logging.getLogger(__name__)
+
+# How long a step with nothing else to run waits for a grammar to compile before it returns.
+GRAMMAR_WAIT_S = 0.01
 
 
 @dataclass(slots=True)
@@ -124,6 +128,8 @@ class EngineCore:
         self.runner = ModelRunner(self.loaded, self.kv, num_blocks, config.torch_dtype, config.attention_backend,
                                   fanout, self.swap.num_blocks)
         self._requests: dict[str, Request] = {}
+        self.grammars = GrammarGate(lambda: GrammarCompiler(self.loaded.tokenizer, self.loaded.vocab_size,
+                                                            self.loaded.eos_token_ids))
         self._seeds = random.Random(config.seed)
         self._arrivals = 0
         self._fork_parents: dict[str, str] = {}  # a pending fork's req_id -> the request it forks from
@@ -180,7 +186,7 @@ class EngineCore:
             raise RequestRejected(f"req_id {taken!r} is already in use")
         request.pending_forks = list(forks)
         self._fork_parents.update((f.req_id, req_id) for f in forks)
-        self.scheduler.add(request)
+        self._schedule(request)
         return request
 
     def add_fork(self, parent_id: str, fork: PendingFork) -> bool:
@@ -218,7 +224,7 @@ class EngineCore:
                             fork.sample_index)
             self._arrivals += 1
             self._requests[fork.req_id] = child
-            self.scheduler.add(child)
+            self._schedule(child)
         parent.pending_forks = []
 
     def fork(self, parent_id: str, child_id: str, token_id: int, logprobs: TokenLogprobs | None = None,
@@ -243,12 +249,14 @@ class EngineCore:
                         output_token_ids=computed[parent.num_prompt_tokens:],
                         num_computed_tokens=parent.num_computed_tokens, num_cached_tokens=parent.num_cached_tokens)
         child.prompt_logprobs = None  # a prompt is scored once, by the request that computed it
+        if parent.grammar is not None:
+            child.grammar = RequestGrammar.start(parent.grammar.compiled, child.output_token_ids)
         self._arrivals += 1
         self._requests[child_id] = child
         self.kv.fork(parent, child)
         out = self._accept_token(child, token_id, logprobs)
         if not out.is_last:
-            self.scheduler.add(child)
+            self._schedule(child)
         return out
 
     def pause(self, req_id: str) -> None:
@@ -257,9 +265,17 @@ class EngineCore:
         if request is None:
             raise KeyError(f"unknown request {req_id!r}")
         self.scheduler.remove(request)
+        self.grammars.release(request)
 
     def resume(self, req_id: str) -> None:
-        self.scheduler.add(self._check_unscheduled(req_id))
+        self._schedule(self._check_unscheduled(req_id))
+
+    def _schedule(self, request: Request) -> None:
+        """Into the scheduler, or, while its grammar compiles, into the grammar gate (`step` moves it on)."""
+        if self.grammars.attach_if_ready(request):
+            self.scheduler.add(request)
+        else:
+            self.grammars.hold(request)
 
     def new_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int = 0,
@@ -282,6 +298,7 @@ class EngineCore:
                           output_token_ids=list(resumed_token_ids))
         self._arrivals += 1
         self._requests[req_id] = request
+        self.grammars.start(request)  # compiles while the request waits (a decode node: for its KV)
         return request
 
     def add_prefilled(self, request: Request, first_token_id: int) -> EngineCoreOutput:
@@ -299,9 +316,10 @@ class EngineCore:
         # The prompt was computed (and scored, if asked) where token 1 was sampled, which answers
         # its logprobs; a recompute here after a preemption must not score it again.
         request.prompt_logprobs = None
+        self.grammars.attach_if_ready(request)  # when compiled already, token 1 advances the matcher below
         out = self._accept_token(request, first_token_id, None)
         if not out.is_last:
-            self.scheduler.add(request)
+            self._schedule(request)
         return out
 
     def detach(self, req_id: str) -> list[KVBlock]:
@@ -337,13 +355,27 @@ class EngineCore:
             return False
         self._promote_pending_forks(request)
         request.finish(FinishReason.ABORT)
+        self.grammars.remove(request)
         self.scheduler.finish(request)
         return True
 
     def has_unfinished(self) -> bool:
-        return self.scheduler.has_unfinished()
+        return self.scheduler.has_unfinished() or len(self.grammars) > 0
+
+    def _admit_compiled(self) -> None:
+        """Schedule the held requests whose grammar is compiled; fail those whose compile raised."""
+        if not len(self.grammars):
+            return
+        if not self.scheduler.has_unfinished():
+            self.grammars.wait(GRAMMAR_WAIT_S)  # nothing else to run: wait for a compile, not spin
+        ready, failed = self.grammars.ready()
+        for request in ready:
+            self.scheduler.add(request)
+        if failed:
+            raise StepFailed([r.req_id for r, _ in failed], failed[0][1])
 
     def step(self) -> list[EngineCoreOutput]:
+        self._admit_compiled()
         out = self.scheduler.schedule()
         # Before the forward, even of a step that runs nothing, and outside the step's failure: a
         # swapped-out request's KV is in its host blocks whatever the forward does.
@@ -377,6 +409,8 @@ class EngineCore:
 
     def _accept_token(self, request: Request, token_id: int, logprobs: TokenLogprobs | None) -> EngineCoreOutput:
         request.append_output_token(token_id)
+        if request.grammar is not None:
+            request.grammar.accept(token_id)
         out = EngineCoreOutput(request.req_id, token_id, logprobs, None, request.num_prompt_tokens,
                                request.num_cached_tokens, prompt_logprobs=request.prompt_logprobs)
         # Handed out once, with the first token: a recompute after a preemption scores nothing again.
@@ -390,6 +424,8 @@ class EngineCore:
             token_id, request.num_output_tokens, request.num_tokens, request.params,
             self.loaded.eos_token_ids, self.max_model_len,
         )
+        if out.finish_reason is None and request.grammar is not None and request.grammar.terminated:
+            out.finish_reason = FinishReason.STOP  # the grammar is complete (its stop token, even under ignore_eos)
         if out.finish_reason is None:
             return out
         if out.finish_reason is FinishReason.STOP and token_id in request.params.stop_token_ids:
@@ -403,6 +439,7 @@ class EngineCore:
         """Take a request out of this engine; its blocks go to the caller, still held."""
         del self._requests[request.req_id]
         self.scheduler.remove(request)
+        self.grammars.remove(request)
         return self.kv.take_blocks(request)
 
     def _validate(self, req_id: str, prompt_token_ids: list[int], params: SamplingParams,

@@ -271,6 +271,7 @@ def _sampling_row(request: Request, sample_index: int | None = None) -> Sampling
         output_token_ids=request.output_token_ids,
         seed=request.seed,
         sample_index=request.sample_index if sample_index is None else sample_index,
+        grammar=request.grammar,  # a fork row draws under its parent's matcher: same tokens so far
     )
 
 

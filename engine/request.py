@@ -11,6 +11,7 @@ from __future__ import annotations
 import enum
 from dataclasses import dataclass, field
 
+from pdserve.engine.grammar import RequestGrammar
 from pdserve.engine.prompt_logprobs import PromptLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 
@@ -61,6 +62,9 @@ class Request:
     # Samples drawn from the same logits as this request's next token, each then forked off
     # sharing its blocks (engine_core.EngineCore.fork); emptied once they are.
     pending_forks: list[PendingFork] = field(default_factory=list)
+    # The matcher of a constrained request (params.structured_output), attached once its grammar is
+    # compiled; it is scheduled only then (engine/grammar.py's GrammarGate).
+    grammar: RequestGrammar | None = None
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -2,7 +2,7 @@
 
 The sampler owns the per-step pipeline, in vLLM v1's order: logprobs from the raw
 logits; min_tokens masking of eos and stop ids; repetition, then frequency and
-presence penalties; then greedy rows take the argmax and the others go through
+presence penalties; the grammar's mask of a constrained row (engine/grammar.py); then greedy rows take the argmax and the others go through
 temperature, top-k, top-p, min-p and a random draw. Work no row asks for is skipped.
 
 The draw of a row depends only on (seed, sample_index, position): one uniform number
@@ -21,6 +21,7 @@ from dataclasses import dataclass
 
 import torch
 
+from pdserve.engine.grammar import RequestGrammar, mask_logits
 from pdserve.engine.sampling_params import SamplingParams
 
 # Dividing float32 logits by a smaller temperature overflows them to inf; at this
@@ -39,6 +40,7 @@ class SamplingRow:
     output_token_ids: Sequence[int]  # tokens generated so far by this sequence
     seed: int  # always set: the engine draws one for unseeded requests
     sample_index: int = 0  # which of the n samples of a request (0..n-1)
+    grammar: RequestGrammar | None = None  # a constrained row's matcher: only the tokens it allows are drawn
 
 
 @dataclass(slots=True)
@@ -77,6 +79,7 @@ class Sampler:
         self._mask_min_tokens(logits, rows)
         _apply_repetition_penalty(logits, rows)
         _apply_frequency_presence_penalties(logits, rows)
+        mask_logits(logits, [row.grammar for row in rows])
         return logits
 
     def _banned_ids(self, row: SamplingRow) -> set[int]:

@@ -17,6 +17,8 @@ from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from numbers import Integral, Real
 
+from pdserve.engine.structured_output import StructuredOutput, grammar_of
+
 MAX_LOGPROBS = 20
 
 
@@ -118,12 +120,15 @@ class SamplingParams:
     # its own). None => off. A request that asks never takes a prefix-cache hit (the skipped
     # positions' logits are what it asks for).
     prompt_logprobs: int | None = None
+    # The output must match this (engine/structured_output.py); None => unconstrained.
+    structured_output: StructuredOutput | None = None
 
     def __post_init__(self) -> None:
         self._validate_counts()
         self._validate_distribution()
         self._validate_penalties()
         self._validate_stopping()
+        self._validate_structured_output()
 
     def _set(self, name: str, value: object) -> None:
         object.__setattr__(self, name, value)  # the dataclass is frozen
@@ -170,6 +175,18 @@ class SamplingParams:
         if not isinstance(self.ignore_eos, bool):
             raise ValueError(f"ignore_eos must be a bool, got {type(self.ignore_eos).__name__}")
 
+    def _validate_structured_output(self) -> None:
+        if self.structured_output is None:
+            return
+        if not isinstance(self.structured_output, StructuredOutput):
+            raise ValueError(f"structured_output must be a StructuredOutput, got "
+                             f"{type(self.structured_output).__name__}")
+        if self.min_tokens:
+            # Masking eos where only eos completes the grammar would leave no token to draw.
+            raise ValueError("min_tokens must be 0 with structured_output: the grammar decides where the output "
+                             f"ends, got {self.min_tokens}")
+        grammar_of(self.structured_output)  # parsed here so a bad one is refused where the params are built
+
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
@@ -186,7 +203,11 @@ class SamplingParams:
         params = object.__new__(cls)
         for name in names:
             value = values[name]
-            params._set(name, tuple(value) if name in ("stop", "stop_token_ids") else value)
+            if name in ("stop", "stop_token_ids"):
+                value = tuple(value)
+            elif name == "structured_output" and isinstance(value, Mapping):
+                value = StructuredOutput(**value)
+            params._set(name, value)
         return params
 
 

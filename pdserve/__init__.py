@@ -13,6 +13,7 @@ _EXPORTS = {
     "RequestOutput": "pdserve.llm",
     "CompletionOutput": "pdserve.llm",
     "SamplingParams": "pdserve.engine.sampling_params",
+    "StructuredOutput": "pdserve.engine.structured_output",
     "BeamSearchParams": "pdserve.engine.beam_search",
     "BeamSearchOutput": "pdserve.llm",
 }

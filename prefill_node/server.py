@@ -19,7 +19,7 @@ from pdserve.node.front.client import CoreClient
 from pdserve.proto.convert import logprobs_to_proto, prompt_logprobs_to_proto
 from pdserve.node.errors import ErrorCode, NodeError, abort_rpc
 from pdserve.node.messages import FirstToken, PrefillSubmit, RequestFailed
-from pdserve.node.front.servicers import NodeServicer, request_params
+from pdserve.node.front.servicers import NodeServicer, grammar_library_ready, request_params
 from pdserve.prefill_node.layout_fetch import LayoutCache, grpc_fetch
 from pdserve.proto import node_pb2
 
@@ -32,6 +32,7 @@ class PrefillServicer(NodeServicer):
 
     async def Prefill(self, request: node_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> node_pb2.PrefillResponse:
+        await grammar_library_ready(request)
         try:
             submit = _submit(request)
             await self.layouts.ensure(request.decode_address, submit.kv_layout_id)

@@ -16,11 +16,13 @@ talk to the network.
 
 from __future__ import annotations
 
+import json
 from collections.abc import Sequence
 from typing import Protocol
 
 from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_output import StructuredKind, StructuredOutput
 from pdserve.proto import pdserve_pb2
 
 # Optional scalar fields whose proto name is the engine's keyword.
@@ -60,7 +62,30 @@ def sampling_kwargs(msg: pdserve_pb2.SamplingParams) -> dict[str, object]:
     kwargs["stop"] = tuple(msg.stop)
     kwargs["stop_token_ids"] = tuple(msg.stop_token_ids)
     kwargs["ignore_eos"] = msg.ignore_eos
+    if msg.HasField("structured_output"):
+        kwargs["structured_output"] = structured_from_proto(msg.structured_output)
     return kwargs
+
+
+def structured_from_proto(msg: pdserve_pb2.StructuredOutput) -> StructuredOutput | None:
+    """None when no constraint of the oneof is set (or json_object is false)."""
+    kind = msg.WhichOneof("constraint")
+    if kind is None or (kind == "json_object" and not msg.json_object):
+        return None
+    if kind == "choice":
+        return StructuredOutput.choice(list(msg.choice.options))
+    if kind == "json_object":
+        return StructuredOutput.json_object()
+    return StructuredOutput(kind, getattr(msg, kind))
+
+
+def structured_to_proto(structured: StructuredOutput) -> pdserve_pb2.StructuredOutput:
+    kind = StructuredKind(structured.kind)
+    if kind is StructuredKind.CHOICE:
+        return pdserve_pb2.StructuredOutput(choice=pdserve_pb2.Choices(options=json.loads(structured.spec)))
+    if kind is StructuredKind.JSON_OBJECT:
+        return pdserve_pb2.StructuredOutput(json_object=True)
+    return pdserve_pb2.StructuredOutput(**{kind.value: structured.spec})
 
 
 def params_from_proto(msg: pdserve_pb2.SamplingParams, seed: int) -> SamplingParams:
@@ -96,6 +121,8 @@ def params_to_proto(params: SamplingParams) -> pdserve_pb2.SamplingParams:
         msg.logprobs = params.logprobs
     if params.prompt_logprobs is not None:
         msg.prompt_logprobs = params.prompt_logprobs
+    if params.structured_output is not None:
+        msg.structured_output.CopyFrom(structured_to_proto(params.structured_output))
     return msg
 
 

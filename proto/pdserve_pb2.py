@@ -24,45 +24,49 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpdserve.proto\x12\npdserve.v1\"\xc8\x04\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x42\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"P\n\nBeamSearch\x12\x12\n\nbeam_width\x18\x01 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x11\n\x0f_length_penalty\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12+\n\x0b\x62\x65\x61m_search\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.BeamSearchB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"m\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x04 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x05 \x01(\x04\"\xbc\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x07 \x01(\t\x12\x15\n\rstop_token_id\x18\x08 \x01(\x05\x12 \n\x05usage\x18\t \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\n \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x32\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x1f\n\x12\x63umulative_logprob\x18\x0c \x01(\x01H\x00\x88\x01\x01\x12\x17\n\nbeam_score\x18\r \x01(\x01H\x01\x88\x01\x01\x42\x15\n\x13_cumulative_logprobB\r\n\x0b_beam_score\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\x7f\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\"\x0f\n\rHealthRequest\"g\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x15\n\rprefill_nodes\x18\x02 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_nodes\x18\x03 \x01(\r\x12\x17\n\x0f\x63olocated_nodes\x18\x04 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa5\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\rpdserve.proto\x12\npdserve.v1\"\x81\x05\n\x0eSamplingParams\x12\x0e\n\x01n\x18\x01 \x01(\rH\x00\x88\x01\x01\x12\x18\n\x0btemperature\x18\x02 \x01(\x02H\x01\x88\x01\x01\x12\x12\n\x05top_p\x18\x03 \x01(\x02H\x02\x88\x01\x01\x12\x12\n\x05top_k\x18\x04 \x01(\x05H\x03\x88\x01\x01\x12\x12\n\x05min_p\x18\x05 \x01(\x02H\x04\x88\x01\x01\x12\x1f\n\x12repetition_penalty\x18\x06 \x01(\x02H\x05\x88\x01\x01\x12\x1d\n\x10presence_penalty\x18\x07 \x01(\x02H\x06\x88\x01\x01\x12\x1e\n\x11\x66requency_penalty\x18\x08 \x01(\x02H\x07\x88\x01\x01\x12\x11\n\x04seed\x18\t \x01(\x03H\x08\x88\x01\x01\x12\x17\n\nmax_tokens\x18\n \x01(\x05H\t\x88\x01\x01\x12\x17\n\nmin_tokens\x18\x0b \x01(\x05H\n\x88\x01\x01\x12\x0c\n\x04stop\x18\x0c \x03(\t\x12\x16\n\x0estop_token_ids\x18\r \x03(\x05\x12\x12\n\nignore_eos\x18\x0e \x01(\x08\x12\x15\n\x08logprobs\x18\x0f \x01(\x05H\x0b\x88\x01\x01\x12\x1c\n\x0fprompt_logprobs\x18\x10 \x01(\x05H\x0c\x88\x01\x01\x12\x37\n\x11structured_output\x18\x11 \x01(\x0b\x32\x1c.pdserve.v1.StructuredOutputB\x04\n\x02_nB\x0e\n\x0c_temperatureB\x08\n\x06_top_pB\x08\n\x06_top_kB\x08\n\x06_min_pB\x15\n\x13_repetition_penaltyB\x13\n\x11_presence_penaltyB\x14\n\x12_frequency_penaltyB\x07\n\x05_seedB\r\n\x0b_max_tokensB\r\n\x0b_min_tokensB\x0b\n\t_logprobsB\x12\n\x10_prompt_logprobs\"\x1a\n\x07\x43hoices\x12\x0f\n\x07options\x18\x01 \x03(\t\"\x99\x01\n\x10StructuredOutput\x12\x15\n\x0bjson_schema\x18\x01 \x01(\tH\x00\x12\x15\n\x0bjson_object\x18\x02 \x01(\x08H\x00\x12\x0f\n\x05regex\x18\x03 \x01(\tH\x00\x12%\n\x06\x63hoice\x18\x04 \x01(\x0b\x32\x13.pdserve.v1.ChoicesH\x00\x12\x11\n\x07grammar\x18\x05 \x01(\tH\x00\x42\x0c\n\nconstraint\"\x17\n\x08TokenIds\x12\x0b\n\x03ids\x18\x01 \x03(\x05\"P\n\nBeamSearch\x12\x12\n\nbeam_width\x18\x01 \x01(\r\x12\x1b\n\x0elength_penalty\x18\x02 \x01(\x02H\x00\x88\x01\x01\x42\x11\n\x0f_length_penalty\"\xcc\x01\n\x0fGenerateRequest\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0e\n\x04text\x18\x02 \x01(\tH\x00\x12)\n\ttoken_ids\x18\x03 \x01(\x0b\x32\x14.pdserve.v1.TokenIdsH\x00\x12\x33\n\x0fsampling_params\x18\x04 \x01(\x0b\x32\x1a.pdserve.v1.SamplingParams\x12+\n\x0b\x62\x65\x61m_search\x18\x05 \x01(\x0b\x32\x16.pdserve.v1.BeamSearchB\x08\n\x06prompt\"/\n\nTopLogprob\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\"W\n\rTokenLogprobs\x12\x10\n\x08token_id\x18\x01 \x01(\x05\x12\x0f\n\x07logprob\x18\x02 \x01(\x02\x12#\n\x03top\x18\x03 \x03(\x0b\x32\x16.pdserve.v1.TopLogprob\"W\n\x05Usage\x12\x15\n\rprompt_tokens\x18\x01 \x01(\r\x12\x19\n\x11\x63ompletion_tokens\x18\x02 \x01(\r\x12\x1c\n\x14\x63\x61\x63hed_prompt_tokens\x18\x03 \x01(\r\"m\n\x07Timings\x12\x0e\n\x06ttft_s\x18\x01 \x01(\x01\x12\r\n\x05\x65\x32\x65_s\x18\x02 \x01(\x01\x12\x11\n\tprefill_s\x18\x03 \x01(\x01\x12\x15\n\rkv_transfer_s\x18\x04 \x01(\x01\x12\x19\n\x11kv_transfer_bytes\x18\x05 \x01(\x04\"\xbc\x03\n\x10GenerateResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\r\n\x05index\x18\x02 \x01(\r\x12\x11\n\ttoken_ids\x18\x03 \x03(\x05\x12\x0c\n\x04text\x18\x04 \x01(\t\x12+\n\x08logprobs\x18\x05 \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12/\n\rfinish_reason\x18\x06 \x01(\x0e\x32\x18.pdserve.v1.FinishReason\x12\x13\n\x0bstop_string\x18\x07 \x01(\t\x12\x15\n\rstop_token_id\x18\x08 \x01(\x05\x12 \n\x05usage\x18\t \x01(\x0b\x32\x11.pdserve.v1.Usage\x12$\n\x07timings\x18\n \x01(\x0b\x32\x13.pdserve.v1.Timings\x12\x32\n\x0fprompt_logprobs\x18\x0b \x03(\x0b\x32\x19.pdserve.v1.TokenLogprobs\x12\x1f\n\x12\x63umulative_logprob\x18\x0c \x01(\x01H\x00\x88\x01\x01\x12\x17\n\nbeam_score\x18\r \x01(\x01H\x01\x88\x01\x01\x42\x15\n\x13_cumulative_logprobB\r\n\x0b_beam_score\"\x1f\n\x0fTokenizeRequest\x12\x0c\n\x04text\x18\x01 \x01(\t\"%\n\x10TokenizeResponse\x12\x11\n\ttoken_ids\x18\x01 \x03(\x05\"\x15\n\x13GetModelInfoRequest\"\x7f\n\tModelInfo\x12\r\n\x05model\x18\x01 \x01(\t\x12\x12\n\nvocab_size\x18\x02 \x01(\r\x12\x15\n\rmax_model_len\x18\x03 \x01(\r\x12\r\n\x05\x64type\x18\x04 \x01(\t\x12\x12\n\nblock_size\x18\x05 \x01(\r\x12\x15\n\reos_token_ids\x18\x06 \x03(\x05\"\x0f\n\rHealthRequest\"g\n\x0eHealthResponse\x12\x0f\n\x07serving\x18\x01 \x01(\x08\x12\x15\n\rprefill_nodes\x18\x02 \x01(\r\x12\x14\n\x0c\x64\x65\x63ode_nodes\x18\x03 \x01(\r\x12\x17\n\x0f\x63olocated_nodes\x18\x04 \x01(\r*x\n\x0c\x46inishReason\x12\x1d\n\x19\x46INISH_REASON_UNSPECIFIED\x10\x00\x12\x16\n\x12\x46INISH_REASON_STOP\x10\x01\x12\x18\n\x14\x46INISH_REASON_LENGTH\x10\x02\x12\x17\n\x13\x46INISH_REASON_ABORT\x10\x03\x32\xa5\x02\n\nGeneration\x12G\n\x08Generate\x12\x1b.pdserve.v1.GenerateRequest\x1a\x1c.pdserve.v1.GenerateResponse0\x01\x12\x45\n\x08Tokenize\x12\x1b.pdserve.v1.TokenizeRequest\x1a\x1c.pdserve.v1.TokenizeResponse\x12\x46\n\x0cGetModelInfo\x12\x1f.pdserve.v1.GetModelInfoRequest\x1a\x15.pdserve.v1.ModelInfo\x12?\n\x06Health\x12\x19.pdserve.v1.HealthRequest\x1a\x1a.pdserve.v1.HealthResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'pdserve_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
-  _globals['_FINISHREASON']._serialized_start=2061
-  _globals['_FINISHREASON']._serialized_end=2181
+  _globals['_FINISHREASON']._serialized_start=2302
+  _globals['_FINISHREASON']._serialized_end=2422
   _globals['_SAMPLINGPARAMS']._serialized_start=30
-  _globals['_SAMPLINGPARAMS']._serialized_end=614
-  _globals['_TOKENIDS']._serialized_start=616
-  _globals['_TOKENIDS']._serialized_end=639
-  _globals['_BEAMSEARCH']._serialized_start=641
-  _globals['_BEAMSEARCH']._serialized_end=721
-  _globals['_GENERATEREQUEST']._serialized_start=724
-  _globals['_GENERATEREQUEST']._serialized_end=928
-  _globals['_TOPLOGPROB']._serialized_start=930
-  _globals['_TOPLOGPROB']._serialized_end=977
-  _globals['_TOKENLOGPROBS']._serialized_start=979
-  _globals['_TOKENLOGPROBS']._serialized_end=1066
-  _globals['_USAGE']._serialized_start=1068
-  _globals['_USAGE']._serialized_end=1155
-  _globals['_TIMINGS']._serialized_start=1157
-  _globals['_TIMINGS']._serialized_end=1266
-  _globals['_GENERATERESPONSE']._serialized_start=1269
-  _globals['_GENERATERESPONSE']._serialized_end=1713
-  _globals['_TOKENIZEREQUEST']._serialized_start=1715
-  _globals['_TOKENIZEREQUEST']._serialized_end=1746
-  _globals['_TOKENIZERESPONSE']._serialized_start=1748
-  _globals['_TOKENIZERESPONSE']._serialized_end=1785
-  _globals['_GETMODELINFOREQUEST']._serialized_start=1787
-  _globals['_GETMODELINFOREQUEST']._serialized_end=1808
-  _globals['_MODELINFO']._serialized_start=1810
-  _globals['_MODELINFO']._serialized_end=1937
-  _globals['_HEALTHREQUEST']._serialized_start=1939
-  _globals['_HEALTHREQUEST']._serialized_end=1954
-  _globals['_HEALTHRESPONSE']._serialized_start=1956
-  _globals['_HEALTHRESPONSE']._serialized_end=2059
-  _globals['_GENERATION']._serialized_start=2184
-  _globals['_GENERATION']._serialized_end=2477
+  _globals['_SAMPLINGPARAMS']._serialized_end=671
+  _globals['_CHOICES']._serialized_start=673
+  _globals['_CHOICES']._serialized_end=699
+  _globals['_STRUCTUREDOUTPUT']._serialized_start=702
+  _globals['_STRUCTUREDOUTPUT']._serialized_end=855
+  _globals['_TOKENIDS']._serialized_start=857
+  _globals['_TOKENIDS']._serialized_end=880
+  _globals['_BEAMSEARCH']._serialized_start=882
+  _globals['_BEAMSEARCH']._serialized_end=962
+  _globals['_GENERATEREQUEST']._serialized_start=965
+  _globals['_GENERATEREQUEST']._serialized_end=1169
+  _globals['_TOPLOGPROB']._serialized_start=1171
+  _globals['_TOPLOGPROB']._serialized_end=1218
+  _globals['_TOKENLOGPROBS']._serialized_start=1220
+  _globals['_TOKENLOGPROBS']._serialized_end=1307
+  _globals['_USAGE']._serialized_start=1309
+  _globals['_USAGE']._serialized_end=1396
+  _globals['_TIMINGS']._serialized_start=1398
+  _globals['_TIMINGS']._serialized_end=1507
+  _globals['_GENERATERESPONSE']._serialized_start=1510
+  _globals['_GENERATERESPONSE']._serialized_end=1954
+  _globals['_TOKENIZEREQUEST']._serialized_start=1956
+  _globals['_TOKENIZEREQUEST']._serialized_end=1987
+  _globals['_TOKENIZERESPONSE']._serialized_start=1989
+  _globals['_TOKENIZERESPONSE']._serialized_end=2026
+  _globals['_GETMODELINFOREQUEST']._serialized_start=2028
+  _globals['_GETMODELINFOREQUEST']._serialized_end=2049
+  _globals['_MODELINFO']._serialized_start=2051
+  _globals['_MODELINFO']._serialized_end=2178
+  _globals['_HEALTHREQUEST']._serialized_start=2180
+  _globals['_HEALTHREQUEST']._serialized_end=2195
+  _globals['_HEALTHRESPONSE']._serialized_start=2197
+  _globals['_HEALTHRESPONSE']._serialized_end=2300
+  _globals['_GENERATION']._serialized_start=2425
+  _globals['_GENERATION']._serialized_end=2718
 # @@protoc_insertion_point(module_scope)

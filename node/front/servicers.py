@@ -23,11 +23,13 @@ Must never: run model code, or choose a status code outside node/errors.py.
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import AsyncIterator
 
 import grpc
 
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.structured_output import library_loaded, load_library
 from pdserve.node.front.client import CoreClient
 from pdserve.node.front.convert import beams_to_proto, stats_to_proto, tokens_to_proto
 from pdserve.proto.convert import params_from_proto
@@ -73,12 +75,20 @@ class StreamServicer(NodeServicer):
 
     async def _stream(self, request: node_pb2.SampleRequest, context: grpc.aio.ServicerContext,
                       imports_kv: bool) -> AsyncIterator[node_pb2.DecodeEvent]:
+        await grammar_library_ready(request)
         try:
             submit = stream_submit(request, imports_kv)
         except NodeError as exc:
             await abort_rpc(context, exc)
         async for event in _stream_events(self.client, context, submit):
             yield event
+
+
+async def grammar_library_ready(request: node_pb2.SampleRequest | node_pb2.PrefillRequest) -> None:
+    """Before a constrained request's params are built here the first time, the grammar library's
+    import (seconds) runs in a thread, not on the loop every stream of this node shares."""
+    if request.sampling_params.HasField("structured_output") and not library_loaded():
+        await asyncio.to_thread(load_library)
 
 
 def request_params(request: node_pb2.SampleRequest | node_pb2.PrefillRequest) -> SamplingParams:

@@ -72,6 +72,9 @@ def build_request(args: argparse.Namespace) -> pdserve_pb2.GenerateRequest:
         value = getattr(args, name)
         if value is not None:
             setattr(params, name, value)
+    constraint = _structured_output(args)
+    if constraint is not None:
+        params.structured_output.CopyFrom(constraint)
     request = pdserve_pb2.GenerateRequest(sampling_params=params)
     if args.token_ids is not None:
         request.token_ids.ids.extend(args.token_ids)
@@ -110,6 +113,17 @@ async def _run(args: argparse.Namespace, token: str | None) -> int:
     return ExitStatus.OK
 
 
+def _structured_output(args: argparse.Namespace) -> pdserve_pb2.StructuredOutput | None:
+    if args.json_object:
+        return pdserve_pb2.StructuredOutput(json_object=True)
+    if args.choice:
+        return pdserve_pb2.StructuredOutput(choice=pdserve_pb2.Choices(options=args.choice))
+    for name in ("json_schema", "regex", "grammar"):
+        if getattr(args, name) is not None:
+            return pdserve_pb2.StructuredOutput(**{name: getattr(args, name)})
+    return None
+
+
 def _token_ids(text: str) -> list[int]:
     try:
         return [int(t) for t in text.split(",") if t.strip()]
@@ -132,6 +146,12 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--logprobs", type=int, help="top logprobs per token")
     parser.add_argument("--prompt-logprobs", type=int,
                         help="score every prompt token after the first, with this many top alternatives (--json)")
+    constrain = parser.add_mutually_exclusive_group()
+    constrain.add_argument("--json-schema", help="the output is JSON valid under this schema (JSON text)")
+    constrain.add_argument("--json-object", action="store_true", help="the output is a JSON object or array")
+    constrain.add_argument("--regex", help="the output matches this regular expression")
+    constrain.add_argument("--choice", action="append", help="the output is one of these strings (repeatable)")
+    constrain.add_argument("--grammar", help="the output follows this EBNF grammar (start rule `root`)")
     parser.add_argument("--timeout-s", type=float, help="deadline of the whole request")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     add_auth_args(parser)

@@ -29,6 +29,7 @@ Must never: validate, admit or place a request itself (RequestRunner does), or b
 
 from __future__ import annotations
 
+import asyncio
 import hmac
 import json
 import uuid
@@ -42,9 +43,11 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_l
 
 from pdserve.common.auth import SCHEME
 from pdserve.common.metrics_endpoint import HealthCheck
+from pdserve.engine.structured_output import library_loaded, load_library
 from pdserve.proto import pdserve_pb2
 from pdserve.router.fronts import openai_api as oa
 from pdserve.router.fronts.openapi import openapi_document
+from pdserve.router.fronts.structured_fields import constrains
 from pdserve.router.errors import InvalidRequest, NotReady, RouterError
 from pdserve.router.requests.merge import merged
 
@@ -163,6 +166,7 @@ class HTTPFront:
     async def completions(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
         oa.check_model(body, self._served_name)
+        await _grammar_library_ready(body)
         params = oa.sampling_params(body, oa.DEFAULT_COMPLETION_MAX_TOKENS)
         beam = oa.beam_search(body, params)
         prompts = oa.completion_prompts(body)
@@ -207,6 +211,7 @@ class HTTPFront:
     async def chat(self, request: web.Request) -> web.StreamResponse:
         body = await _json(request)
         oa.check_model(body, self._served_name)
+        await _grammar_library_ready(body)
         params = oa.sampling_params(body, None)
         beam = oa.beam_search(body, params)
         prompt = oa.chat_prompt(body, self._tokenizer, self._template)
@@ -318,6 +323,12 @@ async def _chain(first: list, rest: AsyncIterator):
 
 async def _send(response: web.StreamResponse, payload: dict[str, Any]) -> None:
     await response.write(b"data: " + _encode(payload).encode() + b"\n\n")
+
+
+async def _grammar_library_ready(body: dict[str, Any]) -> None:
+    """The grammar library's first import (seconds) in a thread, not on the loop every stream shares."""
+    if constrains(body) and not library_loaded():
+        await asyncio.to_thread(load_library)
 
 
 async def _json(request: web.Request) -> dict[str, Any]:

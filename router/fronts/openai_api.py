@@ -20,6 +20,7 @@ import grpc
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import InvalidRequest, ModelNotFound, NeedsNodes, status_of
+from pdserve.router.fronts.structured_fields import structured_output
 
 FINISH_REASONS = {pdserve_pb2.FINISH_REASON_STOP: "stop", pdserve_pb2.FINISH_REASON_LENGTH: "length",
                   pdserve_pb2.FINISH_REASON_ABORT: "abort"}
@@ -99,6 +100,9 @@ def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> pds
         _set(params, "logprobs", logprobs)
         if body.get("echo") is True:  # the echoed prompt's tokens are scored like the completion's
             _set(params, "prompt_logprobs", max(params.prompt_logprobs, logprobs))
+    constraint = structured_output(body)
+    if constraint is not None:
+        params.structured_output.CopyFrom(constraint)
     return params
 
 

@@ -35,6 +35,7 @@ from pdserve.common.grpc_standard import StandardServices
 from pdserve.common.metrics_endpoint import Health, HealthCheck, MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.common.refusal import Refused
+from pdserve.engine.structured_output import library_loaded, load_library
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.requests.admission import Admission
 from pdserve.router.config import AdmissionLimits, RequestLimits, RouterConfig
@@ -78,6 +79,8 @@ class RequestRunner:
                   timeout_s: float | None = None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """Every sample's responses; raises a RouterError (leaving early cancels the request)."""
         self._admission.check_room()  # when full, refuse before paying for validation
+        if request.sampling_params.HasField("structured_output") and not library_loaded():
+            await asyncio.to_thread(load_library)  # seconds, once: not on the loop every stream shares
         validated = self._validator.validate(request)
         # Refused at once when full (no queue); released on every exit, cancel included.
         with self._admission.admit(len(validated.prompt_token_ids), validated.params.n) as ticket:

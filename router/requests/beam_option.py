@@ -4,7 +4,7 @@
 finite length_penalty, n (beams returned) within beam_width, and no sampling field a beam search
 cannot honour — beams are chosen by log-probability, so temperature > 0, top_p, top_k, min_p
 and the penalties would be silently ignored, and stop strings, stop token ids, min_tokens and
-logprobs would change what a beam is; each is refused INVALID_ARGUMENT naming it. Running the
+logprobs would change what a beam is, and a structured output is not searched under; each is refused INVALID_ARGUMENT naming it. Running the
 search is the sample driver's (router/dispatch/driver.py), collecting router/requests/beam_results.py.
 """
 
@@ -21,7 +21,7 @@ _DEFAULTS = {f.name: f.default for f in fields(SamplingParams)}
 # Fields whose non-default value a beam search cannot honour (temperature is checked apart:
 # 0 and unset are both fine).
 _REFUSED_FIELDS = ("top_p", "top_k", "min_p", "repetition_penalty", "presence_penalty", "frequency_penalty",
-                   "min_tokens", "stop", "stop_token_ids", "logprobs", "prompt_logprobs")
+                   "min_tokens", "stop", "stop_token_ids", "logprobs", "prompt_logprobs", "structured_output")
 
 
 @dataclass(frozen=True, slots=True)

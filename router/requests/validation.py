@@ -245,4 +245,4 @@ def _check_capacity(capacity: KVCapacity, num_prompt_tokens: int, max_tokens: in
 
 def _field_of(error: ValueError) -> str:
     # SamplingParams messages start with the field's name ("top_p must be in (0, 1], got 2").
-    return str(error).split(" ", 1)[0]
+    return str(error).split(" ", 1)[0].rstrip(":")  # "structured_output.regex: <the library's message>"

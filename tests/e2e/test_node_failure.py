@@ -3,6 +3,8 @@
 - A decode node SIGKILLed while a long greedy request streams on it: the request resumes
   on the other decode node and the client's stream, concatenated, is exactly the
   transformers reference (no gap, no duplicate).
+- The same with a constrained (regex) stream: the nodes it resumes on replay the grammar over the
+  tokens already streamed, and the stream is transformers' under xgrammar's logits processor.
 - A prefill node SIGKILLed while it prefills a long prompt: retried on the other one,
   exact tokens.
 - Every decode node killed: the request in flight and a new one end UNAVAILABLE with a
@@ -20,11 +22,13 @@ import time
 
 import grpc
 import pytest
+from pdserve.engine.structured_output import StructuredOutput
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.proto.convert import structured_to_proto
 from pdserve.testing.waiting import until
 
 from tests.e2e.cluster import FaultCluster, FaultSettings
-from tests.integration.reference import assert_matches, greedy_references
+from tests.integration.reference import assert_matches, constrained_references, greedy_references
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
 
@@ -150,6 +154,34 @@ def test_decode_node_killed_mid_stream_resumes_on_the_other(cluster, model_dir):
     assert_matches([s.tokens for s in streams], refs)
     assert cluster.stats(victim).kv_transfer.transfers > before, "the restarted decode node took traffic"
     assert_no_blocks_held(cluster)
+
+
+def test_constrained_stream_survives_its_decode_node_killed(cluster, model_dir):
+    """The sample resumes on the other pair, whose nodes replay the grammar over the tokens already
+    streamed: the whole stream is transformers' under xgrammar's processor, no gap, no duplicate."""
+    ids = prompt(30, seed=2)
+    structured = StructuredOutput.regex("[a-z]{1000}")  # cannot finish: max_tokens ends it
+    (expected,) = constrained_references(model_dir, [ids], structured, LONG_STREAM)
+    params = pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=LONG_STREAM,
+                                        structured_output=structured_to_proto(structured))
+    request = pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=ids), sampling_params=params)
+
+    async def scenario() -> tuple[Stream, str, int]:
+        stream = Stream(cluster.router, request)
+        await stream.until(lambda: len(stream.tokens) >= 20)
+        victim = busy_node(cluster, "decode")
+        cluster.kill(victim)
+        streamed_before_kill = len(stream.tokens)
+        return await stream.done(), victim, streamed_before_kill
+
+    stream, victim, before = asyncio.run(scenario())
+    assert stream.error is None, stream.error
+    assert before < LONG_STREAM
+    assert stream.tokens == expected
+    assert stream.responses[-1].finish_reason == pdserve_pb2.FINISH_REASON_LENGTH
+    assert_no_blocks_held(cluster)
+    cluster.restart(victim)
+    cluster.wait_serving(2, 2, timeout_s=240)
 
 
 def test_prefill_node_killed_mid_prefill_is_retried_on_the_other(cluster, model_dir):

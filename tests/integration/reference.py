@@ -1,4 +1,4 @@
-"""Greedy and beam search references from transformers `generate`, the exactness check against
+"""Greedy, constrained and beam search references from transformers `generate`, the exactness check against
 them, and the peak of an `LLM`'s KV blocks over a call."""
 
 from __future__ import annotations
@@ -75,6 +75,30 @@ def transformers_beams(model_dir, prompt, params, eos: list[int] | None) -> tupl
         sequences.append(row[:end])
     # num_beams=1 is greedy search in transformers, which reports no sequence scores.
     return sequences, out.sequences_scores.tolist() if params.beam_width > 1 else None
+
+
+def constrained_references(model_dir, prompts: list[list[int]], structured, max_new_tokens: int) -> list[list[int]]:
+    """Greedy transformers `generate` under xgrammar's own HF logits processor on `structured`
+    (a StructuredOutput) compiled for the model's tokenizer; each cut after its eos."""
+    import xgrammar as xgr
+    from transformers import AutoTokenizer
+
+    from pdserve.engine.structured_output import grammar_of
+
+    model = load_reference_model(model_dir, torch.float32)
+    eos = model.generation_config.eos_token_id
+    eos = [eos] if isinstance(eos, int) else list(eos)
+    info = xgr.TokenizerInfo.from_huggingface(AutoTokenizer.from_pretrained(model_dir),
+                                              vocab_size=model.config.vocab_size, stop_token_ids=eos)
+    compiled = xgr.GrammarCompiler(info).compile_grammar(grammar_of(structured))
+    out = []
+    for prompt in prompts:
+        with torch.inference_mode():
+            tokens = model.generate(torch.tensor([prompt]), attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+                                    do_sample=False, max_new_tokens=max_new_tokens, eos_token_id=eos, pad_token_id=0,
+                                    logits_processor=[xgr.contrib.hf.LogitsProcessor(compiled)])
+        out.append(tokens[0, len(prompt):].tolist())
+    return out
 
 
 @contextlib.contextmanager

@@ -21,7 +21,9 @@ from pdserve.engine.request import FinishReason
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.messages import StreamSubmit, FirstToken, PrefillSubmit, Ready
 
-from tests.integration.reference import assert_matches, greedy_references
+from pdserve.engine.structured_output import StructuredOutput
+
+from tests.integration.reference import assert_matches, constrained_references, greedy_references
 from tests.unit.node_pair import BLOCK_SIZE, Pair
 
 MAX_TOKENS = 12
@@ -111,3 +113,27 @@ def test_resumed_tokens_are_checked(model):
         engine.add_request("a", [1, 2], GREEDY, 0, [loaded.vocab_size])
     with pytest.raises(RequestRejected, match="already ended"):
         engine.add_request("b", [1, 2], GREEDY, 0, [5] * MAX_TOKENS)
+
+
+CONSTRAINED_MAX = 24
+SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 10},
+                                           "n": {"type": "integer", "minimum": 0, "maximum": 9999}},
+          "required": ["word", "n"]}
+
+
+def test_constrained_resume_replays_the_grammar_and_continues_exactly(model):
+    """Token 1 on the prefill node under the grammar, the rest on the decode node from a matcher
+    replayed over the tokens it was given: greedy equals transformers under xgrammar's processor,
+    seeded equals the uninterrupted stream, resumed anywhere."""
+    structured = StructuredOutput.json_schema(SCHEMA)
+    greedy = SamplingParams(temperature=0.0, max_tokens=CONSTRAINED_MAX, structured_output=structured)
+    seeded = SamplingParams(temperature=1.0, seed=99, max_tokens=CONSTRAINED_MAX, structured_output=structured)
+    for i, prompt in enumerate(PROMPTS[:2]):
+        (ref,) = constrained_references(model[0], [prompt], structured, CONSTRAINED_MAX)
+        for params, kind in ((greedy, "g"), (seeded, "s")):
+            whole = run_resumed(model, f"j{kind}{i}", prompt, params, [])
+            if kind == "g":
+                assert whole == ref
+            for k in (1, 4, len(whole) - 1):
+                rest = run_resumed(model, f"j{kind}{i}-{k}", prompt, params, whole[:k])
+                assert whole[:k] + rest == whole, f"prompt {i}, {kind}, resumed after {k}"
