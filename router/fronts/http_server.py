@@ -157,7 +157,7 @@ class HTTPFront:
     async def detokenize(self, request: web.Request) -> web.Response:
         body = await _json(request)
         tokens = body.get("tokens")
-        if not isinstance(tokens, list) or not all(isinstance(t, int) for t in tokens):
+        if not isinstance(tokens, list) or not all(oa.token_id(t) for t in tokens):
             raise InvalidRequest("tokens", "tokens must be a list of token ids")
         oa.check_token_ids("tokens", tokens, self._model.vocab_size)
         return web.json_response({"prompt": self._tokenizer.decode(tokens)})

@@ -72,6 +72,11 @@ def check_model(body: dict[str, Any], served_name: str) -> None:
         raise ModelNotFound(f"model {model!r} is not served here; this server serves {served_name!r}")
 
 
+def token_id(value: Any) -> bool:
+    """A JSON integer (JSON's true and false arrive as Python bools, which are ints too)."""
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
 def sampling_params(body: dict[str, Any], default_max_tokens: int | None) -> pdserve_pb2.SamplingParams:
     """The router's sampling params from OpenAI's fields; a wrongly typed field is refused by name."""
     params = pdserve_pb2.SamplingParams()
@@ -137,10 +142,10 @@ def completion_prompts(body: dict[str, Any]) -> list[str | list[int]]:
     prompt = body.get("prompt")
     if isinstance(prompt, str):
         return [prompt]
-    if isinstance(prompt, list) and prompt and all(isinstance(t, int) for t in prompt):
+    if isinstance(prompt, list) and prompt and all(token_id(t) for t in prompt):
         return [prompt]
     if isinstance(prompt, list) and prompt and all(
-            isinstance(p, str) or (isinstance(p, list) and all(isinstance(t, int) for t in p)) for p in prompt):
+            isinstance(p, str) or (isinstance(p, list) and all(token_id(t) for t in p)) for p in prompt):
         return list(prompt)
     raise InvalidRequest("prompt", "prompt must be a string, a list of strings, a list of token ids, "
                                    "or a list of such lists")

@@ -60,6 +60,16 @@ _COMMON_REQUEST = {
     "use_beam_search": {"type": "boolean", "description": "vLLM's: the n best of best_of beams, never streamed"},
     "best_of": {"type": "integer", "nullable": True},
     "length_penalty": {"type": "number", "nullable": True},
+    # Structured output (router/fronts/structured_fields.py): at most one constraint per request.
+    "response_format": {"type": "object", "nullable": True, "required": ["type"], "properties": {
+        "type": {"type": "string", "enum": ["text", "json_object", "json_schema"]},
+        "json_schema": {"type": "object", "properties": {"name": {"type": "string"}, "schema": {"type": "object"}}}}},
+    "guided_json": {"type": "object", "nullable": True, "description": "vLLM's: a JSON schema the output follows"},
+    "guided_regex": {"type": "string", "nullable": True},
+    "guided_choice": {"type": "array", "items": {"type": "string"}, "nullable": True},
+    "guided_grammar": {"type": "string", "nullable": True, "description": "an EBNF grammar (xgrammar's dialect)"},
+    "structured_outputs": {"type": "object", "nullable": True, "description": "vLLM's newer form: one of "
+                           "json, regex, choice, grammar, json_object"},
 }
 _CHOICES = {"type": "array", "items": {"type": "object", "required": ["index"],
                                        "properties": {"index": _INTEGER}}}

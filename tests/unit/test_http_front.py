@@ -154,7 +154,9 @@ def test_what_the_fuzz_found_is_a_400_naming_the_field_not_a_500():
                                ("/detokenize", {"tokens": [-1]}),
                                ("/v1/chat/completions", {"messages": [{"role": "user", "content": "x"}],
                                                          "logprobs": True, "top_logprobs": "many"}),
-                               ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": [1]})):
+                               ("/v1/completions", {"prompt": "x", "stream": True, "stream_options": [1]}),
+                               ("/v1/completions", {"prompt": [True, True, False], "top_p": True}),
+                               ("/detokenize", {"tokens": [True]})):
                 resp = await client.post(path, json=body)
                 error = (await resp.json())["error"]
                 answers.append((resp.status, error["param"], error["message"]))
@@ -167,6 +169,8 @@ def test_what_the_fuzz_found_is_a_400_naming_the_field_not_a_500():
         (400, "tokens", "tokens contains -1, outside the vocabulary [0, 256)"),
         (400, "top_logprobs", "top_logprobs must be an integer"),
         (400, "stream_options", "stream_options must be an object"),
+        (400, "prompt", "prompt must be a string, a list of strings, a list of token ids, or a list of such lists"),
+        (400, "tokens", "tokens must be a list of token ids"),
     ]
 
 
