@@ -1,7 +1,9 @@
 """Every node kind drains the same way: SIGTERM to one of two colocated nodes while greedy streams
 run on both. It leaves placement, finishes its streams, exits 0 and the launcher says it left;
 every stream is exactly transformers' float32 greedy output, `pdserve_resumes_total` did not
-move, and the other node holds no block and serves a new request exactly.
+move, and the other node holds no block and serves a new request exactly. Then SIGTERM to the
+launcher with a stream in flight: the stream finishes exactly, the launcher drains the router and
+the node and exits 0.
 """
 
 from __future__ import annotations
@@ -54,6 +56,21 @@ def test_a_colocated_node_drains_its_streams_and_leaves(tiny_llama):
         [other] = [n for n in cluster.names("colocated") if n != busy_node[0]]
         stats = settled(lambda: cluster.stats(other), lambda s: (s.used_blocks, s.reserved_blocks) == (0, 0), 15.0)
         assert (stats.used_blocks, stats.reserved_blocks) == (0, 0)
+        _launcher_sigterm_drains_a_stream_in_flight(cluster, prompts[0], refs[0])
+
+
+def _launcher_sigterm_drains_a_stream_in_flight(cluster, ids: list[int], ref) -> None:
+    async def scenario() -> Stream:
+        stream = Stream(cluster.router, greedy(ids, STREAM_TOKENS))
+        await until(lambda: len(stream.tokens) >= 3, timeout_s=60.0, interval_s=0.02)
+        cluster.terminate_launcher()
+        return await stream.done()
+
+    stream = asyncio.run(scenario())
+    assert (stream.code, stream.details) == (grpc.StatusCode.OK, "")
+    assert_matches([stream.tokens], [ref])
+    assert cluster.wait_exit(timeout_s=120.0) == 0
+    assert "pdserve cluster: draining" in cluster.log("launcher")
 
 
 async def _served(router: str, request) -> Stream:

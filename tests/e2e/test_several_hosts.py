@@ -170,3 +170,25 @@ def test_a_decode_node_killed_mid_stream_resumes_on_the_other_host_node(hosts, t
     assert (stream.code, stream.details) == (grpc.StatusCode.OK, "")
     assert_matches([stream.tokens], [ref])
     assert resumes(hosts) == before + 1
+
+
+def test_the_last_decode_node_drains_its_stream_across_hosts_and_exits_0(hosts, tiny_llama):
+    """After the kill above one decode node is left: SIGTERM to it (a scale-down) with a stream
+    running finishes the stream there — nowhere else could take it — and the node exits 0."""
+    ids = prompt(30, seed=4)
+    [ref] = greedy_references(str(tiny_llama), [ids], [40])
+    [(address, proc)] = [(a, p) for a, p in hosts.decode_procs.items() if p.poll() is None]
+    before = resumes(hosts)
+
+    async def scenario() -> Stream:
+        stream = Stream(router_of(hosts), greedy(ids, 40))
+        await until(lambda: len(stream.tokens) >= 5, timeout_s=60.0, interval_s=0.02)
+        proc.send_signal(signal.SIGTERM)  # the node's own process, as Kubernetes sends it
+        return await stream.done()
+
+    stream = asyncio.run(scenario())
+    assert (stream.code, stream.details) == (grpc.StatusCode.OK, "")
+    assert_matches([stream.tokens], [ref])
+    assert proc.wait(timeout=60) == 0
+    assert resumes(hosts) == before
+    assert _serving(router_of(hosts)) == (1, 0)  # it deregistered: the router counts no decode node
