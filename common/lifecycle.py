@@ -1,12 +1,14 @@
 """How a pdserve process lives and ends: its exit statuses, a server's phases, its stop signals.
 
 Owns the exit statuses every command shares (`ExitStatus`), the phases of a server process
-(`ServerPhase`: what its `/health` reports while it is not serving), and `StopSignals`, which
-turns SIGINT and SIGTERM into one asyncio event and remembers which came first: Ctrl-C ends a
-command with 130 (128 + SIGINT, what a shell reports for a command Ctrl-C ended), SIGTERM — a
-supervisor's stop — with 0. A process a supervisor started (`PARENT_PID_ENV` names the
-supervisor) also stops when that supervisor is gone, even killed outright: nothing is left
-behind a launcher that could not stop its children itself.
+(`ServerPhase`: what its `/health` reports while it is not serving), the default drain time
+(`DEFAULT_DRAIN_TIMEOUT_S`) and `StopSignals`, which turns SIGINT and SIGTERM into one asyncio
+event and remembers which came first: Ctrl-C ends a command with 130 (128 + SIGINT, what a shell
+reports for a command Ctrl-C ended), SIGTERM — a supervisor's stop, what Kubernetes sends — with
+0. SIGTERM asks a server to *drain* (`StopSignals.drain`: take nothing new, finish what it holds
+within `--drain-timeout-s`, then stop); Ctrl-C stops it at once. A process a supervisor started
+(`PARENT_PID_ENV` names the supervisor) also stops, at once, when that supervisor is gone, even
+killed outright: nothing is left behind a launcher that could not stop its children itself.
 
 Must never: exit the process, print, or install a handler outside `StopSignals.install`.
 """
@@ -22,6 +24,9 @@ from collections.abc import Callable, Mapping
 # Set by a supervisor in its children's environment: the pid they stop without.
 PARENT_PID_ENV = "PDSERVE_PARENT_PID"
 PARENT_CHECK_S = 1.0  # how often a supervised process looks for its supervisor
+# How long a server given SIGTERM may take to finish what it holds (`--drain-timeout-s` of the
+# router, every node and the launcher): under Kubernetes' default 30 s termination grace.
+DEFAULT_DRAIN_TIMEOUT_S = 25.0
 
 
 class ExitStatus(enum.IntEnum):
@@ -34,6 +39,7 @@ class ExitStatus(enum.IntEnum):
 class ServerPhase(enum.Enum):
     STARTING = "starting"
     SERVING = "serving"
+    DRAINING = "draining"  # SIGTERM: takes nothing new, finishes what it holds
     STOPPING = "stopping"
 
 
@@ -54,6 +60,7 @@ class StopSignals:
     def __init__(self) -> None:
         self.event = asyncio.Event()
         self.received: int | None = None
+        self.orphaned = False  # the supervisor is gone: stop at once, there is no one to drain for
 
     def install(self, loop: asyncio.AbstractEventLoop, supervisor_pid: int | None = None,
                 parent_pid: Callable[[], int] = os.getppid) -> None:
@@ -67,9 +74,15 @@ class StopSignals:
     def _watch_parent(self, loop: asyncio.AbstractEventLoop, supervisor_pid: int,
                       parent_pid: Callable[[], int]) -> None:
         if parent_pid() != supervisor_pid:
+            self.orphaned = True
             self._on_signal(signal.SIGTERM)
             return
         loop.call_later(PARENT_CHECK_S, self._watch_parent, loop, supervisor_pid, parent_pid)
+
+    @property
+    def drain(self) -> bool:
+        """Did the stop come as SIGTERM (finish what is held first) rather than Ctrl-C or an orphaning?"""
+        return self.received == signal.SIGTERM and not self.orphaned
 
     @property
     def exit_status(self) -> ExitStatus:

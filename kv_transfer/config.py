@@ -16,8 +16,9 @@ PROGRESS_MODES = ("thread", "thread-polling", "blocking", "polling")
 class KVTransferConfig:
     """Knobs shared by every transport; unused fields are ignored by the in-process one."""
 
-    # Address advertised to peers in the descriptor. (ucxx listeners bind all interfaces;
-    # there is no bind-address argument in its API, so this is the address peers dial.)
+    # Address advertised to peers in the descriptor; UCX is kept to the interface that holds
+    # it (netdev.py). ucxx's connection listener still binds all interfaces: its Python API
+    # takes no bind address.
     host: str = "127.0.0.1"
     # Listener port; 0 lets the OS pick a free one (the descriptor carries the real one).
     port: int = 0

@@ -3,7 +3,8 @@
 ucxx keeps one process-wide context whose progress and Python futures are bound to the
 event loop that created it, so this process gets exactly one loop thread, shared by all
 `UcxTransport` instances in it (created on first use; the first config's UCX options
-win). The engine's thread only ever hands coroutines or callbacks to this loop.
+win). The engine's thread only ever hands coroutines or callbacks to this loop. UCX is kept
+to the network interface that holds the configured host (kv_transfer/netdev.py).
 
 Also owns the small helpers that put control messages and raw buffers on an endpoint.
 
@@ -26,6 +27,7 @@ import numpy as np
 import torch
 
 from .config import KVTransferConfig
+from .netdev import net_devices
 from .wire import ControlMsg
 
 logger = logging.getLogger(__name__)
@@ -60,6 +62,7 @@ class UcxRuntime:
         import ucxx
 
         options = {"TLS": config.ucx_tls} if config.ucx_tls else {}
+        options.update(net_devices(config.host, os.environ))
         try:
             # Python futures: awaiting a request parks the coroutine instead of
             # spinning on asyncio.sleep(0), which would steal the GIL from the engine.

@@ -23,6 +23,7 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.common.auth import add_auth_args, token_from_cli
 from pdserve.common.config_flags import add_config_args, values_from_args
+from pdserve.common.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer.config import KVTransferConfig
 from pdserve.common.affinity import cpu_list_arg
@@ -95,6 +96,12 @@ class NodeConfig:
     idle_poll_ms: int = 50
     # gRPC server shutdown grace.
     grace_s: float = 1.0
+    # SIGTERM (node/front/drain.py): leave placement at once, finish what the node holds.
+    drain_timeout_s: float = field(default=DEFAULT_DRAIN_TIMEOUT_S, metadata={
+        "help": "on SIGTERM: leave the router's placement at once and give the requests this node holds this "
+                "long to finish (prefill: its queued prefills and their KV pushes); what still runs then is "
+                "failed over, so the router resumes it on another node"})
+    drain_poll_s: float = 0.1  # how often a draining node asks its core whether it still holds anything
     # Prometheus /metrics on host (None: off; 0: the OS picks, printed on start); it serves
     # the latest stats the core pushed.
     metrics_port: int | None = field(default=None, metadata={
@@ -116,10 +123,11 @@ class NodeConfig:
         _require(":" in self.router, "router", f"must be HOST:PORT, got {self.router!r}")
         for name in ("lease_s", "heartbeat_interval_s", "registry_rpc_timeout_s", "kv_layout_timeout_s",
                      "core_start_timeout_s", "core_stop_timeout_s", "stats_timeout_s", "stats_push_interval_s",
-                     "grace_s"):
+                     "grace_s", "drain_poll_s"):
             _require(getattr(self, name) > 0, name, f"must be > 0, got {getattr(self, name)}")
         _require(self.max_waiting_requests >= 1 and self.max_queued_tokens >= 1, "max_waiting_requests",
                  f"and max_queued_tokens must be >= 1, got {self.max_waiting_requests}, {self.max_queued_tokens}")
+        _require(self.drain_timeout_s >= 0, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
         _require(self.debug_step_delay_s >= 0, "debug_step_delay_s", f"must be >= 0, got {self.debug_step_delay_s}")
         _require(self.max_message_bytes >= 1024, "max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
         _require(self.retired_id_leases >= 1, "retired_id_leases", f"must be >= 1, got {self.retired_id_leases}")

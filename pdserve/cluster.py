@@ -7,6 +7,12 @@ every child's command line, ports and cores in cluster_plan.py, the processes th
 
 Lifecycle: start router → wait until it answers → start nodes → wait until serving with
 N prefill + M decode (or N colocated) → print the addresses → serve until SIGINT/SIGTERM.
+SIGTERM drains (`_drain`): the router first (it refuses new requests and finishes its streams
+within `--drain-timeout-s`), then every node (each leaves placement, finishes what it holds,
+deregisters), then exit 0; Ctrl-C stops every child at once (130).
+A node that exits 0 has drained and left (someone sent it SIGTERM: a scale-down): the cluster
+serves on without it and does not start it again (unless `--restart-mode always`); a router
+that exits 0 has drained, and the cluster stops, draining its nodes.
 While serving, a child that exits is started again with the same command line (same
 port, same node id) after a backoff (`--restart-*`, cluster_supervisor.RestartPolicy): a
 node registers again and takes traffic, while the router resumes its streams on the
@@ -64,10 +70,13 @@ Probe = Callable[[], Verdict]  # one Health probe of the router
 
 def run_cluster(config: ClusterConfig, plan: ClusterPlan, supervisor: ClusterSupervisor,
                 probe: Probe, stop: threading.Event, out: TextIO | None = None,
-                rebalancer: Rebalancer | None = None) -> int:
-    """Start, wait until ready, serve until `stop` is set; stop every child on every path.
+                rebalancer: Rebalancer | None = None,
+                drain_asked: Callable[[], bool] = lambda: False) -> int:
+    """Start, wait until ready, serve until `stop` is set (or the router drained); stop every child
+    on every path, draining them first when `drain_asked()` says so (SIGTERM) or the router drained.
     `rebalancer`: the load mode's (config.rebalance), which moves nodes between the pools."""
     out = out or sys.stdout
+    drain = False
     try:
         deadline = time.monotonic() + config.ready_timeout_s
         supervisor.start(plan.router)
@@ -81,7 +90,8 @@ def run_cluster(config: ClusterConfig, plan: ClusterPlan, supervisor: ClusterSup
         keeper = _Keeper(config, plan, supervisor, out)
         if rebalancer is not None:
             keeper.watch_load(rebalancer, stop)
-        keeper.serve(stop)
+        router_left = keeper.serve(stop)
+        drain = router_left or drain_asked()
         return 0
     except ChildExited as err:
         _print_failure(str(err), err.tail, out)
@@ -90,7 +100,19 @@ def run_cluster(config: ClusterConfig, plan: ClusterPlan, supervisor: ClusterSup
         _print_failure(str(err), (), out)
         return 1
     finally:
+        if drain:
+            _drain(config, plan, supervisor, out)
         supervisor.stop_all(config.stop_grace_s)
+
+
+def _drain(config: ClusterConfig, plan: ClusterPlan, supervisor: ClusterSupervisor, out: TextIO) -> None:
+    """SIGTERM the router, wait for it, then every node: the router finishes its streams while
+    the nodes still serve them, and the nodes then hold nothing more."""
+    wait_s = config.drain_timeout_s + config.stop_grace_s
+    print(f"pdserve cluster: draining (up to {config.drain_timeout_s:g}s for the router, then for the nodes)",
+          file=out, flush=True)
+    supervisor.signal_and_wait([plan.router.name], signal.SIGTERM, wait_s)
+    supervisor.signal_and_wait([spec.name for spec in plan.nodes], signal.SIGTERM, wait_s)
 
 
 def _wait_for(ready: Callable[[], bool], what: str, supervisor: ClusterSupervisor, stop: threading.Event,
@@ -133,12 +155,19 @@ class _Keeper:
         kinds = [spec.name.rsplit("-", 1)[0] for spec in self._plan.nodes]
         return Split(kinds.count("prefill"), kinds.count("decode"))
 
-    def serve(self, stop: threading.Event) -> None:
+    def serve(self, stop: threading.Event) -> bool:
+        """Until `stop` (False) or the router drained and left (True)."""
         while not stop.wait(self._config.poll_interval_s):
             now = time.monotonic()
             if self._watcher is not None:
                 self._carry_out_moves()
             for exited in self._supervisor.exits():
+                if self._left(exited) and exited.name == "router":
+                    self._say("the router drained and stopped; draining the nodes and stopping the cluster")
+                    return True
+                if self._left(exited):
+                    self._say(f"{exited.name} drained and left the cluster; serving on without it")
+                    continue
                 self._on_exit(exited, now)
             for name in [n for n, due in self._due.items() if due <= now]:
                 del self._due[name]
@@ -146,6 +175,12 @@ class _Keeper:
                 self._restarts[name] = self._restarts.get(name, 0) + 1
                 self._say(f"{name} started again (restart {self._restarts[name]})")
                 self._write_state()
+        return False
+
+    def _left(self, exited: ChildExited) -> bool:
+        """A child exits 0 only after SIGTERM, i.e. drained: leaving, not failing (it is started
+        again only under `--restart-mode always`)."""
+        return exited.returncode == 0 and self._policy.mode != "always"
 
     def _on_exit(self, exited: ChildExited, now: float) -> None:
         """Schedule a restart, give up on a crash-looping or refused node, or raise to stop the cluster."""
@@ -256,6 +291,10 @@ class _StopSignals:
     supervisor_pid: int | None = None  # a program that started this launcher: stop once it is gone
     previous: dict[int, object] = field(default_factory=dict)
     received: int | None = None
+    orphaned: bool = False  # the program that started it is gone: stop at once, no drain
+
+    def drain(self) -> bool:
+        return self.received == signal.SIGTERM and not self.orphaned
 
     def __enter__(self) -> _StopSignals:
         for signum in (signal.SIGINT, signal.SIGTERM):
@@ -267,6 +306,7 @@ class _StopSignals:
     def _watch_parent(self) -> None:
         while not self.stop.wait(PARENT_CHECK_S):
             if os.getppid() != self.supervisor_pid:
+                self.orphaned = True
                 self._on_signal(signal.SIGTERM, None)
 
     def __exit__(self, *exc: object) -> None:
@@ -329,7 +369,7 @@ def main(argv: list[str] | None = None) -> int:
     stop = threading.Event()
     with _StopSignals(stop, supervisor_of(os.environ)) as signals:
         status = run_cluster(config, plan, supervisor, lambda: check(plan.router_addr, "router", probe_config), stop,
-                             rebalancer=rebalancer)
+                             rebalancer=rebalancer, drain_asked=signals.drain)
     return status_after(signals.received) if status == ExitStatus.OK else status
 
 

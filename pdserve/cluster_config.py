@@ -17,6 +17,7 @@ from pdserve.cluster_load_mode import LoadModeSettings
 from pdserve.cluster_supervisor import RestartPolicy
 from pdserve.common.auth import add_auth_args
 from pdserve.common.config_flags import add_config_args, values_from_args
+from pdserve.common.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from pdserve.engine.config import AUTO_DTYPE, DEFAULT_BLOCK_SIZE, EngineConfig
 from pdserve.common.affinity import cpu_list_arg, split_cpus
 
@@ -68,6 +69,9 @@ class ClusterConfig:
     restart: RestartPolicy = field(default_factory=RestartPolicy)
     ready_timeout_s: float = 180.0
     stop_grace_s: float = 10.0
+    # SIGTERM to the launcher drains: the router (no new request, its streams finish), then every
+    # node, each given this long (passed to each child as its own --drain-timeout-s).
+    drain_timeout_s: float = DEFAULT_DRAIN_TIMEOUT_S
     poll_interval_s: float = 0.25
     probe_timeout_s: float = 1.0
     log_dir: str | None = None  # None: logs go to the console, prefixed by child name
@@ -97,6 +101,8 @@ class ClusterConfig:
         for name in ("ready_timeout_s", "stop_grace_s", "poll_interval_s", "probe_timeout_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"{name} must be > 0")
+        if self.drain_timeout_s < 0:
+            raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
         _reject_owned_flags("--router-args", self.router_args, ROUTER_OWNED_FLAGS)
         if self.rebalance is not None:
             if self.num_colocated or self.num_prefill + self.num_decode < 3:
@@ -192,6 +198,9 @@ def cluster_parser() -> argparse.ArgumentParser:
     add_config_args(load_mode, LoadModeSettings, prefix="rebalance_")
     p.add_argument("--ready-timeout-s", type=float, default=d.ready_timeout_s)
     p.add_argument("--stop-grace-s", type=float, default=d.stop_grace_s)
+    p.add_argument("--drain-timeout-s", type=float, default=d.drain_timeout_s,
+                   help="on SIGTERM the launcher drains the router, then every node, each given this long to "
+                        "finish what it holds (also each child's own --drain-timeout-s); Ctrl-C stops at once")
     p.add_argument("--log-dir", default=d.log_dir, help="write one log file per child here instead of the console")
     add_auth_args(p)
     return p
@@ -209,6 +218,7 @@ def config_from_args(argv: Sequence[str] | None) -> ClusterConfig:
         decode_args=tuple(shlex.split(args.decode_args)), colocated_args=tuple(shlex.split(args.colocated_args)),
         prefill_cores=args.prefill_cores, decode_cores=args.decode_cores, colocated_cores=args.colocated_cores,
         router_cores=args.router_cores, ready_timeout_s=args.ready_timeout_s, stop_grace_s=args.stop_grace_s,
+        drain_timeout_s=args.drain_timeout_s,
         log_dir=args.log_dir, auth_token_file=args.auth_token_file, metrics_port=args.metrics_port,
         http_port=None if args.no_http else args.http_port,
         state_file=args.state_file, restart=RestartPolicy(**values_from_args(args, RestartPolicy, "restart_")),

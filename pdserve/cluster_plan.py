@@ -54,9 +54,11 @@ def build_plan(config: ClusterConfig, model_dir: str, router_port: int, python: 
     metrics_ports = _metrics_ports(config, pick_port)
     http_port = None if config.http_port is None else config.http_port or pick_port()
     http = ("--http-port", str(http_port)) if http_port is not None else ()
+    drain = ("--drain-timeout-s", f"{config.drain_timeout_s:g}")
     router = ChildSpec("router", (*base, "router", "--host", config.host, "--port", str(router_port),
                                   "--model", model_dir, "--block-size", str(config.block_size), *http,
-                                  *_auth_args(config), *_metrics_args(metrics_ports, "router"), *config.router_args),
+                                  *_auth_args(config), *_metrics_args(metrics_ports, "router"), *drain,
+                                  *config.router_args),
                        cpus=config.router_cores)
     nodes, addresses = [], {}
     for pool in config.pools:
@@ -88,9 +90,10 @@ def node_spec(config: ClusterConfig, site: NodeSite, kind: str, name: str, cpus:
     kv = ("--kv-host", config.host, "--kv-port", "0") if kind != "colocated" else ()
     pin = ("--cpus", format_cpu_list(cpus)) if cpus else ()
     metrics = ("--metrics-port", str(metrics_port)) if metrics_port is not None else ()
+    drain = ("--drain-timeout-s", f"{config.drain_timeout_s:g}")
     argv = (site.python, "-m", "pdserve", kind, "--model", site.model_dir, "--host", config.host, "--port", str(port),
             "--router", site.router_addr, "--node-id", name, *kv, "--dtype", config.dtype,
-            "--block-size", str(config.block_size), *_auth_args(config), *pin, *metrics,
+            "--block-size", str(config.block_size), *_auth_args(config), *pin, *metrics, *drain,
             *_threads_args(config, pool.args, pinned=cpus is not None), *pool.args)
     return ChildSpec(name, argv, cpus=cpus)
 

@@ -167,6 +167,23 @@ class ClusterProcess:
         os.killpg(pid, signum)
         return pid
 
+    def terminate(self, name: str) -> int:
+        """SIGTERM to a child's own process, not its group (what Kubernetes sends a pod's main
+        process): it drains, then exits 0. Returns the pid signalled."""
+        pid = self.state.children[name].pid
+        os.kill(pid, signal.SIGTERM)
+        return pid
+
+    def terminate_launcher(self) -> None:
+        """SIGTERM to the launcher: it drains the router, then every node, then exits 0."""
+        assert self._proc is not None, "the cluster is not running"
+        self._proc.send_signal(signal.SIGTERM)
+
+    def wait_exit(self, timeout_s: float) -> int:
+        """The launcher's exit status once it has exited (TimeoutExpired past `timeout_s`)."""
+        assert self._proc is not None, "the cluster is not running"
+        return self._proc.wait(timeout=timeout_s)
+
     def wait_restarted(self, name: str, old_pid: int, timeout_s: float = 120.0) -> None:
         """Until the launcher has started `name` again (a new pid in the state file)."""
         def restarted() -> bool:

@@ -9,10 +9,11 @@ A child with `cpus` is pinned to them as it starts (cores as devices): right aft
 exec, before its interpreter has imported anything, so every thread and process it
 starts later inherits the mask.
 
-Stop: SIGTERM to every child (the group leader only, so a node can shut its own engine
-core down in order), wait up to the grace period for them, then SIGKILL every group — a
-child that ignored SIGTERM, and whatever a child left behind (once the leader is gone,
-anything left in its group is an orphan).
+Stop: SIGINT to every child (the group leader only, so a node can shut its own engine
+core down in order; SIGINT: at once), wait up to the grace period for them, then SIGKILL
+every group — a child that ignored the signal, and whatever a child left behind (once the
+leader is gone, anything left in its group is an orphan). `signal_and_wait` sends some children
+a signal and waits for them (the launcher's drain: SIGTERM, stage by stage).
 
 Must never: know what the children are (router, node, or `sleep` in a test), signal a
 process group it did not create, or block longer than the grace period plus a moment.
@@ -27,7 +28,7 @@ import sys
 import threading
 import time
 from collections import deque
-from collections.abc import Mapping
+from collections.abc import Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO, TextIO
@@ -218,18 +219,24 @@ class ClusterSupervisor:
                 return list(child.tail)
         raise KeyError(name)
 
-    def stop_all(self, grace_s: float) -> None:
-        """SIGTERM every child, wait up to `grace_s` for them, then SIGKILL every group."""
-        for child in self._children:
+    def signal_and_wait(self, names: Collection[str], signum: signal.Signals, timeout_s: float) -> None:
+        """Send `signum` to the named children still running (each counts as stopped by the
+        supervisor from now on) and wait up to `timeout_s` for them to exit."""
+        chosen = [c for c in self._children if c.spec.name in names]
+        for child in chosen:
             child.killed = True
             if child.proc.poll() is None:
-                child.proc.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + grace_s
-        for child in self._children:
+                child.proc.send_signal(signum)
+        deadline = time.monotonic() + timeout_s
+        for child in chosen:
             try:
                 child.proc.wait(timeout=max(0.0, deadline - time.monotonic()))
             except subprocess.TimeoutExpired:
                 pass
+
+    def stop_all(self, grace_s: float, signum: signal.Signals = signal.SIGINT) -> None:
+        """`signum` to every child, wait up to `grace_s` for them, then SIGKILL every group."""
+        self.signal_and_wait([c.spec.name for c in self._children], signum, grace_s)
         for child in self._children:
             _signal_group(child.proc.pid, signal.SIGKILL)
             child.proc.wait()

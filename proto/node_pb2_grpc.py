@@ -451,6 +451,11 @@ class RegistryStub:
                 request_serializer=node__pb2.HeartbeatRequest.SerializeToString,
                 response_deserializer=node__pb2.HeartbeatResponse.FromString,
                 _registered_method=True)
+        self.Deregister = channel.unary_unary(
+                '/pdserve.node.v1.Registry/Deregister',
+                request_serializer=node__pb2.DeregisterRequest.SerializeToString,
+                response_deserializer=node__pb2.DeregisterResponse.FromString,
+                _registered_method=True)
 
 
 class RegistryServicer:
@@ -468,6 +473,13 @@ class RegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Deregister(self, request, context):
+        """A node that drained (it holds nothing) leaves: the router forgets it at once.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -480,6 +492,11 @@ def add_RegistryServicer_to_server(servicer, server):
                     servicer.Heartbeat,
                     request_deserializer=node__pb2.HeartbeatRequest.FromString,
                     response_serializer=node__pb2.HeartbeatResponse.SerializeToString,
+            ),
+            'Deregister': grpc.unary_unary_rpc_method_handler(
+                    servicer.Deregister,
+                    request_deserializer=node__pb2.DeregisterRequest.FromString,
+                    response_serializer=node__pb2.DeregisterResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -536,6 +553,33 @@ class Registry:
             '/pdserve.node.v1.Registry/Heartbeat',
             node__pb2.HeartbeatRequest.SerializeToString,
             node__pb2.HeartbeatResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Deregister(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/pdserve.node.v1.Registry/Deregister',
+            node__pb2.DeregisterRequest.SerializeToString,
+            node__pb2.DeregisterResponse.FromString,
             options,
             channel_credentials,
             insecure,

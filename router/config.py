@@ -9,6 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE
+from pdserve.common.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
@@ -135,6 +136,9 @@ class RouterConfig:
     # RESOURCE_EXHAUSTED instead of queueing.
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
     shutdown_grace_s: float = 5.0
+    drain_timeout_s: float = field(default=DEFAULT_DRAIN_TIMEOUT_S, metadata={
+        "help": "on SIGTERM: refuse new requests (UNAVAILABLE, HTTP 503) and give the ones in flight this long "
+                "to finish before stopping"})
     # How long in-flight calls on a dropped node's channel may finish before it closes.
     channel_close_grace_s: float = 5.0
 
@@ -160,6 +164,7 @@ class RouterConfig:
              self.local_prefill_max_tokens),
             (self.max_node_failures_per_request >= 1, "max_node_failures_per_request", "must be >= 1",
              self.max_node_failures_per_request),
+            (self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0", self.drain_timeout_s),
             (self.failure_probe_timeout_s > 0, "failure_probe_timeout_s", "must be > 0",
              self.failure_probe_timeout_s),
             (self.max_message_bytes >= 1024, "max_message_bytes", "must be >= 1024", self.max_message_bytes),

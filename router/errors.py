@@ -44,6 +44,13 @@ class NotReady(RouterError):
     code = grpc.StatusCode.UNAVAILABLE
 
 
+class RouterDraining(RouterError):
+    """The router got SIGTERM: it finishes the requests it has and takes no new one (another
+    router, or this one started again, will)."""
+
+    code = grpc.StatusCode.UNAVAILABLE
+
+
 class Overloaded(RouterError):
     """Every candidate node refused for lack of capacity."""
 

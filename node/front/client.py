@@ -129,18 +129,31 @@ class CoreClient:
         """The core's most recent snapshot, without asking it (None before the first one)."""
         return self._latest_stats
 
+    @property
+    def open_requests(self) -> int:
+        """Requests whose RPC is open on this front (a prefill node's ends at token 1)."""
+        return len(self._streams)
+
     async def stats(self) -> StatsData:
         """A fresh snapshot, or the latest one when the core does not answer within stats_timeout_s."""
+        fresh = await self.fresh_stats()
+        if fresh is not None:
+            return fresh
+        if self._latest_stats is not None:
+            return self._latest_stats  # the core is mid-step; it pushed this one moments before
+        raise NodeError(ErrorCode.UNAVAILABLE, "the engine core did not answer a stats query")
+
+    async def fresh_stats(self) -> StatsData | None:
+        """The core's answer to a query sent now (so it counts every request sent before it), or
+        None when it does not answer within stats_timeout_s."""
         query_id = next(self._query_ids)
         future: asyncio.Future[StatsData] = asyncio.get_running_loop().create_future()
         self._stats[query_id] = future
         try:
             self.send(StatsQuery(query_id))
             return await asyncio.wait_for(future, self.config.stats_timeout_s)
-        except TimeoutError as exc:
-            if self._latest_stats is not None:
-                return self._latest_stats  # the core is mid-step; it pushed this one moments before
-            raise NodeError(ErrorCode.UNAVAILABLE, "the engine core did not answer a stats query") from exc
+        except TimeoutError:
+            return None
         finally:
             self._stats.pop(query_id, None)
 

@@ -112,6 +112,9 @@ class NodeHealth:
         self._address = address
         self._phase = ServerPhase.SERVING
 
+    def draining(self) -> None:
+        self._phase = ServerPhase.DRAINING
+
     def stopping(self) -> None:
         self._phase = ServerPhase.STOPPING
 
@@ -121,6 +124,8 @@ class NodeHealth:
             return Health(False, f"{self._kind} node starting: its engine core is loading the model")
         if phase is ServerPhase.STOPPING:
             return Health(False, f"{self._kind} node stopping")
+        if phase is ServerPhase.DRAINING:  # not ready for new work, still finishing what it holds
+            return Health(False, f"{self._kind} node on {self._address} draining")
         if not self._core_alive():
             return Health(False, f"{self._kind} node on {self._address}: its engine core is down")
         return Health(True, f"{self._kind} node on {self._address}, engine core running")

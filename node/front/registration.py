@@ -13,6 +13,12 @@ the node's fingerprint (FAILED_PRECONDITION: e.g. another block size than the ro
 refuse it again on every retry, so the task ends with `RegistrationRefused`, whose one line
 the node prints before it exits with `EXIT_REFUSED` (which the local launcher never restarts).
 
+A draining node (SIGTERM; node/front/drain.py) says so at once (`drain`: a heartbeat with
+`draining`, sent then and on every beat after, so the router places nothing new on it while
+it finishes what it holds) and registers no more; once it holds nothing it `leave`s (Deregister).
+Both are best effort within `registry_rpc_timeout_s`: a router that cannot be reached then
+forgets the node by its heartbeat timeout, and finds nothing on it.
+
 Must never: stop retrying an unreachable router while the node is up, hold the node's startup
 hostage, or wait on the engine core.
 """
@@ -55,11 +61,13 @@ class _Registration:
         self.interval_s = config.heartbeat_interval_s
         self.registered = False
         self.reachable = True
+        self.draining = False
 
     async def beat(self) -> None:
-        """Register if needed, then one heartbeat (neither before the core's first snapshot)."""
+        """Register if needed, then one heartbeat (neither before the core's first snapshot; a
+        draining node never registers again)."""
         latest = self.latest_stats()
-        if latest is None:
+        if latest is None or (self.draining and not self.registered):
             return
         timeout = self.config.registry_rpc_timeout_s
         if not self.registered:
@@ -69,8 +77,8 @@ class _Registration:
             logger.info("registered %s node %s (%s) with the router at %s", self.config.kind, self.node_id,
                         self.address, self.config.router)
         stats = stats_to_proto(latest)
-        reply = await self.stub.Heartbeat(node_pb2.HeartbeatRequest(node_id=self.node_id, stats=stats),
-                                          timeout=timeout)
+        reply = await self.stub.Heartbeat(node_pb2.HeartbeatRequest(node_id=self.node_id, stats=stats,
+                                                                    draining=self.draining), timeout=timeout)
         self.reachable = True
         if not reply.known:
             logger.info("the router forgot node %s; registering again", self.node_id)
@@ -96,21 +104,69 @@ class _Registration:
         self.reachable = False
 
 
-async def run_registration(config: NodeConfig, address: str, latest_stats: LatestStats,
-                           fingerprint: dict[str, object]) -> None:
-    """Runs until cancelled, or until the router refuses the node (`RegistrationRefused`).
-    `latest_stats` is the front's cached snapshot (`CoreClient.latest_stats`), `fingerprint`
-    its core's KV fingerprint (`CoreClient.fingerprint`, KVCacheSpec.fingerprint())."""
-    # Reconnects to a router that comes up late (or restarts) within about a second.
-    async with reconnecting_channel(config.router, config.auth_token) as channel:
-        registration = _Registration(config, address, latest_stats, fingerprint,
-                                     node_pb2_grpc.RegistryStub(channel))
+    async def drain(self) -> None:
+        """From now on every heartbeat says `draining`; one goes at once."""
+        self.draining = True
+        try:
+            await self.beat()
+        except grpc.aio.AioRpcError as exc:
+            self.failed(exc)
+
+    async def leave(self) -> None:
+        """Deregister (the node holds nothing, or its drain ran out of time)."""
+        if not self.registered:
+            return
+        try:
+            await self.stub.Deregister(node_pb2.DeregisterRequest(node_id=self.node_id),
+                                       timeout=self.config.registry_rpc_timeout_s)
+            logger.info("left the router at %s", self.config.router)
+        except grpc.aio.AioRpcError as exc:
+            logger.info("could not deregister from the router at %s (%s); it forgets this node by its heartbeat "
+                        "timeout", self.config.router, _short(exc))
+        self.registered = False
+
+
+class RouterLink:
+    """The node's registration, for its life: `run` heartbeats until cancelled (or refused),
+    `drain` and `leave` are what a SIGTERM adds. One channel to the router for all three."""
+
+    def __init__(self, config: NodeConfig, address: str, latest_stats: LatestStats,
+                 fingerprint: dict[str, object]) -> None:
+        """`latest_stats` is the front's cached snapshot (`CoreClient.latest_stats`), `fingerprint`
+        its core's KV fingerprint (`CoreClient.fingerprint`, KVCacheSpec.fingerprint())."""
+        # Reconnects to a router that comes up late (or restarts) within about a second.
+        self._channel = reconnecting_channel(config.router, config.auth_token)
+        self._registration = _Registration(config, address, latest_stats, fingerprint,
+                                           node_pb2_grpc.RegistryStub(self._channel))
+
+    async def run(self) -> None:
+        """Runs until cancelled, or until the router refuses the node (`RegistrationRefused`)."""
+        registration = self._registration
         while True:
             try:
                 await registration.beat()
             except grpc.aio.AioRpcError as exc:
                 registration.failed(exc)
             await asyncio.sleep(registration.interval_s)
+
+    async def drain(self) -> None:
+        await self._registration.drain()
+
+    async def leave(self) -> None:
+        await self._registration.leave()
+
+    async def close(self) -> None:
+        await self._channel.close()
+
+
+async def run_registration(config: NodeConfig, address: str, latest_stats: LatestStats,
+                           fingerprint: dict[str, object]) -> None:
+    """`RouterLink.run` on a link of its own, closed at the end."""
+    link = RouterLink(config, address, latest_stats, fingerprint)
+    try:
+        await link.run()
+    finally:
+        await link.close()
 
 
 def _short(exc: Exception) -> str:

@@ -8,14 +8,17 @@ one is one line naming the flag, exit status 2, before anything slow), pin the p
 is set (node/front/metrics.py; from the start, so /health answers 503 while the model loads), bind
 gRPC on `host:port`, start the engine core (and wait for its model and KV cache), serve gRPC
 (port 0: the OS picks; the line `pdserve <kind> node listening on HOST:PORT` on stdout says
-which), register with the router and heartbeat, then on SIGINT/SIGTERM (or a dead core) stop
-the server, the core and the registration, and the metrics endpoint last. Exit status: 130
-after Ctrl-C, 0 after SIGTERM, 1 when the core died or failed to start. A refusal
+which), register with the router and heartbeat, then on SIGINT (or a dead core) stop the server,
+the core and the registration, and the metrics endpoint last. SIGTERM drains first
+(node/front/drain.py: leave placement, finish what the node holds within `--drain-timeout-s`,
+deregister), then stops the same way. Exit status: 130 after Ctrl-C, 0 after SIGTERM, 1 when
+the core died or failed to start. A refusal
 (`Refused`: the core cannot serve the model folder, or the router refused the node's
 fingerprint) stops the node the same way, then prints its one line and exits with its code.
 
-Must never: bind anything but the configured host (127.0.0.1 by default), or exit
-leaving the core process running.
+Must never: bind anything but the configured host (127.0.0.1 by default; the one exception is
+ucxx's KV connection listener, which binds every interface), or exit leaving the core process
+running.
 """
 
 from __future__ import annotations
@@ -43,8 +46,9 @@ from pdserve.node.front.client import CoreClient
 from pdserve.node.config import NodeConfig, parse_node_args
 from pdserve.node.core.core_part import CorePart
 from pdserve.node.errors import NodeError
+from pdserve.node.front.drain import drain
 from pdserve.node.front.metrics import NodeHealth, serve_node_metrics
-from pdserve.node.front.registration import run_registration
+from pdserve.node.front.registration import RouterLink
 from pdserve.node.front.servicers import StreamServicer
 from pdserve.proto import node_pb2, node_pb2_grpc
 
@@ -112,6 +116,7 @@ async def serve_node(config: NodeConfig, part: CorePart, services: dict[str, Ser
     server: grpc.aio.Server | None = None
     standard: StandardServices | None = None
     registration: asyncio.Task | None = None
+    link: RouterLink | None = None
     metrics: MetricsEndpoint | None = None
     try:
         metrics = _start_metrics(config, client, health)
@@ -132,11 +137,15 @@ async def serve_node(config: NodeConfig, part: CorePart, services: dict[str, Ser
         signals = StopSignals()
         signals.install(asyncio.get_running_loop(), supervisor_of(os.environ))
         print(f"pdserve {config.kind} node listening on {address}", flush=True)
-        registration = asyncio.create_task(run_registration(config, address, client.latest_stats,
-                                                            client.fingerprint))
+        link = RouterLink(config, address, client.latest_stats, client.fingerprint)
+        registration = asyncio.create_task(link.run())
         await _until_stopped(signals, client, registration)
         if registration.done():
             registration.result()  # it ends by itself only when the router refused the node: raises
+        if signals.drain and not client.dead.is_set():
+            health.draining()
+            await standard.refresh()
+            await drain(client, link, config.drain_timeout_s, config.drain_poll_s)
         return ExitStatus.FAILED if client.dead.is_set() else signals.exit_status
     except NodeError as exc:
         logger.error("%s", exc.message)
@@ -148,6 +157,8 @@ async def serve_node(config: NodeConfig, part: CorePart, services: dict[str, Ser
             await standard.stop()
         if registration is not None:
             registration.cancel()
+        if link is not None:
+            await link.close()
         if server is not None:
             await server.stop(config.grace_s)
         logger.info("gRPC server stopped in %.2fs", time.monotonic() - start)
@@ -158,7 +169,8 @@ async def serve_node(config: NodeConfig, part: CorePart, services: dict[str, Ser
 
 
 def _listens(config: NodeConfig, part: CorePart) -> list[Listen]:
-    """The node's ports, named by their flags. The KV listener (ucxx) binds every interface."""
+    """The node's ports, named by their flags. The KV connection listener (ucxx) binds every
+    interface (its API takes no bind address: kv_transfer/netdev.py), so its port is probed there."""
     listens = [Listen("--port", config.host, config.port)]
     if config.metrics_port is not None:
         listens.append(Listen("--metrics-port", config.host, config.metrics_port))

@@ -7,7 +7,11 @@ for `heartbeat_timeout_s` is not live: a registered one is dropped (it registers
 when its next heartbeat is answered known=false), a static one stays on the list and
 comes back when it answers again. A node that failed a request's call and then did not
 answer a `GetStats` probe is *suspect*: not live until its next stats arrive, so other
-requests stop trying it long before its heartbeat timeout. A registering node is admitted
+requests stop trying it long before its heartbeat timeout. A node that heartbeats
+`draining` (it got SIGTERM) is *draining*: not live, so placement gives it nothing new,
+while the calls it holds run to their end on its entry; it then `deregister`s and is
+forgotten. Draining is never undone (a node that drains leaves; started again it registers
+afresh). A registering node is admitted
 only if its fingerprint agrees with the router's facts and with the nodes already registered
 (router/cluster/node_facts.py); otherwise `NodeRefused` names every field that differs, and the refusal
 is logged. One gRPC channel per address
@@ -70,6 +74,7 @@ class NodeEntry:
     suspect: bool = False  # failed a call and a probe; cleared by its next stats
     fingerprint: node_pb2.NodeFingerprint | None = None  # what it runs; None for a static node
     local_prefill: bool = False  # a decode node that also computes prompts itself (`--local-prefill`)
+    draining: bool = False  # it is leaving: nothing new is placed on it (a drain, not a failure)
     # Set when this entry stops standing for a serving process: dropped (silent past the
     # heartbeat timeout), replaced by a new registration, or a static node gone silent.
     # Every call in flight on it moves elsewhere (router/cluster/liveness.py).
@@ -136,18 +141,39 @@ class NodeRegistry:
         log.info("registered %s node %s at %s", kind.value, node_id, address)
         return entry
 
-    def heartbeat(self, node_id: str, stats: node_pb2.NodeStats) -> bool:
-        """Record a node's stats; False if the router does not know it (it must register again)."""
+    def heartbeat(self, node_id: str, stats: node_pb2.NodeStats, draining: bool = False) -> bool:
+        """Record a node's stats; False if the router does not know it (it must register again).
+        `draining`: the node is leaving; from now on it is never live again."""
         entry = self._nodes.get(node_id)
         if entry is None:
             return False
         self._update(entry, stats)
+        if draining and not entry.draining:
+            entry.draining = True
+            log.info("%s node %s at %s is draining: placing nothing new on it", entry.kind.value, node_id,
+                     entry.address)
+        return True
+
+    def deregister(self, node_id: str) -> bool:
+        """A node leaves (drained: it holds nothing). Its entry is gone at once, so a call still
+        open on it (a drain that ran out of time) moves elsewhere. False if it was not known."""
+        entry = self._nodes.get(node_id)
+        if entry is None:
+            return False
+        entry.draining = True  # a loss on it from here on is the drain's (router/dispatch/driver.py)
+        _mark_gone(entry, f"{entry.address} left the cluster (drained)")
+        self._drop(entry)
+        log.info("%s node %s at %s left the cluster", entry.kind.value, node_id, entry.address)
         return True
 
     def live(self, kind: NodeKind) -> list[NodeEntry]:
         now = self._clock()
         return [e for e in self._nodes.values()
-                if e.kind is kind and not e.suspect and now - e.last_seen <= self._timeout_s]
+                if e.kind is kind and not e.suspect and not e.draining and now - e.last_seen <= self._timeout_s]
+
+    def draining(self, kind: NodeKind) -> list[NodeEntry]:
+        """Nodes of `kind` that are leaving and still finish what they hold."""
+        return [e for e in self._nodes.values() if e.kind is kind and e.draining]
 
     def mark_suspect(self, entry: NodeEntry, reason: str) -> None:
         """Skip `entry` until its next stats: a call to it failed the way a dead node's does."""

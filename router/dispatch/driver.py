@@ -46,7 +46,7 @@ from pdserve.proto import node_pb2
 from pdserve.router.errors import DeadlineExceeded, NodeFailed, NoNodeAvailable, Overloaded, from_node_error
 from pdserve.router.cluster.liveness import GoneWatch, NodeGone, unless_gone
 from pdserve.router.cluster.placement import Candidate
-from pdserve.router.dispatch.recovery import NODE_LOST_CODES, NodeLost, RecoveryBudget, attempt_ids
+from pdserve.router.dispatch.recovery import NODE_LOST_CODES, LossReason, NodeLost, RecoveryBudget, attempt_ids
 from pdserve.router.cluster.registry import NodeEntry, NodeKind
 from pdserve.router.dispatch.asks import NodeAsks
 from pdserve.router.dispatch.routes import Leg, Load, Route, Sink
@@ -97,6 +97,7 @@ class SampleDriver:
             if not alive:
                 self._exclude(entry, f"{entry.address} was lost during this request")
         what = self._budget.allow(lost.decoding, lost.error, self.remaining(), lost)
+        self.state.resumes.count(lost.cause())
         log.warning("sample %s: %s on %s nodes after %d streamed tokens: %s", self.spec.node_req_id, what,
                     self._route.kind.value, len(self.sink.streamed_token_ids), lost.error)
 
@@ -227,12 +228,13 @@ class SampleDriver:
         except NodeGone as gone:
             # Frozen or replaced (the stream's node, or the prefill node still sending it KV): it
             # answers nothing, so no probe; never asked again for this sample.
-            raise NodeLost(NodeFailed(str(gone)), probe=[], decoding=decoding, exclude=[gone.entry]) from gone
+            raise NodeLost(NodeFailed(str(gone)), probe=[], decoding=decoding, exclude=[gone.entry],
+                           reason=LossReason.NODE_GONE) from gone
         except grpc.aio.AioRpcError as exc:
             failure = from_node_error(self._route.kind.value, leg.entry.address, exc)
             if self._kv_never_came(leg, exc):
                 # Token 1 left its prefill node before the KV: the transfer failed after it.
-                raise NodeLost(failure, probe=list(leg.feeders), decoding=decoding) from exc
+                raise NodeLost(failure, probe=list(leg.feeders), decoding=decoding, reason=LossReason.KV_LOST) from exc
             if exc.code() not in NODE_LOST_CODES:
                 raise failure from exc
             raise self._route.stream_lost(leg, failure, decoding) from exc

@@ -2,16 +2,19 @@
 attempts it may start, and the node request id of each.
 
 Owns `NODE_LOST_CODES`, `NodeLost` (what ends an attempt that may succeed elsewhere,
-and which nodes it implicates), `RecoveryBudget` and `attempt_ids`. The driver
+which nodes it implicates, and why: a `LossReason`), `RecoveryBudget`, `ResumeCounts` (every
+new attempt after a loss, by reason: what `pdserve_resumes_total` shows) and `attempt_ids`. The driver
 (router/dispatch/driver.py) raises and handles them; the routes (router/dispatch/routes.py) say which
 nodes a loss implicates. Never calls a node and never touches the registry.
 """
 
 from __future__ import annotations
 
+import collections
+import enum
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import grpc
 
@@ -24,17 +27,51 @@ NODE_LOST_CODES = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.INTERN
                              grpc.StatusCode.CANCELLED})
 
 
+class LossReason(enum.Enum):
+    """Why a sample had to be computed again elsewhere: the `reason` label of `pdserve_resumes_total`."""
+
+    NODE_FAILED = "node_failed"  # a call failed the way a dead node's does, or its stream ended unfinished
+    NODE_GONE = "node_gone"  # the node went silent past the heartbeat timeout, or was replaced
+    KV_LOST = "kv_lost"  # the KV transfer into the decode node never came
+    # A draining node still held the sample when its --drain-timeout-s ran out. A drain that
+    # finishes in time counts nothing: it is not a failover.
+    DRAIN_TIMEOUT = "drain_timeout"
+
+
 class NodeLost(Exception):
     """An attempt ended because a node call failed the way a lost node's does; `error` is
     what the client gets if no recovery is left."""
 
     def __init__(self, error: RouterError, probe: Sequence[NodeEntry], decoding: bool,
-                 exclude: Sequence[NodeEntry] = ()) -> None:
+                 exclude: Sequence[NodeEntry] = (), reason: LossReason = LossReason.NODE_FAILED) -> None:
         super().__init__(str(error))
         self.error = error
+        self.reason = reason
         self.probe = list(probe)  # any of them may be the one that died: each gets a GetStats probe
         self.exclude = list(exclude)  # never asked again for this sample, whatever its probe says
         self.decoding = decoding  # lost while decoding (a resume) or before the attempt's next token (a retry)
+
+
+    def cause(self) -> LossReason:
+        """The reason to count: a loss on a node that was draining is its drain running out of time."""
+        if any(entry.draining for entry in (*self.exclude, *self.probe)):
+            return LossReason.DRAIN_TIMEOUT
+        return self.reason
+
+
+@dataclass(slots=True)
+class ResumeCounts:
+    """Samples computed again on another node after a loss (resumes and retries), by reason; one
+    per router, read by its metrics at scrape time."""
+
+    counts: collections.Counter[LossReason] = field(default_factory=collections.Counter)
+
+    def count(self, reason: LossReason) -> None:
+        self.counts[reason] += 1
+
+    def snapshot(self) -> dict[LossReason, int]:
+        """Every reason's count, zeros included (so a series exists before the first loss)."""
+        return {reason: self.counts[reason] for reason in LossReason}
 
 
 @dataclass(slots=True)

@@ -43,7 +43,7 @@ from pdserve.proto import node_pb2, node_pb2_grpc
 from pdserve.router.errors import NodeFailed, NoNodeAvailable, Overloaded, RouterError, from_node_error
 from pdserve.router.cluster.liveness import NodeGone, unless_gone
 from pdserve.router.cluster.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
-from pdserve.router.dispatch.recovery import NODE_LOST_CODES, NodeLost
+from pdserve.router.dispatch.recovery import NODE_LOST_CODES, LossReason, NodeLost
 from pdserve.router.cluster.registry import NodeEntry, NodeKind
 from pdserve.router.dispatch.asks import NodeAsks
 from pdserve.router.dispatch.state import RouterState, SampleSpec
@@ -250,7 +250,8 @@ class DisaggregatedRoute(Route):
                 return response
             except NodeGone as gone:
                 # The prefill node froze, or the decode node it fills did: either way, a new attempt.
-                raise NodeLost(NodeFailed(str(gone)), probe=[], decoding=False, exclude=[gone.entry]) from gone
+                raise NodeLost(NodeFailed(str(gone)), probe=[], decoding=False, exclude=[gone.entry],
+                               reason=LossReason.NODE_GONE) from gone
             except grpc.aio.AioRpcError as exc:
                 if exc.code() is grpc.StatusCode.RESOURCE_EXHAUSTED:
                     full[entry.node_id] = entry.address

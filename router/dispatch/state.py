@@ -1,7 +1,7 @@
 """What the router's sample driver works from: the router-wide state and one sample's facts.
 
 Owns `RouterState` (config, model, registry, the disaggregated pools' placements, the
-clock: what every sample of every request shares) and `SampleSpec` (one sample of one
+count of resumes, the clock: what every sample of every request shares) and `SampleSpec` (one sample of one
 request, fixed when the request arrives). Plain data: it never calls a node and never
 changes the registry or a placement.
 """
@@ -16,6 +16,7 @@ from pdserve.router.config import RouterConfig
 from pdserve.router.model import RouterModel
 from pdserve.router.cluster.placement import DecodePlacement, PrefillPlacement
 from pdserve.router.cluster.registry import NodeRegistry
+from pdserve.router.dispatch.recovery import ResumeCounts
 from pdserve.router.requests.validation import ValidatedRequest
 
 
@@ -28,6 +29,7 @@ class RouterState:
     registry: NodeRegistry
     decode_placement: DecodePlacement
     prefill_placement: PrefillPlacement
+    resumes: ResumeCounts = field(default_factory=ResumeCounts)
     clock: Callable[[], float] = field(default=time.monotonic)
 
 

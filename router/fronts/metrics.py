@@ -8,7 +8,8 @@ an HTTP request), the one place that sees a whole request: TTFT and end-to-end l
 successive responses on the router's clock, over the tokens the later one carries), every streamed token, the
 prompt's tokens once per request, and the request's final status. The per-node gauges
 come from the heartbeats the registry already keeps, read at scrape time by
-`NodeStatsCollector` (no polling of its own).
+`NodeStatsCollector` (no polling of its own); `pdserve_resumes_total{reason}` from the router's
+`ResumeCounts` (router/dispatch/recovery.py), read at scrape time by `ResumesCollector`.
 
 Must never: change a response, pick a status code (it only reads the one the servicer
 aborted with), or call a node.
@@ -22,12 +23,13 @@ from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
-from prometheus_client.metrics_core import GaugeMetricFamily
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import status_of
 from pdserve.router.cluster.registry import NodeEntry, NodeKind, NodeRegistry
+from pdserve.router.dispatch.recovery import ResumeCounts
 
 # A tiny model on a CPU answers in milliseconds, a real one under load in tens of seconds.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0)
@@ -39,7 +41,7 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 76
 
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry, nodes: NodeRegistry | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 resumes: ResumeCounts | None = None, clock: Callable[[], float] = time.monotonic) -> None:
         """`clock`: what inter-token gaps are measured with (tests hand in their own)."""
         self.registry = registry
         self._clock = clock
@@ -67,6 +69,8 @@ class RouterMetrics:
         self._in_flight = Gauge("pdserve_requests_in_flight", "Generate requests being served", registry=registry)
         if nodes is not None:
             registry.register(NodeStatsCollector(nodes))
+        if resumes is not None:
+            registry.register(ResumesCollector(resumes))
 
     async def observe(self, responses: AsyncIterator[pdserve_pb2.GenerateResponse],
                       ended: EndStatus) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
@@ -195,3 +199,34 @@ class NodeStatsCollector(Collector):
             except RuntimeError:
                 continue
         return []
+
+
+class ResumesCollector(Collector):
+    """`pdserve_resumes_total{reason}`: samples computed again on another node after a loss (a
+    resume while decoding, or a retry before the next token); every reason, zeros included."""
+
+    def __init__(self, resumes: ResumeCounts) -> None:
+        self._resumes = resumes
+
+    def describe(self) -> Iterator[CounterMetricFamily]:
+        return iter([self._family()])
+
+    def collect(self) -> Iterator[CounterMetricFamily]:
+        family = self._family()
+        # Read on the endpoint's thread while the loop may count: a copy, retried if it changed mid-read.
+        for _ in range(_SNAPSHOT_ATTEMPTS):
+            try:
+                counts = self._resumes.snapshot()
+                break
+            except RuntimeError:
+                continue
+        else:
+            counts = {}
+        for reason, value in counts.items():
+            family.add_metric([reason.value], value)
+        return iter([family])
+
+    @staticmethod
+    def _family() -> CounterMetricFamily:
+        return CounterMetricFamily("pdserve_resumes", "Samples computed again on another node after losing one, "
+                                   "by reason", labels=["reason"])

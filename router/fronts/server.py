@@ -5,8 +5,9 @@ the registry, turn a `RouterError` into a status via `errors.status_of`; `Genera
 stream is observed by `RouterMetrics`), the optional `/metrics` + `/health` endpoint (200
 only while the router can serve a request: `RouterServer.health`), the registry maintenance loop, signal handling and
 `main(argv)` for `pdserve router`: a port that cannot be had (`--port`, `--metrics-port`) is
-one line naming the flag and exit status 2; Ctrl-C stops gracefully with 130, SIGTERM with
-0. It loads only the tokenizer and config of the model, never weights, and never runs model
+one line naming the flag and exit status 2; Ctrl-C stops gracefully with 130, SIGTERM drains
+(`RouterServer.drain`: new requests refused UNAVAILABLE / HTTP 503, the ones in flight given
+`--drain-timeout-s` to finish) and exits 0. It loads only the tokenizer and config of the model, never weights, and never runs model
 code.
 
 Every service on the port sits behind the optional shared-secret token (common/auth.py),
@@ -156,11 +157,12 @@ def can_serve(prefill: int, decode: int, colocated: int) -> bool:
 
 
 class RegistryServicer(node_pb2_grpc.RegistryServicer):
-    def __init__(self, state: RouterState, on_register: Callable[[], Awaitable[None]]) -> None:
-        """`on_register`: runs after each admitted node (the standard Health status follows at once)."""
+    def __init__(self, state: RouterState, on_nodes_changed: Callable[[], Awaitable[None]]) -> None:
+        """`on_nodes_changed`: runs after a node is admitted, drains or leaves (the standard Health status
+        follows at once)."""
         self._state = state
         self._facts = RouterFacts.of(state.model, state.config.block_size)
-        self._on_register = on_register
+        self._on_nodes_changed = on_nodes_changed
 
     async def Register(self, request, context):
         try:
@@ -177,11 +179,20 @@ class RegistryServicer(node_pb2_grpc.RegistryServicer):
                                        request.local_prefill)
         except RouterError as exc:
             await _abort(context, exc)
-        await self._on_register()
+        await self._on_nodes_changed()
         return node_pb2.RegisterResponse(heartbeat_interval_ms=self._state.config.heartbeat_interval_ms)
 
     async def Heartbeat(self, request, context):
-        return node_pb2.HeartbeatResponse(known=self._state.registry.heartbeat(request.node_id, request.stats))
+        registry = self._state.registry
+        known = registry.heartbeat(request.node_id, request.stats, request.draining)
+        if request.draining:
+            await self._on_nodes_changed()  # a pool may just have lost its last live node
+        return node_pb2.HeartbeatResponse(known=known)
+
+    async def Deregister(self, request, context):
+        known = self._state.registry.deregister(request.node_id)
+        await self._on_nodes_changed()
+        return node_pb2.DeregisterResponse(known=known)
 
 
 def _node_kind(name: str) -> NodeKind:
@@ -212,7 +223,7 @@ class RouterServer:
             PrefillPlacement(config.block_size, config.affinity_slack_tokens, config.max_affinity_entries),
         )
         self.admission = Admission(config.admission)
-        self.metrics = RouterMetrics(CollectorRegistry(), registry)
+        self.metrics = RouterMetrics(CollectorRegistry(), registry, self.state.resumes)
         self._server: grpc.aio.Server | None = None
         self._standard: StandardServices | None = None
         self.http: HTTPFront | None = None  # the OpenAI-compatible API, with --http-port
@@ -281,6 +292,22 @@ class RouterServer:
             return Health(False, f"no route for a request yet ({nodes}): the router serves once a colocated "
                                  "node, or a prefill and a decode node, have registered")
         return Health(True, f"router on {self.config.host}:{self.port}, {nodes}")
+
+    async def drain(self, timeout_s: float) -> bool:
+        """Take no new request and wait up to `timeout_s` for the admitted ones to end (the nodes
+        and the registry serve on meanwhile); True if they all did."""
+        self.phase = ServerPhase.DRAINING
+        self.admission.close("draining (stopping)")
+        if self._standard is not None:
+            await self._standard.refresh()  # NOT_SERVING: a balancer stops sending here
+        log.info("router draining: %d sequences in flight, up to %.1fs", self.admission.inflight, timeout_s)
+        try:
+            await asyncio.wait_for(self.admission.idle.wait(), timeout_s)
+        except TimeoutError:
+            log.warning("router drain timed out after %.1fs with %d sequences in flight; stopping them",
+                        timeout_s, self.admission.inflight)
+            return False
+        return True
 
     async def stop(self, grace_s: float | None = None) -> None:
         self.phase = ServerPhase.STOPPING
@@ -388,6 +415,8 @@ async def serve(config: RouterConfig) -> int:
         print(f"pdserve router metrics on {server.metrics_url}", flush=True)
     try:
         await signals.event.wait()
+        if signals.drain:
+            await server.drain(config.drain_timeout_s)
     finally:
         log.info("router stopping")
         await server.stop()

@@ -16,7 +16,9 @@ each holds a decode reservation and needs a prefill of its own):
 - queued prompt tokens (sequences admitted but not yet at token 1): bounds the prefill
   work ahead of a new request, i.e. its time to first token.
 A request bigger than a whole limit is admitted only when nothing else holds that
-limit, so it waits for room instead of being refused forever.
+limit, so it waits for room instead of being refused forever. A draining router `close`s
+its admission: every new request is refused (`RouterDraining`, UNAVAILABLE) while the
+admitted ones run to their end, which `idle` tells.
 
 Must never: queue a request, pick a status code (it raises `Overloaded`), or let a
 ticket outlive its request — every ticket is released exactly once.
@@ -24,8 +26,10 @@ ticket outlive its request — every ticket is released exactly once.
 
 from __future__ import annotations
 
+import asyncio
+
 from pdserve.router.config import AdmissionLimits
-from pdserve.router.errors import Overloaded
+from pdserve.router.errors import Overloaded, RouterDraining
 
 
 class Admission:
@@ -36,9 +40,21 @@ class Admission:
         self.inflight = 0
         self.queued_tokens = 0
         self.rejected = 0
+        self.closed_because: str | None = None  # set by `close`: why no request is admitted any more
+        self.idle = asyncio.Event()  # set while no sequence is in flight
+        self.idle.set()
+
+    def close(self, because: str) -> None:
+        """Admit nothing more (a draining router); what is admitted runs on."""
+        self.closed_because = because
 
     def check_room(self) -> None:
-        """Overloaded when not even one more sequence fits: refuse before paying for validation."""
+        """Overloaded when not even one more sequence fits (RouterDraining once closed): refuse
+        before paying for validation."""
+        if self.closed_because is not None:
+            self.rejected += 1
+            raise RouterDraining(f"the router is {self.closed_because} and takes no new request; retry on "
+                                 "another router")
         if self.inflight >= self.limits.max_inflight_requests:
             self.rejected += 1
             raise Overloaded(f"the router is at capacity ({self.inflight} sequences in flight, "
@@ -52,6 +68,7 @@ class Admission:
             raise Overloaded(f"the router is at capacity ({reason}); retry later")
         self.inflight += n
         self.queued_tokens += num_prompt_tokens * n
+        self.idle.clear()
         return AdmissionTicket(self, num_prompt_tokens, n)
 
     def _refusal(self, tokens: int, n: int) -> str | None:
@@ -67,6 +84,8 @@ class Admission:
     def _give_back(self, sequences: int, tokens: int) -> None:
         self.inflight -= sequences
         self.queued_tokens -= tokens
+        if self.inflight == 0:
+            self.idle.set()
 
 
 class AdmissionTicket:

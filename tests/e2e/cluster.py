@@ -134,6 +134,7 @@ class FaultSettings:
     # cluster without it first (the router notices a kill within a heartbeat timeout).
     restart_backoff_s: float = 5.0
     router_args: tuple[str, ...] = ()  # more router flags
+    metrics: bool = False  # /metrics on the router and every node (`--metrics-port 0`)
 
 
 class FaultCluster:
@@ -150,7 +151,8 @@ class FaultCluster:
             num_prefill, num_decode, node,
             router_args=("--heartbeat-timeout-s", str(settings.heartbeat_timeout_s), *settings.router_args),
             prefill_args=(*lease, "--debug-step-delay-s", str(settings.prefill_step_delay_s), *settings.prefill_args),
-            decode_args=(*lease, "--debug-step-delay-s", str(settings.decode_step_delay_s), *settings.decode_args))
+            decode_args=(*lease, "--debug-step-delay-s", str(settings.decode_step_delay_s), *settings.decode_args),
+            metrics=settings.metrics)
         flags += ["--restart-backoff-s", str(settings.restart_backoff_s),
                   "--restart-max-backoff-s", str(settings.restart_backoff_s), "--model", model_dir]
         self.settings = settings
@@ -185,6 +187,17 @@ class FaultCluster:
 
     def kill(self, name: str) -> None:
         self._killed[name] = self._process.kill(name, signal.SIGKILL)
+
+    def terminate(self, name: str) -> int:
+        """SIGTERM to the child's own process (a scale-down): it drains and exits 0, and stays gone."""
+        return self._process.terminate(name)
+
+    @property
+    def process(self) -> Cluster:
+        return self._process
+
+    def metrics_url(self, name: str) -> str:
+        return self._process.state.children[name].metrics_url
 
     def freeze(self, name: str) -> None:
         """SIGSTOP the node's process group: it holds its calls open and answers nothing."""

@@ -37,7 +37,7 @@ from pdserve.testing.waiting import wait_until
 PY = sys.executable
 SLEEPER = (PY, "-c", "import time; print('up', flush=True); time.sleep(60)")
 STUBBORN = (PY, "-c", "import signal, time; signal.signal(signal.SIGTERM, signal.SIG_IGN); "
-                      "print('up', flush=True); time.sleep(60)")
+                      "signal.signal(signal.SIGINT, signal.SIG_IGN); print('up', flush=True); time.sleep(60)")
 # Prints its grandchild's pid, then sleeps: the grandchild must die with it.
 PARENT = (PY, "-c", "import subprocess, sys, time; "
                     "p = subprocess.Popen([sys.executable, '-c', 'import time; time.sleep(60)']); "
@@ -124,7 +124,8 @@ def test_plan_starts_router_then_each_pool_with_its_own_flags():
     plan = build_plan(config, "/m", 50999, python="py", pick_port=lambda: next(ports))
     assert plan.router_addr == "127.0.0.1:50999"
     assert plan.router.argv == ("py", "-m", "pdserve", "router", "--host", "127.0.0.1",
-                                "--port", "50999", "--model", "/m", "--block-size", "8", "--http-port", "8000")
+                                "--port", "50999", "--model", "/m", "--block-size", "8", "--http-port", "8000",
+                                "--drain-timeout-s", "25")
     assert plan.http_url("127.0.0.1") == "http://127.0.0.1:8000/v1"
     # Each node gets its own port up front: it keeps its address when it is restarted.
     assert plan.addresses == {"prefill-0": "127.0.0.1:6001", "prefill-1": "127.0.0.1:6002",
@@ -135,7 +136,7 @@ def test_plan_starts_router_then_each_pool_with_its_own_flags():
     flags = dict(zip(prefill[4::2], prefill[5::2]))
     assert flags == {"--model": "/m", "--host": "127.0.0.1", "--port": "6001", "--router": "127.0.0.1:50999",
                      "--node-id": "prefill-0", "--kv-host": "127.0.0.1", "--kv-port": "0",
-                     "--dtype": "auto", "--block-size": "8", "--num-threads": "1",
+                     "--dtype": "auto", "--block-size": "8", "--drain-timeout-s": "25", "--num-threads": "1",
                      "--max-num-batched-tokens": "1024"}
     assert plan.nodes[2].argv[3] == "decode"
     assert plan.nodes[2].argv[-2:] == ("--max-num-seqs", "128")
@@ -147,7 +148,7 @@ def test_metrics_ports_for_the_router_and_every_node_when_asked():
     config = ClusterConfig(num_prefill=1, num_decode=2, metrics_port=9100)
     plan = build_plan(config, "/m", 50999, python="py", pick_port=lambda: next(ports))
     assert plan.metrics_ports == {"router": 9100, "prefill-0": 7001, "decode-0": 7002, "decode-1": 7003}
-    assert plan.router.argv[-2:] == ("--metrics-port", "9100")
+    assert plan.router.argv[-4:-2] == ("--metrics-port", "9100")
     decode_1 = dict(zip(plan.nodes[2].argv[4::2], plan.nodes[2].argv[5::2]))
     assert (decode_1["--port"], decode_1["--metrics-port"]) == ("7006", "7003")
     assert plan.metrics_urls("127.0.0.1")["decode-1"] == "http://127.0.0.1:7003/metrics"
@@ -199,7 +200,7 @@ def test_colocated_plan_starts_only_colocated_nodes_without_kv_listeners():
     assert argv[:4] == ("py", "-m", "pdserve", "colocated")
     assert _flags(argv) == {"--model": "/m", "--host": "127.0.0.1", "--port": "6001", "--router": "127.0.0.1:50999",
                             "--node-id": "colocated-1", "--dtype": "auto", "--block-size": "8",
-                            "--num-threads": "1", "--max-num-seqs": "32"}
+                            "--drain-timeout-s": "25", "--num-threads": "1", "--max-num-seqs": "32"}
     assert plan.router.cpus is None and all(n.cpus is None for n in plan.nodes)
 
 
@@ -296,11 +297,11 @@ def test_stop_all_ends_every_child_and_its_descendants(supervisor):
     assert "[a] up" in supervisor.console_text.getvalue()
 
 
-def test_a_child_that_ignores_sigterm_is_killed_after_the_grace_period(supervisor):
+def test_a_child_that_ignores_the_stop_signal_is_killed_after_the_grace_period(supervisor):
     supervisor.start(ChildSpec("stubborn", STUBBORN))
     _wait_for_line(supervisor, "stubborn", "up")
     supervisor.stop_all(grace_s=0.5)
-    # It ignored SIGTERM, so what ended it is the SIGKILL after the grace period.
+    # It ignored SIGINT (and SIGTERM), so what ended it is the SIGKILL after the grace period.
     assert supervisor.returncode("stubborn") == -signal.SIGKILL
     assert not _alive(supervisor.pids["stubborn"])
 
@@ -519,3 +520,59 @@ def test_healthcheck_names_an_unreachable_router():
     verdict = check(f"127.0.0.1:{_free_port()}", "router", HealthcheckConfig(timeout_s=0.5))
     assert not verdict.healthy and not verdict.reachable
     assert "UNAVAILABLE" in verdict.reason or "DEADLINE_EXCEEDED" in verdict.reason
+
+
+# ---- drains: SIGTERM, what Kubernetes sends ----------------------------------------------
+
+def _drainer(log: Path, name: str) -> tuple[str, ...]:
+    """A child that, on SIGTERM, notes its name in `log` and exits 0 (a drained server)."""
+    code = ("import signal, sys, time\n"
+            "def term(*_):\n"
+            f"    open({str(log)!r}, 'a').write({name!r} + '\\n'); sys.exit(0)\n"
+            "signal.signal(signal.SIGTERM, term)\n"
+            "print('up', flush=True)\n"
+            "time.sleep(60)\n")
+    return (PY, "-c", code)
+
+
+def test_a_node_that_drains_and_exits_0_leaves_while_the_cluster_serves_on(supervisor):
+    out, stop = io.StringIO(), threading.Event()
+    leaver = (PY, "-c", "import time, sys; time.sleep(0.5); sys.exit(0)")
+    plan = _plan([ChildSpec("prefill-0", SLEEPER), ChildSpec("decode-0", leaver), ChildSpec("decode-1", SLEEPER)])
+    watcher = _stop_when(out, "decode-0 drained and left", stop)
+    assert run_cluster(FAST, plan, supervisor, lambda: Verdict(True, "ok"), stop, out) == 0
+    watcher.join()
+    text = out.getvalue()
+    assert "pdserve cluster: decode-0 drained and left the cluster; serving on without it" in text
+    assert "failed" not in text and "started again" not in text
+
+
+def test_a_sigterm_drains_the_router_first_then_every_node_and_exits_0(supervisor, tmp_path):
+    out, stop, log = io.StringIO(), threading.Event(), tmp_path / "terms"
+    plan = _plan([ChildSpec("prefill-0", _drainer(log, "prefill-0")), ChildSpec("decode-0", _drainer(log, "decode-0"))],
+                 router=_drainer(log, "router"))
+    def sigterm_once_up() -> None:  # what main()'s handler does on SIGTERM: `stop`, and drain_asked() says so
+        try:
+            wait_until(lambda: "ready at" in out.getvalue(), "the cluster is ready", 30.0)
+            for name in ("router", "prefill-0", "decode-0"):
+                _wait_for_line(supervisor, name, "up")  # its SIGTERM handler is in place
+        finally:
+            stop.set()
+
+    watcher = threading.Thread(target=sigterm_once_up, daemon=True)
+    watcher.start()
+    assert run_cluster(FAST, plan, supervisor, lambda: Verdict(True, "ok"), stop, out, drain_asked=lambda: True) == 0
+    watcher.join()
+    lines = log.read_text().split()
+    assert lines[0] == "router" and sorted(lines[1:]) == ["decode-0", "prefill-0"]
+    assert all(supervisor.returncode(name) == 0 for name in ("router", "prefill-0", "decode-0"))
+    assert "pdserve cluster: draining" in out.getvalue()
+
+
+def test_a_router_that_drained_stops_the_cluster_draining_its_nodes(supervisor, tmp_path):
+    out, log = io.StringIO(), tmp_path / "terms"
+    router = (PY, "-c", "import time, sys; time.sleep(0.5); sys.exit(0)")
+    plan = _plan([ChildSpec("decode-0", _drainer(log, "decode-0"))], router=router)
+    assert run_cluster(FAST, plan, supervisor, lambda: Verdict(True, "ok"), threading.Event(), out) == 0
+    assert "the router drained and stopped; draining the nodes and stopping the cluster" in out.getvalue()
+    assert log.read_text().split() == ["decode-0"] and supervisor.returncode("decode-0") == 0

@@ -178,3 +178,47 @@ def test_a_probe_marks_only_a_node_that_does_not_answer(registry, monkeypatch, a
     monkeypatch.setitem(registry_module._STUBS, NodeKind.PREFILL, lambda channel: AnsweringStub(alive))
     assert asyncio.run(registry.probe(entry, timeout_s=1.0)) is alive
     assert ids(registry.live(NodeKind.PREFILL)) == (["p0"] if alive else [])
+
+
+# ---- draining: a node that got SIGTERM leaves placement, finishes, then deregisters ----
+
+def test_a_draining_node_is_not_live_but_stays_known_while_it_heartbeats(registry, clock):
+    entry = registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
+    registry.register(NodeKind.DECODE, "127.0.0.1:7002", "d1")
+    assert registry.heartbeat("d0", stats(free=5), draining=True)
+    assert ids(registry.live(NodeKind.DECODE)) == ["d1"]
+    assert ids(registry.draining(NodeKind.DECODE)) == ["d0"]
+    # Not gone: the calls it holds run to their end on it.
+    assert registry.get("d0") is entry and not entry.gone.is_set()
+    for _ in range(3):  # its heartbeats keep it known past the timeout, and never live again
+        clock.now += TIMEOUT_S * 0.9
+        assert registry.heartbeat("d0", stats(free=5)) and registry.heartbeat("d1", stats(free=5))
+    assert registry.expire() == []
+    assert ids(registry.live(NodeKind.DECODE)) == ["d1"] and entry.draining
+    assert entry.stats.used_blocks == 45  # its stats still land
+
+
+def test_a_node_that_deregisters_is_forgotten_and_its_calls_move_on(registry, channels):
+    async def scenario():
+        entry = registry.register(NodeKind.PREFILL, "127.0.0.1:7002", "p0")
+        registry.channel(entry)
+        registry.heartbeat("p0", stats(free=1), draining=True)
+        assert registry.deregister("p0") is True
+        assert registry.get("p0") is None and registry.draining(NodeKind.PREFILL) == []
+        # A call still open on it (a drain that ran out of time) sees it gone, and why.
+        assert entry.gone.is_set() and entry.gone_reason == "127.0.0.1:7002 left the cluster (drained)"
+        assert registry.deregister("p0") is False  # twice: not known any more
+        assert registry.heartbeat("p0", stats(free=1)) is False  # a late heartbeat: register again
+        await asyncio.sleep(0)
+        await registry.close()
+
+    asyncio.run(scenario())
+    assert channels.made[0].closed_with == 3.0
+
+
+def test_a_node_started_again_after_a_drain_registers_afresh_and_is_live(registry):
+    registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
+    registry.heartbeat("d0", stats(free=1), draining=True)
+    registry.deregister("d0")
+    entry = registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
+    assert not entry.draining and ids(registry.live(NodeKind.DECODE)) == ["d0"]

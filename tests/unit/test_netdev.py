@@ -1,0 +1,18 @@
+"""UCX kept to the interface that holds the KV host (its TCP listeners bind that address only)."""
+
+from __future__ import annotations
+
+from pdserve.kv_transfer.netdev import interface_of, net_devices
+
+
+def test_the_loopback_address_is_on_lo_and_unknown_addresses_on_none():
+    assert interface_of("127.0.0.1") == "lo"
+    assert interface_of("0.0.0.0") is None  # a wildcard: UCX keeps every interface
+    assert interface_of("203.0.113.77") is None  # no interface here holds it
+    assert interface_of("no-such-host.invalid") is None
+
+
+def test_the_users_ucx_net_devices_wins():
+    assert net_devices("127.0.0.1", {}) == {"NET_DEVICES": "lo"}
+    assert net_devices("127.0.0.1", {"UCX_NET_DEVICES": "eth1"}) == {}
+    assert net_devices("203.0.113.77", {}) == {}
