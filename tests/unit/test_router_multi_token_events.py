@@ -7,6 +7,7 @@ fake prefill and decode nodes (pdserve.testing)."""
 
 from __future__ import annotations
 
+import importlib
 import json
 
 import aiohttp
@@ -162,3 +163,13 @@ def test_http_relays_multi_token_events_exactly_streamed_and_not(router_model, s
     if stream:  # token 1's chunk, then one chunk per event
         assert (len(one[3]), len(finishes)) == (len(ids), 1 + len(events_of(ids, 3)))
     assert (one[0], one[1], one[2]) == (text, tokens, token_logprobs)
+
+
+@pytest.mark.parametrize("main", ["pdserve.testing.serve_fakes", "pdserve.bench.http_front"])
+def test_tokens_per_event_below_one_is_refused_naming_the_flag(main, capsys):
+    module = importlib.import_module(main)
+    with pytest.raises(SystemExit) as exit_:
+        module.main(["--router", "127.0.0.1:1", "--model", "m", "--tokens-per-event", "0"]
+                    if main.endswith("serve_fakes") else ["--tokens-per-event", "1", "0"])
+    assert exit_.value.code == 2
+    assert "--tokens-per-event" in capsys.readouterr().err
