@@ -10,7 +10,8 @@ the prefill has "pushed the KV". `--tokens-per-event` 1 (the default) is a node 
 up: one token per event, as a real one sends while it sends each step's tokens before the next
 step's come. K > 1 is a front K tokens behind: a real one joins the tokens waiting in a request's
 inbox into one event (node/front/inbox.py), so each event carries K (the last one what is left).
-The tokens cycle through a fixed sentence's ids, so the router detokenizes real text. Their pools never fill: the router is the bottleneck.
+The tokens cycle through a fixed sentence's ids, so the router detokenizes real text. Their pools
+never fill: the router is the bottleneck.
 Prints `ready` once both nodes are registered; runs until SIGTERM or SIGINT.
 
 Must never: make the router wait on anything but the router's own work.

@@ -62,7 +62,8 @@ class Orchestrator:
         self._disaggregated = DisaggregatedRoute(state.decode_placement, state.prefill_placement,
                                                  config.ready_timeout_s, config.prefill_timeout_s)
 
-    def generate(self, request: ValidatedRequest, timeout_s: float | None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+    def generate(self, request: ValidatedRequest,
+                 timeout_s: float | None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """Every sample's responses, as they come (the merged stream itself: no layer per response);
         raises the first sample's `RouterError`, a refusal of the route at once."""
         route = self.choose_route(len(request.prompt_token_ids), beam_search=request.beam is not None)
