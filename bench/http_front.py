@@ -2,6 +2,7 @@
 
     python -m pdserve.bench.http_front [--rounds 3] [--requests 8] [--tokens 32]
                                        [--cost-requests 200] [--cost-tokens 64] [--concurrency 8]
+                                       [--tokens-per-event K ...]
 
 1. latency: a local 1P1D cluster of the demo-shaped model (`pdserve cluster`, both APIs on one
    router). `--rounds` times, the same seeded requests go through gRPC and then through HTTP
@@ -12,7 +13,10 @@
    (testing/serve_fakes.py), so the router is all the work there is. `--concurrency` closed-loop
    streams of `--cost-tokens` tokens each, first over gRPC, then over HTTP; the router process's
    CPU time (/proc) over the tokens streamed is the cost of one token through each API. The goal
-   is at most 100 µs per token through HTTP.
+   is at most 100 µs per token through HTTP. The fake decode node sends one token per event
+   (`--tokens-per-event 1`, the default: a node front that keeps up), or K per event for each K
+   given (a front K tokens behind, which joins what waits: node/front/inbox.py); each K's
+   figures are printed under its own label, the one-token figure first.
 Prints the CPU capability it ran on; absolute numbers depend on this shared, noisy machine,
 the differences and ratios between the two APIs of one run are what to read.
 """
@@ -97,9 +101,9 @@ def start_router(model_dir: Path) -> Router:
     return Router(process, grpc_address, http_url)
 
 
-def start_fake_nodes(router: Router, model_dir: Path) -> subprocess.Popen:
+def start_fake_nodes(router: Router, model_dir: Path, tokens_per_event: int = 1) -> subprocess.Popen:
     argv = [sys.executable, "-m", "pdserve.testing.serve_fakes", "--router", router.grpc_address,
-            "--model", str(model_dir)]
+            "--model", str(model_dir), "--tokens-per-event", str(tokens_per_event)]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     if process.stdout.readline().strip() != "ready":
         raise RuntimeError("the fake nodes did not start")
@@ -130,15 +134,16 @@ async def grpc_streams(address: str, requests: int, tokens: int, concurrency: in
 
 
 async def http_streams(base_url: str, requests: int, tokens: int, concurrency: int) -> int:
+    # The final usage counts the tokens: a chunk carries every token of its node event.
     body = {"prompt": list(range(1, PROMPT_LEN + 1)), "max_tokens": tokens, "temperature": 0.0,
-            "ignore_eos": True, "stream": True}
+            "ignore_eos": True, "stream": True, "stream_options": {"include_usage": True}}
     async with aiohttp.ClientSession(connector=aiohttp.TCPConnector(limit=0)) as http:
         async def one() -> int:
             count = 0
             async with http.post(f"{base_url}/completions", json=body) as response:
                 async for line in response.content:
                     if line.startswith(b"data: {"):
-                        count += bool(json.loads(line[6:])["choices"])
+                        count += (json.loads(line[6:]).get("usage") or {}).get("completion_tokens", 0)
             return count
         return await _closed_loop(one, requests, concurrency)
 
@@ -151,10 +156,10 @@ async def _closed_loop(one, requests: int, concurrency: int) -> int:
     return sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
 
 
-def measure_router_cost(args: argparse.Namespace) -> dict:
+def measure_router_cost(args: argparse.Namespace, tokens_per_event: int) -> dict:
     model_dir = ensure_model("llama", "small", "float32")
     router = start_router(model_dir)
-    nodes = start_fake_nodes(router, model_dir)
+    nodes = start_fake_nodes(router, model_dir, tokens_per_event)
     result = {}
     try:
         drives = {"grpc": lambda n: grpc_streams(router.grpc_address, n, args.cost_tokens, args.concurrency),
@@ -182,15 +187,24 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-requests", type=int, default=200, help="router cost: requests per API")
     p.add_argument("--cost-tokens", type=int, default=64, help="router cost: tokens per request")
     p.add_argument("--concurrency", type=int, default=8, help="router cost: streams at once")
+    p.add_argument("--tokens-per-event", type=int, nargs="+", default=[1], metavar="K",
+                   help="router cost: tokens per fake decode event, one run per K (1: a node front that keeps up)")
     p.add_argument("--skip-latency", action="store_true", help="only the router cost (no model runs)")
     args = p.parse_args(argv)
+    if min(args.tokens_per_event) < 1:
+        p.error(f"--tokens-per-event: every K must be at least 1, got {args.tokens_per_event}")
     print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}", flush=True)
-    cost = measure_router_cost(args)
-    for api in ("grpc", "http"):
-        print(f"router cost {api:4}: {cost[api]['router_cpu_us_per_token']:6.1f} µs CPU/token "
-              f"({cost[api]['tokens']} tokens, {cost[api]['tokens_per_s']:.0f} tokens/s)")
-    print(f"router cost http/grpc: {cost['http_over_grpc_cpu']:.2f}x", flush=True)
-    result = {"router_cost": cost}
+    result: dict = {"router_cost_by_tokens_per_event": {}}
+    for k in sorted(set(args.tokens_per_event)):
+        cost = measure_router_cost(args, k)
+        label = "1 token per node event" if k == 1 else f"{k} tokens per node event, a node front {k} behind"
+        for api in ("grpc", "http"):
+            print(f"router cost {api:4} ({label}): {cost[api]['router_cpu_us_per_token']:6.1f} µs CPU/token "
+                  f"({cost[api]['tokens']} tokens, {cost[api]['tokens_per_s']:.0f} tokens/s)")
+        print(f"router cost http/grpc ({label}): {cost['http_over_grpc_cpu']:.2f}x", flush=True)
+        result["router_cost_by_tokens_per_event"][k] = cost
+        if k == 1:
+            result["router_cost"] = cost
     if not args.skip_latency:
         latency = measure_latency(args)
         for api in ("grpc", "http"):

@@ -58,6 +58,18 @@ class SequenceStream:
         self, token_id: int, logprobs: TokenLogprobs | None, finish_reason: FinishReason | None
     ) -> CompletionDelta:
         """Consume one token, wherever it was sampled (a local core or a remote node)."""
+        text = self.push_text(token_id, finish_reason)
+        return CompletionDelta(
+            self.req_id,
+            text,
+            [token_id],
+            [logprobs] if logprobs is not None else [],
+            self.finish_reason,
+            self.stop_reason,
+        )
+
+    def push_text(self, token_id: int, finish_reason: FinishReason | None) -> str:
+        """`push_token`'s text alone (the router relays a node's tokens and needs no delta object per token)."""
         before = len(self.text)
         self.text += self.detokenizer.push(token_id)
         if finish_reason is not None:
@@ -66,14 +78,7 @@ class SequenceStream:
         if finish_reason is FinishReason.STOP and token_id in self.params.stop_token_ids:
             self.stop_reason = token_id
         self._check_stop_strings(before)
-        return CompletionDelta(
-            self.req_id,
-            self._take_text(),
-            [token_id],
-            [logprobs] if logprobs is not None else [],
-            self.finish_reason,
-            self.stop_reason,
-        )
+        return self._take_text()
 
     def finish(self, finish_reason: FinishReason) -> CompletionDelta:
         """End the sequence without a new token (the sampler's node ended it after the last one)."""

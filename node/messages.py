@@ -183,6 +183,14 @@ class Tokens:
     stop_token_id: int | None = None
     prompt_logprobs: PromptLogprobs | None = None  # a colocated node's first event, when asked
 
+    @classmethod
+    def joined(cls, parts: list[Tokens]) -> Tokens:
+        """One request's consecutive messages as one: their tokens and logprobs in order, the
+        first one's prompt logprobs, the last one's end (only the last may carry one)."""
+        last = parts[-1]
+        return cls(last.req_id, [t for p in parts for t in p.token_ids], [lp for p in parts for lp in p.logprobs],
+                   last.finish_reason, last.stop_token_id, parts[0].prompt_logprobs)
+
 
 @dataclass(slots=True)
 class BeamsDone:

@@ -36,7 +36,7 @@ class PrefillServicer(NodeServicer):
         try:
             submit = _submit(request)
             await self.layouts.ensure(request.decode_address, submit.kv_layout_id)
-            queue = self.client.open_stream(submit.req_id)
+            inbox = self.client.open_stream(submit.req_id)
         except NodeError as exc:
             await abort_rpc(context, exc)
         answered = False
@@ -47,7 +47,7 @@ class PrefillServicer(NodeServicer):
                 answered = True
                 await abort_rpc(context, exc)
             self.client.send(submit)
-            reply = await queue.get()
+            reply = await inbox.get()
             answered = True
             if isinstance(reply, RequestFailed):
                 await abort_rpc(context, NodeError(reply.code, reply.message))

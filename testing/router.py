@@ -34,11 +34,18 @@ def run(coro):
 @contextlib.asynccontextmanager
 async def running_router(model: tuple[str, RouterModel], **overrides) -> AsyncIterator[str]:
     """The real router server on an OS-picked port; yields its address. `model`: (folder, its loaded model)."""
+    async with running_router_server(model, **overrides) as server:
+        yield f"127.0.0.1:{server.port}"
+
+
+@contextlib.asynccontextmanager
+async def running_router_server(model: tuple[str, RouterModel], **overrides) -> AsyncIterator[RouterServer]:
+    """As `running_router`, yielding the started server (its `port`, and its `http_port` with `http_port=0`)."""
     path, loaded = model
     server = RouterServer(RouterConfig(model=path, port=0, **overrides), loaded)
     await server.start()
     try:
-        yield f"127.0.0.1:{server.port}"
+        yield server
     finally:
         await server.stop(0)
 

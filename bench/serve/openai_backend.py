@@ -4,9 +4,10 @@ Each request is greedy with exactly `output_len` tokens (`max_tokens` and `ignor
 extension vLLM, SGLang and pdserve accept), its prompt the workload's token ids (or text), and
 `stream_options.include_usage` so the server's own counts close the stream.
 
-Token counts: a server-sent chunk carries one token's text on pdserve, vLLM and SGLang, so each
-chunk with a choice counts one token; when the final usage says more tokens than chunks came
-(a server that sent several in one chunk), the rest are counted on the last chunk. The model's
+Token counts: a server-sent chunk carries one token's text on pdserve, vLLM and SGLang unless
+the server fell behind (then it joins what waited), so each chunk with a choice counts one token;
+when the final usage says more tokens than chunks came (a server that sent several in one
+chunk), the rest are counted on the last chunk. The model's
 limits come from `GET /v1/models` (`max_model_len`, as vLLM and pdserve give it, and pdserve's
 `vocab_size`), or from `--max-model-len` / `--vocab-size` for a server that does not say them.
 Failures are recorded under the gRPC code name of their HTTP status (429 → RESOURCE_EXHAUSTED),

@@ -2,8 +2,8 @@
 
 Owns the core process (start, watch, stop), the two IPC sockets (a temp dir holds
 their paths), and the routing of core messages: each request's messages go to the
-asyncio queue its RPC opened with `open_stream`; stats replies resolve the future of
-their query. `send` never waits (the core drains its inbox every loop iteration), so an
+inbox its RPC opened with `open_stream` (inbox.py: `Tokens` that wait there leave as one);
+stats replies resolve the future of their query. `send` never waits (the core drains its inbox every loop iteration), so an
 RPC's `finally` can send an `Abort` even while it is being cancelled.
 
 Every snapshot the core sends (pushed unasked, or a reply) becomes `latest_stats()`:
@@ -36,6 +36,7 @@ from pdserve.node.config import NodeConfig
 from pdserve.node.core.spawn import CoreAddresses, start_core
 from pdserve.node.core.core_part import CorePart
 from pdserve.node.errors import ErrorCode, NodeError
+from pdserve.node.front.inbox import StreamInbox
 from pdserve.node.messages import (Abort, BeamsDone, CoreFailed, CoreStarted, FirstToken, Message, Ready, RequestFailed,
                                    Shutdown, StatsData, StatsPush, StatsQuery, StatsReply, Tokens, decode, encode)
 
@@ -57,7 +58,7 @@ class CoreClient:
         self._out.setsockopt(zmq.SNDHWM, 0)
         self._in = self._async_ctx.socket(zmq.PULL)
         self._process: BaseProcess | None = None
-        self._streams: dict[str, asyncio.Queue[Message]] = {}
+        self._streams: dict[str, StreamInbox] = {}
         self._stats: dict[int, asyncio.Future[StatsData]] = {}
         self._latest_stats: StatsData | None = None
         self._query_ids = itertools.count()
@@ -92,14 +93,13 @@ class CoreClient:
         raise NodeError(ErrorCode.INTERNAL, f"engine core did not start in {self.config.core_start_timeout_s}s")
 
     # -- requests ----------------------------------------------------------------------
-    def open_stream(self, req_id: str) -> asyncio.Queue[Message]:
+    def open_stream(self, req_id: str) -> StreamInbox:
         if self.dead.is_set():
             raise NodeError(ErrorCode.UNAVAILABLE, "the engine core of this node is down")
         if req_id in self._streams:
             raise NodeError(ErrorCode.INVALID_ARGUMENT, f"request_id {req_id!r} is already in flight here")
-        queue: asyncio.Queue[Message] = asyncio.Queue()
-        self._streams[req_id] = queue
-        return queue
+        inbox = self._streams[req_id] = StreamInbox()
+        return inbox
 
     def close_stream(self, req_id: str) -> None:
         self._streams.pop(req_id, None)
@@ -172,9 +172,9 @@ class CoreClient:
                 self._die(f"engine core failed: {msg.message}")
                 return
             elif isinstance(msg, (Ready, FirstToken, Tokens, BeamsDone, RequestFailed)):
-                queue = self._streams.get(msg.req_id)
-                if queue is not None:  # None: the RPC has already gone away
-                    queue.put_nowait(msg)
+                inbox = self._streams.get(msg.req_id)
+                if inbox is not None:  # None: the RPC has already gone away
+                    inbox.put(msg)
             else:
                 logger.warning("unexpected %s from the engine core", type(msg).__name__)
 
@@ -188,8 +188,8 @@ class CoreClient:
             return
         logger.error("%s", reason)
         self.dead.set()
-        for req_id, queue in self._streams.items():
-            queue.put_nowait(RequestFailed(req_id, ErrorCode.INTERNAL, reason))
+        for req_id, inbox in self._streams.items():
+            inbox.put(RequestFailed(req_id, ErrorCode.INTERNAL, reason))
         for future in self._stats.values():
             if not future.done():
                 future.set_exception(NodeError(ErrorCode.UNAVAILABLE, reason))

@@ -9,7 +9,8 @@ KV to receive and streams token 1 too). A request's life through it:
 
     SampleRequest ─▶ checked (request_id, sampling params: INVALID_ARGUMENT) ─▶ StreamSubmit ─▶ core
     core ─Ready─▶ ready event (block ids, the layout's id);  ─Tokens─▶ tokens event (the last with
-        finish_reason ends the call)
+        finish_reason ends the call; the Tokens that wait in the request's inbox while the front
+        sends go out as one event: node/front/inbox.py)
     core ─BeamsDone─▶ beams event (a beam search: its one event ends the call)
     core ─RequestFailed─▶ the call fails with its code
     the call ends early (cancel, deadline, client gone) ─▶ Abort ─▶ core
@@ -121,14 +122,14 @@ async def _stream_events(client: CoreClient, context: grpc.aio.ServicerContext,
     token (cancel, deadline, a client gone) aborts the request in the core.
     """
     try:
-        queue = client.open_stream(submit.req_id)
+        inbox = client.open_stream(submit.req_id)
     except NodeError as exc:
         await abort_rpc(context, exc)
     ended = False
     try:
         client.send(submit)
         while not ended:
-            msg = await queue.get()
+            msg = await inbox.get()
             if isinstance(msg, RequestFailed):
                 ended = True
                 await abort_rpc(context, NodeError(msg.code, msg.message))

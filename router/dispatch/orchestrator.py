@@ -62,10 +62,10 @@ class Orchestrator:
         self._disaggregated = DisaggregatedRoute(state.decode_placement, state.prefill_placement,
                                                  config.ready_timeout_s, config.prefill_timeout_s)
 
-    async def generate(
-        self, request: ValidatedRequest, timeout_s: float | None
-    ) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
-        """Every sample's responses, as they come; raises the first sample's `RouterError`."""
+    def generate(self, request: ValidatedRequest,
+                 timeout_s: float | None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
+        """Every sample's responses, as they come (the merged stream itself: no layer per response);
+        raises the first sample's `RouterError`, a refusal of the route at once."""
         route = self.choose_route(len(request.prompt_token_ids), beam_search=request.beam is not None)
         received_at = self.state.clock()
         deadline = received_at + timeout_s if timeout_s is not None else None
@@ -76,8 +76,7 @@ class Orchestrator:
         else:
             specs = [SampleSpec(request, index, f"{request.request_id}-{index}-{self._router_id}{sequence}",
                                 received_at, deadline) for index in range(request.params.n)]
-        async for response in merged([partial(self._run_sample, route, spec) for spec in specs]):
-            yield response
+        return merged([partial(self._run_sample, route, spec) for spec in specs])
 
     def choose_route(self, prompt_tokens: int, beam_search: bool = False) -> Route:
         """Colocated nodes when any is live, else the disaggregated pools; refuse at once

@@ -24,6 +24,7 @@ from dataclasses import dataclass
 
 from pdserve.engine.detokenizer import IncrementalDetokenizer
 from pdserve.engine.output_processor import SequenceStream
+from pdserve.engine.request import FinishReason
 from pdserve.engine.stop_rules import token_finish_reason
 from pdserve.proto import node_pb2, pdserve_pb2
 from pdserve.proto.convert import finish_reason_from_proto, finish_reason_to_proto
@@ -94,8 +95,8 @@ class TokenRelay:
         total_len = len(request.prompt_token_ids) + num_generated
         reason = token_finish_reason(token, num_generated, total_len, request.params,
                                      self._model.eos_token_ids, self._model.max_model_len)
-        delta = self._stream.push_token(token, None, reason)
-        self._respond([token], delta.text, [logprobs] if logprobs is not None else [], prompt_logprobs)
+        text = self._stream.push_text(token, reason)
+        self._respond([token], text, [logprobs] if logprobs is not None else [], prompt_logprobs)
         return self.finished
 
     def push_decoded(self, tokens: node_pb2.DecodeTokens) -> bool:
@@ -104,19 +105,28 @@ class TokenRelay:
         node_reason = finish_reason_from_proto(tokens.finish_reason)
         stream = self._stream
         token_ids = tokens.token_ids
-        last = len(token_ids) - 1
-        ids: list[int] = []
-        text = ""
-        for i, token in enumerate(token_ids):
-            text += stream.push_token(token, None, node_reason if i == last else None).text
-            ids.append(token)
-            if stream.finish_reason is not None:
-                break
-        if last < 0 and node_reason is not None:
+        count = len(token_ids)
+        if count == 1:  # one token: the event as a node front that keeps up sends it
+            token = token_ids[0]
+            ids, text = [token], stream.push_text(token, node_reason)
+        else:
+            ids, text = self._push_several(list(token_ids), node_reason)
+        if not count and node_reason is not None:
             text += stream.finish(node_reason).text
         logprobs = list(tokens.logprobs[: len(ids)]) if self._wants_logprobs else []
         self._respond(ids, text, logprobs, tokens.prompt_logprobs)
         return node_reason is not None and not stream.hit_stop_string
+
+    def _push_several(self, token_ids: list[int], node_reason: FinishReason | None) -> tuple[list[int], str]:
+        """An event's tokens one by one (the node's finish reason with its last), up to the one
+        that ends the sample here (a stop string): the tokens relayed and their text."""
+        stream, last = self._stream, len(token_ids) - 1
+        text = ""
+        for i, token in enumerate(token_ids):
+            text += stream.push_text(token, node_reason if i == last else None)
+            if stream.finish_reason is not None:
+                return token_ids[: i + 1], text
+        return token_ids, text
 
     # -- responses ----------------------------------------------------------------------
 

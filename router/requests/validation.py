@@ -198,6 +198,8 @@ class RequestValidator:
         room = self._model.max_model_len - num_prompt_tokens
         if "max_tokens" not in kwargs:  # the default never overflows the model or the pools
             kwargs["max_tokens"] = min(DEFAULT_MAX_TOKENS, room, _pool_room(capacity, num_prompt_tokens))
+        if kwargs.get("seed") is None:  # drawn before the params are built: they are built (and checked) once
+            kwargs["seed"] = self._draw_seed()
         try:
             params = SamplingParams(**kwargs)
         except ValueError as exc:
@@ -210,8 +212,6 @@ class RequestValidator:
             )
         if params.n > self._max_n:
             raise InvalidRequest("n", f"n must be <= {self._max_n}, got {params.n}")
-        if params.seed is None:
-            params = dataclasses.replace(params, seed=self._draw_seed())
         return params
 
 
