@@ -10,10 +10,13 @@ from __future__ import annotations
 
 import enum
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
-from pdserve.engine.grammar import RequestGrammar
 from pdserve.engine.prompt_logprobs import PromptLogprobs
 from pdserve.engine.sampling_params import SamplingParams
+
+if TYPE_CHECKING:  # torch: the router and the node fronts read requests' enums without it
+    from pdserve.engine.grammar import RequestGrammar
 
 
 class RequestStatus(enum.Enum):
