@@ -43,15 +43,15 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from pdserve.cluster_config import ClusterConfig, ClusterError, config_from_args
 from pdserve.cluster_load_mode import LoadWatcher, build_rebalancer, scrape_url
-from pdserve.cluster_plan import ClusterPlan, NodeSite, build_plan, check_cores, node_spec, resolve_port, spec_port
+from pdserve.cluster_plan import ClusterPlan, NodeSite, build_plan, check_cores, node_spec, resolve_port
 from pdserve.cluster_state import ChildState, ClusterState, write_state
-from pdserve.cluster_supervisor import ChildExited, ClusterSupervisor
+from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor
 from pdserve.common.auth import token_from_cli
 from pdserve.common.lifecycle import PARENT_CHECK_S, ExitStatus, status_after, supervisor_of
 from pdserve.common.ports import Listen, PortUnavailable, check_free
@@ -207,25 +207,11 @@ class _Keeper:
         """Retire a node of the move's source pool; once it is gone, start one of the target pool
         on its cores (a new name and port: the router sees a node leave and another join)."""
         for spec, code in self._supervisor.retired():
-            move, _ = self._moving
-            taken = {s.name for s in self._plan.nodes}
-            name = next(f"{move.target}-{i}" for i in itertools.count() if f"{move.target}-{i}" not in taken)
-            metrics = {name: resolve_port(self._config.host, 0)} if self._plan.metrics_ports else {}
-            joined = node_spec(self._config, NodeSite(self._plan.model_dir, self._plan.router_addr), move.target,
-                               name, spec.cpus, resolve_port(self._config.host, 0), metrics.get(name))
-            self._supervisor.start(joined)
-            addresses = {n: a for n, a in self._plan.addresses.items() if n != spec.name}
-            self._plan = replace(
-                self._plan, nodes=tuple(s for s in self._plan.nodes if s.name != spec.name) + (joined,),
-                addresses={**addresses, name: f"{self._config.host}:{spec_port(joined)}"},
-                metrics_ports={**{n: p for n, p in self._plan.metrics_ports.items() if n != spec.name}, **metrics})
-            self._moving = None
-            self._watcher.moved()
-            self._say(f"load mode: {spec.name} left (exit code {code}); {name} started on its cores: "
-                      f"now {self.split().describe()}")
-            self._write_state()
-        if self._moving is not None:
-            return
+            self._replace(spec, code)
+        if self._moving is None:
+            self._start_move()
+
+    def _start_move(self) -> None:
         try:
             move, split = self._watcher.moves.get_nowait()
         except queue.Empty:
@@ -236,6 +222,21 @@ class _Keeper:
         self._say(f"load mode: {move.describe(split)}; {leaving} drains and leaves")
         self._supervisor.retire(leaving, self._config.rebalance.retire_grace_s)
         self._moving = (move, leaving)
+
+    def _replace(self, left: ChildSpec, code: int) -> None:
+        move, _ = self._moving
+        taken = {s.name for s in self._plan.nodes}
+        name = next(f"{move.target}-{i}" for i in itertools.count() if f"{move.target}-{i}" not in taken)
+        metrics_port = resolve_port(self._config.host, 0) if self._plan.metrics_ports else None
+        joined = node_spec(self._config, NodeSite(self._plan.model_dir, self._plan.router_addr), move.target, name,
+                           left.cpus, resolve_port(self._config.host, 0), metrics_port)
+        self._supervisor.start(joined)
+        self._plan = self._plan.with_node_replaced(left.name, joined, self._config.host, metrics_port)
+        self._moving = None
+        self._watcher.moved()
+        self._say(f"load mode: {left.name} left (exit code {code}); {name} started on its cores: "
+                  f"now {self.split().describe()}")
+        self._write_state()
 
     def _give_up(self, exited: ChildExited, message: str) -> None:
         self._say(f"giving up on {exited.name}: {message}; serving on without it")

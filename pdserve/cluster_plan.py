@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.cluster_config import THREADS_FLAGS, ClusterConfig, ClusterError
 from pdserve.cluster_supervisor import ChildSpec
@@ -37,6 +37,15 @@ class ClusterPlan:
 
     def metrics_urls(self, host: str) -> dict[str, str]:
         return {name: f"http://{host}:{port}/metrics" for name, port in self.metrics_ports.items()}
+
+    def with_node_replaced(self, leaving: str, joined: ChildSpec, host: str, metrics_port: int | None) -> ClusterPlan:
+        """This plan with node `leaving` gone and `joined` started (the load mode's move)."""
+        addresses = {n: a for n, a in self.addresses.items() if n != leaving}
+        metrics = {n: p for n, p in self.metrics_ports.items() if n != leaving}
+        if metrics_port is not None:
+            metrics[joined.name] = metrics_port
+        return replace(self, nodes=tuple(s for s in self.nodes if s.name != leaving) + (joined,),
+                       addresses={**addresses, joined.name: f"{host}:{spec_port(joined)}"}, metrics_ports=metrics)
 
 
 def build_plan(config: ClusterConfig, model_dir: str, router_port: int, python: str = sys.executable,

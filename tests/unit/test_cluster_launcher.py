@@ -29,6 +29,7 @@ from pdserve.cluster import (
     resolve_port,
     run_cluster,
 )
+from pdserve.cluster_plan import NodeSite, node_spec
 from pdserve.cluster_state import read_state
 from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor, RestartPolicy
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
@@ -155,6 +156,22 @@ def test_metrics_ports_for_the_router_and_every_node_when_asked():
     assert "--metrics-port" not in build_plan(ClusterConfig(), "/m", 1, python="py").router.argv
     with pytest.raises(ValueError, match="--decode-args must not set --metrics-port"):
         ClusterConfig(decode_args=("--metrics-port", "1"))
+
+
+def test_a_node_moved_to_the_other_pool_takes_the_leaving_ones_cores_under_a_new_name_and_port():
+    ports = iter(range(7001, 7100))
+    config = ClusterConfig(num_prefill=1, num_decode=2, metrics_port=9100, decode_cores=(0, 1),
+                           prefill_args=("--max-num-seqs", "8"))
+    plan = build_plan(config, "/m", 50999, python="py", pick_port=lambda: next(ports), usable_cpus={0, 1})
+    leaving = plan.nodes[2]
+    joined = node_spec(config, NodeSite("/m", plan.router_addr, "py"), "prefill", "prefill-1", leaving.cpus, 7501,
+                       7502)
+    moved = plan.with_node_replaced("decode-1", joined, "127.0.0.1", 7502)
+    assert [n.name for n in moved.nodes] == ["prefill-0", "decode-0", "prefill-1"]
+    assert joined.cpus == leaving.cpus == (1,) and joined.argv[3] == "prefill"
+    assert joined.argv[-2:] == ("--max-num-seqs", "8")  # the prefill pool's own flags
+    assert moved.addresses["prefill-1"] == "127.0.0.1:7501" and "decode-1" not in moved.addresses
+    assert moved.metrics_ports == {"router": 9100, "prefill-0": 7001, "decode-0": 7002, "prefill-1": 7502}
 
 
 def test_pool_args_are_one_quoted_string_each():
