@@ -152,7 +152,9 @@ class _Keeper:
     def split(self) -> Split:
         from pdserve.planner.load_mode import Split
 
-        kinds = [spec.name.rsplit("-", 1)[0] for spec in self._plan.nodes]
+        # A node that drained and left on its own (SIGTERM from outside) is no longer in a pool.
+        kinds = [spec.name.rsplit("-", 1)[0] for spec in self._plan.nodes
+                 if self._supervisor.running(spec.name)]
         return Split(kinds.count("prefill"), kinds.count("decode"))
 
     def serve(self, stop: threading.Event) -> bool:
@@ -218,7 +220,8 @@ class _Keeper:
             return
         if split != self.split():
             return  # decided on a split that is no longer the cluster's
-        leaving = [s.name for s in self._plan.nodes if s.name.rsplit("-", 1)[0] == move.source][-1]
+        leaving = [s.name for s in self._plan.nodes if s.name.rsplit("-", 1)[0] == move.source
+                   and self._supervisor.running(s.name)][-1]
         self._say(f"load mode: {move.describe(split)}; {leaving} drains and leaves")
         self._supervisor.retire(leaving, self._config.rebalance.retire_grace_s)
         self._moving = (move, leaving)
