@@ -258,18 +258,19 @@ def test_cores_not_on_this_machine_are_refused_naming_the_flag():
 
 def test_the_ready_banner_names_the_colocated_nodes_and_the_pinning(supervisor):
     stop = threading.Event()
+    out = io.StringIO()
 
-    def probe() -> Verdict:
-        threading.Timer(0.2, stop.set).start()
-        return Verdict(True, "serving")
+    def stop_once_ready() -> None:  # the launcher serves until told to stop: once its banner is out
+        wait_until(lambda: "stop with Ctrl-C" in out.getvalue(), lambda: out.getvalue(), 20.0, interval_s=0.01)
+        stop.set()
 
     config = ClusterConfig(num_prefill=0, num_decode=0, num_colocated=2, colocated_cores=(0, 1), router_cores=(0,),
                            ready_timeout_s=20.0, stop_grace_s=2.0, poll_interval_s=0.05)
     plan = build_plan(config, "/m", 1, usable_cpus={0, 1})
     plan = ClusterPlan(ChildSpec("router", SLEEPER, cpus=(0,)),
                        tuple(ChildSpec(n.name, SLEEPER, cpus=n.cpus) for n in plan.nodes), "127.0.0.1:1")
-    out = io.StringIO()
-    assert run_cluster(config, plan, supervisor, probe, stop, out) == 0
+    threading.Thread(target=stop_once_ready, daemon=True).start()
+    assert run_cluster(config, plan, supervisor, lambda: Verdict(True, "serving"), stop, out) == 0
     assert "pdserve cluster ready at 127.0.0.1:1 (2 colocated)\n" in out.getvalue()
     assert "pinned: router on cpus 0, colocated-0 on cpus 0, colocated-1 on cpus 1\n" in out.getvalue()
 
