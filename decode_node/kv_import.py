@@ -10,7 +10,10 @@ states: reservations.py):
         blocks than this node has, or the queue bounds — reservations waiting for their
         KV plus preempted requests — are full)
     done message (transport.poll_done) ─▶ admit with token 1 (or end at once if token 1
-        already stops it: Tokens{[], finish_reason}); an aborted one ─▶ RequestFailed(UNAVAILABLE)
+        already stops it: Tokens{[], finish_reason}); an aborted one ─▶ RequestFailed(UNAVAILABLE);
+        the transport's integrity refusal (a push's bytes did not match its sender's checksums,
+        kv_transfer/integrity.py) ─▶ freed at once, RequestFailed(UNAVAILABLE): the router resumes
+        the sample elsewhere; never admitted
     then the node core streams it like any request, Tokens for tokens 2..n
     Abort ─▶ free a reservation (its write permit revoked first); a request already admitted
         is the node core's to abort
@@ -41,6 +44,7 @@ from pdserve.decode_node.reservations import ReservationTable
 from pdserve.engine.admission import RequestRejected
 from pdserve.engine.beam_search import BeamSearchParams, BeamTop
 from pdserve.engine.engine_core import EngineCoreOutput
+from pdserve.kv_transfer.integrity import INTEGRITY_REFUSAL
 from pdserve.node.core.beam_searches import beam_params, beams_done
 from pdserve.node.config import NodeConfig
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
@@ -119,6 +123,9 @@ class KVImportStage:
         return self.table.num_reserved_blocks
 
     def _arrive(self, req_id: str, payload: bytes) -> None:
+        if payload == INTEGRITY_REFUSAL:
+            self._refuse(req_id)
+            return
         try:
             done = KVDone.from_bytes(payload)
         except ValueError as exc:
@@ -136,6 +143,14 @@ class KVImportStage:
                 self._start_search(out, search, done)
                 return
             self.core.stream(out, [])  # token 1 is the router's already; only its finish matters here
+
+    def _refuse(self, req_id: str) -> None:
+        """Some of the request's KV is not what its prefill node sent: free it, fail its stream."""
+        self._waiting_searches.pop(req_id, None)
+        if self.table.cancel(req_id):  # later pushes of it are dropped; a tensor-parallel twin finds nothing
+            logger.error("request %s: a KV push failed its checksum; refused", req_id)
+            self.core.to_front(RequestFailed(req_id, ErrorCode.UNAVAILABLE,
+                                             "a KV push of this request failed its checksum: refused"))
 
     def _start_search(self, first: EngineCoreOutput, params: BeamSearchParams, done: KVDone) -> None:
         """The prompt's KV is here, and the prefill node's top logprobs of its last position: the
