@@ -17,6 +17,7 @@ states: reservations.py):
     then the node core streams it like any request, Tokens for tokens 2..n
     Abort ─▶ free a reservation (its write permit revoked first); a request already admitted
         is the node core's to abort
+    a renewal from its prefill node ─▶ the reservation's lease runs afresh
     a reservation's lease ─▶ RequestFailed(DEADLINE_EXCEEDED) (why: reservations.py)
 
 A beam search (StreamSubmit.beam set) reserves its prompt like any request, under its beams'
@@ -49,7 +50,7 @@ from pdserve.node.core.beam_searches import beam_params, beams_done
 from pdserve.node.config import NodeConfig
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
 from pdserve.node.core.handoff import HandoffState
-from pdserve.node.core.kv_done import KVDone
+from pdserve.node.core.kv_done import DoneStatus, KVDone
 from pdserve.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import Message, Ready, RequestFailed, StreamSubmit
 from pdserve.node.core.node_core import NodeCore
@@ -109,11 +110,12 @@ class KVImportStage:
 
     def poll(self, now: float) -> None:
         for req_id, payload in self.transport.poll_done():
-            self._arrive(req_id, payload)
+            self._arrive(req_id, payload, now)
         for req_id in self.table.expire(now):
             self._waiting_searches.pop(req_id, None)
             self.core.to_front(RequestFailed(req_id, ErrorCode.DEADLINE_EXCEEDED,
-                                             f"the prompt's KV did not arrive within the {self.table.lease_s}s lease"))
+                                             f"the prompt's KV did not arrive: its prefill node was not heard "
+                                             f"from for the {self.table.lease_s}s lease"))
 
     def wants_fast_poll(self) -> bool:
         # Done messages wake the loop (the transport's callback); leases are coarse.
@@ -122,7 +124,7 @@ class KVImportStage:
     def num_held_blocks(self) -> int:
         return self.table.num_reserved_blocks
 
-    def _arrive(self, req_id: str, payload: bytes) -> None:
+    def _arrive(self, req_id: str, payload: bytes, now: float) -> None:
         if payload == INTEGRITY_REFUSAL:
             self._refuse(req_id)
             return
@@ -132,6 +134,9 @@ class KVImportStage:
             logger.error("request %s: %s", req_id, exc)
             if self.table.cancel(req_id):  # the sender is broken: fail and free (nothing more of it lands)
                 self.core.to_front(RequestFailed(req_id, ErrorCode.UNAVAILABLE, f"bad KV done message: {exc}"))
+            return
+        if done.status is DoneStatus.RENEW:
+            self.table.renew(req_id, now)
             return
         state, out = self.table.arrive(req_id, done)
         if state is HandoffState.FAILED:
