@@ -141,3 +141,20 @@ def test_keys_reload_without_a_restart(cluster, model_dir):
     assert_matches([generate(running.router, KEYS[1])], [reference])  # kept
     assert running.refresh().children["router"].pid == pids["router"]  # the same router process
     assert_every_block_free(running)
+
+
+def test_the_launcher_makes_the_node_credential_when_only_keys_are_given(model_dir, tmp_path):
+    keys_file = tmp_path / "api-keys"
+    keys_file.write_text(f"{KEYS[0]}\n")
+    with running_cluster(model_dir, 1, 1, NodeSettings(block_size=8, num_blocks=64),
+                         launcher_args=("--api-keys-file", str(keys_file))) as running:
+        assert_matches([generate(running.router, KEYS[0])], greedy_references(model_dir, [PROMPT], [NEW_TOKENS]))
+        with grpc.insecure_channel(running.router) as channel:
+            register = node_pb2.RegisterRequest(kind="decode", address="127.0.0.1:1", node_id="rogue")
+            assert refusal(lambda: node_pb2_grpc.RegistryStub(channel).Register(
+                register, timeout=10, metadata=call_metadata(KEYS[0]))) == REGISTRY_REFUSED
+        (decode,) = running.addresses("decode")
+        with grpc.insecure_channel(decode) as channel:  # the nodes require the credential the launcher made
+            assert refusal(lambda: node_pb2_grpc.DecodeNodeStub(channel).GetStats(
+                node_pb2.StatsRequest(), timeout=10)) == UNAUTHENTICATED
+        assert "node join credential: made for this cluster" in running.log("launcher")
