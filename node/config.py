@@ -55,9 +55,11 @@ class NodeConfig:
         "parse": cpu_list_arg("--cpus"), "metavar": "LIST",
         "help": "pin the node (front and engine core) to these cores, e.g. 0-1 or 0,2-3; "
                 "the engine then runs one torch thread per core unless --num-threads says otherwise"})
-    # A reservation (decode) or an unacknowledged transfer (prefill) lives at most this long.
+    # An unacknowledged transfer (prefill), or a reservation whose prefill node has gone silent
+    # (decode), lives at most this long (node/core/lease.py): the queue and the prefill do not count.
     lease_s: float = field(default=30.0, metadata={
-        "help": "a decode reservation, or a KV push not yet acknowledged, lives at most this long"})
+        "help": "a KV push not yet acknowledged, or a decode reservation whose prefill node has not been heard "
+                "from, lives at most this long"})
     # Decode: the id of a cancelled or expired reservation (its blocks are freed at once) is
     # refused as a new reservation for this many leases after the old one was made.
     retired_id_leases: float = 3.0
