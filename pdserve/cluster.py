@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import secrets
 import shlex
 import signal
 import subprocess
@@ -52,7 +53,8 @@ from pdserve.cluster_load_mode import LoadWatcher, build_rebalancer, scrape_url
 from pdserve.cluster_plan import ClusterPlan, NodeSite, build_plan, check_cores, node_spec, resolve_port
 from pdserve.cluster_state import ChildState, ClusterState, write_state
 from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor
-from pdserve.common.auth import token_from_cli
+from pdserve.common.api_keys import ApiKeys
+from pdserve.common.auth import TOKEN_ENV, token_from_cli
 from pdserve.common.lifecycle import PARENT_CHECK_S, ExitStatus, status_after, supervisor_of
 from pdserve.common.ports import Listen, PortUnavailable, check_free
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
@@ -350,10 +352,22 @@ def _model_dir(config: ClusterConfig, python: str = sys.executable) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def _make_node_credential() -> str:
+    """Client keys without a node credential: one made for this cluster's children, handed over in
+    their environment ($PDSERVE_AUTH_TOKEN, which every child reads), never printed."""
+    token = secrets.token_urlsafe(32)
+    os.environ[TOKEN_ENV] = token
+    print("node join credential: made for this cluster (API keys open only the public API)", flush=True)
+    return token
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(argv)
         token = token_from_cli(config.auth_token_file, os.environ)  # the launcher's own probe
+        if config.api_keys_file:
+            ApiKeys(config.api_keys_file)  # unreadable or keyless: a usage error before anything starts
+            token = token or _make_node_credential()
         check_cores(config, None)  # before the demo model is built: a typo fails at once
         _check_ports(config)
         plan = build_plan(config, _model_dir(config), resolve_port(config.host, config.port))

@@ -66,7 +66,8 @@ def build_plan(config: ClusterConfig, model_dir: str, router_port: int, python: 
     drain = ("--drain-timeout-s", f"{config.drain_timeout_s:g}")
     router = ChildSpec("router", (*base, "router", "--host", config.host, "--port", str(router_port),
                                   "--model", model_dir, "--block-size", str(config.block_size), *http,
-                                  *_auth_args(config), *_metrics_args(metrics_ports, "router"), *drain,
+                                  *_auth_args(config), *_api_keys_args(config), *_metrics_args(metrics_ports, "router"),
+                                  *drain,
                                   *config.router_args),
                        cpus=config.router_cores)
     nodes, addresses = [], {}
@@ -135,6 +136,10 @@ def check_cores(config: ClusterConfig, usable_cpus: Collection[int] | None) -> N
 
 def _auth_args(config: ClusterConfig) -> tuple[str, ...]:
     return ("--auth-token-file", config.auth_token_file) if config.auth_token_file else ()
+
+
+def _api_keys_args(config: ClusterConfig) -> tuple[str, ...]:
+    return ("--api-keys-file", config.api_keys_file) if config.api_keys_file else ()
 
 
 def _threads_args(config: ClusterConfig, extra: Sequence[str], pinned: bool) -> tuple[str, ...]:
