@@ -34,7 +34,9 @@ from pdserve.engine.config import DEFAULT_BLOCK_SIZE, DTYPE_NAMES, EngineConfig
 from pdserve.planner.goodput import Traffic
 from pdserve.planner.profile import Profile, ProfileCache
 from pdserve.planner.profile_cli import default_model, int_list, profiles_for, router_cost_for
-from pdserve.planner.search import Candidate, Evaluated, Knobs, evaluate, layouts, ranked
+from pdserve.planner.search import (
+    DEFAULT_LOCAL_PREFILL_MAX_TOKENS, Candidate, Evaluated, Knobs, evaluate, layouts, ranked,
+)
 from pdserve.planner.validate import ValidationPlan, chosen, format_validation, report_record, validate
 
 
@@ -61,6 +63,12 @@ def _parser() -> argparse.ArgumentParser:
                        help="--max-num-seqs values to try (comma-separated)")
     space.add_argument("--chunk-schedules", default="fixed",
                        help="--chunk-schedule values to try (comma-separated: fixed, staged, target-step)")
+    space.add_argument("--local-prefill-max-tokens", type=int_list("--local-prefill-max-tokens"),
+                       default=[DEFAULT_LOCAL_PREFILL_MAX_TOKENS],
+                       help="every prefill/decode split is also tried as the hybrid (decode nodes with "
+                            "--local-prefill, the router at --disaggregation auto) with each of these bounds "
+                            "(comma-separated; default: the router's)")
+    space.add_argument("--no-hybrid", action="store_true", help="leave the hybrid splits out of the search")
     search = p.add_argument_group("goodput search (per candidate, on simulated runs)")
     search.add_argument("--min-duration-s", type=float, default=30.0,
                         help="every simulated run's arrivals span at least this many seconds (more requests "
@@ -186,7 +194,8 @@ def unattainable(results: list[Evaluated], devices: int, slo: Slo, target: float
 
 def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[Evaluated], dict, ValidationPlan]:
     model = default_model(args.model)
-    candidates = [Candidate(lay, k) for lay in layouts(args.devices) for k in knobs]
+    bounds = () if args.no_hybrid else tuple(args.local_prefill_max_tokens)
+    candidates = [Candidate(lay, k) for lay in layouts(args.devices, bounds) for k in knobs]
     threads = sorted({t for c in candidates for t in c.layout.threads})
     cache = ProfileCache(args.profile_dir)
     profiles = profiles_for(model, threads, args.dtype, args.block_size, cache, not args.no_progress, log=log)

@@ -2,7 +2,9 @@
 
 A `Candidate` is a `Layout` — colocated × k with N/k cores each, or p prefill nodes and d decode
 nodes splitting the cores (each pool's cores evenly across its nodes, as `pdserve cluster
---*-cores` pins them; a node runs one torch thread per core) — and the engine `Knobs` both pools
+--*-cores` pins them; a node runs one torch thread per core), each split also as the hybrid
+(decode nodes started `--local-prefill`, the router at `--disaggregation auto` with each
+`--local-prefill-max-tokens` bound asked for) — and the engine `Knobs` both pools
 run (`--max-num-batched-tokens`, `--max-num-seqs`, `--chunk-schedule`). Every node is TP 1 here:
 a pool's tensor-parallel size is not searched yet. A candidate becomes the simulator's
 `ClusterSpec` (given the profile of each threads count) and the `pdserve cluster` command line that
@@ -23,6 +25,11 @@ from pdserve.engine.config import EngineConfig
 from pdserve.planner.goodput import Prediction, Traffic, predict_goodput, start_rate
 from pdserve.planner.profile import Profile, RouterCost
 from pdserve.planner.simulator import ClusterSpec, Pool
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
+
+# The router's own default bound, the hybrid variant a plan tries unless told otherwise.
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = RouterConfig(model="").local_prefill_max_tokens
 
 
 @dataclass(frozen=True)
@@ -33,10 +40,15 @@ class Layout:
     prefill_cores: int = 0
     decode: int = 0
     decode_cores: int = 0
+    # A hybrid split: decode nodes prefill prompts the router's `auto` rule sends them, within
+    # this bound (`--local-prefill-max-tokens`); None: every request goes through the prefill pool.
+    local_prefill_max_tokens: int | None = None
 
     @property
     def mode(self) -> str:
-        return "colocated" if self.colocated else "disaggregated"
+        if self.colocated:
+            return "colocated"
+        return "disaggregated" if self.local_prefill_max_tokens is None else "hybrid"
 
     @property
     def devices(self) -> int:
@@ -49,8 +61,9 @@ class Layout:
     def describe(self) -> str:
         if self.colocated:
             return f"colocated x{self.colocated} ({_per_node(self.colocated, self.colocated_cores)})"
-        return (f"{self.prefill}P ({_per_node(self.prefill, self.prefill_cores)}) + "
-                f"{self.decode}D ({_per_node(self.decode, self.decode_cores)})")
+        split = (f"{self.prefill}P ({_per_node(self.prefill, self.prefill_cores)}) + "
+                 f"{self.decode}D ({_per_node(self.decode, self.decode_cores)})")
+        return split if self.local_prefill_max_tokens is None else f"{split} hybrid<={self.local_prefill_max_tokens}"
 
 
 def _per_node(nodes: int, cores: int) -> str:
@@ -61,16 +74,19 @@ def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(devices: int) -> Iterator[Layout]:
+def layouts(devices: int, local_prefill_max_tokens: tuple[int, ...] = ()) -> Iterator[Layout]:
     """Colocated × k for every k dividing N, then every split of the N cores between a prefill and
-    a decode pool with every node count dividing each pool's cores."""
+    a decode pool with every node count dividing each pool's cores, each split followed by its
+    hybrid at every bound in `local_prefill_max_tokens`."""
     for k in _divisors(devices):
         yield Layout(colocated=k, colocated_cores=devices // k)
     for prefill_cores in range(1, devices):
         decode_cores = devices - prefill_cores
         for p in _divisors(prefill_cores):
             for d in _divisors(decode_cores):
-                yield Layout(prefill=p, prefill_cores=prefill_cores // p, decode=d, decode_cores=decode_cores // d)
+                split = Layout(prefill=p, prefill_cores=prefill_cores // p, decode=d, decode_cores=decode_cores // d)
+                yield split
+                yield from (replace(split, local_prefill_max_tokens=bound) for bound in local_prefill_max_tokens)
 
 
 @dataclass(frozen=True)
@@ -100,8 +116,10 @@ class Candidate:
         def pool(count: int, cores: int) -> Pool | None:
             return Pool(count, replace(config, num_threads=cores), profiles[cores]) if count else None
 
+        choice = (None if lay.local_prefill_max_tokens is None
+                  else PrefillChoice(Disaggregation.AUTO, lay.local_prefill_max_tokens))
         return ClusterSpec(pool(lay.colocated, lay.colocated_cores), pool(lay.prefill, lay.prefill_cores),
-                           pool(lay.decode, lay.decode_cores), router)
+                           pool(lay.decode, lay.decode_cores), router, choice)
 
     def command(self, model: str, dtype: str, block_size: int) -> list[str]:
         """The `pdserve cluster` argv that runs this candidate on cores 0..N-1."""
@@ -112,9 +130,14 @@ class Candidate:
             return argv + ["--colocated", str(lay.colocated), "--colocated-cores", _cores(0, lay.devices),
                            "--colocated-args", node_args]
         split = lay.prefill * lay.prefill_cores
-        return argv + ["--prefill", str(lay.prefill), "--decode", str(lay.decode),
-                       "--prefill-cores", _cores(0, split), "--decode-cores", _cores(split, lay.devices),
-                       "--prefill-args", node_args, "--decode-args", node_args]
+        argv += ["--prefill", str(lay.prefill), "--decode", str(lay.decode),
+                 "--prefill-cores", _cores(0, split), "--decode-cores", _cores(split, lay.devices),
+                 "--prefill-args", node_args]
+        if lay.local_prefill_max_tokens is None:
+            return argv + ["--decode-args", node_args]
+        router_args = ["--disaggregation", Disaggregation.AUTO.value,
+                       "--local-prefill-max-tokens", str(lay.local_prefill_max_tokens)]
+        return argv + ["--decode-args", f"{node_args} --local-prefill", "--router-args", shlex.join(router_args)]
 
 
 def _cores(start: int, end: int) -> str:

@@ -4,6 +4,7 @@ the table, the JSON it writes, the recommended command, and the refusal of SLOs 
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -45,13 +46,21 @@ def test_plan_prints_the_ranking_and_writes_the_recommendation(planned, tmp_path
     assert lines[0].split()[:3] == ["#", "layout", "tokens"]
     report = json.loads(out_file.read_text())
     best = report["recommended"]
-    assert best["command"][:2] == ["pdserve", "cluster"] and best["mode"] in ("colocated", "disaggregated")
+    assert best["command"][:2] == ["pdserve", "cluster"] and best["mode"] in ("colocated", "disaggregated", "hybrid")
     assert best["predicted_goodput_rps"] > 0
     assert set(best["predicted"]) == {"ttft_p90_s", "tpot_p90_s"}
     assert best["predicted"]["ttft_p90_s"] <= 2 and best["predicted"]["tpot_p90_s"] <= 0.5
-    assert len(report["candidates"]) == 3  # colocated x1, colocated x2, 1P1D; one knob setting
+    # colocated x1, colocated x2, 1P1D and its hybrid at the router's bound; one knob setting
+    assert [c["mode"] for c in report["candidates"]].count("hybrid") == 1 and len(report["candidates"]) == 4
     assert report["candidates"][0]["command"] == best["command"]
-    assert lines[-1] == " ".join(best["command"][:-1]) + " '" + best["command"][-1] + "'"
+    assert lines[-1] == shlex.join(best["command"])
+
+
+def test_no_hybrid_leaves_the_hybrid_splits_out(planned, tmp_path):
+    out_file = tmp_path / "plan.json"
+    assert main(plan(planned, "--ttft-slo", "2", "--no-hybrid", "--output-json", str(out_file))) == 0
+    modes = [c["mode"] for c in json.loads(out_file.read_text())["candidates"]]
+    assert sorted(modes) == ["colocated", "colocated", "disaggregated"]
 
 
 def test_slos_nothing_meets_are_refused_in_one_line(planned, capsys):

@@ -1,4 +1,5 @@
-"""The planner's choice on synthetic profiles, its command lines, its refusal and its flag errors."""
+"""The planner's choice on synthetic profiles (the hybrid among them), its command lines, its refusal
+and its flag errors."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def traffic(prompt_len: int, output_len: int, count: int = 60) -> Traffic:
                        for k in range(count)])
 
 
-def best(profiles, work: Traffic, slo: Slo, knobs=Knobs(512, 64)):
-    candidates = [Candidate(lay, knobs) for lay in layouts(2)]
+def best(profiles, work: Traffic, slo: Slo, knobs=Knobs(512, 64), bounds: tuple[int, ...] = ()):
+    candidates = [Candidate(lay, knobs) for lay in layouts(2, bounds)]
     return ranked([evaluate(c, BASE, profiles, work, slo, SWEEP, 4096) for c in candidates])
 
 
@@ -35,6 +36,37 @@ def test_layouts_on_two_and_four_devices():
     assert all(lay.devices == 4 for lay in four)
     assert Layout(prefill=1, prefill_cores=1, decode=3, decode_cores=1) in four
     assert Layout(prefill=2, prefill_cores=1, decode=1, decode_cores=2) in four
+
+
+def test_every_split_is_also_tried_as_the_hybrid_at_each_bound():
+    assert [(lay.mode, lay.describe()) for lay in layouts(2, (64, 256))] == [
+        ("colocated", "colocated x1 (2 cores)"), ("colocated", "colocated x2 (1 core each)"),
+        ("disaggregated", "1P (1 core) + 1D (1 core)"), ("hybrid", "1P (1 core) + 1D (1 core) hybrid<=64"),
+        ("hybrid", "1P (1 core) + 1D (1 core) hybrid<=256")]
+    assert sum(lay.mode == "hybrid" for lay in layouts(4, (256,))) == sum(lay.mode == "disaggregated"
+                                                                         for lay in layouts(4, (256,)))
+
+
+def mix(short: int, long: int, output_len: int, count: int = 60) -> Traffic:
+    """Every fourth prompt long, the others short; no two share a block."""
+    lengths = [long if k % 4 == 0 else short for k in range(count)]
+    starts = [1 + sum(lengths[:k]) for k in range(count)]
+    return Traffic.of([(tuple(range(s, s + n)), output_len) for s, n in zip(starts, lengths)])
+
+
+def test_short_and_long_prompts_under_a_balanced_slo_go_hybrid():
+    """64- and 512-token prompts, TTFT 1 s and TPOT 30 ms. Colocated, the long prompts stall the
+    decodes beside them; disaggregated, every prompt queues on the one prefill node while the
+    decode node idles between tokens. The hybrid's decode node takes the short ones along its
+    decode steps and leaves the long ones to the prefill node: more than either."""
+    per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
+    results = best({1: per_core, 2: per_core}, mix(64, 512, 32), Slo(ttft_s=1.0, tpot_s=0.03), bounds=(256,))
+    by_mode = {}
+    for r in results:
+        by_mode.setdefault(r.candidate.layout.mode, r.prediction.goodput_rps)
+    assert results[0].candidate.layout == Layout(prefill=1, prefill_cores=1, decode=1, decode_cores=1,
+                                                 local_prefill_max_tokens=256)
+    assert by_mode["hybrid"] > by_mode["colocated"] > 0 and by_mode["hybrid"] > by_mode["disaggregated"] > 0
 
 
 def test_long_prompts_under_a_tight_tpot_go_disaggregated():
@@ -75,6 +107,13 @@ def test_the_command_line_of_each_mode():
     argv = pair.command("/m", "float32", 16)
     assert argv[argv.index("--prefill-cores") + 1] == "0" and argv[argv.index("--decode-cores") + 1] == "1-3"
     assert argv[argv.index("--decode-args") + 1] == "--max-num-batched-tokens 512 --max-num-seqs 64 --chunk-schedule staged"
+    assert "--router-args" not in argv
+    hybrid = Candidate(Layout(prefill=1, prefill_cores=1, decode=1, decode_cores=1, local_prefill_max_tokens=128),
+                       Knobs(512, 64)).command("/m", "float32", 16)
+    assert shlex.join(hybrid) == ("pdserve cluster --model /m --dtype float32 --block-size 16 --prefill 1 --decode 1 "
+                                  "--prefill-cores 0 --decode-cores 1 --prefill-args '--max-num-batched-tokens 512 "
+                                  "--max-num-seqs 64' --decode-args '--max-num-batched-tokens 512 --max-num-seqs 64 "
+                                  "--local-prefill' --router-args '--disaggregation auto --local-prefill-max-tokens 128'")
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -86,6 +125,7 @@ def test_the_command_line_of_each_mode():
     (["--devices", "2", "--tpot-slo", "0.1", "--chunk-schedules", "fast"], "--chunk-schedules"),
     (["--devices", "2", "--tpot-slo", "0.1", "--workload", "uniform"], "--workload uniform"),
     (["--devices", "2", "--tpot-slo", "0.1", "--batched-tokens", "0"], "--batched-tokens"),
+    (["--devices", "2", "--tpot-slo", "0.1", "--local-prefill-max-tokens", "x"], "--local-prefill-max-tokens"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_:
