@@ -34,7 +34,7 @@ class EngineConfig:
     device: str | None = field(default=None, metadata={
         "choices": DEVICES,
         "help": "where the model, the KV cache and every step's tensors live (default: cuda when torch sees a "
-                "CUDA device, else cpu)"})
+                "CUDA device and the other flags can run there, else cpu)"})
     model_impl: str = field(default="auto", metadata={
         "choices": MODEL_IMPLS,
         "help": "auto: the native forward for llama/mistral/qwen2/qwen3, transformers otherwise"})
@@ -178,7 +178,7 @@ class EngineConfig:
         from pdserve.engine.device import default_device  # torch: only where the engine runs
         from pdserve.engine.dtype_choice import resolve_dtype
 
-        device = self.device or default_device()
+        device = self.device or default_device(self)
         return replace(self, device=device, dtype=resolve_dtype(self.dtype, device))
 
     @property

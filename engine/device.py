@@ -1,7 +1,8 @@
 """The device an engine computes on: the one place that decides it and says what it cannot do.
 
 `--device` (EngineConfig.device) names it; unset, it is cuda when torch sees a CUDA device and
-cpu otherwise (`default_device`, applied by `EngineConfig.resolved`). Everything the engine
+the rest of the config can run there, cpu otherwise (`default_device`, applied by
+`EngineConfig.resolved`). Everything the engine
 makes lives there: the weights (engine/model_loader.py), the KV cache (engine/model_runner.py's
 `zeroed_cache`), every step's input ids, positions, slot mapping and block tables (`to_device`)
 and the sampler's tensors, which follow the logits. The host swap space stays on the host.
@@ -15,6 +16,7 @@ It never allocates KV blocks or decides what runs.
 
 from __future__ import annotations
 
+import logging
 from typing import TYPE_CHECKING
 
 import torch
@@ -22,13 +24,21 @@ import torch
 if TYPE_CHECKING:
     from pdserve.engine.config import EngineConfig
 
+log = logging.getLogger(__name__)
 
-def default_device() -> str:
-    return "cuda" if torch.cuda.is_available() else "cpu"
+
+def default_device(config: EngineConfig) -> str:
+    """cuda where torch sees a CUDA device and nothing else in `config` rules it out, else cpu."""
+    reason = cuda_refusal(config)
+    if reason is None:
+        return "cuda"
+    if torch.cuda.is_available():
+        log.info("device: cpu, though torch sees a CUDA device: cuda %s", reason)
+    return "cpu"
 
 
 def cuda_refusal(config: EngineConfig) -> str | None:
-    """Why `config` cannot run on cuda here, or None when it can."""
+    """Why `config` cannot run on cuda here, or None when it can (whatever its own device says)."""
     if not torch.cuda.is_available():
         return "was asked for, but torch sees no CUDA device on this machine (torch.cuda.is_available() is false)"
     if config.tensor_parallel_size > 1:

@@ -41,6 +41,11 @@ def test_an_unset_device_resolves_to_cuda_where_torch_sees_one(cuda_seen, tiny_l
     assert EngineConfig(model=str(tiny_llama), dtype="float32").resolved().device == "cuda"
 
 
+def test_an_unset_device_stays_on_cpu_where_the_config_cannot_run_on_cuda(cuda_seen, tiny_llama):
+    config = EngineConfig(model=str(tiny_llama), dtype="float32", tensor_parallel_size=2)
+    assert config.resolved().device == "cpu"
+
+
 def test_cuda_without_cuda_is_refused_naming_the_flag(no_cuda, tiny_llama):
     with pytest.raises(ValueError, match=r"^device cuda \(--device cuda\) was asked for, but torch sees no CUDA"):
         EngineConfig(model=str(tiny_llama), device="cuda")
