@@ -2,7 +2,7 @@
 
     python -m pdserve.bench.disagg_latency [--model-dir DIR] [--prompt-len 512] [--repeats 3]
                                            [--prefill-tp T] [--decode-tp T] [--auth-token-file PATH]
-                                           [--no-kv-checksums]
+                                           [--no-kv-checksums] [--tls]
 
 Builds (once) the smol135m-shaped model in bf16, starts router + 1 prefill + 1 decode
 node on 127.0.0.1, sends one request of `--prompt-len` random tokens at a time, and
@@ -14,7 +14,8 @@ and its throughput against a memory-copy bandwidth measured in this process.
 Ratios, not absolute claims: this machine is shared and noisy. The copy rate counts
 each byte once, as the transfer does. With a token (`--auth-token-file`, else
 `$PDSERVE_AUTH_TOKEN`) the cluster requires it and the benchmark sends it. `--no-kv-checksums`
-starts the decode node without KV checksums (kv_transfer/integrity.py), to measure their cost.
+starts the decode node without KV checksums (kv_transfer/integrity.py), to measure their cost;
+`--tls` starts the cluster with `--tls` (every gRPC hop over TLS), to measure its cost.
 With `--prefill-tp`/`--decode-tp` above 1 the pools' nodes run that many tensor-parallel
 ranks (`--tp`, each rank `--threads` torch threads); the same requests then go first through
 a TP=1/TP=1 cluster, and TTFT, token 2 and prefill are reported as TP over that baseline.
@@ -31,10 +32,10 @@ import sys
 import time
 from pathlib import Path
 
-import grpc
 import torch
 
 from pdserve.common.auth import add_auth_args, call_metadata, token_or_usage_error
+from pdserve.common.tls import TlsConfig, sync_channel
 from pdserve.bench.common import copy_bandwidth, ensure_model, local_cluster
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
@@ -47,12 +48,13 @@ def copy_rate(nbytes: int = COPY_BYTES) -> float:
     return copy_bandwidth(nbytes) / 2  # copy_bandwidth counts bytes read + written
 
 
-def one_request(router: str, prompt: list[int], max_tokens: int, auth_token: str | None) -> dict[str, float]:
+def one_request(router: str, prompt: list[int], max_tokens: int, auth_token: str | None,
+                tls: TlsConfig | None = None) -> dict[str, float]:
     request = pdserve_pb2.GenerateRequest(
         token_ids=pdserve_pb2.TokenIds(ids=prompt),
         sampling_params=pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True),
     )
-    with grpc.insecure_channel(router) as channel:
+    with sync_channel(router, tls) as channel:
         start = time.perf_counter()
         arrivals: list[float] = []  # one per token, as the client sees them
         last = None
@@ -99,13 +101,16 @@ def measure(args: argparse.Namespace, model_dir: str | os.PathLike, prefill_tp: 
     checksums = () if args.kv_checksums else ("--no-kv-checksums",)  # the receiver's choice
     kind_args = {"prefill": ("--tp", str(prefill_tp)), "decode": ("--tp", str(decode_tp), *checksums)}
     runs = []
+    tls = ("--tls",) if args.tls else ()  # a private CA and mutual TLS among the children (pdserve/cluster_tls.py)
     with local_cluster(model_dir, ("--prefill", "1", "--decode", "1"), node_args,
-                       ("--threads-per-node", str(args.threads)), auth_token, kind_args) as cluster:
-        one_request(cluster.router, [rng.randrange(1, id_limit) for _ in range(32)], 2, auth_token)  # warm up
+                       ("--threads-per-node", str(args.threads), *tls), auth_token, kind_args) as cluster:
+        client_tls, auth_token = cluster.state.tls(), cluster.token  # --tls makes a token when none is given
+        one_request(cluster.router, [rng.randrange(1, id_limit) for _ in range(32)], 2, auth_token,
+                    client_tls)  # warm up
         before = _prefill_counters(cluster)
         for _ in range(args.repeats):
             prompt = [rng.randrange(1, id_limit) for _ in range(args.prompt_len)]
-            runs.append(one_request(cluster.router, prompt, args.max_tokens, auth_token))
+            runs.append(one_request(cluster.router, prompt, args.max_tokens, auth_token, client_tls))
         after = _prefill_counters(cluster)
     pushes = after.transfers - before.transfers
     push_s = after.latency_s - before.latency_s
@@ -114,7 +119,8 @@ def measure(args: argparse.Namespace, model_dir: str | os.PathLike, prefill_tp: 
     median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     return {
         "model_dir": str(model_dir), "prompt_len": args.prompt_len, "chunk": args.chunk,
-        "prefill_tp": prefill_tp, "decode_tp": decode_tp, "kv_checksums": args.kv_checksums, "runs": runs,
+        "prefill_tp": prefill_tp, "decode_tp": decode_tp, "kv_checksums": args.kv_checksums, "tls": args.tls,
+        "runs": runs,
         "median": median,
         "transport": {"pushes": pushes, "bytes": moved, "push_to_ack_s": push_s,
                       "throughput_bytes_per_s": moved / push_s if push_s else 0.0},
@@ -141,7 +147,8 @@ def _prefill_counters(cluster):
 def print_result(result: dict, args: argparse.Namespace) -> None:
     m, r, t = result["median"], result["ratios"], result["transport"]
     print(f"prompt {args.prompt_len} tokens, prefill TP={result['prefill_tp']}, decode TP={result['decode_tp']}, "
-          f"KV checksums {'on' if result['kv_checksums'] else 'off'}, median of {args.repeats}:")
+          f"KV checksums {'on' if result['kv_checksums'] else 'off'}, TLS {'on' if result['tls'] else 'off'}, "
+          f"median of {args.repeats}:")
     print(f"  TTFT (client)              {m['client_ttft_s'] * 1e3:8.1f} ms")
     print(f"  token 2 (client)           {m['client_token2_s'] * 1e3:8.1f} ms")
     print(f"  decode after token 2       {m['client_decode_tokens_per_s']:8.1f} tokens/s")
@@ -189,6 +196,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=True,
                         help="the decode node checks every KV push's checksums (its default)")
+    parser.add_argument("--tls", action="store_true",
+                        help="start the cluster with --tls: mutual TLS among the router and the nodes, TLS to the client")
     parser.add_argument("--out", type=Path, default=Path("results/disagg_latency.json"))
     add_auth_args(parser)
     args = parser.parse_args(argv)

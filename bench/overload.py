@@ -33,7 +33,7 @@ from pathlib import Path
 
 import grpc
 
-from pdserve.common.auth import add_auth_args, insecure_channel, token_or_usage_error
+from pdserve.common.auth import add_auth_args, open_channel, token_or_usage_error
 from pdserve.bench.common import ensure_model, local_cluster
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
@@ -141,7 +141,7 @@ async def open_loop(stub, workload: Workload, name: str, rate: float, duration_s
 async def measure(router: str, args: argparse.Namespace, auth_token: str | None) -> list[Phase]:
     workload = Workload(args.seed, args.prompt_len, args.max_tokens, args.vocab)
     rng = random.Random(args.seed + 1)
-    async with insecure_channel(router, auth_token) as channel:
+    async with open_channel(router, auth_token) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         for _ in range(WARMUP_REQUESTS):
             await one_request(stub, workload.next_request(), args.timeout_s)

@@ -29,6 +29,7 @@ from typing import TYPE_CHECKING, Any
 import grpc
 
 from pdserve.common.grpc_standard import is_health_call
+from pdserve.common.tls import TlsConfig, aio_channel
 
 if TYPE_CHECKING:
     from pdserve.common.api_keys import ApiKeys
@@ -219,8 +220,9 @@ class StreamBearerToken(_BearerToken, grpc.aio.UnaryStreamClientInterceptor):
         return await continuation(self._with_token(client_call_details), request)
 
 
-def insecure_channel(address: str, token: str | None = None,
-                     options: ChannelOptions | None = None) -> grpc.aio.Channel:
-    """A grpc.aio channel to `address` whose calls carry the token (none: a plain channel)."""
+def open_channel(address: str, token: str | None = None, options: ChannelOptions | None = None,
+                 tls: TlsConfig | None = None) -> grpc.aio.Channel:
+    """A grpc.aio channel to `address` whose calls carry the token (none: no header), over TLS
+    when `tls` is given (common/tls.py), else plain."""
     interceptors = None if token is None else [UnaryBearerToken(token), StreamBearerToken(token)]
-    return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
+    return aio_channel(address, tls, options=options, interceptors=interceptors)

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import grpc
 
-from pdserve.common.auth import ChannelOptions, insecure_channel
+from pdserve.common.auth import ChannelOptions, open_channel
+from pdserve.common.tls import TlsConfig
 
 RECONNECT_WITHIN_A_SECOND: ChannelOptions = (
     ("grpc.initial_reconnect_backoff_ms", 100),
@@ -21,7 +22,7 @@ RECONNECT_WITHIN_A_SECOND: ChannelOptions = (
 )
 
 
-def reconnecting_channel(address: str, token: str | None = None) -> grpc.aio.Channel:
+def reconnecting_channel(address: str, token: str | None = None, tls: TlsConfig | None = None) -> grpc.aio.Channel:
     """A channel to `address` that reconnects within about a second, its calls carrying the
-    auth token when one is given (common/auth.py)."""
-    return insecure_channel(address, token, options=RECONNECT_WITHIN_A_SECOND)
+    auth token when one is given (common/auth.py), over mutual TLS when `tls` is (common/tls.py)."""
+    return open_channel(address, token, options=RECONNECT_WITHIN_A_SECOND, tls=tls)

@@ -24,6 +24,7 @@ from dataclasses import dataclass, field, replace
 
 from pdserve.common.auth import add_auth_args, token_from_cli
 from pdserve.common.config_flags import add_config_args, values_from_args
+from pdserve.common.tls import TlsConfig, add_tls_args, tls_from_args
 from pdserve.common.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
 from pdserve.engine.config import EngineConfig
 from pdserve.kv_transfer.config import KVTransferConfig
@@ -119,6 +120,9 @@ class NodeConfig:
     # Shared secret (common/auth.py) required of gRPC callers and KV peers, and sent to
     # the router; None: no authentication. Set from --auth-token-file or the environment.
     auth_token: str | None = field(default=None, repr=False, metadata={"flag": False})
+    # Mutual TLS (common/tls.py) on the gRPC server and every channel to the router and the other
+    # nodes; None: plaintext. Set from --tls-cert-file, --tls-key-file and --tls-ca-file together.
+    tls: TlsConfig | None = field(default=None, metadata={"flag": False})
 
     def __post_init__(self) -> None:
         _require(self.kind in NODE_KINDS, "kind", f"must be one of {NODE_KINDS}, got {self.kind!r}")
@@ -140,6 +144,11 @@ class NodeConfig:
         _require(self.debug_step_delay_s >= 0, "debug_step_delay_s", f"must be >= 0, got {self.debug_step_delay_s}")
         _require(self.max_message_bytes >= 1024, "max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
         _require(self.retired_id_leases >= 1, "retired_id_leases", f"must be >= 1, got {self.retired_id_leases}")
+        if self.tls is not None and self.auth_token is None and self.kind != "colocated":
+            # UCX runs no TLS here: the join credential is what keeps a stranger off the KV listener.
+            raise ValueError("--tls-cert-file: a prefill or decode node's KV data plane (UCX) cannot run TLS; it "
+                             "is authenticated by the node join credential instead, so TLS needs one: "
+                             "--auth-token-file or $PDSERVE_AUTH_TOKEN")
         _require(self.busy_poll_ms >= 0 and self.idle_poll_ms > 0, "idle_poll_ms", "must be > 0")
         _require(self.cpus is None or (len(self.cpus) > 0 and min(self.cpus) >= 0), "cpus",
                  f"must be a non-empty list of core numbers, got {self.cpus}")
@@ -170,6 +179,7 @@ def add_node_args(parser: argparse.ArgumentParser) -> None:
     add_config_args(parser.add_argument_group("KV transfer"), KVTransferConfig, prefix=TRANSFER_FLAG_PREFIX,
                     skip=NODE_OWNED_TRANSFER_FIELDS)
     add_auth_args(parser)
+    add_tls_args(parser, server=True)
 
 
 def config_from_args(args: argparse.Namespace, kind: str, environ: Mapping[str, str] | None = None) -> NodeConfig:
@@ -179,7 +189,7 @@ def config_from_args(args: argparse.Namespace, kind: str, environ: Mapping[str, 
         engine=EngineConfig(**values_from_args(args, EngineConfig)),
         transfer=KVTransferConfig(**values_from_args(args, KVTransferConfig, TRANSFER_FLAG_PREFIX,
                                                      skip=NODE_OWNED_TRANSFER_FIELDS)),
-        kind=kind, auth_token=token, **values_from_args(args, NodeConfig),
+        kind=kind, auth_token=token, tls=tls_from_args(args, server=True), **values_from_args(args, NodeConfig),
     )
 
 
@@ -191,7 +201,7 @@ def parse_node_args(argv: list[str] | None, kind: str, environ: Mapping[str, str
     args = parser.parse_args(argv)
     try:
         return config_from_args(args, kind, environ)
-    except ValueError as exc:  # TokenError is one
+    except ValueError as exc:  # TokenError and TlsError are
         parser.error(str(exc))
 
 

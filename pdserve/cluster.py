@@ -44,6 +44,7 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
+from contextlib import ExitStack
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
@@ -53,6 +54,7 @@ from pdserve.cluster_load_mode import LoadWatcher, build_rebalancer, scrape_url
 from pdserve.cluster_plan import ClusterPlan, NodeSite, build_plan, check_cores, node_spec, resolve_port
 from pdserve.cluster_state import ChildState, ClusterState, write_state
 from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor
+from pdserve.cluster_tls import with_cluster_tls
 from pdserve.common.api_keys import ApiKeys
 from pdserve.common.auth import TOKEN_ENV, token_from_cli
 from pdserve.common.lifecycle import PARENT_CHECK_S, ExitStatus, status_after, supervisor_of
@@ -264,7 +266,9 @@ def cluster_state(config: ClusterConfig, plan: ClusterPlan, pids: dict[str, int]
     children = {name: ChildState(kind=name.rsplit("-", 1)[0], pid=pid, address=addresses[name],
                                  metrics_url=urls.get(name), restarts=restarts.get(name, 0))
                 for name, pid in pids.items()}
-    return ClusterState(plan.router_addr, children, plan.http_url(config.host))
+    tls = plan.tls
+    files = (tls.ca_file, tls.cert_file, tls.key_file) if tls is not None else (None, None, None)
+    return ClusterState(plan.router_addr, children, plan.http_url(config.host), *files, config.auth_token_file)
 
 
 def _print_ready(config: ClusterConfig, plan: ClusterPlan, out: TextIO) -> None:
@@ -276,7 +280,8 @@ def _print_ready(config: ClusterConfig, plan: ClusterPlan, out: TextIO) -> None:
         print(f"pinned: {', '.join(pinned)}", file=out)
     for name, url in plan.metrics_urls(config.host).items():
         print(f"metrics: {name} {url}", file=out)
-    print(f"try: pdserve generate --addr {plan.router_addr} --max-tokens 32 "
+    tls = plan.tls.flags() + ("--auth-token-file", config.auth_token_file) if plan.tls is not None else ()
+    print(f"try: pdserve generate --addr {plan.router_addr} {''.join(shlex.quote(a) + ' ' for a in tls)}--max-tokens 32 "
           f"{shlex.quote(EXAMPLE_PROMPT)}", file=out)
     print("stop with Ctrl-C", file=out, flush=True)
 
@@ -362,6 +367,11 @@ def _make_node_credential() -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    with ExitStack() as cleanup:  # what the launcher made for this run only (a --tls directory)
+        return _main(argv, cleanup)
+
+
+def _main(argv: list[str] | None, cleanup: ExitStack) -> int:
     try:
         config = config_from_args(argv)
         token = token_from_cli(config.auth_token_file, os.environ)  # the launcher's own probe
@@ -370,6 +380,8 @@ def main(argv: list[str] | None = None) -> int:
             token = token or _make_node_credential()
         check_cores(config, None)  # before the demo model is built: a typo fails at once
         _check_ports(config)
+        config = with_cluster_tls(config, cleanup, token)
+        token = token or token_from_cli(config.auth_token_file, os.environ)
         plan = build_plan(config, _model_dir(config), resolve_port(config.host, config.port))
         rebalancer = None if config.rebalance is None else build_rebalancer(
             config.rebalance, [spec.argv for spec in plan.nodes], log=lambda line: print(line, flush=True))
@@ -380,7 +392,7 @@ def main(argv: list[str] | None = None) -> int:
         return ExitStatus.INTERRUPTED
     probe_config = HealthcheckConfig(timeout_s=config.probe_timeout_s, min_prefill=config.num_prefill,
                                      min_decode=config.num_decode, min_colocated=config.num_colocated,
-                                     auth_token=token)
+                                     auth_token=token, tls=config.tls)
     supervisor = ClusterSupervisor(log_dir=Path(config.log_dir) if config.log_dir else None)
     if config.log_dir:
         print(f"logs in {config.log_dir}/<name>.log", flush=True)

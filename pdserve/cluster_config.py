@@ -18,14 +18,16 @@ from pdserve.cluster_supervisor import RestartPolicy
 from pdserve.common.auth import add_auth_args
 from pdserve.common.config_flags import add_config_args, values_from_args
 from pdserve.common.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
+from pdserve.common.tls import FLAGS as TLS_FLAG_NAMES, TlsConfig, add_tls_args, tls_from_args
 from pdserve.engine.config import AUTO_DTYPE, DEFAULT_BLOCK_SIZE, EngineConfig
 from pdserve.common.affinity import cpu_list_arg, split_cpus
 
+TLS_FLAGS = tuple(TLS_FLAG_NAMES.values())
 # Flags the launcher sets itself on every node / on the router; pass-through args must not.
 NODE_OWNED_FLAGS = ("--model", "--host", "--port", "--router", "--node-id", "--kv-host", "--kv-port",
-                    "--dtype", "--block-size", "--auth-token-file", "--cpus", "--metrics-port")
+                    "--dtype", "--block-size", "--auth-token-file", "--cpus", "--metrics-port", *TLS_FLAGS)
 ROUTER_OWNED_FLAGS = ("--host", "--port", "--model", "--prefill", "--decode", "--block-size", "--auth-token-file",
-                      "--metrics-port", "--http-port", "--api-keys-file")
+                      "--metrics-port", "--http-port", "--api-keys-file", *TLS_FLAGS)
 DEFAULT_HTTP_PORT = 8000
 THREADS_FLAGS = ("--num-threads", "--threads")
 
@@ -80,6 +82,12 @@ class ClusterConfig:
     # The router's client API keys (common/api_keys.py); with them and no node credential the
     # launcher makes one for its children (cluster.py).
     api_keys_file: str | None = None
+    # Mutual TLS among the children and TLS on the public API (common/tls.py), handed to every
+    # child: the user's files, or (`make_tls`, --tls) a private CA and certificate the launcher
+    # makes for this cluster in `tls_dir` (cluster_tls.py; None: a new temporary directory).
+    tls: TlsConfig | None = None
+    make_tls: bool = False
+    tls_dir: str | None = None
     # The planner's load mode (cluster_load_mode.py): nodes move between the prefill and decode
     # pools as the traffic's mix shifts; None: the pools keep their sizes.
     rebalance: LoadModeSettings | None = None
@@ -106,6 +114,11 @@ class ClusterConfig:
                 raise ValueError(f"{name} must be > 0")
         if self.drain_timeout_s < 0:
             raise ValueError(f"--drain-timeout-s must be >= 0, got {self.drain_timeout_s}")
+        if self.make_tls and self.tls is not None:
+            raise ValueError("--tls makes the cluster's own CA and certificate: give it, or --tls-cert-file, "
+                             "--tls-key-file and --tls-ca-file, not both")
+        if self.tls_dir is not None and not self.make_tls:
+            raise ValueError("--tls-dir is where --tls writes its certificates: it needs --tls")
         _reject_owned_flags("--router-args", self.router_args, ROUTER_OWNED_FLAGS)
         if self.rebalance is not None:
             if self.num_colocated or self.num_prefill + self.num_decode < 3:
@@ -206,6 +219,13 @@ def cluster_parser() -> argparse.ArgumentParser:
                         "finish what it holds (also each child's own --drain-timeout-s); Ctrl-C stops at once")
     p.add_argument("--log-dir", default=d.log_dir, help="write one log file per child here instead of the console")
     add_auth_args(p)
+    add_tls_args(p, server=True)
+    p.add_argument("--tls", action="store_true",
+                   help="make a private CA and a certificate for this cluster: mutual TLS between the router and "
+                        "the nodes, TLS on the public API (the CA's path is printed, for clients)")
+    p.add_argument("--tls-dir", metavar="DIR", default=None,
+                   help="--tls: write the CA and certificate here (default: a new temporary directory, removed "
+                        "when the cluster stops)")
     p.add_argument("--api-keys-file", metavar="PATH", default=None,
                    help="client API keys for the router's public API, one a line, reloaded when the file changes; "
                         "without --auth-token-file the launcher makes the node join credential itself")
@@ -226,7 +246,8 @@ def config_from_args(argv: Sequence[str] | None) -> ClusterConfig:
         router_cores=args.router_cores, ready_timeout_s=args.ready_timeout_s, stop_grace_s=args.stop_grace_s,
         drain_timeout_s=args.drain_timeout_s,
         log_dir=args.log_dir, auth_token_file=args.auth_token_file, api_keys_file=args.api_keys_file,
-        metrics_port=args.metrics_port,
+        metrics_port=args.metrics_port, tls=tls_from_args(args, server=True), make_tls=args.tls,
+        tls_dir=args.tls_dir,
         http_port=None if args.no_http else args.http_port,
         state_file=args.state_file, restart=RestartPolicy(**values_from_args(args, RestartPolicy, "restart_")),
         rebalance=LoadModeSettings(**values_from_args(args, LoadModeSettings, "rebalance_")) if args.rebalance else None)

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field, replace
 from pdserve.cluster_config import THREADS_FLAGS, ClusterConfig, ClusterError
 from pdserve.cluster_supervisor import ChildSpec
 from pdserve.common.affinity import available_cpus, check_available, format_cpu_list, split_cpus
+from pdserve.common.tls import TlsConfig, http_scheme
 
 @dataclass(frozen=True)
 class ClusterPlan:
@@ -31,9 +32,10 @@ class ClusterPlan:
     metrics_ports: dict[str, int] = field(default_factory=dict)  # child name -> /metrics port, when asked
     http_port: int | None = None  # the router's OpenAI-compatible API
     model_dir: str = ""
+    tls: TlsConfig | None = None  # every child's (common/tls.py); None: plaintext
 
     def http_url(self, host: str) -> str | None:
-        return f"http://{host}:{self.http_port}/v1" if self.http_port is not None else None
+        return f"{http_scheme(self.tls)}://{host}:{self.http_port}/v1" if self.http_port is not None else None
 
     def metrics_urls(self, host: str) -> dict[str, str]:
         return {name: f"http://{host}:{port}/metrics" for name, port in self.metrics_ports.items()}
@@ -66,7 +68,8 @@ def build_plan(config: ClusterConfig, model_dir: str, router_port: int, python: 
     drain = ("--drain-timeout-s", f"{config.drain_timeout_s:g}")
     router = ChildSpec("router", (*base, "router", "--host", config.host, "--port", str(router_port),
                                   "--model", model_dir, "--block-size", str(config.block_size), *http,
-                                  *_auth_args(config), *_api_keys_args(config), *_metrics_args(metrics_ports, "router"),
+                                  *_auth_args(config), *_api_keys_args(config), *_tls_args(config),
+                                  *_metrics_args(metrics_ports, "router"),
                                   *drain,
                                   *config.router_args),
                        cpus=config.router_cores)
@@ -79,7 +82,7 @@ def build_plan(config: ClusterConfig, model_dir: str, router_port: int, python: 
                              metrics_ports.get(name))
             nodes.append(spec)
             addresses[name] = f"{config.host}:{spec_port(spec)}"
-    return ClusterPlan(router, tuple(nodes), router_addr, addresses, metrics_ports, http_port, model_dir)
+    return ClusterPlan(router, tuple(nodes), router_addr, addresses, metrics_ports, http_port, model_dir, config.tls)
 
 
 @dataclass(frozen=True)
@@ -103,7 +106,7 @@ def node_spec(config: ClusterConfig, site: NodeSite, kind: str, name: str, cpus:
     drain = ("--drain-timeout-s", f"{config.drain_timeout_s:g}")
     argv = (site.python, "-m", "pdserve", kind, "--model", site.model_dir, "--host", config.host, "--port", str(port),
             "--router", site.router_addr, "--node-id", name, *kv, "--dtype", config.dtype,
-            "--block-size", str(config.block_size), *_auth_args(config), *pin, *metrics, *drain,
+            "--block-size", str(config.block_size), *_auth_args(config), *_tls_args(config), *pin, *metrics, *drain,
             *_threads_args(config, pool.args, pinned=cpus is not None), *pool.args)
     return ChildSpec(name, argv, cpus=cpus)
 
@@ -136,6 +139,10 @@ def check_cores(config: ClusterConfig, usable_cpus: Collection[int] | None) -> N
 
 def _auth_args(config: ClusterConfig) -> tuple[str, ...]:
     return ("--auth-token-file", config.auth_token_file) if config.auth_token_file else ()
+
+
+def _tls_args(config: ClusterConfig) -> tuple[str, ...]:
+    return config.tls.flags() if config.tls is not None else ()
 
 
 def _api_keys_args(config: ClusterConfig) -> tuple[str, ...]:

@@ -3,8 +3,8 @@
 `ClusterProcess(flags, workdir)` runs `python -m pdserve cluster --port 0 --state-file ...
 --log-dir ... <flags>` — the command users run — waits until it serves, and reads the
 state file for what a program needs besides the router's address: each node's address
-(`GetStats`, block counts), its pid (fault drills signal its process group) and its
-metrics URL. Leaving the `with` block stops the launcher, which stops every child.
+(`GetStats`, block counts), its pid (fault drills signal its process group), its
+metrics URL, and with `--tls` the files its own calls use (`state.tls()`). Leaving the `with` block stops the launcher, which stops every child.
 
 Must never: start a router or a node itself (the launcher does, with the command lines
 users get), or outlive its `with` block.
@@ -24,8 +24,9 @@ from typing import TypeVar
 import grpc
 
 from pdserve.cluster_state import ClusterState, read_state
-from pdserve.common.auth import TOKEN_ENV, call_metadata
+from pdserve.common.auth import TOKEN_ENV, call_metadata, read_token_file
 from pdserve.common.lifecycle import PARENT_PID_ENV
+from pdserve.common.tls import sync_channel
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
 T = TypeVar("T")
@@ -101,6 +102,14 @@ class ClusterProcess:
         return self.state
 
     @property
+    def token(self) -> str | None:
+        """The node join credential this object's calls carry: the one it was given, else the one
+        in the launcher's token file (`--tls` makes one when none is given)."""
+        if self.auth_token is not None or self.state.auth_token_file is None:
+            return self.auth_token
+        return read_token_file(self.state.auth_token_file)
+
+    @property
     def router(self) -> str:
         return self.state.router
 
@@ -118,15 +127,15 @@ class ClusterProcess:
     # -- talking to the cluster -----------------------------------------------------------
 
     def health(self, timeout_s: float = 5.0) -> pdserve_pb2.HealthResponse:
-        with grpc.insecure_channel(self.router) as channel:
+        with sync_channel(self.router, self.state.tls()) as channel:
             return pdserve_pb2_grpc.GenerationStub(channel).Health(
-                pdserve_pb2.HealthRequest(), timeout=timeout_s, metadata=call_metadata(self.auth_token))
+                pdserve_pb2.HealthRequest(), timeout=timeout_s, metadata=call_metadata(self.token))
 
     def stats(self, name: str, timeout_s: float = 10.0) -> node_pb2.NodeStats:
         child = self.state.children[name]
-        with grpc.insecure_channel(child.address) as channel:
+        with sync_channel(child.address, self.state.tls()) as channel:
             return _NODE_STUBS[child.kind](channel).GetStats(node_pb2.StatsRequest(), timeout=timeout_s,
-                                                             metadata=call_metadata(self.auth_token))
+                                                             metadata=call_metadata(self.token))
 
     def node_stats(self) -> dict[str, node_pb2.NodeStats]:
         """Every node's stats, by name."""

@@ -25,7 +25,8 @@ import grpc
 import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.common.auth import add_auth_args, insecure_channel, token_or_usage_error
+from pdserve.common.auth import add_auth_args, open_channel, token_or_usage_error
+from pdserve.common.tls import TlsConfig, add_tls_args, tls_or_usage_error
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
 T = TypeVar("T")
@@ -55,6 +56,7 @@ class HealthcheckConfig:
     min_decode: int = 1
     min_colocated: int = 0  # a colocated cluster (`pdserve cluster --colocated N`) asks for N and 0, 0 above
     auth_token: str | None = field(default=None, repr=False)  # None: the servers require none
+    tls: TlsConfig | None = None  # None: plaintext (common/tls.py)
 
 
 @dataclass(frozen=True)
@@ -64,14 +66,16 @@ class Verdict:
     reachable: bool = True  # False: no answer at all (not listening yet, or gone)
 
 
-async def _router_health(addr: str, timeout_s: float, token: str | None) -> pdserve_pb2.HealthResponse:
-    async with insecure_channel(addr, token) as channel:
+async def _router_health(addr: str, timeout_s: float, token: str | None,
+                         tls: TlsConfig | None) -> pdserve_pb2.HealthResponse:
+    async with open_channel(addr, token, tls=tls) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         return await stub.Health(pdserve_pb2.HealthRequest(), timeout=timeout_s)
 
 
-async def _node_stats(addr: str, kind: str, timeout_s: float, token: str | None) -> node_pb2.NodeStats:
-    async with insecure_channel(addr, token) as channel:
+async def _node_stats(addr: str, kind: str, timeout_s: float, token: str | None,
+                      tls: TlsConfig | None) -> node_pb2.NodeStats:
+    async with open_channel(addr, token, tls=tls) as channel:
         return await _NODE_STUBS[kind](channel).GetStats(node_pb2.StatsRequest(), timeout=timeout_s)
 
 
@@ -82,29 +86,30 @@ def _run(coro: Coroutine[Any, Any, T]) -> T:
 
 
 def router_health(addr: str, timeout_s: float = HealthcheckConfig.timeout_s,
-                  token: str | None = None) -> pdserve_pb2.HealthResponse:
+                  token: str | None = None, tls: TlsConfig | None = None) -> pdserve_pb2.HealthResponse:
     """The router's Health answer; raises grpc.RpcError when it does not answer in time."""
-    return _run(_router_health(addr, timeout_s, token))
+    return _run(_router_health(addr, timeout_s, token, tls))
 
 
 def node_stats(addr: str, kind: str, timeout_s: float = HealthcheckConfig.timeout_s,
-               token: str | None = None) -> node_pb2.NodeStats:
+               token: str | None = None, tls: TlsConfig | None = None) -> node_pb2.NodeStats:
     """A node's NodeStats; raises grpc.RpcError when it does not answer in time."""
     if kind not in _NODE_STUBS:
         raise ValueError(f"node kind must be one of {', '.join(_NODE_STUBS)}, got {kind!r}")
-    return _run(_node_stats(addr, kind, timeout_s, token))
+    return _run(_node_stats(addr, kind, timeout_s, token, tls))
 
 
-async def _standard_status(addr: str, service: str, timeout_s: float, token: str | None) -> int:
-    async with insecure_channel(addr, token) as channel:
+async def _standard_status(addr: str, service: str, timeout_s: float, token: str | None,
+                           tls: TlsConfig | None) -> int:
+    async with open_channel(addr, token, tls=tls) as channel:
         request = health_pb2.HealthCheckRequest(service=service)
         return (await health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout_s)).status
 
 
 def standard_status(addr: str, service: str, timeout_s: float = HealthcheckConfig.timeout_s,
-                    token: str | None = None) -> int:
+                    token: str | None = None, tls: TlsConfig | None = None) -> int:
     """`grpc.health.v1` status of `service` at `addr`; raises grpc.RpcError when it does not answer."""
-    return _run(_standard_status(addr, service, timeout_s, token))
+    return _run(_standard_status(addr, service, timeout_s, token, tls))
 
 
 def check(addr: str, service: str, config: HealthcheckConfig = HealthcheckConfig()) -> Verdict:
@@ -115,13 +120,13 @@ def check(addr: str, service: str, config: HealthcheckConfig = HealthcheckConfig
         return max(0.001, deadline - time.monotonic())
 
     try:
-        status = standard_status(addr, _STANDARD_NAMES[service], remaining(), config.auth_token)
+        status = standard_status(addr, _STANDARD_NAMES[service], remaining(), config.auth_token, config.tls)
         if status != health_pb2.HealthCheckResponse.SERVING:
             name = health_pb2.HealthCheckResponse.ServingStatus.Name(status)
             return Verdict(False, f"{service} at {addr}: {_STANDARD_NAMES[service]} is {name}")
         if service == "router":
-            return _judge_router(router_health(addr, remaining(), config.auth_token), config)
-        stats = node_stats(addr, service, remaining(), config.auth_token)
+            return _judge_router(router_health(addr, remaining(), config.auth_token, config.tls), config)
+        stats = node_stats(addr, service, remaining(), config.auth_token, config.tls)
     except grpc.RpcError as err:
         detail = f"{service} at {addr}: {err.code().name} {err.details() or ''}".rstrip()
         return Verdict(False, detail, reachable=err.code() not in _NO_ANSWER)
@@ -154,6 +159,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--min-colocated", type=int, default=defaults.min_colocated,
                         help="a colocated cluster: e.g. --min-colocated 1 --min-prefill 0 --min-decode 0")
     add_auth_args(parser)
+    add_tls_args(parser, server=False)
     return parser
 
 
@@ -162,7 +168,8 @@ def main(argv: list[str] | None = None) -> int:
     args = parser.parse_args(argv)
     token = token_or_usage_error(parser, args.auth_token_file, os.environ)
     config = HealthcheckConfig(timeout_s=args.timeout_s, min_prefill=args.min_prefill, min_decode=args.min_decode,
-                               min_colocated=args.min_colocated, auth_token=token)
+                               min_colocated=args.min_colocated, auth_token=token,
+                               tls=tls_or_usage_error(parser, args, server=False))
     verdict = check(args.addr, args.service, config)
     print(("healthy: " if verdict.healthy else "unhealthy: ") + verdict.reason)
     return 0 if verdict.healthy else 1

@@ -21,7 +21,8 @@ from dataclasses import dataclass
 
 import grpc
 
-from pdserve.common.auth import insecure_channel
+from pdserve.common.auth import open_channel
+from pdserve.common.tls import TlsConfig
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.proto import node_pb2, node_pb2_grpc
 
@@ -81,10 +82,11 @@ class LayoutCache:
         return known
 
 
-def grpc_fetch(token: str | None, timeout_s: float) -> Fetch:
-    """`DecodeNode.GetKVLayout` over a channel of its own: a fetch happens once per decode node run."""
+def grpc_fetch(token: str | None, timeout_s: float, tls: TlsConfig | None = None) -> Fetch:
+    """`DecodeNode.GetKVLayout` over a channel of its own (mutual TLS when the node has it): a
+    fetch happens once per decode node run."""
     async def fetch(address: str) -> tuple[str, str]:
-        channel = insecure_channel(address, token)
+        channel = open_channel(address, token, tls=tls)
         try:
             reply = await node_pb2_grpc.DecodeNodeStub(channel).GetKVLayout(node_pb2.KVLayoutRequest(),
                                                                             timeout=timeout_s)

@@ -28,7 +28,7 @@ class PrefillServicer(NodeServicer):
     def __init__(self, client: CoreClient) -> None:
         super().__init__(client)
         config = client.config
-        self.layouts = LayoutCache(grpc_fetch(config.auth_token, config.kv_layout_timeout_s))
+        self.layouts = LayoutCache(grpc_fetch(config.auth_token, config.kv_layout_timeout_s, config.tls))
 
     async def Prefill(self, request: node_pb2.PrefillRequest,
                       context: grpc.aio.ServicerContext) -> node_pb2.PrefillResponse:

@@ -10,6 +10,7 @@ from dataclasses import dataclass, field
 
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE
 from pdserve.common.lifecycle import DEFAULT_DRAIN_TIMEOUT_S
+from pdserve.common.tls import TlsConfig
 
 DEFAULT_HOST = "127.0.0.1"
 DEFAULT_PORT = 50051
@@ -132,6 +133,10 @@ class RouterConfig:
         "help": "largest request message; gRPC refuses a larger one with RESOURCE_EXHAUSTED"})
     # The node join credential callers must present (common/auth.py); None: no authentication.
     auth_token: str | None = field(default=None, repr=False, metadata={"flag": False})
+    # TLS (common/tls.py): mutual on the gRPC port (the Registry is there: a node must present a
+    # certificate the CA signed, and so must a gRPC client), server-only on the HTTP front (API keys
+    # authenticate its callers); also on the channels to the nodes. None: plaintext.
+    tls: TlsConfig | None = field(default=None, metadata={"flag": False})
     # Client API keys (common/api_keys.py): they open the public API, never the Registry.
     api_keys_file: str | None = field(default=None, metadata={
         "metavar": "PATH", "help": "client API keys, one a line, reloaded when the file changes: each opens the "

@@ -28,6 +28,7 @@ import grpc
 import uvloop
 
 from pdserve.common.auth import add_auth_args, check_token, token_from_cli
+from pdserve.common.tls import add_tls_args, tls_from_args
 from pdserve.bench.serve import report
 from pdserve.bench.serve.client import Backend, ClientOptions
 from pdserve.bench.serve.grpc_backend import GrpcBackend
@@ -81,6 +82,7 @@ def _parser() -> argparse.ArgumentParser:
     out.add_argument("--timeout-s", type=float, help="deadline of each request")
     out.add_argument("--auth-token", help="sent as `authorization: Bearer <token>` (visible in `ps`: prefer the file)")
     add_auth_args(out)
+    add_tls_args(p, server=False)
     out.add_argument("--output-json", type=Path)
     out.add_argument("--plot-dir", type=Path, help="write attainment_vs_rate.png and latency_cdf.png here")
     out.add_argument("--no-progress", action="store_true", help="no progress bar on stderr")
@@ -157,7 +159,8 @@ def main(argv: list[str] | None = None) -> int:
         args.num_requests = DEFAULT_NUM_REQUESTS
     slo = Slo(args.ttft_slo, args.tpot_slo)
     try:
-        options = ClientOptions(timeout_s=args.timeout_s, auth_token=_auth_token(args), progress=not args.no_progress)
+        options = ClientOptions(timeout_s=args.timeout_s, auth_token=_auth_token(args), progress=not args.no_progress,
+                                tls=tls_from_args(args, server=False))
         if args.sweep:
             _sweep_config(args)  # a bad bracket is a usage error before any request is sent
         backend = build_backend(args, options)

@@ -13,6 +13,7 @@ and never stops the run. Never computes a metric; `metrics` does that from the t
 from __future__ import annotations
 
 import asyncio
+import ssl
 import sys
 import time
 from collections.abc import Awaitable, Callable
@@ -23,6 +24,7 @@ from typing import Protocol
 from tqdm import tqdm
 
 from pdserve.common.auth import call_metadata
+from pdserve.common.tls import TlsConfig
 from pdserve.bench.serve.metrics import RequestTrace
 from pdserve.bench.serve.workloads import ModelLimits, RequestSpec
 
@@ -34,6 +36,11 @@ class ClientOptions:
     timeout_s: float | None = None  # deadline of each request's whole stream
     auth_token: str | None = None  # sent as `authorization: Bearer <token>` on every call
     progress: bool = True  # a progress bar on stderr
+    tls: TlsConfig | None = None  # TLS to the server, trusting its CA (common/tls.py); None: plaintext
+
+    def ssl_context(self) -> ssl.SSLContext | bool:
+        """aiohttp's `ssl` argument: the CA's context with TLS, else its default checks."""
+        return self.tls.client_ssl_context() if self.tls is not None else True
 
     def metadata(self) -> tuple[tuple[str, str], ...]:
         return call_metadata(self.auth_token)

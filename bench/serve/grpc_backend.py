@@ -12,6 +12,7 @@ from collections.abc import AsyncIterator
 
 import grpc
 
+from pdserve.common.tls import aio_channel
 from pdserve.bench.serve.client import MODEL_INFO_TIMEOUT_S, Call, ClientOptions, ServerModel
 from pdserve.bench.serve.metrics import RequestTrace
 from pdserve.bench.serve.workloads import ModelLimits, RequestSpec
@@ -27,7 +28,7 @@ def generate_request(spec: RequestSpec) -> pdserve_pb2.GenerateRequest:
 
 
 async def fetch_model_info(address: str, options: ClientOptions) -> pdserve_pb2.ModelInfo:
-    async with grpc.aio.insecure_channel(address) as channel:
+    async with aio_channel(address, options.tls) as channel:
         return await pdserve_pb2_grpc.GenerationStub(channel).GetModelInfo(
             pdserve_pb2.GetModelInfoRequest(), timeout=MODEL_INFO_TIMEOUT_S, metadata=options.metadata()
         )
@@ -54,7 +55,7 @@ class GrpcBackend:
 
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[Call]:
-        async with grpc.aio.insecure_channel(self.address) as channel:
+        async with aio_channel(self.address, self.options.tls) as channel:
             stub = pdserve_pb2_grpc.GenerationStub(channel)
 
             async def call(spec: RequestSpec, trace: RequestTrace, start: float) -> None:

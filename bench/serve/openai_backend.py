@@ -51,7 +51,8 @@ class OpenAIBackend:
     async def model(self) -> ServerModel:
         timeout = aiohttp.ClientTimeout(total=MODEL_INFO_TIMEOUT_S)
         async with aiohttp.ClientSession(timeout=timeout) as http:
-            async with http.get(f"{self.base_url}/models", headers=self._headers()) as response:
+            async with http.get(f"{self.base_url}/models", headers=self._headers(),
+                                ssl=self.options.ssl_context()) as response:
                 if response.status != 200:
                     raise OpenAIBackendError(f"GET {self.base_url}/models: HTTP {response.status}: "
                                              f"{(await response.text())[:200]}")
@@ -78,7 +79,7 @@ class OpenAIBackend:
     @contextlib.asynccontextmanager
     async def session(self) -> AsyncIterator[Call]:
         # No connection limit: an open loop must never queue on the client's side.
-        connector = aiohttp.TCPConnector(limit=0)
+        connector = aiohttp.TCPConnector(limit=0, ssl=self.options.ssl_context())
         timeout = aiohttp.ClientTimeout(total=self.options.timeout_s)
         async with aiohttp.ClientSession(connector=connector, timeout=timeout, headers=self._headers()) as http:
             async def call(spec: RequestSpec, trace: RequestTrace, start: float) -> None:

@@ -135,7 +135,7 @@ class RouterLink:
         """`latest_stats` is the front's cached snapshot (`CoreClient.latest_stats`), `fingerprint`
         its core's KV fingerprint (`CoreClient.fingerprint`, KVCacheSpec.fingerprint())."""
         # Reconnects to a router that comes up late (or restarts) within about a second.
-        self._channel = reconnecting_channel(config.router, config.auth_token)
+        self._channel = reconnecting_channel(config.router, config.auth_token, config.tls)
         self._registration = _Registration(config, address, latest_stats, fingerprint,
                                            node_pb2_grpc.RegistryStub(self._channel))
 

@@ -41,6 +41,7 @@ from pdserve.common.lifecycle import ExitStatus, StopSignals, supervisor_of
 from pdserve.common.metrics_endpoint import MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.common.refusal import Refused
+from pdserve.common.tls import add_port
 from pdserve.common.affinity import pin_to_cpus
 from pdserve.node.front.client import CoreClient
 from pdserve.node.config import NodeConfig, parse_node_args
@@ -189,7 +190,7 @@ def _start_metrics(config: NodeConfig, client: CoreClient, health: NodeHealth) -
 
 def _bind(server: grpc.aio.Server, config: NodeConfig) -> int:
     try:
-        return server.add_insecure_port(f"{config.host}:{config.port}")
+        return add_port(server, f"{config.host}:{config.port}", config.tls)
     except RuntimeError:  # gRPC says only that it failed
         raise unavailable(Listen("--port", config.host, config.port)) from None
 

@@ -35,6 +35,7 @@ from dataclasses import dataclass, field
 import grpc
 
 from pdserve.common.channels import reconnecting_channel
+from pdserve.common.tls import TlsConfig
 from pdserve.proto import node_pb2, node_pb2_grpc
 from pdserve.router.errors import NodeRefused
 from pdserve.router.cluster.node_facts import RouterFacts, disagreements
@@ -43,9 +44,10 @@ from pdserve.router.cluster.placement import Candidate
 log = logging.getLogger(__name__)
 
 
-def node_channel_factory(token: str | None) -> Callable[[str], grpc.aio.Channel]:
-    """Channels to nodes whose every call carries the auth token (common/auth.py)."""
-    return lambda address: reconnecting_channel(address, token)
+def node_channel_factory(token: str | None, tls: TlsConfig | None = None) -> Callable[[str], grpc.aio.Channel]:
+    """Channels to nodes whose every call carries the auth token (common/auth.py), over mutual
+    TLS when the router has it (common/tls.py)."""
+    return lambda address: reconnecting_channel(address, token, tls)
 
 
 class NodeKind(enum.Enum):

@@ -19,7 +19,8 @@ from typing import TextIO
 import grpc
 import uvloop
 
-from pdserve.common.auth import add_auth_args, insecure_channel, token_or_usage_error
+from pdserve.common.auth import add_auth_args, open_channel, token_or_usage_error
+from pdserve.common.tls import TlsConfig, add_tls_args, tls_or_usage_error
 from pdserve.common.lifecycle import ExitStatus
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.proto.convert import finish_reason_name
@@ -85,11 +86,11 @@ def build_request(args: argparse.Namespace) -> pdserve_pb2.GenerateRequest:
 
 async def generate(
     address: str, request: pdserve_pb2.GenerateRequest, out: TextIO | None, timeout_s: float | None = None,
-    token: str | None = None,
+    token: str | None = None, tls: TlsConfig | None = None,
 ) -> Completion:
     """Stream one request's text to `out` (when given) and return what came back."""
     completion = Completion()
-    async with insecure_channel(address, token) as channel:
+    async with open_channel(address, token, tls=tls) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         async for response in stub.Generate(request, timeout=timeout_s):
             completion.add(response)
@@ -99,10 +100,11 @@ async def generate(
     return completion
 
 
-async def _run(args: argparse.Namespace, token: str | None) -> int:
+async def _run(args: argparse.Namespace, token: str | None, tls: TlsConfig | None) -> int:
     request = build_request(args)
     try:
-        completion = await generate(args.addr, request, None if args.json else sys.stdout, args.timeout_s, token)
+        completion = await generate(args.addr, request, None if args.json else sys.stdout, args.timeout_s, token,
+                                    tls)
     except grpc.aio.AioRpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
         return ExitStatus.FAILED
@@ -155,6 +157,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--timeout-s", type=float, help="deadline of the whole request")
     parser.add_argument("--json", action="store_true", help="print one JSON object at the end")
     add_auth_args(parser)
+    add_tls_args(parser, server=False)
     return parser
 
 
@@ -165,7 +168,7 @@ def main(argv: list[str] | None = None) -> int:
         parser.error("give exactly one of PROMPT and --token-ids")
     token = token_or_usage_error(parser, args.auth_token_file, os.environ)
     try:
-        return uvloop.run(_run(args, token))
+        return uvloop.run(_run(args, token, tls_or_usage_error(parser, args, server=False)))
     except KeyboardInterrupt:  # the run cancelled the call on its way out
         if not args.json:
             print()  # the streamed text ends its line, as a finished one does

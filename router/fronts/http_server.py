@@ -31,6 +31,7 @@ Must never: validate, admit or place a request itself (RequestRunner does), or b
 from __future__ import annotations
 
 import asyncio
+import ssl
 import json
 import uuid
 from dataclasses import dataclass
@@ -72,9 +73,11 @@ class ServedModel:
 
 class HTTPFront:
     def __init__(self, run: Runner, model: ServedModel, health: HealthCheck, credentials: Credentials | None = None,
-                 metrics: CollectorRegistry | None = None) -> None:
+                 metrics: CollectorRegistry | None = None, ssl_context: ssl.SSLContext | None = None) -> None:
         """`health`: whether the router serves (a client waiting on /v1/models or /health waits for it);
-        `metrics`: the registry /metrics serves (None: an empty one)."""
+        `metrics`: the registry /metrics serves (None: an empty one); `ssl_context`: serve HTTPS
+        with it (common/tls.py; None: plain HTTP)."""
+        self._ssl_context = ssl_context
         self._run = run
         self._model = model
         self._tokenizer = model.tokenizer
@@ -97,7 +100,7 @@ class HTTPFront:
     async def start(self, host: str, port: int) -> int:
         self._runner = web.AppRunner(self.app(), handle_signals=False, access_log=None)
         await self._runner.setup()
-        await web.TCPSite(self._runner, host, port, reuse_port=False).start()
+        await web.TCPSite(self._runner, host, port, reuse_port=False, ssl_context=self._ssl_context).start()
         return self._runner.addresses[0][1]  # the bound port (the OS's pick for 0)
 
     async def stop(self) -> None:

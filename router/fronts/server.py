@@ -37,6 +37,7 @@ from pdserve.common.grpc_standard import StandardServices
 from pdserve.common.metrics_endpoint import Health, HealthCheck, MetricsEndpoint
 from pdserve.common.ports import Listen, PortUnavailable, check_free, unavailable
 from pdserve.common.refusal import Refused
+from pdserve.common.tls import add_port, add_tls_args, http_scheme, tls_from_args
 from pdserve.engine.structured_output import library_loaded, load_library
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.requests.admission import Admission
@@ -211,7 +212,7 @@ class RouterServer:
         self.config = config
         model = model or load_router_model(config.model)
         registry = NodeRegistry(config.heartbeat_timeout_s, config.channel_close_grace_s,
-                                channel_factory=node_channel_factory(config.auth_token))
+                                channel_factory=node_channel_factory(config.auth_token, config.tls))
         for address in config.prefill_addresses:
             registry.add_static(NodeKind.PREFILL, address)
         for address in config.decode_addresses:
@@ -263,7 +264,8 @@ class RouterServer:
                                  model.vocab_size, _read_template(self.config.chat_template))
             def observed(request: pdserve_pb2.GenerateRequest) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
                 return self.metrics.observe(requests.run(request), http_end_status)
-            self.http = HTTPFront(observed, served, self.health, self._credentials(), self.metrics.registry)
+            self.http = HTTPFront(observed, served, self.health, self._credentials(), self.metrics.registry,
+                                  ssl_context=None if self.config.tls is None else self.config.tls.server_ssl_context())
         # grpc.health.v1: SERVING only while the router can serve a request, not merely while it runs;
         # the Registry while it runs (nodes can join): a liveness probe's question.
         self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve,
@@ -374,7 +376,7 @@ def _start_endpoint(config: RouterConfig, registry: CollectorRegistry, health: H
 
 def _bind(server: grpc.aio.Server, config: RouterConfig) -> int:
     try:
-        port = server.add_insecure_port(config.address)
+        port = add_port(server, config.address, config.tls)
     except RuntimeError:  # gRPC says only that it failed
         port = 0
     if port == 0:
@@ -391,6 +393,7 @@ def _parser() -> argparse.ArgumentParser:
     parser.add_argument("--prefill", action="append", default=[], metavar="HOST:PORT", help="a static prefill node")
     parser.add_argument("--decode", action="append", default=[], metavar="HOST:PORT", help="a static decode node")
     add_auth_args(parser)
+    add_tls_args(parser, server=True)
     parser.add_argument("--log-level", default="INFO")
     return parser
 
@@ -406,6 +409,7 @@ def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None
         limits=RequestLimits(**values_from_args(args, RequestLimits)),
         admission=AdmissionLimits(**values_from_args(args, AdmissionLimits)),
         auth_token=token_from_cli(args.auth_token_file, environ or {}),
+        tls=tls_from_args(args, server=True),
         **values_from_args(args, RouterConfig),
     )
 
@@ -422,7 +426,7 @@ async def serve(config: RouterConfig) -> int:
     signals.install(asyncio.get_running_loop(), supervisor_of(os.environ))
     print(f"pdserve router listening on {config.host}:{port}", flush=True)
     if server.http_port is not None:
-        print(f"pdserve router OpenAI-compatible HTTP API on http://{config.host}:{server.http_port}/v1", flush=True)
+        print(f"pdserve router OpenAI-compatible HTTP API on {http_scheme(config.tls)}://{config.host}:{server.http_port}/v1", flush=True)
     if server.metrics_url is not None:
         print(f"pdserve router metrics on {server.metrics_url}", flush=True)
     try:

@@ -16,7 +16,7 @@ import openai
 import pytest
 from transformers import AutoTokenizer
 
-from pdserve.common.auth import insecure_channel
+from pdserve.common.auth import open_channel
 from pdserve.bench import disagg_latency, overload
 from tests.e2e.cluster import NodeSettings, running_cluster
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
@@ -49,7 +49,7 @@ def greedy() -> pdserve_pb2.GenerateRequest:
 
 async def overload_client(router: str) -> tuple[overload.Result, list[int]]:
     """The overload benchmark's request, and the tokens of the same request on the same channel."""
-    async with insecure_channel(router, TOKEN) as channel:
+    async with open_channel(router, TOKEN) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         result = await overload.one_request(stub, greedy(), timeout_s=60)
         tokens = [t async for r in stub.Generate(greedy(), timeout=60) for t in r.token_ids]

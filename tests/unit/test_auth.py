@@ -13,7 +13,7 @@ import grpc
 import pytest
 
 from pdserve.common.auth import (TOKEN_ENV, Credentials, TokenError, bearer_of, add_auth_args, call_metadata, check_token,
-                          insecure_channel, server_interceptors, token_from_cli)
+                          open_channel, server_interceptors, token_from_cli)
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 TOKEN = "s3cret-Token_42"
@@ -106,7 +106,7 @@ async def _call_both(server_token: str | None, client_token: str | None,
     port = server.add_insecure_port("127.0.0.1:0")
     await server.start()
     try:
-        async with insecure_channel(f"127.0.0.1:{port}", client_token) as channel:
+        async with open_channel(f"127.0.0.1:{port}", client_token) as channel:
             stub = pdserve_pb2_grpc.GenerationStub(channel)
             try:
                 health = (await stub.Health(pdserve_pb2.HealthRequest(), timeout=10, metadata=metadata)).decode_nodes
