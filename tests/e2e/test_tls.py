@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import json
 import ssl
+import sys
 import urllib.error
 import urllib.request
 
@@ -21,12 +22,14 @@ import grpc
 import pytest
 from transformers import AutoTokenizer
 
+from pdserve.cluster_supervisor import ChildSpec, ClusterSupervisor
 from pdserve.cluster_tls import make_cluster_tls
 from pdserve.common.tls import TlsConfig, sync_channel
 from pdserve.healthcheck import HealthcheckConfig, check
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.router.fronts.client import generate
-from tests.e2e.cluster import NodeSettings, running_cluster
+from pdserve.testing.waiting import wait_until
+from tests.e2e.cluster import HOST, START_TIMEOUT_S, NodeSettings, free_port, running_cluster
 
 from ..integration.reference import assert_matches, greedy_references
 
@@ -133,3 +136,24 @@ def test_a_node_whose_certificate_another_ca_signed_cannot_register_or_call_a_no
     assert (health.prefill_nodes, health.decode_nodes) == (1, 1)
     stats = cluster.wait_all_blocks_free(timeout_s=10)
     assert [(s.kind, s.used_blocks, s.reserved_blocks) for s in stats] == [("prefill", 0, 0), ("decode", 0, 0)]
+
+
+def test_a_real_node_with_another_cas_certificate_never_joins(cluster, other_ca, model_dir, tmp_path):
+    """`pdserve decode` as a user would start it, pointed at the cluster with the right CA and the
+    join credential, but a certificate of another CA: every Register fails the handshake."""
+    tls = cluster.state.tls()
+    argv = (sys.executable, "-m", "pdserve", "decode", "--model", model_dir, "--host", HOST, "--port",
+            str(free_port()), "--router", cluster.router, "--node-id", "rogue", "--kv-host", HOST, "--dtype", "float32",
+            "--block-size", "8", "--num-blocks", "64", "--max-num-batched-tokens", "64", "--threads", "1",
+            "--tls-ca-file", tls.ca_file, "--tls-cert-file", other_ca.cert_file, "--tls-key-file", other_ca.key_file,
+            "--auth-token-file", cluster.state.auth_token_file)
+    log = tmp_path / "rogue.log"  # the supervisor opens it with the child's first line
+    with ClusterSupervisor(log_dir=tmp_path) as supervisor:
+        supervisor.start(ChildSpec("rogue", argv))
+        try:
+            wait_until(lambda: log.exists() and "unreachable; retrying quietly (UNAVAILABLE" in log.read_text(),
+                       "the rogue node's Register fails", START_TIMEOUT_S, interval_s=0.25)
+            health = cluster.health()
+            assert (health.prefill_nodes, health.decode_nodes) == (1, 1)
+        finally:
+            supervisor.stop_all(grace_s=10)
