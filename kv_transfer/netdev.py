@@ -1,10 +1,11 @@
-"""Which network interface holds an address: how the UCX transport keeps to the one it is given.
+"""Which network interface holds an address, and which port: how the UCX transport keeps to
+the address it is given.
 
-UCX opens a TCP listener per network interface it uses (the TCP transport's own, for the
-connections that follow the first), on that interface's address. Limiting UCX to the interface
-that holds the KV host (`UCX_NET_DEVICES`) makes those listeners bind that address only.
-(The connection listener itself, ucxx's `create_listener`, binds every interface: ucxx's
-Python API takes no bind address — kv_transfer/ucx.py.)
+Peers reach a UCX transport through its worker's address (kv_transfer/ucx.py), whose only
+socket is the TCP transport's listener, one per network interface UCX uses, on that
+interface's address. Limiting UCX to the interface that holds the KV host (`UCX_NET_DEVICES`)
+makes it bind that address only; `UCX_TCP_PORT_RANGE` pins its port (the node's --kv-port,
+or a free one picked here, so the port a descriptor carries is the one that listens).
 
 Must never: import torch or UCX, or guess: an address no interface holds gives None.
 """
@@ -27,6 +28,22 @@ def net_devices(host: str, environ: Mapping[str, str]) -> dict[str, str]:
         return {}
     interface = interface_of(host)
     return {"NET_DEVICES": interface} if interface is not None else {}
+
+
+def tcp_port(host: str, port: int) -> tuple[int, dict[str, str]]:
+    """(the port UCX's TCP listener will use, the option that pins it, over any
+    UCX_TCP_PORT_RANGE: the descriptor's port names the node among peers). `port` 0 picks a
+    free one on `host`."""
+    if port == 0:
+        port = free_port(host)
+    return port, {"TCP_PORT_RANGE": f"{port}-{port}"}
+
+
+def free_port(host: str) -> int:
+    """A TCP port free on `host` now (the OS's pick; UCX binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
+        sock.bind((host, 0))
+        return int(sock.getsockname()[1])
 
 
 def interface_of(host: str) -> str | None:

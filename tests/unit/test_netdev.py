@@ -1,8 +1,11 @@
-"""UCX kept to the interface that holds the KV host (its TCP listeners bind that address only)."""
+"""UCX kept to the interface that holds the KV host and to one port (its TCP listener binds that
+address and port only)."""
 
 from __future__ import annotations
 
-from pdserve.kv_transfer.netdev import interface_of, net_devices
+import socket
+
+from pdserve.kv_transfer.netdev import interface_of, net_devices, tcp_port
 
 
 def test_the_loopback_address_is_on_lo_and_unknown_addresses_on_none():
@@ -16,3 +19,12 @@ def test_the_users_ucx_net_devices_wins():
     assert net_devices("127.0.0.1", {}) == {"NET_DEVICES": "lo"}
     assert net_devices("127.0.0.1", {"UCX_NET_DEVICES": "eth1"}) == {}
     assert net_devices("203.0.113.77", {}) == {}
+
+
+def test_the_kv_port_is_pinned_and_0_picks_one_free_on_the_host():
+    assert tcp_port("127.0.0.1", 45123) == (45123, {"TCP_PORT_RANGE": "45123-45123"})
+    port, option = tcp_port("127.0.0.1", 0)
+    assert option == {"TCP_PORT_RANGE": f"{port}-{port}"} and port > 0
+    with socket.socket() as sock:  # free: UCX can bind it
+        sock.bind(("127.0.0.1", port))
+
