@@ -145,6 +145,13 @@ class KVDescriptor:
     worker_address: str = ""
     hello_tag: int = 0
 
+    @property
+    def name(self) -> str:
+        """How peers name this cache: address:port, and the HELLO tag where there is one
+        (UCX's port is 0 where the OS picks it; the tag tells transports apart)."""
+        base = f"{self.address}:{self.port}"
+        return f"{base}/{self.hello_tag:x}" if self.hello_tag else base
+
     def to_bytes(self) -> bytes:
         data = {"transport": self.transport, "address": self.address, "port": self.port,
                 "num_blocks": self.num_blocks, "spec": self.spec.to_dict(),

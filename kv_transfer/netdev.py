@@ -4,8 +4,8 @@ the address it is given.
 Peers reach a UCX transport through its worker's address (kv_transfer/ucx.py), whose only
 socket is the TCP transport's listener, one per network interface UCX uses, on that
 interface's address. Limiting UCX to the interface that holds the KV host (`UCX_NET_DEVICES`)
-makes it bind that address only; `UCX_TCP_PORT_RANGE` pins its port (the node's --kv-port,
-or a free one picked here, so the port a descriptor carries is the one that listens).
+makes it bind that address only; `UCX_TCP_PORT_RANGE` pins its port to the node's --kv-port
+(0: the OS picks it).
 
 Must never: import torch or UCX, or guess: an address no interface holds gives None.
 """
@@ -30,20 +30,10 @@ def net_devices(host: str, environ: Mapping[str, str]) -> dict[str, str]:
     return {"NET_DEVICES": interface} if interface is not None else {}
 
 
-def tcp_port(host: str, port: int) -> tuple[int, dict[str, str]]:
-    """(the port UCX's TCP listener will use, the option that pins it, over any
-    UCX_TCP_PORT_RANGE: the descriptor's port names the node among peers). `port` 0 picks a
-    free one on `host`."""
-    if port == 0:
-        port = free_port(host)
-    return port, {"TCP_PORT_RANGE": f"{port}-{port}"}
-
-
-def free_port(host: str) -> int:
-    """A TCP port free on `host` now (the OS's pick; UCX binds it moments later)."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as sock:
-        sock.bind((host, 0))
-        return int(sock.getsockname()[1])
+def tcp_port(port: int) -> dict[str, str]:
+    """The option that pins UCX's TCP listener to `port` (over any UCX_TCP_PORT_RANGE); none
+    for 0: the OS picks one as UCX binds (picking one here to pin would race other binds)."""
+    return {"TCP_PORT_RANGE": f"{port}-{port}"} if port else {}
 
 
 def interface_of(host: str) -> str | None:

@@ -113,7 +113,7 @@ class UcxTransport(KVTransport):
 
     async def _connect(self, remote: KVDescriptor) -> str:
         local = self.descriptor()
-        peer_id = f"{remote.address}:{remote.port}/{remote.hello_tag:x}"
+        peer_id = remote.name
         if remote.transport != "ucx" or not remote.worker_address:
             raise KVTransferError(f"KV peer {peer_id} gives no UCX worker address")
         try:
@@ -256,17 +256,31 @@ class UcxTransport(KVTransport):
             return
         self._inbound.add(ep)
         buf = np.empty(self.config.max_control_bytes, dtype=np.uint8)
+        mirror = None
         try:
             accepted, data_on_worker = await self._answer_hello(ep, hello)
             if not accepted:
                 await self._drain_until_closed(ep, buf)
                 return
+            if data_on_worker:
+                mirror = await self._mirror_data_endpoint(hello)
             await Inbound(self._receiver_side(data_on_worker), ep).run(buf)
         except Exception as exc:  # peer gone or protocol error: drop the connection
             logger.info("inbound KV connection ended: %r", exc)
         finally:
             self._inbound.discard(ep)
+            abort_endpoint(mirror, self.config.close_timeout_s)
             abort_endpoint(ep, self.config.close_timeout_s)
+
+    async def _mirror_data_endpoint(self, hello: ControlMsg) -> Any:
+        """An unused endpoint matching the connector's data endpoint. UCX pairs the endpoints
+        two workers open to each other by their order and refuses a pair whose error handling
+        differs, so each side opens the same ones in the same order: control (error handling),
+        then data (none). Without this one, the next connection's control endpoint would be
+        paired with this connection's data endpoint and refused. (This holds because two
+        workers connect one way only: a prefill rank to a decode rank.)"""
+        address, _ = way_back(hello)
+        return await self._endpoint_to(address, error_handling=False)
 
     async def _reply_endpoint(self, hello: ControlMsg) -> TaggedEndpoint:
         """An endpoint back to the connector's worker, on the tags its HELLO chose."""
@@ -289,7 +303,7 @@ class UcxTransport(KVTransport):
                           self._worker_address() if data_on_worker else "", data_on_worker)
         try:
             local.spec.check_compatible(theirs.spec.fingerprint(),
-                                        f"refused peer {theirs.address}:{theirs.port}")
+                                        f"refused peer {theirs.name}")
         except FingerprintMismatch as exc:
             logger.error("%s", exc)
             with self._lock:

@@ -4,8 +4,8 @@ ucxx keeps one process-wide context whose progress and Python futures are bound 
 event loop that created it, so this process gets exactly one loop thread, shared by all
 `UcxTransport` instances in it (created on first use; the first config's UCX options
 win). The engine's thread only ever hands coroutines or callbacks to this loop. UCX is kept
-to the network interface that holds the configured host and to one TCP port, the configured
-one or a free one (kv_transfer/netdev.py): `port`.
+to the network interface that holds the configured host, and to the configured TCP port when
+there is one (kv_transfer/netdev.py).
 
 Also owns the small helpers that put control messages and raw buffers on an endpoint.
 
@@ -48,7 +48,7 @@ class UcxRuntime:
             return cls._instance
 
     def __init__(self, config: KVTransferConfig) -> None:
-        self.port = 0  # the TCP port peers reach this process's worker on
+        self.port = config.port  # UCX's TCP port, when pinned (0: the OS's pick, not known here)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-ucx", daemon=True)
         self._thread.start()
@@ -65,8 +65,7 @@ class UcxRuntime:
 
         options = {"TLS": config.ucx_tls} if config.ucx_tls else {}
         options.update(net_devices(config.host, os.environ))
-        self.port, pinned = tcp_port(config.host, config.port)
-        options.update(pinned)
+        options.update(tcp_port(config.port))
         try:
             # Python futures: awaiting a request parks the coroutine instead of
             # spinning on asyncio.sleep(0), which would steal the GIL from the engine.
