@@ -2,17 +2,19 @@
 
     python -m pdserve.bench.disagg_latency [--model-dir DIR] [--prompt-len 512] [--repeats 3]
                                            [--prefill-tp T] [--decode-tp T] [--auth-token-file PATH]
+                                           [--no-kv-checksums]
 
 Builds (once) the smol135m-shaped model in bf16, starts router + 1 prefill + 1 decode
 node on 127.0.0.1, sends one request of `--prompt-len` random tokens at a time, and
 prints, per run and as the median: TTFT, the time to token 2 (the decode node's first,
 which waits for the KV), the prefill node's time to token 1, how long token 1 waited on
 the transfer after it was sampled (0 once it is connected: token 1 leaves at once and
-the KV follows), the bytes moved, the transport's push-to-ack time,
+the KV follows), the decode rate after token 2, the bytes moved, the transport's push-to-ack time,
 and its throughput against a memory-copy bandwidth measured in this process.
 Ratios, not absolute claims: this machine is shared and noisy. The copy rate counts
 each byte once, as the transfer does. With a token (`--auth-token-file`, else
-`$PDSERVE_AUTH_TOKEN`) the cluster requires it and the benchmark sends it.
+`$PDSERVE_AUTH_TOKEN`) the cluster requires it and the benchmark sends it. `--no-kv-checksums`
+starts the decode node without KV checksums (kv_transfer/integrity.py), to measure their cost.
 With `--prefill-tp`/`--decode-tp` above 1 the pools' nodes run that many tensor-parallel
 ranks (`--tp`, each rank `--threads` torch threads); the same requests then go first through
 a TP=1/TP=1 cluster, and TTFT, token 2 and prefill are reported as TP over that baseline.
@@ -62,6 +64,8 @@ def one_request(router: str, prompt: list[int], max_tokens: int, auth_token: str
         "client_ttft_s": arrivals[0] - start,
         # Token 2 is the decode node's first: it waits for the KV that token 1 no longer waits for.
         "client_token2_s": arrivals[1] - start if len(arrivals) > 1 else float("nan"),
+        "client_decode_tokens_per_s": ((len(arrivals) - 2) / (arrivals[-1] - arrivals[1])
+                                       if len(arrivals) > 2 and arrivals[-1] > arrivals[1] else float("nan")),
         "router_ttft_s": last.timings.ttft_s,
         "prefill_s": last.timings.prefill_s,
         "kv_transfer_after_token1_s": last.timings.kv_transfer_s,
@@ -92,7 +96,8 @@ def measure(args: argparse.Namespace, model_dir: str | os.PathLike, prefill_tp: 
     rng = random.Random(args.seed)  # the same requests at every TP size
     id_limit = min(PROMPT_ID_LIMIT, _vocab_size(model_dir))
     node_args = ("--num-blocks", "2048", "--max-num-batched-tokens", str(args.chunk), "--max-num-seqs", "16")
-    kind_args = {"prefill": ("--tp", str(prefill_tp)), "decode": ("--tp", str(decode_tp))}
+    checksums = () if args.kv_checksums else ("--no-kv-checksums",)  # the receiver's choice
+    kind_args = {"prefill": ("--tp", str(prefill_tp)), "decode": ("--tp", str(decode_tp), *checksums)}
     runs = []
     with local_cluster(model_dir, ("--prefill", "1", "--decode", "1"), node_args,
                        ("--threads-per-node", str(args.threads)), auth_token, kind_args) as cluster:
@@ -109,7 +114,7 @@ def measure(args: argparse.Namespace, model_dir: str | os.PathLike, prefill_tp: 
     median = {k: statistics.median(r[k] for r in runs) for k in runs[0]}
     return {
         "model_dir": str(model_dir), "prompt_len": args.prompt_len, "chunk": args.chunk,
-        "prefill_tp": prefill_tp, "decode_tp": decode_tp, "runs": runs,
+        "prefill_tp": prefill_tp, "decode_tp": decode_tp, "kv_checksums": args.kv_checksums, "runs": runs,
         "median": median,
         "transport": {"pushes": pushes, "bytes": moved, "push_to_ack_s": push_s,
                       "throughput_bytes_per_s": moved / push_s if push_s else 0.0},
@@ -136,9 +141,10 @@ def _prefill_counters(cluster):
 def print_result(result: dict, args: argparse.Namespace) -> None:
     m, r, t = result["median"], result["ratios"], result["transport"]
     print(f"prompt {args.prompt_len} tokens, prefill TP={result['prefill_tp']}, decode TP={result['decode_tp']}, "
-          f"median of {args.repeats}:")
+          f"KV checksums {'on' if result['kv_checksums'] else 'off'}, median of {args.repeats}:")
     print(f"  TTFT (client)              {m['client_ttft_s'] * 1e3:8.1f} ms")
     print(f"  token 2 (client)           {m['client_token2_s'] * 1e3:8.1f} ms")
+    print(f"  decode after token 2       {m['client_decode_tokens_per_s']:8.1f} tokens/s")
     print(f"  prefill (P, to token 1)    {m['prefill_s'] * 1e3:8.1f} ms")
     print(f"  token 1 waiting on the KV  {m['kv_transfer_after_token1_s'] * 1e3:8.1f} ms "
           f"({r['kv_transfer_after_token1_over_prefill']:.3f} x prefill)")
@@ -181,6 +187,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--prefill-tp", type=int, default=1, help="tensor-parallel ranks of the prefill node")
     parser.add_argument("--decode-tp", type=int, default=1, help="tensor-parallel ranks of the decode node")
     parser.add_argument("--seed", type=int, default=0)
+    parser.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=True,
+                        help="the decode node checks every KV push's checksums (its default)")
     parser.add_argument("--out", type=Path, default=Path("results/disagg_latency.json"))
     add_auth_args(parser)
     args = parser.parse_args(argv)

@@ -1,10 +1,16 @@
-"""The optional shared-secret token every pdserve process may require of its callers.
+"""Who may call what: the node join credential, the router's client API keys, and their checks.
 
-Owns: loading the token (`--auth-token-file PATH`, else the `PDSERVE_AUTH_TOKEN`
-value the CLI edge hands over), the grpc.aio server interceptor that refuses a call
-without `authorization: Bearer <token>` with UNAUTHENTICATED, and the client side that
-attaches that header to every call on a channel. The same token guards the public API,
-the node services, the router's Registry and the KV transfer handshake.
+Two credentials. The node join credential (`--auth-token-file PATH`, else the
+`PDSERVE_AUTH_TOKEN` value the CLI edge hands over) is the cluster's shared secret: it
+guards the node services, the router's Registry (registering a node, heartbeats), the KV
+transfer handshake, and the public API too. Client API keys (the router's `--api-keys-file`,
+common/api_keys.py) open the public API only: a call with one to the Registry is refused
+PERMISSION_DENIED, naming the credential it takes; a node knows no API key, so it refuses one
+UNAUTHENTICATED, as it refuses a wrong token, and so does a KV listener.
+
+Owns: loading the token, `Credentials` (the one rule above), the grpc.aio server interceptor
+that applies it to every call but the standard Health service's, and the client side that
+attaches `authorization: Bearer <token>` to every call on a channel.
 
 No token configured means no check: every call is allowed and channels carry no header.
 Must never: read the environment itself (callers pass it in, at the CLI edge), log or
@@ -17,11 +23,15 @@ import argparse
 import hmac
 from collections.abc import Awaitable, Callable, Mapping, Sequence
 from pathlib import Path
-from typing import Any
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
 
 import grpc
 
 from pdserve.common.grpc_standard import is_health_call
+
+if TYPE_CHECKING:
+    from pdserve.common.api_keys import ApiKeys
 
 TOKEN_ENV = "PDSERVE_AUTH_TOKEN"
 METADATA_KEY = "authorization"
@@ -85,20 +95,51 @@ def call_metadata(token: str | None) -> tuple[tuple[str, str], ...]:
 
 
 # -- server side ---------------------------------------------------------------------
-class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
-    """Refuses every call whose `authorization` metadata is not `Bearer <token>`, but the
-    standard Health service's (common/grpc_standard.py)."""
+Refusal = tuple[grpc.StatusCode, str]
 
-    def __init__(self, token: str) -> None:
-        self._expected = (SCHEME + check_token(token, "auth token")).encode()
 
-    def authorized(self, metadata: Sequence[tuple[str, str | bytes]] | None) -> bool:
-        presented = next((value for key, value in metadata or () if key == METADATA_KEY), None)
-        if presented is None:
-            return False
-        if isinstance(presented, str):
-            presented = presented.encode("utf-8", "replace")
-        return hmac.compare_digest(presented, self._expected)
+@dataclass(frozen=True)
+class Credentials:
+    """The rule of one server: the node join credential opens every service; an API key (the
+    router's, when it has any) opens every service but `node_services`."""
+
+    node_token: str
+    api_keys: ApiKeys | None = None
+    node_services: frozenset[str] = frozenset()  # full gRPC service names, e.g. the Registry's
+
+    def __post_init__(self) -> None:
+        check_token(self.node_token, "auth token")
+
+    def refusal(self, service: str, authorization: str | bytes | None) -> Refusal | None:
+        """None if a call to `service` with this `authorization` header value may go on."""
+        if authorization is None:
+            return grpc.StatusCode.UNAUTHENTICATED, _REFUSAL
+        presented = authorization.encode("utf-8", "replace") if isinstance(authorization, str) else authorization
+        if hmac.compare_digest(presented, (SCHEME + self.node_token).encode()):
+            return None
+        key = presented[len(SCHEME):] if presented.startswith(SCHEME.encode()) else None
+        if self.api_keys is None or key is None or not self.api_keys.valid(key):
+            return grpc.StatusCode.UNAUTHENTICATED, _REFUSAL
+        if service in self.node_services:
+            return grpc.StatusCode.PERMISSION_DENIED, (f"an API key opens only the public API, not {service}: that "
+                                                       "takes the node join credential (--auth-token-file)")
+        return None
+
+
+def bearer_of(metadata: Sequence[tuple[str, str | bytes]] | None) -> str | bytes | None:
+    return next((value for key, value in metadata or () if key == METADATA_KEY), None)
+
+
+def service_of(method: str) -> str:
+    """"/pdserve.node.v1.Registry/Register" -> "pdserve.node.v1.Registry"."""
+    return method.strip("/").split("/", 1)[0]
+
+
+class AuthInterceptor(grpc.aio.ServerInterceptor):
+    """Applies `Credentials` to every call but the standard Health service's (common/grpc_standard.py)."""
+
+    def __init__(self, credentials: Credentials) -> None:
+        self._credentials = credentials
 
     async def intercept_service(
         self,
@@ -106,14 +147,19 @@ class TokenAuthInterceptor(grpc.aio.ServerInterceptor):
         handler_call_details: grpc.HandlerCallDetails,
     ) -> grpc.RpcMethodHandler | None:
         handler = await continuation(handler_call_details)
+        method = handler_call_details.method
         # Health answers anyone (a probe sends no token; it learns only SERVING or not).
-        if is_health_call(handler_call_details.method) or self.authorized(handler_call_details.invocation_metadata):
+        if is_health_call(method):
             return handler
-        return _refusal_like(handler)
+        refusal = self._credentials.refusal(service_of(method),
+                                            bearer_of(handler_call_details.invocation_metadata))
+        return handler if refusal is None else _refusal_like(handler, refusal)
 
 
-def server_interceptors(token: str | None) -> list[grpc.aio.ServerInterceptor]:
-    return [] if token is None else [TokenAuthInterceptor(token)]
+def server_interceptors(token: str | None, api_keys: ApiKeys | None = None,
+                        node_services: frozenset[str] = frozenset()) -> list[grpc.aio.ServerInterceptor]:
+    """A node's (the token alone) or the router's (API keys too, refused the `node_services`)."""
+    return [] if token is None else [AuthInterceptor(Credentials(token, api_keys, node_services))]
 
 
 def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
@@ -126,20 +172,16 @@ def server_options(max_message_bytes: int) -> list[tuple[str, int]]:
 _REFUSAL = f"missing or wrong auth token: send metadata '{METADATA_KEY}: {SCHEME}<token>'"
 
 
-async def _refuse(context: grpc.aio.ServicerContext) -> None:
-    await context.abort(grpc.StatusCode.UNAUTHENTICATED, _REFUSAL)
-
-
-def _refusal_like(handler: grpc.RpcMethodHandler | None) -> grpc.RpcMethodHandler:
+def _refusal_like(handler: grpc.RpcMethodHandler | None, refusal: Refusal) -> grpc.RpcMethodHandler:
     """A handler of the same streaming shape as `handler` that only refuses."""
     streams_in = handler is not None and handler.request_streaming
     streams_out = handler is not None and handler.response_streaming
 
     async def unary(request: Any, context: grpc.aio.ServicerContext) -> None:
-        await _refuse(context)
+        await context.abort(*refusal)
 
     async def streaming(request: Any, context: grpc.aio.ServicerContext):
-        await _refuse(context)
+        await context.abort(*refusal)
         yield  # never reached: an async generator, as a streaming handler must be
 
     if streams_in and streams_out:

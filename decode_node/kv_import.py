@@ -10,10 +10,14 @@ states: reservations.py):
         blocks than this node has, or the queue bounds — reservations waiting for their
         KV plus preempted requests — are full)
     done message (transport.poll_done) ─▶ admit with token 1 (or end at once if token 1
-        already stops it: Tokens{[], finish_reason}); an aborted one ─▶ RequestFailed(UNAVAILABLE)
+        already stops it: Tokens{[], finish_reason}); an aborted one ─▶ RequestFailed(UNAVAILABLE);
+        the transport's integrity refusal (a push's bytes did not match its sender's checksums,
+        kv_transfer/integrity.py) ─▶ freed at once, RequestFailed(UNAVAILABLE): the router resumes
+        the sample elsewhere; never admitted
     then the node core streams it like any request, Tokens for tokens 2..n
     Abort ─▶ free a reservation (its write permit revoked first); a request already admitted
         is the node core's to abort
+    a renewal from its prefill node ─▶ the reservation's lease runs afresh
     a reservation's lease ─▶ RequestFailed(DEADLINE_EXCEEDED) (why: reservations.py)
 
 A beam search (StreamSubmit.beam set) reserves its prompt like any request, under its beams'
@@ -41,11 +45,12 @@ from pdserve.decode_node.reservations import ReservationTable
 from pdserve.engine.admission import RequestRejected
 from pdserve.engine.beam_search import BeamSearchParams, BeamTop
 from pdserve.engine.engine_core import EngineCoreOutput
+from pdserve.kv_transfer.integrity import INTEGRITY_REFUSAL
 from pdserve.node.core.beam_searches import beam_params, beams_done
 from pdserve.node.config import NodeConfig
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
 from pdserve.node.core.handoff import HandoffState
-from pdserve.node.core.kv_done import KVDone
+from pdserve.node.core.kv_done import DoneStatus, KVDone
 from pdserve.ranks.kv_ranks import NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import Message, Ready, RequestFailed, StreamSubmit
 from pdserve.node.core.node_core import NodeCore
@@ -105,11 +110,12 @@ class KVImportStage:
 
     def poll(self, now: float) -> None:
         for req_id, payload in self.transport.poll_done():
-            self._arrive(req_id, payload)
+            self._arrive(req_id, payload, now)
         for req_id in self.table.expire(now):
             self._waiting_searches.pop(req_id, None)
             self.core.to_front(RequestFailed(req_id, ErrorCode.DEADLINE_EXCEEDED,
-                                             f"the prompt's KV did not arrive within the {self.table.lease_s}s lease"))
+                                             f"the prompt's KV did not arrive: its prefill node was not heard "
+                                             f"from for the {self.table.lease_s}s lease"))
 
     def wants_fast_poll(self) -> bool:
         # Done messages wake the loop (the transport's callback); leases are coarse.
@@ -118,13 +124,19 @@ class KVImportStage:
     def num_held_blocks(self) -> int:
         return self.table.num_reserved_blocks
 
-    def _arrive(self, req_id: str, payload: bytes) -> None:
+    def _arrive(self, req_id: str, payload: bytes, now: float) -> None:
+        if payload == INTEGRITY_REFUSAL:
+            self._refuse(req_id)
+            return
         try:
             done = KVDone.from_bytes(payload)
         except ValueError as exc:
             logger.error("request %s: %s", req_id, exc)
             if self.table.cancel(req_id):  # the sender is broken: fail and free (nothing more of it lands)
                 self.core.to_front(RequestFailed(req_id, ErrorCode.UNAVAILABLE, f"bad KV done message: {exc}"))
+            return
+        if done.status is DoneStatus.RENEW:
+            self.table.renew(req_id, now)
             return
         state, out = self.table.arrive(req_id, done)
         if state is HandoffState.FAILED:
@@ -136,6 +148,14 @@ class KVImportStage:
                 self._start_search(out, search, done)
                 return
             self.core.stream(out, [])  # token 1 is the router's already; only its finish matters here
+
+    def _refuse(self, req_id: str) -> None:
+        """Some of the request's KV is not what its prefill node sent: free it, fail its stream."""
+        self._waiting_searches.pop(req_id, None)
+        if self.table.cancel(req_id):  # later pushes of it are dropped; a tensor-parallel twin finds nothing
+            logger.error("request %s: a KV push failed its checksum; refused", req_id)
+            self.core.to_front(RequestFailed(req_id, ErrorCode.UNAVAILABLE,
+                                             "a KV push of this request failed its checksum: refused"))
 
     def _start_search(self, first: EngineCoreOutput, params: BeamSearchParams, done: KVDone) -> None:
         """The prompt's KV is here, and the prefill node's top logprobs of its last position: the

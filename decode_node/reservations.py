@@ -10,7 +10,14 @@ one place a reservation leaves WAITING_FOR_INPUT, and its permit is revoked ther
        │                       blocks published, scheduled: EngineCore.add_prefilled) ─▶ gone
        ├─ done{aborted} ─▶ FAILED: the prefill node gave up; blocks freed ─▶ gone
        ├─ cancel ─────────▶ FAILED: blocks freed at once ─▶ RETIRED
-       └─ lease_s passes ─▶ the same, and the stream fails DEADLINE_EXCEEDED
+       └─ the lease runs out ─▶ the same, and the stream fails DEADLINE_EXCEEDED
+
+The lease (node/core/lease.py) bounds the wait for a prefill node that has stopped answering,
+not the prefill itself: it runs `lease_s` from the reservation, and afresh from every renewal
+its prefill node sends while it holds the request (queued, computing or pushing: each renewal
+lands behind the pushes sent before it), so a deep prefill queue or a long prompt never
+expires it; a prefill node never asked, dead or partitioned does, `lease_s` after it was last
+heard from.
 
 Why a cancelled reservation's blocks are freed at once although a prefill node may
 still be pushing into them: a push reaches the cache only through the transport's
@@ -21,10 +28,10 @@ Its later pushes are drained and dropped; its done message finds no reservation.
 
 RETIRED: the id alone is remembered, and refused as a new reservation until
 `retired_id_s` after the old one was made: a late push or done message for it must
-never reach a new reservation under the same id (possibly on the same blocks). By then
-the old prefill node's own lease (`lease_s` from its Prefill call, plus the transfer
-timeout of its last push, also `lease_s`) has stopped every write, provided the router
-called Prefill within `lease_s` of READY. The router never reuses an id anyway.
+never reach a new reservation under the same id (possibly on the same blocks). The old
+prefill node stops writing once its caller aborts it (the router cancels the Prefill call
+with the stream) or its own lease runs out on pushes nobody acknowledges; the router never
+reuses an id anyway.
 
 Why DEADLINE_EXCEEDED and not UNAVAILABLE for a reservation that outlives its lease:
 the deadline is this node's own lease running out, not this node failing. UNAVAILABLE
@@ -51,6 +58,7 @@ from pdserve.kv_transfer import WritePermits
 from pdserve.node.errors import ErrorCode, NodeError, rejection_error
 from pdserve.node.core.handoff import DECODE_MOVES, HandoffState, OnMove
 from pdserve.node.core.kv_done import DoneStatus, KVDone
+from pdserve.node.core.lease import LeaseClock
 
 
 @dataclass(slots=True, eq=False)
@@ -58,7 +66,7 @@ class Reservation:
     request: Request
     block_ids: list[int]
     reserved_at: float
-    deadline: float  # the stream fails here if the KV has not arrived
+    lease: LeaseClock  # the stream fails once it runs out before the KV arrived
     state: HandoffState = DECODE_MOVES.first
     parts_arrived: int = 0  # done messages so far: one per rank pair of the two nodes (ranks/kv_ranks.py)
 
@@ -110,7 +118,7 @@ class ReservationTable:
             needed = self.engine.kv.blocks_needed(request.num_tokens)
             raise NodeError(ErrorCode.RESOURCE_EXHAUSTED, f"the prompt needs {needed} KV blocks; "
                                                           f"{self.engine.kv.num_free_blocks} are free")
-        reservation = Reservation(request, block_ids, now, now + self.lease_s)
+        reservation = Reservation(request, block_ids, now, LeaseClock(self.lease_s, since=now))
         self._reserved[req_id] = reservation
         self._retired.pop(req_id, None)
         self.permits.grant(req_id, block_ids)
@@ -126,6 +134,8 @@ class ReservationTable:
         is still to come (tensor-parallel nodes send one per pair, each behind its own bytes), or
         (None, None): no such reservation (cancelled, expired, or never made), nothing to do.
         """
+        if done.status is DoneStatus.RENEW:
+            raise ValueError("a renewal is not a done message: renew() it")
         reservation = self._reserved.get(req_id)
         if reservation is None:
             return None, None
@@ -138,6 +148,14 @@ class ReservationTable:
         self._end(reservation, HandoffState.SUCCESS)
         return HandoffState.SUCCESS, self.engine.add_prefilled(reservation.request, done.token_id)
 
+    def renew(self, req_id: str, now: float) -> bool:
+        """Its prefill node still holds the request: the lease runs afresh. False if not reserved."""
+        reservation = self._reserved.get(req_id)
+        if reservation is None:
+            return False
+        reservation.lease.renew(now)
+        return True
+
     def cancel(self, req_id: str) -> bool:
         """The stream went away before the KV arrived: free the blocks. False if not reserved."""
         reservation = self._reserved.get(req_id)
@@ -149,7 +167,7 @@ class ReservationTable:
 
     def expire(self, now: float) -> list[str]:
         """Free reservations past their lease (their ids: fail those streams); forget old retired ids."""
-        expired = [r for r in self._reserved.values() if now >= r.deadline]
+        expired = [r for r in self._reserved.values() if r.lease.expired(now)]
         for reservation in expired:
             self._end(reservation, HandoffState.FAILED)
             self._retire(reservation)

@@ -61,6 +61,13 @@ class KVTransferConfig:
     # when it connects); a receiver refuses any other HELLO before looking at its
     # fingerprint. None: no check. It crosses the network in the clear, like the bytes.
     auth_token: str | None = field(default=None, repr=False)
+    # Receiving side: ask every sender to seal each push's data messages with their xxh3-64
+    # digests, check them as they land, and refuse a request whose bytes do not match
+    # (kv_transfer/integrity.py). The receiver's choice, told to the sender in HELLO_REPLY.
+    checksums: bool = True
+    # Fault drill (a node's --debug-corrupt-kv-push): flip a byte of the Nth push this
+    # transport sends after sealing it; 0: never.
+    debug_corrupt_push: int = 0
 
     def __post_init__(self) -> None:
         if not self.host:
@@ -75,6 +82,8 @@ class KVTransferConfig:
             raise ValueError("KVTransferConfig.chunk_bytes must be > 0")
         if self.max_control_bytes < 4096:
             raise ValueError("KVTransferConfig.max_control_bytes must be >= 4096")
+        if self.debug_corrupt_push < 0:
+            raise ValueError(f"KVTransferConfig.debug_corrupt_push must be >= 0, got {self.debug_corrupt_push}")
         if self.progress_mode not in PROGRESS_MODES:
             raise ValueError(f"unknown progress_mode {self.progress_mode!r}; "
                              f"expected one of {PROGRESS_MODES}")

@@ -21,6 +21,7 @@ class TransferStats:
     transfers: int = 0
     failures: int = 0
     latency_s: float = 0.0
+    checksum_failures: int = 0  # received pushes whose bytes did not match the sender's digests
 
     def record_success(self, nbytes: int, num_blocks: int, latency_s: float) -> None:
         self.bytes += nbytes
@@ -30,6 +31,9 @@ class TransferStats:
 
     def record_failure(self) -> None:
         self.failures += 1
+
+    def record_checksum_failure(self) -> None:
+        self.checksum_failures += 1
 
     def snapshot(self) -> TransferStats:
         return replace(self)
@@ -48,4 +52,5 @@ def sum_stats(parts: list[TransferStats]) -> TransferStats:
         total.transfers += part.transfers
         total.failures += part.failures
         total.latency_s += part.latency_s
+        total.checksum_failures += part.checksum_failures
     return total

@@ -23,6 +23,9 @@ One push on the wire (sender: ucx_conn.py, receiver: ucx_inbound.py):
 
 A DONE message is handled only after every earlier message on its connection, so the
 receiver's `poll_done()` / callback sees a request complete after its bytes landed.
+Integrity (kv_transfer/integrity.py): a receiver with `checksums` says so in HELLO_REPLY; its
+senders then follow each push's data with a SEAL of their digests, and a push that does not
+match fails, its request's done message replaced by `INTEGRITY_REFUSAL`.
 With `guard_writes(permits)` each chunk is scattered only under the request's permit;
 a push whose request holds none is drained, acknowledged and dropped.
 
@@ -51,6 +54,7 @@ from .base import (DoneCallback, FingerprintMismatch, KVCacheSpec, KVDescriptor,
                    KVTransferError, KVTransport, TransferHandle, TransferState,
                    TransferStats, WritePermits)
 from .config import KVTransferConfig
+from .integrity import check_payload, make_sealer
 from .layout import make_plan, validate_caches
 from .ucx_conn import Connection, Job, header_nbytes
 from .ucx_hello import hello_body, hello_msg, parse_hello, random_tag, way_back
@@ -83,6 +87,7 @@ class UcxTransport(KVTransport):
         self._received = TransferStats()
         self._refusals: list[FingerprintMismatch] = []
         self._quarantine: list[torch.Tensor] = []  # staging buffers of failed receives
+        self._sealer = make_sealer(self.config.debug_corrupt_push)  # loop thread only
         self._closed = False
 
     # -- setup -----------------------------------------------------------------------
@@ -122,12 +127,12 @@ class UcxTransport(KVTransport):
             raise KVTransferError(f"cannot reach KV peer {peer_id}: {exc!r}") from exc
         ep = TaggedEndpoint(raw, send_tag=random_tag(), recv_tag=random_tag())
         try:
-            theirs, data_ep = await self._handshake(ep, local, remote, peer_id)
+            theirs, data_ep, checksums = await self._handshake(ep, local, remote, peer_id)
         except BaseException:
             abort_endpoint(ep, self.config.close_timeout_s)
             raise
         conn = Connection(peer_id, theirs, ep, data_ep, self.config, local.spec,
-                          (self._k, self._v), self._finish)
+                          (self._k, self._v), self._finish, self._sealer if checksums else None)
         old = self._conns.get(peer_id)
         if old is not None:
             await old.close(f"replaced by a new connection to {peer_id}")
@@ -136,7 +141,8 @@ class UcxTransport(KVTransport):
         return peer_id
 
     async def _handshake(self, ep: TaggedEndpoint, local: KVDescriptor, remote: KVDescriptor,
-                         peer_id: str) -> tuple[KVDescriptor, Any]:
+                         peer_id: str) -> tuple[KVDescriptor, Any, bool]:
+        """(their descriptor, the data endpoint or None, whether they asked for checksums)."""
         hello = hello_msg(MsgKind.HELLO, local, local.worker_address, self.config.fast_data_path,
                           self.config.auth_token, tags=(ep.send_tag, ep.recv_tag))
         # The first message goes to the peer's HELLO tag; the rest of the connection on ours.
@@ -146,17 +152,19 @@ class UcxTransport(KVTransport):
         reply = await asyncio.wait_for(recv_ctrl(ep, buf), self.config.handshake_timeout_s)
         if reply.kind is not MsgKind.HELLO_REPLY:
             raise KVTransferError(f"peer {peer_id} answered {reply.kind.name}, not HELLO_REPLY")
-        refusal = hello_body(reply).get("refused")
+        body = hello_body(reply)
+        refusal = body.get("refused")
         if refusal is not None:
             raise KVTransferError(f"peer {peer_id} refused the connection: {refusal}")
         theirs, worker_address, _ = parse_hello(reply)
         local.spec.check_compatible(theirs.spec.fingerprint(), f"peer {peer_id}")
         if reply.status != STATUS_OK:
             raise KVTransferError(f"peer {peer_id} refused the connection")
+        checksums = body.get("checksums") is True
         if not worker_address:  # either side wants data on the control endpoint
-            return theirs, None
+            return theirs, None, checksums
         data_ep = await self._endpoint_to(worker_address, error_handling=False)
-        return theirs, data_ep
+        return theirs, data_ep, checksums
 
     async def _endpoint_to(self, worker_address: str, *, error_handling: bool) -> Any:
         """An endpoint to a peer's worker (error handling: the peer's failure cancels what
@@ -186,6 +194,7 @@ class UcxTransport(KVTransport):
     def send_done(self, req_id: str, payload: bytes, *, peer: str | None = None
                   ) -> TransferHandle:
         conn = self._pick(peer)
+        check_payload(payload)
         self._check_control_size(header_nbytes(req_id, 0, 0, len(payload)))
         handle = TransferHandle(req_id)
         self._rt.call_soon(conn.enqueue, Job(handle=handle, payload=bytes(payload)))
@@ -300,7 +309,8 @@ class UcxTransport(KVTransport):
         # Both ends must want the fast path; the reply's worker address says it is on.
         data_on_worker = their_fast and self.config.fast_data_path
         reply = hello_msg(MsgKind.HELLO_REPLY, local,
-                          self._worker_address() if data_on_worker else "", data_on_worker)
+                          self._worker_address() if data_on_worker else "", data_on_worker,
+                          checksums=self.config.checksums)
         try:
             local.spec.check_compatible(theirs.spec.fingerprint(),
                                         f"refused peer {theirs.name}")
@@ -341,7 +351,8 @@ class UcxTransport(KVTransport):
             num_blocks=self._num_blocks, config=self.config,
             worker_recv=self._rt.ucxx.recv if data_on_worker else None,
             deliver_done=self._deliver_done, count=self._count_received,
-            quarantine=self._quarantine, place=self._place)
+            quarantine=self._quarantine, place=self._place, verify=self.config.checksums,
+            count_checksum_failure=self._count_checksum_failure)
 
     def guard_writes(self, permits: WritePermits) -> None:
         self._permits = permits
@@ -362,6 +373,10 @@ class UcxTransport(KVTransport):
                 self._received.record_success(nbytes, num_blocks, latency_s)
             else:
                 self._received.record_failure()
+
+    def _count_checksum_failure(self) -> None:
+        with self._lock:
+            self._received.record_checksum_failure()
 
     def _deliver_done(self, req_id: str, payload: bytes) -> None:
         with self._lock:

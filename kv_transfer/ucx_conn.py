@@ -3,8 +3,9 @@
 A job's life on the connection (all on the UCX loop thread):
 
     enqueue ─▶ send loop: DATA header (control endpoint) ─▶ per layer chunk: gather
-               its blocks into the staging buffer, send it (data endpoint, tagged)
-               ─▶ pending[seq] ─▶ ack loop: ACK(seq) ─▶ SUCCESS | FAILED
+               its blocks into the staging buffer, digest it (when the receiver asked for
+               checksums), send it (data endpoint, tagged) ─▶ SEAL (the digests, control
+               endpoint) ─▶ pending[seq] ─▶ ack loop: ACK(seq) ─▶ SUCCESS | FAILED
 
 Jobs go out strictly in order, so a DONE queued after a request's pushes reaches the
 receiver after their bytes. Any connection-level error, or a job overdue past
@@ -31,6 +32,7 @@ import torch
 
 from .base import KVCacheSpec, KVDescriptor, TransferHandle
 from .config import KVTransferConfig
+from .integrity import Sealer, encode_digests
 from .layout import TransferPlan, gather, layer_chunks, staging_shape, typed_view
 from .ucx_runtime import abort_endpoint, as_bytes_array, recv_ctrl, send_ctrl
 from .wire import HEADER, STATUS_OK, ControlMsg, MsgKind
@@ -56,7 +58,7 @@ class Connection:
     def __init__(self, peer_id: str, remote: KVDescriptor, ctrl_ep: Any, data_ep: Any,
                  config: KVTransferConfig, local: KVCacheSpec,
                  caches: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
-                 finish: Finisher) -> None:
+                 finish: Finisher, sealer: Sealer | None) -> None:
         self.peer_id = peer_id
         self.remote = remote
         self._ctrl_ep = ctrl_ep
@@ -65,6 +67,7 @@ class Connection:
         self._spec = local
         self._k, self._v = caches
         self._finish = finish
+        self._sealer = sealer  # None: the receiver asked for no checksums
         self._tag_base = int.from_bytes(os.urandom(8), "little")
         self._seq = itertools.count(1)
         self._queue: deque[Job] = deque()
@@ -118,15 +121,23 @@ class Connection:
         per_layer = nbytes // len(plan.layers)
         chunk_layers = max(1, self._config.chunk_bytes // per_layer)
         tag = (self._tag_base + (job.seq << 16)) & TAG_MASK
-        # Post header and chunks back to back; UCX keeps their order on each endpoint.
+        # Post header, chunks and seal back to back; UCX keeps their order on each endpoint.
         sends = [asyncio.ensure_future(
             send_ctrl(self._ctrl_ep, data_header(job, tag, chunk_layers)))]
+        sealer, digests = self._sealer, []
+        if sealer is not None:
+            sealer.start_push()
         for j, (lo, hi) in enumerate(layer_chunks(len(plan.layers), chunk_layers)):
             # Gather chunk j while the chunks before it are on the wire.
             gather(plan, self._k, self._v, staging, lo, hi)
             chunk = as_bytes_array(raw[lo * per_layer:hi * per_layer])
+            if sealer is not None:
+                digests.append(sealer.seal(chunk))
             sends.append(asyncio.ensure_future(self._send_data(chunk, (tag + j) & TAG_MASK)))
             await asyncio.sleep(0)  # let the task post its send before the next gather
+        if sealer is not None:
+            seal = ControlMsg(MsgKind.SEAL, seq=job.seq, req_id=plan.req_id, extra=encode_digests(digests))
+            sends.append(asyncio.ensure_future(send_ctrl(self._ctrl_ep, seal)))
         await asyncio.gather(*sends)
 
     async def _send_data(self, data: np.ndarray, tag: int) -> None:

@@ -19,11 +19,13 @@ def random_tag() -> int:
 
 
 def hello_msg(kind: MsgKind, desc: KVDescriptor, worker_address: str, fast_data_path: bool,
-              auth_token: str | None = None, tags: tuple[int, int] | None = None) -> ControlMsg:
+              auth_token: str | None = None, tags: tuple[int, int] | None = None,
+              checksums: bool = False) -> ControlMsg:
     """HELLO: the connector's worker address and (its sends' tag, its receives' tag);
-    HELLO_REPLY: the receiver's worker address when the fast data path is on, else empty."""
+    HELLO_REPLY: the receiver's worker address when the fast data path is on, else empty,
+    and whether it wants every push sealed with checksums (kv_transfer/integrity.py)."""
     body = {"descriptor": json.loads(desc.to_bytes()), "worker_address": worker_address,
-            "fast_data_path": fast_data_path}
+            "fast_data_path": fast_data_path, "checksums": checksums}
     if tags is not None:
         body["tags"] = list(tags)
     if auth_token is not None:

@@ -7,8 +7,13 @@ A message's life on the receiving rank (UCX loop thread):
                    connection: the bytes could not even be drained)
                 ─▶ post the receive of every layer chunk into one reusable staging buffer
                 ─▶ scatter each chunk into the dst blocks as it lands, each under the
-                   request's write permit (`ReceiverSide.place`) ─▶ ACK(seq)
+                   request's write permit (`ReceiverSide.place`), digesting it first when
+                   this side asked for checksums ─▶ SEAL: compare ─▶ ACK(seq)
     DONE        ─▶ deliver (req_id, payload) ─▶ ACK(seq)
+
+A push whose digests do not match is acknowledged with an error, counted, and its request
+refused: its done message is delivered as `INTEGRITY_REFUSAL` (kv_transfer/integrity.py),
+so the node never admits a request some of whose bytes are not what its sender sealed.
 
 Messages are handled strictly one after another, so a DONE is delivered after the bytes
 of every push sent before it. A failed validation still drains the bytes and answers
@@ -35,6 +40,7 @@ import torch
 
 from .base import KVCacheSpec
 from .config import KVTransferConfig
+from .integrity import INTEGRITY_REFUSAL, decode_digests, digest
 from .layout import check_block_ids, check_layers, layer_chunks, scatter, typed_view
 from .ucx_conn import TAG_MASK
 from .ucx_runtime import as_bytes_array, recv_ctrl, send_ctrl
@@ -59,6 +65,8 @@ class ReceiverSide:
     # place(req_id, dst block ids, write) runs `write` if the request may write those
     # blocks and says whether it did; every scatter into the caches goes through it.
     place: Callable[[str, Sequence[int], Callable[[], None]], bool]
+    verify: bool  # this side asked its senders to seal their pushes (HELLO_REPLY "checksums")
+    count_checksum_failure: Callable[[], None]
 
 
 class Inbound:
@@ -70,14 +78,16 @@ class Inbound:
         self._spec = side.spec
         self._staging = torch.empty(0, dtype=torch.uint8)
         self._acks: set[asyncio.Future] = set()  # in-flight ack sends, kept referenced
+        # Requests a push of which failed its digests, until their done message (which it replaces).
+        self._refused: set[str] = set()
 
     async def run(self, buf: np.ndarray) -> None:
         while True:
             msg = await recv_ctrl(self._ep, buf)
             if msg.kind is MsgKind.DATA:
-                error = await self._on_data(msg)
+                error = await self._on_data(msg, buf)
             elif msg.kind is MsgKind.DONE:
-                self._side.deliver_done(msg.req_id, msg.extra)
+                self._deliver(msg)
                 error = None
             elif msg.kind is MsgKind.BYE:
                 return
@@ -91,7 +101,14 @@ class Inbound:
             self._acks.add(asyncio.ensure_future(send_ctrl(self._ep, ack)))
             self._acks = {a for a in self._acks if not a.done()}
 
-    async def _on_data(self, msg: ControlMsg) -> str | None:
+    def _deliver(self, msg: ControlMsg) -> None:
+        payload = msg.extra
+        if msg.req_id in self._refused:  # some of its bytes were not what was sealed: never admit it
+            self._refused.discard(msg.req_id)
+            payload = INTEGRITY_REFUSAL
+        self._side.deliver_done(msg.req_id, payload)
+
+    async def _on_data(self, msg: ControlMsg, buf: np.ndarray) -> str | None:
         start = time.monotonic()
         error = self._check(msg)
         expected = self._expected_nbytes(msg)
@@ -102,8 +119,8 @@ class Inbound:
                             f"its header implies {expected}")
         raw = self._staging_for(expected)
         try:
-            placed = await asyncio.wait_for(self._recv_and_place(msg, raw, error is None),
-                                            self._side.config.transfer_timeout_s)
+            placed, mismatch = await asyncio.wait_for(self._receive(msg, raw, error is None, buf),
+                                                      self._side.config.transfer_timeout_s)
         except BaseException:
             # A worker-level receive may still be posted into this buffer (aborting the
             # endpoint does not cancel it): never reuse it, never free it.
@@ -111,12 +128,37 @@ class Inbound:
             self._staging = torch.empty(0, dtype=torch.uint8)
             self._side.count(False, 0, 0, 0.0)
             raise
+        if mismatch is not None:
+            self._refused.add(msg.req_id)
+            self._side.count_checksum_failure()
+            error = error or mismatch
         if error is not None or placed:
             self._side.count(error is None, expected, len(msg.block_ids), time.monotonic() - start)
         return error
 
-    async def _recv_and_place(self, msg: ControlMsg, raw: torch.Tensor, place: bool) -> bool:
-        """Post every chunk's receive at once; scatter each as it lands, in order.
+    async def _receive(self, msg: ControlMsg, raw: torch.Tensor, place: bool,
+                       buf: np.ndarray) -> tuple[bool, str | None]:
+        """(every chunk placed, why the digests do not match or None)."""
+        digests: list[int] | None = [] if self._side.verify else None
+        placed = await self._recv_and_place(msg, raw, place, digests)
+        if digests is None:
+            return placed, None
+        seal = await recv_ctrl(self._ep, buf)
+        if seal.kind is not MsgKind.SEAL or seal.seq != msg.seq:
+            raise WireError(f"expected the SEAL of push {msg.seq}, got {seal.kind.name} {seal.seq}")
+        sealed = decode_digests(seal.extra)
+        if len(sealed) != len(digests):
+            raise WireError(f"SEAL of push {msg.seq} has {len(sealed)} digests for {len(digests)} data messages")
+        bad = [j for j, (ours, theirs) in enumerate(zip(digests, sealed)) if ours != theirs]
+        if not bad:
+            return placed, None
+        return placed, (f"KV checksum mismatch in data message {bad[0]} of {len(digests)} of {msg.req_id!r}: "
+                        "the request is refused here")
+
+    async def _recv_and_place(self, msg: ControlMsg, raw: torch.Tensor, place: bool,
+                              digests: list[int] | None) -> bool:
+        """Post every chunk's receive at once; digest (into `digests`, when given) and
+        scatter each as it lands, in order.
 
         True if every chunk was placed; False once a chunk was refused its permit (the
         rest is drained, not placed) or `place` was False."""
@@ -129,6 +171,8 @@ class Inbound:
         try:
             for (lo, hi), recv in zip(chunks, recvs):
                 await recv
+                if digests is not None:
+                    digests.append(digest(as_bytes_array(raw[lo * per_layer:hi * per_layer])))
                 if place:
                     place = self._side.place(msg.req_id, msg.block_ids, partial(
                         scatter, staging[lo:hi], msg.block_ids, msg.layers[lo:hi],

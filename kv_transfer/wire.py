@@ -7,8 +7,9 @@ Layout (little endian), then the body:
     | chunk_layers u32 | req_id_len u32 | extra_len u32
     body: req_id (utf-8) | block ids (int32 x n_blocks) | layers (int32 x n_layers) | extra
 
-`extra` is JSON for HELLO / HELLO_REPLY, the opaque payload for DONE and the error text
-of a failed ACK. KV bytes never travel here: a DATA message announces the raw staging
+`extra` is JSON for HELLO / HELLO_REPLY, the opaque payload for DONE, the error text
+of a failed ACK and, for SEAL, the u64 digests of a push's data messages in order
+(kv_transfer/integrity.py): sent right after them, when the receiver asked for checksums. KV bytes never travel here: a DATA message announces the raw staging
 buffer (`data_nbytes`) that follows it as ceil(n_layers / chunk_layers) messages, chunk j
 holding layers [j * chunk_layers, (j + 1) * chunk_layers) of the staging layout and tagged
 `data_tag + j`, so that gather, wire and scatter of consecutive chunks overlap.
@@ -25,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"PDKV"
-WIRE_VERSION = 2  # 2: connections from worker addresses (HELLO's tags, BYE)
+WIRE_VERSION = 3  # 2: SEAL; 3: connections from worker addresses (HELLO's tags, BYE)
 HEADER = struct.Struct("<4sHHQQQIIIIIIII")
 
 STATUS_OK = 0
@@ -42,7 +43,8 @@ class MsgKind(enum.IntEnum):
     DATA = 3         # sender -> receiver: a push; the staging bytes follow
     DONE = 4         # sender -> receiver: request complete, opaque payload
     ACK = 5          # receiver -> sender: seq placed (or failed, with error text)
-    BYE = 6          # sender -> receiver: closing (a worker-address connection has no close of its own)
+    SEAL = 6         # sender -> receiver: the digests of push seq's data messages
+    BYE = 7          # sender -> receiver: closing (a worker-address connection has no close of its own)
 
 
 @dataclass(slots=True)

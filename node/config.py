@@ -7,8 +7,9 @@
 The command line of `pdserve prefill|decode|colocated` is derived from the tree
 (common/config_flags.py): an engine field is a flag by its own name (`--max-num-seqs`), a
 transport field under `--kv-` (`--kv-port`), a node field by its own name (`--lease-s`).
-Two transport fields are the node's facts and never flags: its secret is the node's
-`auth_token`, and a push must be acknowledged within the node's `lease_s`.
+Three transport fields are the node's facts and never flags: its secret is the node's
+`auth_token`, a push must be acknowledged within the node's `lease_s`, and the corrupting
+fault drill is the node's `--debug-corrupt-kv-push`.
 
 Must never: read the environment, hold live state, pick an address other than 127.0.0.1
 unless the caller asked for one, or import torch (the front imports this module; the
@@ -33,7 +34,7 @@ POISON_ACTIONS = ("raise", "exit")  # node/core/fault_drills.py
 NODE_KINDS = ("prefill", "decode", "colocated")
 TRANSFER_FLAG_PREFIX = "kv_"
 # Transport fields a node sets from its own (see __post_init__), so never flags.
-NODE_OWNED_TRANSFER_FIELDS = ("transfer_timeout_s", "auth_token")
+NODE_OWNED_TRANSFER_FIELDS = ("transfer_timeout_s", "auth_token", "debug_corrupt_push")
 
 
 @dataclass(frozen=True)
@@ -55,9 +56,11 @@ class NodeConfig:
         "parse": cpu_list_arg("--cpus"), "metavar": "LIST",
         "help": "pin the node (front and engine core) to these cores, e.g. 0-1 or 0,2-3; "
                 "the engine then runs one torch thread per core unless --num-threads says otherwise"})
-    # A reservation (decode) or an unacknowledged transfer (prefill) lives at most this long.
+    # An unacknowledged transfer (prefill), or a reservation whose prefill node has gone silent
+    # (decode), lives at most this long (node/core/lease.py): the queue and the prefill do not count.
     lease_s: float = field(default=30.0, metadata={
-        "help": "a decode reservation, or a KV push not yet acknowledged, lives at most this long"})
+        "help": "a KV push not yet acknowledged, or a decode reservation whose prefill node has not been heard "
+                "from, lives at most this long"})
     # Decode: the id of a cancelled or expired reservation (its blocks are freed at once) is
     # refused as a new reservation for this many leases after the old one was made.
     retired_id_leases: float = 3.0
@@ -91,6 +94,10 @@ class NodeConfig:
     debug_poison_action: str = field(default="raise", metadata={
         "choices": POISON_ACTIONS,
         "help": "how a poisoned step fails: raise inside the step, or exit the engine core at once (a crash)"})
+    # ... and the Nth KV push this node sends has a byte flipped after its checksum was taken
+    # (kv_transfer/integrity.py): its receiver refuses the request, which resumes elsewhere.
+    debug_corrupt_kv_push: int = field(default=0, metadata={
+        "help": "fault drills and tests: corrupt the Nth KV push this node sends (after its checksum); 0: none"})
     # Core loop: poll timeout while transfers are outstanding / while fully idle.
     busy_poll_ms: int = 1
     idle_poll_ms: int = 50
@@ -128,6 +135,8 @@ class NodeConfig:
         _require(self.max_waiting_requests >= 1 and self.max_queued_tokens >= 1, "max_waiting_requests",
                  f"and max_queued_tokens must be >= 1, got {self.max_waiting_requests}, {self.max_queued_tokens}")
         _require(self.drain_timeout_s >= 0, "drain_timeout_s", f"must be >= 0, got {self.drain_timeout_s}")
+        _require(self.debug_corrupt_kv_push >= 0, "debug_corrupt_kv_push",
+                 f"must be >= 0, got {self.debug_corrupt_kv_push}")
         _require(self.debug_step_delay_s >= 0, "debug_step_delay_s", f"must be >= 0, got {self.debug_step_delay_s}")
         _require(self.max_message_bytes >= 1024, "max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
         _require(self.retired_id_leases >= 1, "retired_id_leases", f"must be >= 1, got {self.retired_id_leases}")
@@ -139,7 +148,8 @@ class NodeConfig:
         if self.engine.num_threads is None and self.cpus and self.engine.tensor_parallel_size == 1:
             object.__setattr__(self, "engine", replace(self.engine, num_threads=len(self.cpus)))
         object.__setattr__(self, "transfer", replace(self.transfer, transfer_timeout_s=self.lease_s,
-                                                     auth_token=self.auth_token))
+                                                     auth_token=self.auth_token,
+                                                     debug_corrupt_push=self.debug_corrupt_kv_push))
 
     @property
     def model(self) -> str:

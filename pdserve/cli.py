@@ -50,6 +50,7 @@ BENCHMARKS: dict[str, tuple[str, str]] = {
     "serve": ("pdserve.bench.serve.cli", "open-loop load on a running cluster: SLO attainment, goodput sweep"),
     "serve-compare": ("pdserve.bench.serve_compare", "1P1D, colocated and hybrid on the same two cores: goodput per SLO"),
     "rebalance": ("pdserve.bench.rebalance", "a mix that shifts halfway, with and without the load mode"),
+    "plan-validation": ("pdserve.bench.plan_validation", "pdserve plan --validate over 3 workloads x 2 SLO pairs"),
     "structured": ("pdserve.bench.structured", "engine tokens/s with none, one or all requests under a JSON schema"),
 }
 

@@ -35,6 +35,7 @@ from __future__ import annotations
 import itertools
 import os
 import queue
+import secrets
 import shlex
 import signal
 import subprocess
@@ -43,16 +44,17 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, TextIO
 
 from pdserve.cluster_config import ClusterConfig, ClusterError, config_from_args
 from pdserve.cluster_load_mode import LoadWatcher, build_rebalancer, scrape_url
-from pdserve.cluster_plan import ClusterPlan, NodeSite, build_plan, check_cores, node_spec, resolve_port, spec_port
+from pdserve.cluster_plan import ClusterPlan, NodeSite, build_plan, check_cores, node_spec, resolve_port
 from pdserve.cluster_state import ChildState, ClusterState, write_state
-from pdserve.cluster_supervisor import ChildExited, ClusterSupervisor
-from pdserve.common.auth import token_from_cli
+from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor
+from pdserve.common.api_keys import ApiKeys
+from pdserve.common.auth import TOKEN_ENV, token_from_cli
 from pdserve.common.lifecycle import PARENT_CHECK_S, ExitStatus, status_after, supervisor_of
 from pdserve.common.ports import Listen, PortUnavailable, check_free
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
@@ -152,7 +154,9 @@ class _Keeper:
     def split(self) -> Split:
         from pdserve.planner.load_mode import Split
 
-        kinds = [spec.name.rsplit("-", 1)[0] for spec in self._plan.nodes]
+        # A node that drained and left on its own (SIGTERM from outside) is no longer in a pool.
+        kinds = [spec.name.rsplit("-", 1)[0] for spec in self._plan.nodes
+                 if self._supervisor.running(spec.name)]
         return Split(kinds.count("prefill"), kinds.count("decode"))
 
     def serve(self, stop: threading.Event) -> bool:
@@ -207,35 +211,37 @@ class _Keeper:
         """Retire a node of the move's source pool; once it is gone, start one of the target pool
         on its cores (a new name and port: the router sees a node leave and another join)."""
         for spec, code in self._supervisor.retired():
-            move, _ = self._moving
-            taken = {s.name for s in self._plan.nodes}
-            name = next(f"{move.target}-{i}" for i in itertools.count() if f"{move.target}-{i}" not in taken)
-            metrics = {name: resolve_port(self._config.host, 0)} if self._plan.metrics_ports else {}
-            joined = node_spec(self._config, NodeSite(self._plan.model_dir, self._plan.router_addr), move.target,
-                               name, spec.cpus, resolve_port(self._config.host, 0), metrics.get(name))
-            self._supervisor.start(joined)
-            addresses = {n: a for n, a in self._plan.addresses.items() if n != spec.name}
-            self._plan = replace(
-                self._plan, nodes=tuple(s for s in self._plan.nodes if s.name != spec.name) + (joined,),
-                addresses={**addresses, name: f"{self._config.host}:{spec_port(joined)}"},
-                metrics_ports={**{n: p for n, p in self._plan.metrics_ports.items() if n != spec.name}, **metrics})
-            self._moving = None
-            self._watcher.moved()
-            self._say(f"load mode: {spec.name} left (exit code {code}); {name} started on its cores: "
-                      f"now {self.split().describe()}")
-            self._write_state()
-        if self._moving is not None:
-            return
+            self._replace(spec, code)
+        if self._moving is None:
+            self._start_move()
+
+    def _start_move(self) -> None:
         try:
             move, split = self._watcher.moves.get_nowait()
         except queue.Empty:
             return
         if split != self.split():
             return  # decided on a split that is no longer the cluster's
-        leaving = [s.name for s in self._plan.nodes if s.name.rsplit("-", 1)[0] == move.source][-1]
+        leaving = [s.name for s in self._plan.nodes if s.name.rsplit("-", 1)[0] == move.source
+                   and self._supervisor.running(s.name)][-1]
         self._say(f"load mode: {move.describe(split)}; {leaving} drains and leaves")
         self._supervisor.retire(leaving, self._config.rebalance.retire_grace_s)
         self._moving = (move, leaving)
+
+    def _replace(self, left: ChildSpec, code: int) -> None:
+        move, _ = self._moving
+        taken = {s.name for s in self._plan.nodes}
+        name = next(f"{move.target}-{i}" for i in itertools.count() if f"{move.target}-{i}" not in taken)
+        metrics_port = resolve_port(self._config.host, 0) if self._plan.metrics_ports else None
+        joined = node_spec(self._config, NodeSite(self._plan.model_dir, self._plan.router_addr), move.target, name,
+                           left.cpus, resolve_port(self._config.host, 0), metrics_port)
+        self._supervisor.start(joined)
+        self._plan = self._plan.with_node_replaced(left.name, joined, self._config.host, metrics_port)
+        self._moving = None
+        self._watcher.moved()
+        self._say(f"load mode: {left.name} left (exit code {code}); {name} started on its cores: "
+                  f"now {self.split().describe()}")
+        self._write_state()
 
     def _give_up(self, exited: ChildExited, message: str) -> None:
         self._say(f"giving up on {exited.name}: {message}; serving on without it")
@@ -346,10 +352,22 @@ def _model_dir(config: ClusterConfig, python: str = sys.executable) -> str:
     return done.stdout.strip().splitlines()[-1]
 
 
+def _make_node_credential() -> str:
+    """Client keys without a node credential: one made for this cluster's children, handed over in
+    their environment ($PDSERVE_AUTH_TOKEN, which every child reads), never printed."""
+    token = secrets.token_urlsafe(32)
+    os.environ[TOKEN_ENV] = token
+    print("node join credential: made for this cluster (API keys open only the public API)", flush=True)
+    return token
+
+
 def main(argv: list[str] | None = None) -> int:
     try:
         config = config_from_args(argv)
         token = token_from_cli(config.auth_token_file, os.environ)  # the launcher's own probe
+        if config.api_keys_file:
+            ApiKeys(config.api_keys_file)  # unreadable or keyless: a usage error before anything starts
+            token = token or _make_node_credential()
         check_cores(config, None)  # before the demo model is built: a typo fails at once
         _check_ports(config)
         plan = build_plan(config, _model_dir(config), resolve_port(config.host, config.port))

@@ -25,7 +25,7 @@ from pdserve.common.affinity import cpu_list_arg, split_cpus
 NODE_OWNED_FLAGS = ("--model", "--host", "--port", "--router", "--node-id", "--kv-host", "--kv-port",
                     "--dtype", "--block-size", "--auth-token-file", "--cpus", "--metrics-port")
 ROUTER_OWNED_FLAGS = ("--host", "--port", "--model", "--prefill", "--decode", "--block-size", "--auth-token-file",
-                      "--metrics-port", "--http-port")
+                      "--metrics-port", "--http-port", "--api-keys-file")
 DEFAULT_HTTP_PORT = 8000
 THREADS_FLAGS = ("--num-threads", "--threads")
 
@@ -77,6 +77,9 @@ class ClusterConfig:
     log_dir: str | None = None  # None: logs go to the console, prefixed by child name
     # Handed to every child; without it, children inherit $PDSERVE_AUTH_TOKEN (if set).
     auth_token_file: str | None = None
+    # The router's client API keys (common/api_keys.py); with them and no node credential the
+    # launcher makes one for its children (cluster.py).
+    api_keys_file: str | None = None
     # The planner's load mode (cluster_load_mode.py): nodes move between the prefill and decode
     # pools as the traffic's mix shifts; None: the pools keep their sizes.
     rebalance: LoadModeSettings | None = None
@@ -203,6 +206,9 @@ def cluster_parser() -> argparse.ArgumentParser:
                         "finish what it holds (also each child's own --drain-timeout-s); Ctrl-C stops at once")
     p.add_argument("--log-dir", default=d.log_dir, help="write one log file per child here instead of the console")
     add_auth_args(p)
+    p.add_argument("--api-keys-file", metavar="PATH", default=None,
+                   help="client API keys for the router's public API, one a line, reloaded when the file changes; "
+                        "without --auth-token-file the launcher makes the node join credential itself")
     return p
 
 
@@ -219,7 +225,8 @@ def config_from_args(argv: Sequence[str] | None) -> ClusterConfig:
         prefill_cores=args.prefill_cores, decode_cores=args.decode_cores, colocated_cores=args.colocated_cores,
         router_cores=args.router_cores, ready_timeout_s=args.ready_timeout_s, stop_grace_s=args.stop_grace_s,
         drain_timeout_s=args.drain_timeout_s,
-        log_dir=args.log_dir, auth_token_file=args.auth_token_file, metrics_port=args.metrics_port,
+        log_dir=args.log_dir, auth_token_file=args.auth_token_file, api_keys_file=args.api_keys_file,
+        metrics_port=args.metrics_port,
         http_port=None if args.no_http else args.http_port,
         state_file=args.state_file, restart=RestartPolicy(**values_from_args(args, RestartPolicy, "restart_")),
         rebalance=LoadModeSettings(**values_from_args(args, LoadModeSettings, "rebalance_")) if args.rebalance else None)

@@ -14,7 +14,7 @@ import os
 import socket
 import sys
 from collections.abc import Callable, Collection, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from pdserve.cluster_config import THREADS_FLAGS, ClusterConfig, ClusterError
 from pdserve.cluster_supervisor import ChildSpec
@@ -38,6 +38,15 @@ class ClusterPlan:
     def metrics_urls(self, host: str) -> dict[str, str]:
         return {name: f"http://{host}:{port}/metrics" for name, port in self.metrics_ports.items()}
 
+    def with_node_replaced(self, leaving: str, joined: ChildSpec, host: str, metrics_port: int | None) -> ClusterPlan:
+        """This plan with node `leaving` gone and `joined` started (the load mode's move)."""
+        addresses = {n: a for n, a in self.addresses.items() if n != leaving}
+        metrics = {n: p for n, p in self.metrics_ports.items() if n != leaving}
+        if metrics_port is not None:
+            metrics[joined.name] = metrics_port
+        return replace(self, nodes=tuple(s for s in self.nodes if s.name != leaving) + (joined,),
+                       addresses={**addresses, joined.name: f"{host}:{spec_port(joined)}"}, metrics_ports=metrics)
+
 
 def build_plan(config: ClusterConfig, model_dir: str, router_port: int, python: str = sys.executable,
                usable_cpus: Collection[int] | None = None, pick_port: Callable[[], int] | None = None) -> ClusterPlan:
@@ -57,7 +66,8 @@ def build_plan(config: ClusterConfig, model_dir: str, router_port: int, python: 
     drain = ("--drain-timeout-s", f"{config.drain_timeout_s:g}")
     router = ChildSpec("router", (*base, "router", "--host", config.host, "--port", str(router_port),
                                   "--model", model_dir, "--block-size", str(config.block_size), *http,
-                                  *_auth_args(config), *_metrics_args(metrics_ports, "router"), *drain,
+                                  *_auth_args(config), *_api_keys_args(config), *_metrics_args(metrics_ports, "router"),
+                                  *drain,
                                   *config.router_args),
                        cpus=config.router_cores)
     nodes, addresses = [], {}
@@ -126,6 +136,10 @@ def check_cores(config: ClusterConfig, usable_cpus: Collection[int] | None) -> N
 
 def _auth_args(config: ClusterConfig) -> tuple[str, ...]:
     return ("--auth-token-file", config.auth_token_file) if config.auth_token_file else ()
+
+
+def _api_keys_args(config: ClusterConfig) -> tuple[str, ...]:
+    return ("--api-keys-file", config.api_keys_file) if config.api_keys_file else ()
 
 
 def _threads_args(config: ClusterConfig, extra: Sequence[str], pinned: bool) -> tuple[str, ...]:

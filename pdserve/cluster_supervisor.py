@@ -212,6 +212,10 @@ class ClusterSupervisor:
         """How child `name` ended (negative: the signal that ended it); None while it runs."""
         return next(c.proc.poll() for c in self._children if c.spec.name == name)
 
+    def running(self, name: str) -> bool:
+        """Child `name` is supervised and has not exited (safe to ask from another thread)."""
+        return any(c.spec.name == name and c.proc.poll() is None for c in list(self._children))
+
     def tail(self, name: str) -> list[str]:
         """The last output lines of child `name` (KeyError if there is none)."""
         for child in self._children:

@@ -34,7 +34,9 @@ from pdserve.engine.config import DEFAULT_BLOCK_SIZE, DTYPE_NAMES, EngineConfig
 from pdserve.planner.goodput import Traffic
 from pdserve.planner.profile import Profile, ProfileCache
 from pdserve.planner.profile_cli import default_model, int_list, profiles_for, router_cost_for
-from pdserve.planner.search import Candidate, Evaluated, Knobs, evaluate, layouts, ranked
+from pdserve.planner.search import (
+    DEFAULT_LOCAL_PREFILL_MAX_TOKENS, Candidate, Evaluated, Knobs, evaluate, layouts, ranked,
+)
 from pdserve.planner.validate import ValidationPlan, chosen, format_validation, report_record, validate
 
 
@@ -61,6 +63,15 @@ def _parser() -> argparse.ArgumentParser:
                        help="--max-num-seqs values to try (comma-separated)")
     space.add_argument("--chunk-schedules", default="fixed",
                        help="--chunk-schedule values to try (comma-separated: fixed, staged, target-step)")
+    space.add_argument("--local-prefill-max-tokens", type=int_list("--local-prefill-max-tokens"),
+                       default=[DEFAULT_LOCAL_PREFILL_MAX_TOKENS],
+                       help="every prefill/decode split is also tried as the hybrid (decode nodes with "
+                            "--local-prefill, the router at --disaggregation auto) with each of these bounds "
+                            "(comma-separated; default: the router's)")
+    space.add_argument("--no-hybrid", action="store_true", help="leave the hybrid splits out of the search")
+    space.add_argument("--tp", type=int_list("--tp"), default=[1],
+                       help="tensor-parallel sizes to try for each pool (comma-separated; each where it divides "
+                            "the pool's cores per node and the model's shapes split; a missing profile is measured)")
     search = p.add_argument_group("goodput search (per candidate, on simulated runs)")
     search.add_argument("--min-duration-s", type=float, default=30.0,
                         help="every simulated run's arrivals span at least this many seconds (more requests "
@@ -184,17 +195,38 @@ def unattainable(results: list[Evaluated], devices: int, slo: Slo, target: float
         f"{best.prediction.run.rate:.3g} req/s)")
 
 
+def _tp_sizes(model: str, sizes: list[int], log) -> tuple[int, ...]:
+    """The asked TP sizes this model's shapes can split (engine/model_loader.py's own check)."""
+    splittable = []
+    for tp in sorted(set(sizes)):
+        if tp > 1:
+            from pdserve.engine.model_folder import ModelRefused
+            from pdserve.engine.model_loader import check_tensor_parallel  # torch: only for TP
+
+            try:
+                check_tensor_parallel(model, "auto", tp)
+            except ModelRefused as err:
+                log(f"note: --tp {tp} left out: {err}")
+                continue
+        splittable.append(tp)
+    return tuple(splittable)
+
+
 def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[Evaluated], dict, ValidationPlan]:
     model = default_model(args.model)
-    candidates = [Candidate(lay, k) for lay in layouts(args.devices) for k in knobs]
-    threads = sorted({t for c in candidates for t in c.layout.threads})
+    bounds = () if args.no_hybrid else tuple(args.local_prefill_max_tokens)
+    tp_sizes = _tp_sizes(model, args.tp, log)
+    candidates = [Candidate(lay, k) for lay in layouts(args.devices, bounds, tp_sizes) for k in knobs]
+    if not candidates:
+        raise ValueError(f"--tp: no size the model can run divides the cores of any node on {args.devices} devices")
+    setups = sorted({s for c in candidates for s in c.layout.setups})
     cache = ProfileCache(args.profile_dir)
-    profiles = profiles_for(model, threads, args.dtype, args.block_size, cache, not args.no_progress, log=log)
+    profiles = profiles_for(model, setups, args.dtype, args.block_size, cache, not args.no_progress, log=log)
     router = router_cost_for(model, cache, log=log)
-    first = profiles[threads[0]]
-    cores = first.machine.get("cores")
-    if isinstance(cores, int) and threads[-1] > cores:
-        log(f"note: nodes of {threads[-1]} threads were profiled on a machine with {cores} cores: "
+    first = profiles[setups[0]]
+    cores, most = first.machine.get("cores"), max(threads for threads, _ in setups)
+    if isinstance(cores, int) and most > cores:
+        log(f"note: nodes of {most} threads were profiled on a machine with {cores} cores: "
             "their step times are those of threads sharing cores")
     base = EngineConfig(model=model, dtype=first.setup.dtype, block_size=args.block_size)
     traffic = _traffic(args, model, first)

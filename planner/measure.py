@@ -68,13 +68,29 @@ def blocks_for(shapes: list[list[tuple[int, int]]], block_size: int) -> int:
 
 
 def measure_profile(model_dir: str, setup: NodeSetup, progress: bool = True) -> Profile:
-    """Time the grid of steps on the model with `setup` (its dtype already resolved) and fit them."""
+    """Time the grid of steps on the model with `setup` (its dtype already resolved) and fit them.
+    A tensor-parallel setup starts its ranks as a node does (`start_engine`: rank 0 here, the
+    others spawned, each with its share of the threads) and times the steps they run together."""
+    from pdserve.ranks.tp_group import start_engine
+
     grid = list(step_shapes(1 << 30))
+    tp = setup.tensor_parallel_size
     config = EngineConfig(model=model_dir, dtype=setup.dtype, block_size=setup.block_size,
-                          num_blocks=blocks_for([c for _, c in grid], setup.block_size), num_threads=setup.threads,
+                          num_blocks=blocks_for([c for _, c in grid], setup.block_size),
+                          num_threads=max(1, setup.threads // tp), tensor_parallel_size=tp,
                           enable_prefix_caching=False, max_num_batched_tokens=max(PREFILL_TOKENS),
                           max_num_seqs=max(DECODE_BATCHES) + 1)
-    core = EngineCore(config)
+    machine = machine_facts()  # before the ranks start: rank 0 (this process) is then pinned to its share
+    core, group = start_engine(config)
+    try:
+        return _measured(core, model_dir, setup, machine, progress)
+    finally:
+        if group is not None:
+            group.close()
+
+
+def _measured(core: EngineCore, model_dir: str, setup: NodeSetup, machine: dict[str, object],
+              progress: bool) -> Profile:
     shapes = list(step_shapes(core.max_model_len))
     samples = [time_step(core, kind, chunks) for kind, chunks in tqdm(
         shapes, desc=f"profile {setup.describe()}", unit="step", disable=not progress)]
@@ -83,7 +99,7 @@ def measure_profile(model_dir: str, setup: NodeSetup, progress: bool = True) -> 
     step = StepCost.fit(fitted)
     kinds = sorted({s.kind for s in samples})
     return Profile(
-        model=str(model_dir), model_hash=model_hash(model_dir), machine=machine_facts(), setup=setup, step=step,
+        model=str(model_dir), model_hash=model_hash(model_dir), machine=machine, setup=setup, step=step,
         fit_error={k: step.relative_error([(s.shape, s.seconds) for s in samples if s.kind == k]) for k in kinds},
         samples=tuple(samples), kv_block_bytes=block_bytes, transfer=measure_transfer(core, block_bytes),
         max_model_len=core.max_model_len, vocab_size=core.loaded.vocab_size)

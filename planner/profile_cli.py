@@ -2,7 +2,8 @@
 configuration on this machine, and print the fitted step-time model with its fit error, and the router's cost per request and
 per token.
 
-    pdserve profile [--model DIR] [--threads 1,2] [--dtype auto] [--block-size 16] [--remeasure] [--skip-router]
+    pdserve profile [--model DIR] [--threads 1,2] [--tp 1,2] [--dtype auto] [--block-size 16] [--remeasure]
+        [--skip-router]
 
 `profiles_for` and `router_cost_for` are also what `pdserve plan` calls: a cached profile is reused, a missing one is
 measured (a progress bar on stderr) and stored. Owns the flags and the printing; the measuring is
@@ -33,9 +34,10 @@ def int_list(flag: str):
     return parse
 
 
-def profiles_for(model: str, threads: list[int], dtype: str, block_size: int, cache: ProfileCache,
-                 progress: bool = True, remeasure: bool = False, log=print) -> dict[int, Profile]:
-    """One profile per threads count, from the cache or measured now (and cached)."""
+def profiles_for(model: str, setups: list[tuple[int, int]], dtype: str, block_size: int, cache: ProfileCache,
+                 progress: bool = True, remeasure: bool = False, log=print) -> dict[tuple[int, int], Profile]:
+    """One profile per (threads, tensor-parallel size) of a node, from the cache or measured now
+    (and cached)."""
     from pdserve.engine.dtype_choice import resolve_dtype
     from pdserve.engine.model_folder import open_model_folder
 
@@ -43,8 +45,8 @@ def profiles_for(model: str, threads: list[int], dtype: str, block_size: int, ca
     resolved = resolve_dtype(dtype)
     digest, machine = model_hash(model), machine_facts()
     profiles = {}
-    for count in sorted(set(threads)):
-        setup = NodeSetup(count, resolved, block_size)
+    for count, tp in sorted(set(setups)):
+        setup = NodeSetup(count, resolved, block_size, tp)
         key = profile_key(digest, machine, setup)
         profile = None if remeasure else cache.load(key)
         if profile is None:
@@ -52,8 +54,13 @@ def profiles_for(model: str, threads: list[int], dtype: str, block_size: int, ca
 
             profile = measure_profile(model, setup, progress)
             log(f"profile: measured {setup.describe()}, stored in {cache.store(key, profile)}")
-        profiles[count] = profile
+        profiles[(count, tp)] = profile
     return profiles
+
+
+def tp_setups(threads: list[int], tp_sizes: list[int]) -> list[tuple[int, int]]:
+    """(threads, TP) for every TP size that divides the threads count (each rank a share of them)."""
+    return [(count, tp) for count in threads for tp in tp_sizes if count % tp == 0]
 
 
 def router_cost_for(model: str, cache: ProfileCache, remeasure: bool = False, log=print) -> RouterCost:
@@ -91,6 +98,9 @@ def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="pdserve profile", description=__doc__.splitlines()[0])
     p.add_argument("--model", help="model directory (default: the built-in demo model)")
     p.add_argument("--threads", type=int_list("--threads"), default=[1], help="comma-separated torch threads per node")
+    p.add_argument("--tp", type=int_list("--tp"), default=[1],
+                   help="comma-separated tensor-parallel sizes (--tensor-parallel-size), each measured for every "
+                        "--threads count it divides, its ranks started as a node starts them")
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--remeasure", action="store_true", help="measure even when a cached profile exists")
@@ -115,7 +125,10 @@ def main(argv: list[str] | None = None) -> int:
         p.error("--block-size must be >= 1")
     try:
         model, cache = default_model(args.model), ProfileCache(args.profile_dir)
-        profiles = profiles_for(model, args.threads, args.dtype, args.block_size, cache, not args.no_progress,
+        setups = tp_setups(args.threads, args.tp)
+        if not setups:
+            p.error("--tp: no size divides any --threads count")
+        profiles = profiles_for(model, setups, args.dtype, args.block_size, cache, not args.no_progress,
                                 args.remeasure)
         router = None if args.skip_router else router_cost_for(model, cache, args.remeasure)
     except Refused as err:

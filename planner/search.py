@@ -2,11 +2,14 @@
 
 A `Candidate` is a `Layout` — colocated × k with N/k cores each, or p prefill nodes and d decode
 nodes splitting the cores (each pool's cores evenly across its nodes, as `pdserve cluster
---*-cores` pins them; a node runs one torch thread per core) — and the engine `Knobs` both pools
-run (`--max-num-batched-tokens`, `--max-num-seqs`, `--chunk-schedule`). Every node is TP 1 here:
-a pool's tensor-parallel size is not searched yet. A candidate becomes the simulator's
-`ClusterSpec` (given the profile of each threads count) and the `pdserve cluster` command line that
-runs it. Ranking: goodput per device, then the lower TTFT p90 and TPOT p90 at that rate.
+--*-cores` pins them; a node runs one torch thread per core), each split also as the hybrid
+(decode nodes started `--local-prefill`, the router at `--disaggregation auto` with each
+`--local-prefill-max-tokens` bound asked for) — and the engine `Knobs` both pools
+run (`--max-num-batched-tokens`, `--max-num-seqs`, `--chunk-schedule`), each pool at each
+tensor-parallel size asked for that divides its nodes' cores (`--tensor-parallel-size`: the
+node's cores split among its ranks). A candidate becomes the simulator's `ClusterSpec` (given the
+profile of each (cores, TP) node setup) and the `pdserve cluster` command line that runs it.
+Ranking: goodput per device, then the lower TTFT p90 and TPOT p90 at that rate.
 
 Must never: measure or load torch; profiles come in.
 """
@@ -23,6 +26,11 @@ from pdserve.engine.config import EngineConfig
 from pdserve.planner.goodput import Prediction, Traffic, predict_goodput, start_rate
 from pdserve.planner.profile import Profile, RouterCost
 from pdserve.planner.simulator import ClusterSpec, Pool
+from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
+
+# The router's own default bound, the hybrid variant a plan tries unless told otherwise.
+DEFAULT_LOCAL_PREFILL_MAX_TOKENS = RouterConfig(model="").local_prefill_max_tokens
 
 
 @dataclass(frozen=True)
@@ -33,44 +41,81 @@ class Layout:
     prefill_cores: int = 0
     decode: int = 0
     decode_cores: int = 0
+    # A hybrid split: decode nodes prefill prompts the router's `auto` rule sends them, within
+    # this bound (`--local-prefill-max-tokens`); None: every request goes through the prefill pool.
+    local_prefill_max_tokens: int | None = None
+    # Each pool's tensor-parallel size (`--tensor-parallel-size`): a node's cores split among its ranks.
+    colocated_tp: int = 1
+    prefill_tp: int = 1
+    decode_tp: int = 1
 
     @property
     def mode(self) -> str:
-        return "colocated" if self.colocated else "disaggregated"
+        if self.colocated:
+            return "colocated"
+        return "disaggregated" if self.local_prefill_max_tokens is None else "hybrid"
 
     @property
     def devices(self) -> int:
         return self.colocated * self.colocated_cores + self.prefill * self.prefill_cores + self.decode * self.decode_cores
 
     @property
-    def threads(self) -> set[int]:
-        return {t for t in (self.colocated_cores, self.prefill_cores, self.decode_cores) if t}
+    def setups(self) -> set[tuple[int, int]]:
+        """(cores, TP) of every pool's nodes: the profiles this layout needs."""
+        pools = ((self.colocated_cores, self.colocated_tp), (self.prefill_cores, self.prefill_tp),
+                 (self.decode_cores, self.decode_tp))
+        return {(cores, tp) for cores, tp in pools if cores}
 
     def describe(self) -> str:
         if self.colocated:
-            return f"colocated x{self.colocated} ({_per_node(self.colocated, self.colocated_cores)})"
-        return (f"{self.prefill}P ({_per_node(self.prefill, self.prefill_cores)}) + "
-                f"{self.decode}D ({_per_node(self.decode, self.decode_cores)})")
+            node = _per_node(self.colocated, self.colocated_cores, self.colocated_tp)
+            return f"colocated x{self.colocated} ({node})"
+        split = (f"{self.prefill}P ({_per_node(self.prefill, self.prefill_cores, self.prefill_tp)}) + "
+                 f"{self.decode}D ({_per_node(self.decode, self.decode_cores, self.decode_tp)})")
+        return split if self.local_prefill_max_tokens is None else f"{split} hybrid<={self.local_prefill_max_tokens}"
 
 
-def _per_node(nodes: int, cores: int) -> str:
-    return f"{cores} core{'s' * (cores > 1)}{' each' * (nodes > 1)}"
+def _per_node(nodes: int, cores: int, tp: int = 1) -> str:
+    return f"{cores} core{'s' * (cores > 1)}{f' TP {tp}' * (tp > 1)}{' each' * (nodes > 1)}"
 
 
 def _divisors(n: int) -> list[int]:
     return [k for k in range(1, n + 1) if n % k == 0]
 
 
-def layouts(devices: int) -> Iterator[Layout]:
+def layouts(devices: int, local_prefill_max_tokens: tuple[int, ...] = (),
+            tp_sizes: tuple[int, ...] = (1,)) -> Iterator[Layout]:
     """Colocated × k for every k dividing N, then every split of the N cores between a prefill and
-    a decode pool with every node count dividing each pool's cores."""
+    a decode pool with every node count dividing each pool's cores, each split followed by its
+    hybrid at every bound in `local_prefill_max_tokens`; each of these at every pool's TP size in
+    `tp_sizes` that divides its nodes' cores."""
+    for base in _base_layouts(devices, local_prefill_max_tokens):
+        yield from _with_tp(base, tp_sizes)
+
+
+def _with_tp(layout: Layout, tp_sizes: tuple[int, ...]) -> Iterator[Layout]:
+    def sizes(cores: int) -> list[int]:
+        return [tp for tp in sorted(set(tp_sizes)) if cores % tp == 0]
+
+    if layout.colocated:
+        for tp in sizes(layout.colocated_cores):
+            yield replace(layout, colocated_tp=tp)
+        return
+    for p_tp in sizes(layout.prefill_cores):
+        for d_tp in sizes(layout.decode_cores):
+            yield replace(layout, prefill_tp=p_tp, decode_tp=d_tp)
+
+
+def _base_layouts(devices: int, local_prefill_max_tokens: tuple[int, ...]) -> Iterator[Layout]:
     for k in _divisors(devices):
         yield Layout(colocated=k, colocated_cores=devices // k)
     for prefill_cores in range(1, devices):
         decode_cores = devices - prefill_cores
         for p in _divisors(prefill_cores):
             for d in _divisors(decode_cores):
-                yield Layout(prefill=p, prefill_cores=prefill_cores // p, decode=d, decode_cores=decode_cores // d)
+                split = Layout(prefill=p, prefill_cores=prefill_cores // p, decode=d, decode_cores=decode_cores // d)
+                yield split
+                yield from (replace(split, local_prefill_max_tokens=bound) for bound in local_prefill_max_tokens)
 
 
 @dataclass(frozen=True)
@@ -79,10 +124,12 @@ class Knobs:
     max_num_seqs: int
     chunk_schedule: str = "fixed"
 
-    def node_args(self) -> list[str]:
+    def node_args(self, tp: int = 1) -> list[str]:
         args = ["--max-num-batched-tokens", str(self.max_num_batched_tokens), "--max-num-seqs", str(self.max_num_seqs)]
         if self.chunk_schedule != "fixed":
             args += ["--chunk-schedule", self.chunk_schedule]
+        if tp > 1:
+            args += ["--tensor-parallel-size", str(tp)]
         return args
 
 
@@ -91,30 +138,40 @@ class Candidate:
     layout: Layout
     knobs: Knobs
 
-    def spec(self, base: EngineConfig, profiles: dict[int, Profile], router: RouterCost) -> ClusterSpec:
+    def spec(self, base: EngineConfig, profiles: dict[tuple[int, int], Profile], router: RouterCost) -> ClusterSpec:
         """`base`: every node's engine config (model, dtype, block size, KV capacity)."""
         config = replace(base, max_num_batched_tokens=self.knobs.max_num_batched_tokens,
                          max_num_seqs=self.knobs.max_num_seqs, chunk_schedule=self.knobs.chunk_schedule)
         lay = self.layout
 
-        def pool(count: int, cores: int) -> Pool | None:
-            return Pool(count, replace(config, num_threads=cores), profiles[cores]) if count else None
+        def pool(count: int, cores: int, tp: int) -> Pool | None:
+            if not count:
+                return None
+            return Pool(count, replace(config, num_threads=cores, tensor_parallel_size=tp), profiles[(cores, tp)])
 
-        return ClusterSpec(pool(lay.colocated, lay.colocated_cores), pool(lay.prefill, lay.prefill_cores),
-                           pool(lay.decode, lay.decode_cores), router)
+        choice = (None if lay.local_prefill_max_tokens is None
+                  else PrefillChoice(Disaggregation.AUTO, lay.local_prefill_max_tokens))
+        return ClusterSpec(pool(lay.colocated, lay.colocated_cores, lay.colocated_tp),
+                           pool(lay.prefill, lay.prefill_cores, lay.prefill_tp),
+                           pool(lay.decode, lay.decode_cores, lay.decode_tp), router, choice)
 
     def command(self, model: str, dtype: str, block_size: int) -> list[str]:
         """The `pdserve cluster` argv that runs this candidate on cores 0..N-1."""
         lay = self.layout
         argv = ["pdserve", "cluster", "--model", model, "--dtype", dtype, "--block-size", str(block_size)]
-        node_args = shlex.join(self.knobs.node_args())
         if lay.colocated:
             return argv + ["--colocated", str(lay.colocated), "--colocated-cores", _cores(0, lay.devices),
-                           "--colocated-args", node_args]
+                           "--colocated-args", shlex.join(self.knobs.node_args(lay.colocated_tp))]
         split = lay.prefill * lay.prefill_cores
-        return argv + ["--prefill", str(lay.prefill), "--decode", str(lay.decode),
-                       "--prefill-cores", _cores(0, split), "--decode-cores", _cores(split, lay.devices),
-                       "--prefill-args", node_args, "--decode-args", node_args]
+        argv += ["--prefill", str(lay.prefill), "--decode", str(lay.decode),
+                 "--prefill-cores", _cores(0, split), "--decode-cores", _cores(split, lay.devices),
+                 "--prefill-args", shlex.join(self.knobs.node_args(lay.prefill_tp))]
+        decode_args = shlex.join(self.knobs.node_args(lay.decode_tp))
+        if lay.local_prefill_max_tokens is None:
+            return argv + ["--decode-args", decode_args]
+        router_args = ["--disaggregation", Disaggregation.AUTO.value,
+                       "--local-prefill-max-tokens", str(lay.local_prefill_max_tokens)]
+        return argv + ["--decode-args", f"{decode_args} --local-prefill", "--router-args", shlex.join(router_args)]
 
 
 def _cores(start: int, end: int) -> str:

@@ -11,6 +11,11 @@ Lifecycle of a request (as in docs/architecture.md §6 and the colocated route):
                  later chunks computed) moves in the profile's transfer time → the prefill node
                  frees its blocks, the decode node admits the request with token 1 and streams
                  tokens 2..n
+  hybrid         a disaggregated cluster whose decode nodes also prefill (`--local-prefill`): the
+                 router's `PrefillChoice` (router/dispatch/hybrid.py), fed the `Loads` the
+                 orchestrator computes, picks per request; local: the decode nodes ranked by a
+                 `ColocatedPlacement` over the decode pool's blocks (`LocalPrefillRoute`), the
+                 request runs there as a colocated one (no KV moves); else disaggregated as above
 A request no node can take ends RESOURCE_EXHAUSTED, as the router answers it. The placement
 policies are the router's own objects, given fresh stats at every decision (a real router sees
 stats up to a heartbeat old plus what it sent since). The router itself, one process on one event
@@ -39,6 +44,7 @@ from pdserve.planner.sim_node import PLACEHOLDER_TOKEN, Sampled, SimClock, SimNo
 from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.router.cluster.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
 from pdserve.router.config import RouterConfig
+from pdserve.router.dispatch.hybrid import Loads, PrefillChoice
 
 EXHAUSTED = "RESOURCE_EXHAUSTED"
 UNFINISHED = "UNFINISHED"  # still running when no event was left (a scheduler that can make no progress)
@@ -59,14 +65,21 @@ class ClusterSpec:
     prefill: Pool | None = None
     decode: Pool | None = None
     router: RouterCost = RouterCost(0.0, 0.0, "free")
+    # Decode nodes started with `--local-prefill`, and the router's `--disaggregation` choice
+    # between them and the prefill pool; None: every request of a pair is disaggregated.
+    local_prefill: PrefillChoice | None = None
 
     def __post_init__(self) -> None:
         if (self.colocated is None) == (self.prefill is None or self.decode is None):
             raise ValueError("a cluster is a colocated pool, or a prefill and a decode pool")
+        if self.local_prefill is not None and self.colocated is not None:
+            raise ValueError("local_prefill is for a cluster of a prefill and a decode pool")
 
     @property
     def mode(self) -> str:
-        return "colocated" if self.colocated is not None else "disaggregated"
+        if self.colocated is not None:
+            return "colocated"
+        return "disaggregated" if self.local_prefill is None else "hybrid"
 
 
 @dataclass(frozen=True)
@@ -96,6 +109,10 @@ class ClusterSim:
         self._decode_placement = DecodePlacement(router.exhausted_cooldown_s, self.clock.now)
         self._prefill_placement = PrefillPlacement(router.block_size, router.affinity_slack_tokens,
                                                    router.max_affinity_entries)
+        # As the orchestrator builds it: decode nodes that prefill, their blocks in the decode pool's.
+        self._local_placement = ColocatedPlacement(router.exhausted_cooldown_s, self.clock.now,
+                                                   blocks=self._decode_placement)
+        self._prefill_choice = spec.local_prefill
         self.colocated = self._nodes("colocated", spec.colocated, ColocatedPolicy(), max_model_len)
         self.prefill = self._nodes("prefill", spec.prefill, PrefillPolicy(), max_model_len)
         self.decode = self._nodes("decode", spec.decode, ColocatedPolicy(), max_model_len)
@@ -143,14 +160,24 @@ class ClusterSim:
         req_id = trace.request_id
         prompt, out_len = list(spec.prompt_token_ids), spec.output_len
         if self.colocated:
-            self._place_colocated(req_id, prompt, out_len, trace)
+            self._place_colocated(self.colocated, self._colocated_placement, req_id, prompt, out_len, trace)
+        elif self._prefill_choice is not None and self._prefill_choice.local(self._loads(len(prompt))):
+            self._place_colocated(self.decode, self._local_placement, req_id, prompt, out_len, trace)
         else:
             self._place_pair(req_id, prompt, out_len, trace)
 
-    def _place_colocated(self, req_id: str, prompt: list[int], out_len: int, trace: RequestTrace) -> None:
-        placement = self._colocated_placement
-        by_id = {n.node_id: n for n in self.colocated}
-        for c in placement.rank([n.candidate(next(self._stats_seq)) for n in self.colocated]):
+    def _loads(self, prompt_tokens: int) -> Loads:
+        """The orchestrator's `_loads`: the shortest prompt queue of each place this prompt could be
+        computed, as each pool's placement counts it."""
+        prefill = [self._prefill_placement.load(n.candidate(next(self._stats_seq))) for n in self.prefill]
+        local = [self._local_placement.load(n.candidate(next(self._stats_seq))) for n in self.decode]
+        return Loads(prompt_tokens, min(prefill, default=None), min(local, default=None))
+
+    def _place_colocated(self, nodes: list[SimNode], placement: ColocatedPlacement, req_id: str, prompt: list[int],
+                         out_len: int, trace: RequestTrace) -> None:
+        """The colocated route over `nodes`: colocated nodes, or decode nodes that prefill."""
+        by_id = {n.node_id: n for n in nodes}
+        for c in placement.rank([n.candidate(next(self._stats_seq)) for n in nodes]):
             node = by_id[c.node_id]
             if not node.can_ever_hold(len(prompt), out_len):
                 continue

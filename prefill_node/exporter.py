@@ -27,6 +27,13 @@ One request's export, in the hand-off states of node/core/handoff.py (the core d
     through the decode node (the aborted done message fails its stream, and the router
     resumes the sample elsewhere); an abort then lets the transfer complete.
 
+The lease (node/core/lease.py) bounds only what the decode node has not acknowledged: it runs
+while a push or the done message is unacknowledged, from the first such, afresh at each ack, so
+a request queued behind others or a long prompt whose pushes land never expires it. Meanwhile,
+every third of a lease, a connected export renews its decode node's reservation (a "renew" done
+message, behind its pushes), whose lease would otherwise run out while this node queues or
+computes the prompt.
+
 A preempted request starts pushing again from block 0 (recomputed, or swapped back in to other
 blocks: a push in flight may have read a block since reused); pushes on one connection land
 in order, so the fresh bytes overwrite anything stale. A swapped-out request pushes nothing.
@@ -51,6 +58,7 @@ from pdserve.node.core.core_part import ToFront
 from pdserve.node.errors import ErrorCode, NodeError
 from pdserve.node.core.handoff import PREFILL_MOVES, HandoffState, OnMove
 from pdserve.node.core.kv_done import DoneStatus, KVDone
+from pdserve.node.core.lease import LeaseClock
 from pdserve.ranks.kv_ranks import GroupHandle, NodeKVDescriptor, RankedTransport
 from pdserve.node.messages import FirstToken, Logprobs, PromptLogprobs, RequestFailed
 from pdserve.prefill_node.peers import PeerConnections
@@ -62,13 +70,15 @@ class Export:
     peer_key: str
     dst_block_ids: list[int]
     arrived_at: float
-    deadline: float
+    lease: LeaseClock  # runs only while a push or the done message is unacknowledged
+    renewed_at: float  # the decode node's reservation was last renewed (or made, about then)
     state: HandoffState = PREFILL_MOVES.first
     peer_id: str | None = None  # the transport's name for the decode node, once connected
     peer_error: NodeError | None = None  # the connection failed: nothing was ever sent
     num_pushed: int = 0  # leading blocks pushed (or being pushed)
     preemptions_seen: int = 0
     handles: list[GroupHandle] = field(default_factory=list)  # pushes and the done message, none failed
+    num_acked: int = 0  # of `handles`, when the lease last looked
     blocks: list[KVBlock] | None = None  # held here once the engine let go of the request
     first: EngineCoreOutput | None = None  # token 1, once the engine handed the request off
     first_at: float = 0.0
@@ -112,7 +122,8 @@ class KVExporter:
         return sum(len(e.blocks) for e in self._exports.values() if e.blocks)
 
     def track(self, req_id: str, descriptor: NodeKVDescriptor, dst_block_ids: list[int], now: float) -> None:
-        export = Export(req_id, self.peers.request(descriptor), list(dst_block_ids), now, now + self.lease_s)
+        export = Export(req_id, self.peers.request(descriptor), list(dst_block_ids), now, LeaseClock(self.lease_s),
+                        renewed_at=now)
         self._exports[req_id] = export
         if self.on_move is not None:
             self.on_move(req_id, export.state)
@@ -146,6 +157,7 @@ class KVExporter:
         for export in list(self._exports.values()):
             self._advance(export, now)
             self._check(export, now)
+            self._renew(export, now)
         self.peers.prune_failed()
 
     # -- the one place a state changes ---------------------------------------------------
@@ -165,6 +177,28 @@ class KVExporter:
             self._push_computed(export)
         else:
             self._flush(export, now)
+        self._watch_lease(export, now)
+
+    def _watch_lease(self, export: Export, now: float) -> None:
+        """Start the lease when something goes unacknowledged, renew it at each ack, stop it when all are."""
+        num_acked = sum(h.done for h in export.handles)
+        if num_acked == len(export.handles):
+            export.lease.stop()
+        elif num_acked != export.num_acked or not export.lease.running:
+            export.lease.renew(now)
+        export.num_acked = num_acked
+
+    def _renew(self, export: Export, now: float) -> None:
+        """Tell the decode node this node still holds the request, so its reservation lives on."""
+        if export.peer_id is None or export.state not in (HandoffState.WAITING_FOR_INPUT, HandoffState.TRANSFERRING):
+            return
+        if not export.lease.renewal_due(export.renewed_at, now):
+            return
+        export.renewed_at = now
+        try:  # not tracked: a broken connection fails the pushes, whose handles say so
+            self.transport.send_done(export.req_id, KVDone(DoneStatus.RENEW).to_bytes(), peer=export.peer_id)
+        except (KVTransferError, ValueError):
+            pass
 
     def _connect(self, export: Export) -> None:
         peer_id, error = self.peers.state(export.peer_key)
@@ -243,15 +277,19 @@ class KVExporter:
             self.peers.forget(export.peer_key)
             self._fail(export, NodeError(ErrorCode.UNAVAILABLE, f"KV transfer to {export.peer_key} failed: "
                                                                 f"{failed[0].error}"))
-        elif now > export.deadline and export.state is not HandoffState.FAILED:
-            self._fail(export, NodeError(ErrorCode.UNAVAILABLE, f"the decode node did not acknowledge the KV "
-                                                                f"within the {self.lease_s}s lease"))
+        elif export.state is not HandoffState.FAILED and self._lease_over(export, now):
+            self._fail(export, NodeError(ErrorCode.UNAVAILABLE, f"the decode node acknowledged nothing of the KV "
+                                                                f"for the {self.lease_s}s lease"))
         if not all(h.done for h in export.handles):
             return
         if export.state is HandoffState.TRANSFERRING:
             self._succeed(export)
         elif export.state is HandoffState.FAILED and export.peer_resolved:
             self._release(export)
+
+    def _lease_over(self, export: Export, now: float) -> bool:
+        self._watch_lease(export, now)
+        return export.lease.expired(now)
 
     def _answer(self, export: Export, now: float) -> None:
         """Token 1 to the front, as soon as the whole transfer is queued behind it."""

@@ -130,8 +130,12 @@ class RouterConfig:
     limits: RequestLimits = field(default_factory=RequestLimits)
     max_message_bytes: int = field(default=DEFAULT_MAX_MESSAGE_BYTES, metadata={
         "help": "largest request message; gRPC refuses a larger one with RESOURCE_EXHAUSTED"})
-    # Shared secret callers must present (common/auth.py); None: no authentication.
+    # The node join credential callers must present (common/auth.py); None: no authentication.
     auth_token: str | None = field(default=None, repr=False, metadata={"flag": False})
+    # Client API keys (common/api_keys.py): they open the public API, never the Registry.
+    api_keys_file: str | None = field(default=None, metadata={
+        "metavar": "PATH", "help": "client API keys, one a line, reloaded when the file changes: each opens the "
+                                   "public API (gRPC and HTTP) but not node registration; needs --auth-token-file"})
     # Admission (router/requests/admission.py): beyond these the router refuses at once with
     # RESOURCE_EXHAUSTED instead of queueing.
     admission: AdmissionLimits = field(default_factory=AdmissionLimits)
@@ -172,6 +176,10 @@ class RouterConfig:
         for ok, name, rule, value in checks:
             if not ok:
                 raise ValueError(f"{name} {rule}, got {value}")
+        if self.api_keys_file is not None and self.auth_token is None:
+            # Without a node credential the Registry would take anyone, a key holder included.
+            raise ValueError("--api-keys-file needs the node join credential (--auth-token-file or "
+                             "$PDSERVE_AUTH_TOKEN): without it anyone could register a node")
 
     @property
     def address(self) -> str:

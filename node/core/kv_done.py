@@ -5,6 +5,8 @@ pushes, so the decode node reads it only after every byte before it has landed. 
 
     {"status": "ok", "token_id": 123, "logprobs": {...} | null, "parts": 2}   token 1, sampled by P
     {"status": "aborted"}                                                      P gave up: nothing more lands
+    {"status": "renew"}                         P still holds the request (queued, computing, pushing):
+                                                the decode node's lease runs afresh (node/core/lease.py)
 
 Between tensor-parallel nodes each rank pair (route, ranks/kv_ranks.py) carries its own copy,
 behind that pair's pushes; `parts` is how many copies the decode node collects before the
@@ -25,6 +27,7 @@ from pdserve.node.messages import Logprobs
 class DoneStatus(enum.Enum):
     OK = "ok"
     ABORTED = "aborted"
+    RENEW = "renew"
 
 
 @dataclass(slots=True)
@@ -47,7 +50,7 @@ class KVDone:
         try:
             body = json.loads(raw)
             status = DoneStatus(body["status"])
-            if status is DoneStatus.ABORTED:
+            if status is not DoneStatus.OK:
                 return cls(status)
             logprobs = body.get("logprobs")
             parts = int(body.get("parts", 1))

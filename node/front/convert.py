@@ -33,7 +33,7 @@ def beams_to_proto(msg: BeamsDone) -> node_pb2.BeamResults:
 
 def _counters(kv: TransferStats) -> node_pb2.TransferCounters:
     return node_pb2.TransferCounters(bytes=kv.bytes, blocks=kv.blocks, transfers=kv.transfers, failures=kv.failures,
-                                     latency_s=kv.latency_s)
+                                     latency_s=kv.latency_s, checksum_failures=kv.checksum_failures)
 
 
 def stats_to_proto(stats: StatsData) -> node_pb2.NodeStats:

@@ -65,6 +65,8 @@ _COUNTERS = (
     ("pdserve_kv_transfer_blocks", "KV blocks transferred", lambda s: s.kv_transfer.blocks),
     ("pdserve_kv_transfers", "KV transfers completed", lambda s: s.kv_transfer.transfers),
     ("pdserve_kv_transfer_failures", "KV transfers failed", lambda s: s.kv_transfer.failures),
+    ("pdserve_kv_checksum_failures", "KV pushes received whose bytes failed their checksum (refused)",
+     lambda s: s.kv_transfer.checksum_failures),
     ("pdserve_kv_transfer_seconds", "Sum of completed KV transfers' latency", lambda s: s.kv_transfer.latency_s),
     ("pdserve_preemptions", "Preemptions, recomputed and swapped out alike", lambda s: s.preemptions),
     ("pdserve_swaps_out", "Preemptions that swapped a request out", lambda s: s.swaps_out),

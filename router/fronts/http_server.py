@@ -19,7 +19,8 @@ as gRPC: a client that disconnects cancels its handler, which cancels the reques
 Errors are OpenAI's JSON with the HTTP status of the gRPC code (400 naming `param`, 401, 404,
 429 with Retry-After, 503, 504). With an auth token, every path but /health, /metrics (what
 probes and Prometheus ask, as on the metrics port) and /openapi.json needs `Authorization:
-Bearer <token>`.
+Bearer <token>`, the token being the node join credential or one of the router's client API
+keys (common/auth.py `Credentials`).
 
 aiohttp because it runs on an event loop that is already running (the router's uvloop),
 without a server of its own to start.
@@ -30,7 +31,6 @@ Must never: validate, admit or place a request itself (RequestRunner does), or b
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import uuid
 from dataclasses import dataclass
@@ -41,7 +41,7 @@ from typing import Any
 from aiohttp import web
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, generate_latest
 
-from pdserve.common.auth import SCHEME
+from pdserve.common.auth import Credentials
 from pdserve.common.metrics_endpoint import HealthCheck
 from pdserve.engine.structured_output import library_loaded, load_library
 from pdserve.proto import pdserve_pb2
@@ -53,6 +53,7 @@ from pdserve.router.requests.merge import merged
 
 RETRY_AFTER_S = "1"
 OPEN_PATHS = ("/health", "/metrics", "/openapi.json")  # answered without the token
+HTTP_SERVICE = "the HTTP API"  # every path is public: an API key opens each one
 # Compact JSON, one encoder for every chunk (json.dumps with options builds one per call).
 _encode = json.JSONEncoder(separators=(",", ":")).encode
 Runner = Callable[[pdserve_pb2.GenerateRequest], AsyncIterator[pdserve_pb2.GenerateResponse]]
@@ -70,7 +71,7 @@ class ServedModel:
 
 
 class HTTPFront:
-    def __init__(self, run: Runner, model: ServedModel, health: HealthCheck, auth_token: str | None = None,
+    def __init__(self, run: Runner, model: ServedModel, health: HealthCheck, credentials: Credentials | None = None,
                  metrics: CollectorRegistry | None = None) -> None:
         """`health`: whether the router serves (a client waiting on /v1/models or /health waits for it);
         `metrics`: the registry /metrics serves (None: an empty one)."""
@@ -80,7 +81,7 @@ class HTTPFront:
         self._served_name = model.name
         self._health = health
         self._metrics = metrics if metrics is not None else CollectorRegistry()
-        self._expected = (SCHEME + auth_token).encode() if auth_token else None
+        self._credentials = credentials  # None: no check
         self._template = model.chat_template
         self._runner: web.AppRunner | None = None
 
@@ -113,9 +114,9 @@ class HTTPFront:
 
     @web.middleware
     async def _auth(self, request: web.Request, handler):
-        if self._expected is not None and request.path not in OPEN_PATHS:
-            presented = request.headers.get("Authorization", "").encode()
-            if not hmac.compare_digest(presented, self._expected):
+        if self._credentials is not None and request.path not in OPEN_PATHS:
+            refusal = self._credentials.refusal(HTTP_SERVICE, request.headers.get("Authorization"))
+            if refusal is not None:  # the public API takes an API key or the node credential alike
                 return web.json_response({"error": {"message": "missing or wrong auth token: send "
                                                     "'Authorization: Bearer <token>'", "type": "authentication_error",
                                                     "param": None, "code": "UNAUTHENTICATED"}}, status=401)

@@ -29,7 +29,8 @@ import grpc
 import uvloop
 from prometheus_client import CollectorRegistry
 
-from pdserve.common.auth import add_auth_args, server_interceptors, server_options, token_from_cli
+from pdserve.common.api_keys import ApiKeys
+from pdserve.common.auth import Credentials, add_auth_args, server_interceptors, server_options, token_from_cli
 from pdserve.common.config_flags import add_config_args, values_from_args
 from pdserve.common.lifecycle import ExitStatus, ServerPhase, StopSignals, supervisor_of
 from pdserve.common.grpc_standard import StandardServices
@@ -223,6 +224,8 @@ class RouterServer:
             PrefillPlacement(config.block_size, config.affinity_slack_tokens, config.max_affinity_entries),
         )
         self.admission = Admission(config.admission)
+        # Read at start (a bad file stops it), then again whenever it changes.
+        self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
         self.metrics = RouterMetrics(CollectorRegistry(), registry, self.state.resumes)
         self._server: grpc.aio.Server | None = None
         self._standard: StandardServices | None = None
@@ -234,13 +237,19 @@ class RouterServer:
         # Read by /health on the endpoint's thread: one reference, replaced whole.
         self.phase = ServerPhase.STARTING
 
+    def _credentials(self) -> Credentials | None:
+        if self.config.auth_token is None:
+            return None
+        return Credentials(self.config.auth_token, self.api_keys, frozenset({REGISTRY_SERVICE}))
+
     async def start(self) -> int:
         """Bind and serve; returns the bound port (the OS's pick when the config says 0).
 
         Raises PortUnavailable naming `--port` or `--metrics-port` when one cannot be bound."""
         if self.config.metrics_port is not None:
             self._metrics_endpoint = _start_endpoint(self.config, self.metrics.registry, self.health)
-        server = grpc.aio.server(interceptors=server_interceptors(self.config.auth_token),
+        server = grpc.aio.server(interceptors=server_interceptors(self.config.auth_token, self.api_keys,
+                                                                  frozenset({REGISTRY_SERVICE})),
                                  options=server_options(self.config.max_message_bytes))
         validator = RequestValidator(self.state.model, self.config.max_n, limits=self.config.limits,
                                      capacity=live_capacity(self.state.registry, self.config.block_size))
@@ -254,7 +263,7 @@ class RouterServer:
                                  model.vocab_size, _read_template(self.config.chat_template))
             def observed(request: pdserve_pb2.GenerateRequest) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
                 return self.metrics.observe(requests.run(request), http_end_status)
-            self.http = HTTPFront(observed, served, self.health, self.config.auth_token, self.metrics.registry)
+            self.http = HTTPFront(observed, served, self.health, self._credentials(), self.metrics.registry)
         # grpc.health.v1: SERVING only while the router can serve a request, not merely while it runs;
         # the Registry while it runs (nodes can join): a liveness probe's question.
         self._standard = standard = StandardServices(server, ROUTER_SERVICES, self._can_serve,
@@ -387,7 +396,10 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def config_from_args(args: argparse.Namespace, environ: Mapping[str, str] | None = None) -> RouterConfig:
-    """`environ` is where `$PDSERVE_AUTH_TOKEN` is looked up (main passes os.environ)."""
+    """`environ` is where `$PDSERVE_AUTH_TOKEN` is looked up (main passes os.environ). Raises
+    ValueError (TokenError) for a token or API keys file that cannot be used."""
+    if args.api_keys_file:
+        ApiKeys(args.api_keys_file)  # unreadable or keyless: a usage error before anything starts
     return RouterConfig(
         prefill_addresses=tuple(args.prefill),
         decode_addresses=tuple(args.decode),

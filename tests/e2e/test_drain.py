@@ -16,7 +16,6 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import random
 import urllib.request
 
 import grpc
@@ -26,6 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing.waiting import until, wait_until
 from tests.e2e.cluster import FaultCluster, FaultSettings
+from tests.e2e.streams import Stream, greedy, prompt
 from tests.integration.reference import assert_matches, greedy_references
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
@@ -47,39 +47,6 @@ def model_dir(tiny_llama) -> str:
 def cluster(model_dir, tmp_path_factory):
     with FaultCluster(model_dir, tmp_path_factory.mktemp("logs"), 2, 2, SETTINGS) as running:
         yield running
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 900) for _ in range(n)]
-
-
-def greedy(ids: list[int], max_tokens: int) -> pdserve_pb2.GenerateRequest:
-    return pdserve_pb2.GenerateRequest(
-        token_ids=pdserve_pb2.TokenIds(ids=ids),
-        sampling_params=pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-
-
-class Stream:
-    """One streaming request in the background; the tokens the client saw, and its status."""
-
-    def __init__(self, router: str, request: pdserve_pb2.GenerateRequest) -> None:
-        self.tokens: list[int] = []
-        self.code = grpc.StatusCode.OK
-        self.details = ""
-        self._task = asyncio.create_task(self._run(router, request))
-
-    async def _run(self, router: str, request: pdserve_pb2.GenerateRequest) -> None:
-        async with grpc.aio.insecure_channel(router) as channel:
-            try:
-                async for response in pdserve_pb2_grpc.GenerationStub(channel).Generate(request, timeout=120.0):
-                    self.tokens.extend(response.token_ids)
-            except grpc.aio.AioRpcError as exc:
-                self.code, self.details = exc.code(), exc.details() or ""
-
-    async def done(self) -> Stream:
-        await self._task
-        return self
 
 
 def resumes(cluster: FaultCluster) -> dict[str, float]:

@@ -17,17 +17,17 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import random
 import time
 
 import grpc
 import pytest
 from pdserve.engine.structured_output import StructuredOutput
-from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
+from pdserve.proto import pdserve_pb2
 from pdserve.proto.convert import structured_to_proto
 from pdserve.testing.waiting import until
 
 from tests.e2e.cluster import FaultCluster, FaultSettings
+from tests.e2e.streams import Stream, greedy, prompt
 from tests.integration.reference import assert_matches, constrained_references, greedy_references
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
@@ -48,49 +48,6 @@ def model_dir(tiny_llama) -> str:
 def cluster(model_dir, tmp_path_factory):
     with FaultCluster(model_dir, tmp_path_factory.mktemp("logs"), 2, 2, SETTINGS) as running:
         yield running
-
-
-def prompt(n: int, seed: int) -> list[int]:
-    rng = random.Random(seed)
-    return [rng.randrange(1, 900) for _ in range(n)]
-
-
-def greedy(ids: list[int], max_tokens: int) -> pdserve_pb2.GenerateRequest:
-    return pdserve_pb2.GenerateRequest(
-        token_ids=pdserve_pb2.TokenIds(ids=ids),
-        sampling_params=pdserve_pb2.SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
-
-
-class Stream:
-    """One streaming request in the background; what the client saw, token by token."""
-
-    def __init__(self, router: str, request: pdserve_pb2.GenerateRequest, timeout_s: float = 120.0) -> None:
-        self.tokens: list[int] = []
-        self.responses: list[pdserve_pb2.GenerateResponse] = []
-        self.error: grpc.aio.AioRpcError | None = None
-        self.ended_at: float | None = None
-        self._task = asyncio.create_task(self._run(router, request, timeout_s))
-
-    async def _run(self, router: str, request: pdserve_pb2.GenerateRequest, timeout_s: float) -> None:
-        async with grpc.aio.insecure_channel(router) as channel:
-            try:
-                async for response in pdserve_pb2_grpc.GenerationStub(channel).Generate(request, timeout=timeout_s):
-                    self.responses.append(response)
-                    self.tokens.extend(response.token_ids)
-            except grpc.aio.AioRpcError as exc:
-                self.error = exc
-        self.ended_at = time.monotonic()
-
-    async def until(self, predicate, timeout_s: float = 60.0) -> None:
-        def reached() -> bool:
-            assert not self._task.done() or predicate(), f"the stream ended early: {self.error}"
-            return predicate()
-
-        await until(reached, timeout_s, interval_s=0.02)
-
-    async def done(self) -> Stream:
-        await self._task
-        return self
 
 
 def busy_node(cluster: FaultCluster, kind: str) -> str:

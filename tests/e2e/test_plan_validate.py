@@ -1,6 +1,7 @@
-"""`pdserve plan --validate 1` as a user runs it, on the tiny model: the profile measured for real
-(nothing cached), the plan, then the recommended cluster started with the printed command line
-and swept for real, predicted beside measured in the table and the JSON."""
+"""`pdserve plan --validate 1` as a user runs it, on the tiny model: the plan (on a profile in the
+cache: measuring one is tests/integration/test_planner_tp_profile.py's), then the recommended
+cluster started with the printed command line and swept for real, predicted beside measured in
+the table and the JSON."""
 
 from __future__ import annotations
 
@@ -8,9 +9,20 @@ import json
 import subprocess
 import sys
 
+from pdserve.engine.dtype_choice import resolve_dtype
+from pdserve.planner.profile import (
+    NodeSetup, ProfileCache, RouterCost, machine_facts, model_hash, profile_key, router_key,
+)
+from tests.unit.planner_profiles import synthetic_profile
+
 
 def test_plan_validate_runs_the_recommended_cluster_and_reports_predicted_beside_measured(tiny_model, tmp_path):
     out_file = tmp_path / "plan.json"
+    cache = ProfileCache(tmp_path / "profiles")
+    digest, machine = model_hash(tiny_model), machine_facts()
+    cache.store(profile_key(digest, machine, NodeSetup(1, resolve_dtype("auto"), 16)),
+                synthetic_profile(base_s=0.002, per_token_s=0.0001))
+    cache.store(router_key(digest, machine), RouterCost(1e-4, 1e-5, "synthetic"))
     # Loose SLOs: every real run meets them, so what is checked is the plumbing, never a timing.
     argv = [sys.executable, "-m", "pdserve", "plan", "--model", str(tiny_model), "--devices", "1",
             "--profile-dir", str(tmp_path / "profiles"), "--no-progress", "--workload", "fixed",

@@ -12,7 +12,7 @@ import asyncio
 import grpc
 import pytest
 
-from pdserve.common.auth import (TOKEN_ENV, TokenAuthInterceptor, TokenError, add_auth_args, call_metadata, check_token,
+from pdserve.common.auth import (TOKEN_ENV, Credentials, TokenError, bearer_of, add_auth_args, call_metadata, check_token,
                           insecure_channel, server_interceptors, token_from_cli)
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
@@ -85,7 +85,7 @@ def test_the_flag_and_the_metadata():
     ],
 )
 def test_the_interceptor_compares_the_whole_header(metadata, allowed):
-    assert TokenAuthInterceptor(TOKEN).authorized(metadata) is allowed
+    assert (Credentials(TOKEN).refusal("pdserve.v1.Generation", bearer_of(metadata)) is None) is allowed
 
 
 # -- a real server ---------------------------------------------------------------------

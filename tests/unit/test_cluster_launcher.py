@@ -29,6 +29,7 @@ from pdserve.cluster import (
     resolve_port,
     run_cluster,
 )
+from pdserve.cluster_plan import NodeSite, node_spec
 from pdserve.cluster_state import read_state
 from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor, RestartPolicy
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
@@ -157,6 +158,22 @@ def test_metrics_ports_for_the_router_and_every_node_when_asked():
         ClusterConfig(decode_args=("--metrics-port", "1"))
 
 
+def test_a_node_moved_to_the_other_pool_takes_the_leaving_ones_cores_under_a_new_name_and_port():
+    ports = iter(range(7001, 7100))
+    config = ClusterConfig(num_prefill=1, num_decode=2, metrics_port=9100, decode_cores=(0, 1),
+                           prefill_args=("--max-num-seqs", "8"))
+    plan = build_plan(config, "/m", 50999, python="py", pick_port=lambda: next(ports), usable_cpus={0, 1})
+    leaving = plan.nodes[2]
+    joined = node_spec(config, NodeSite("/m", plan.router_addr, "py"), "prefill", "prefill-1", leaving.cpus, 7501,
+                       7502)
+    moved = plan.with_node_replaced("decode-1", joined, "127.0.0.1", 7502)
+    assert [n.name for n in moved.nodes] == ["prefill-0", "decode-0", "prefill-1"]
+    assert joined.cpus == leaving.cpus == (1,) and joined.argv[3] == "prefill"
+    assert joined.argv[-2:] == ("--max-num-seqs", "8")  # the prefill pool's own flags
+    assert moved.addresses["prefill-1"] == "127.0.0.1:7501" and "decode-1" not in moved.addresses
+    assert moved.metrics_ports == {"router": 9100, "prefill-0": 7001, "decode-0": 7002, "prefill-1": 7502}
+
+
 def test_pool_args_are_one_quoted_string_each():
     config = config_from_args(["--prefill", "1", "--decode", "2", "--prefill-args", "--max-num-batched-tokens 1024",
                                "--decode-args", "--max-num-seqs 128 --num-blocks 4096"])
@@ -241,18 +258,19 @@ def test_cores_not_on_this_machine_are_refused_naming_the_flag():
 
 def test_the_ready_banner_names_the_colocated_nodes_and_the_pinning(supervisor):
     stop = threading.Event()
+    out = io.StringIO()
 
-    def probe() -> Verdict:
-        threading.Timer(0.2, stop.set).start()
-        return Verdict(True, "serving")
+    def stop_once_ready() -> None:  # the launcher serves until told to stop: once its banner is out
+        wait_until(lambda: "stop with Ctrl-C" in out.getvalue(), lambda: out.getvalue(), 20.0, interval_s=0.01)
+        stop.set()
 
     config = ClusterConfig(num_prefill=0, num_decode=0, num_colocated=2, colocated_cores=(0, 1), router_cores=(0,),
                            ready_timeout_s=20.0, stop_grace_s=2.0, poll_interval_s=0.05)
     plan = build_plan(config, "/m", 1, usable_cpus={0, 1})
     plan = ClusterPlan(ChildSpec("router", SLEEPER, cpus=(0,)),
                        tuple(ChildSpec(n.name, SLEEPER, cpus=n.cpus) for n in plan.nodes), "127.0.0.1:1")
-    out = io.StringIO()
-    assert run_cluster(config, plan, supervisor, probe, stop, out) == 0
+    threading.Thread(target=stop_once_ready, daemon=True).start()
+    assert run_cluster(config, plan, supervisor, lambda: Verdict(True, "serving"), stop, out) == 0
     assert "pdserve cluster ready at 127.0.0.1:1 (2 colocated)\n" in out.getvalue()
     assert "pinned: router on cpus 0, colocated-0 on cpus 0, colocated-1 on cpus 1\n" in out.getvalue()
 

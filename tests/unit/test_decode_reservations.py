@@ -267,3 +267,13 @@ def test_a_request_from_tensor_parallel_ranks_is_admitted_only_with_every_rank_p
     assert table.arrive("broken", KVDone(DoneStatus.ABORTED))[0] is HandoffState.FAILED
     assert table.arrive("broken", three) == (None, None)  # a late copy finds nothing
     assert moves["whole"] == [HandoffState.WAITING_FOR_INPUT, HandoffState.SUCCESS]
+
+
+def test_each_renewal_from_the_prefill_node_restarts_the_lease(table):
+    table.reserve("a", list(range(1, 10)), PARAMS, 0, now=0.0)
+    for now in (0.9 * LEASE_S, 1.8 * LEASE_S, 2.7 * LEASE_S):  # a deep prefill queue: renewed, never due
+        assert table.renew("a", now) and table.expire(now=now + 0.5 * LEASE_S) == []
+    assert table.expire(now=2.7 * LEASE_S + LEASE_S) == ["a"]  # no word for a whole lease: over
+    assert not table.renew("a", 4 * LEASE_S) and used(table) == 0
+    with pytest.raises(ValueError, match="renew"):
+        table.arrive("a", KVDone(DoneStatus.RENEW))

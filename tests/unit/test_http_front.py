@@ -13,6 +13,7 @@ from aiohttp.test_utils import TestClient, TestServer
 from pdserve.common.metrics_endpoint import Health
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import InvalidRequest, NoNodeAvailable, Overloaded
+from pdserve.common.auth import Credentials
 from pdserve.router.fronts.http_server import HTTPFront, ServedModel
 
 
@@ -64,7 +65,7 @@ NO_ROUTE = "no route for a request yet"
 def front(runner: FakeRunner, token: str | None = None, serving: bool = True) -> HTTPFront:
     verdict = Health(True, "router on 127.0.0.1:1") if serving else Health(False, NO_ROUTE)
     return HTTPFront(runner.run, ServedModel("tiny", Tokenizer(), max_model_len=64, vocab_size=256), lambda: verdict,
-                     token)
+                     Credentials(token) if token else None)
 
 
 async def client_of(http: HTTPFront) -> TestClient:

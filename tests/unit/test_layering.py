@@ -34,8 +34,9 @@ ALLOWED: dict[str, set[str]] = {
     "testing": {"router", "proto", "kv_transfer"},
     # On top beside bench and pdserve: the simulator reuses bench's workloads, metrics and goodput
     # search, the router's placement policies and the prefill node's policy, its commands the demo
-    # model (pdserve.model_factory); only the CLI imports it (by name, when the command runs).
-    "planner": {"engine", "kernels", "common", "router", "prefill_node", "bench", "pdserve"},
+    # model (pdserve.model_factory); only the CLI imports it (by name, when the command runs). A TP
+    # profile times an engine on its ranks, started as a node starts them (ranks).
+    "planner": {"engine", "kernels", "common", "ranks", "router", "prefill_node", "bench", "pdserve"},
 }
 # Third-party modules a part must never load: the engine and its kernels run in a node's core
 # process, which talks ZMQ only through node/, and never serves gRPC.

@@ -43,7 +43,7 @@ def exprs() -> list[str]:
 
 
 def test_every_family_is_found():
-    assert len(families()) == 39  # 11 router request series + 6 router node series + 22 node series
+    assert len(families()) == 40  # 11 router request series + 6 router node series + 23 node series
 
 
 def test_every_dashboard_expr_names_exported_series_and_labels():

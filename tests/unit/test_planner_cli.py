@@ -4,6 +4,7 @@ the table, the JSON it writes, the recommended command, and the refusal of SLOs 
 from __future__ import annotations
 
 import json
+import shlex
 
 import pytest
 import torch
@@ -19,7 +20,8 @@ from tests.unit.planner_profiles import synthetic_profile
 
 @pytest.fixture(scope="module")
 def planned(tmp_path_factory):
-    """A model folder and a profile cache holding synthetic profiles for 1 and 2 threads."""
+    """A model folder and a profile cache holding synthetic profiles for 1 and 2 threads, and for
+    2 threads as TP 2."""
     root = tmp_path_factory.mktemp("plan")
     model = make_model(root / "tiny", "llama", "tiny", dtype=torch.float32)
     cache = ProfileCache(root / "profiles")
@@ -27,6 +29,8 @@ def planned(tmp_path_factory):
     for threads in (1, 2):
         profile = synthetic_profile(base_s=0.005, per_token_s=0.001 / threads, threads=threads)
         cache.store(profile_key(digest, machine, NodeSetup(threads, dtype, 16)), profile)
+    tp2 = synthetic_profile(base_s=0.005, per_token_s=0.0004, threads=2)
+    cache.store(profile_key(digest, machine, NodeSetup(2, dtype, 16, tensor_parallel_size=2)), tp2)
     cache.store(router_key(digest, machine), RouterCost(1e-4, 1e-5, "synthetic"))
     return str(model), str(cache.folder)
 
@@ -45,13 +49,21 @@ def test_plan_prints_the_ranking_and_writes_the_recommendation(planned, tmp_path
     assert lines[0].split()[:3] == ["#", "layout", "tokens"]
     report = json.loads(out_file.read_text())
     best = report["recommended"]
-    assert best["command"][:2] == ["pdserve", "cluster"] and best["mode"] in ("colocated", "disaggregated")
+    assert best["command"][:2] == ["pdserve", "cluster"] and best["mode"] in ("colocated", "disaggregated", "hybrid")
     assert best["predicted_goodput_rps"] > 0
     assert set(best["predicted"]) == {"ttft_p90_s", "tpot_p90_s"}
     assert best["predicted"]["ttft_p90_s"] <= 2 and best["predicted"]["tpot_p90_s"] <= 0.5
-    assert len(report["candidates"]) == 3  # colocated x1, colocated x2, 1P1D; one knob setting
+    # colocated x1, colocated x2, 1P1D and its hybrid at the router's bound; one knob setting
+    assert [c["mode"] for c in report["candidates"]].count("hybrid") == 1 and len(report["candidates"]) == 4
     assert report["candidates"][0]["command"] == best["command"]
-    assert lines[-1] == " ".join(best["command"][:-1]) + " '" + best["command"][-1] + "'"
+    assert lines[-1] == shlex.join(best["command"])
+
+
+def test_no_hybrid_leaves_the_hybrid_splits_out(planned, tmp_path):
+    out_file = tmp_path / "plan.json"
+    assert main(plan(planned, "--ttft-slo", "2", "--no-hybrid", "--output-json", str(out_file))) == 0
+    modes = [c["mode"] for c in json.loads(out_file.read_text())["candidates"]]
+    assert sorted(modes) == ["colocated", "colocated", "disaggregated"]
 
 
 def test_slos_nothing_meets_are_refused_in_one_line(planned, capsys):
@@ -59,3 +71,14 @@ def test_slos_nothing_meets_are_refused_in_one_line(planned, capsys):
     last = capsys.readouterr().err.splitlines()[-1]
     assert last.startswith("pdserve plan: --ttft-slo/--tpot-slo: no configuration on 2 devices meets TTFT <= 0.01 s")
     assert "the best attainable is " in last and "TTFT p90 " in last
+
+
+def test_tp_sizes_are_searched_where_they_divide_a_nodes_cores(planned, tmp_path, capsys):
+    out_file = tmp_path / "plan.json"
+    assert main(plan(planned, "--ttft-slo", "2", "--no-hybrid", "--tp", "1,2", "--output-json", str(out_file))) == 0
+    candidates = json.loads(out_file.read_text())["candidates"]
+    assert sorted(c["layout"] for c in candidates) == [
+        "1P (1 core) + 1D (1 core)", "colocated x1 (2 cores TP 2)", "colocated x1 (2 cores)",
+        "colocated x2 (1 core each)"]
+    tp = next(c for c in candidates if "TP 2" in c["layout"])
+    assert tp["command"][-1] == "--max-num-batched-tokens 256 --max-num-seqs 64 --tensor-parallel-size 2"

@@ -8,6 +8,7 @@ import pytest
 
 from pdserve.planner.measure import step_shapes
 from pdserve.planner.profile import NodeSetup, ProfileCache, machine_facts, model_hash, profile_key
+from pdserve.planner.profile_cli import tp_setups
 from pdserve.planner.step_cost import StepCost, StepShape
 from tests.unit.planner_profiles import synthetic_profile
 
@@ -55,6 +56,8 @@ def test_the_cache_key_changes_with_the_model_the_machine_and_the_setup(tmp_path
     assert key == profile_key(digest, dict(machine), NodeSetup(1, "bfloat16", 16))
     assert key != profile_key(digest, {**machine, "cores": 4}, setup)
     assert key != profile_key(digest, machine, NodeSetup(2, "bfloat16", 16))
+    assert profile_key(digest, machine, NodeSetup(2, "bfloat16", 16, 2)) != profile_key(digest, machine,
+                                                                                    NodeSetup(2, "bfloat16", 16))
     (tmp_path / "model.safetensors").write_bytes(b"x")
     assert model_hash(tmp_path) != digest
 
@@ -74,3 +77,8 @@ def test_the_router_cost_is_cached_beside_the_profiles(tmp_path):
     cache.store(key, cost)
     assert cache.load(key, RouterCost) == cost
     assert key != router_key("other", {"cpu": "X", "flags": [], "cores": 2})
+
+
+def test_a_tp_size_is_profiled_for_every_threads_count_it_divides():
+    assert tp_setups([1, 2, 4], [1, 2]) == [(1, 1), (2, 1), (2, 2), (4, 1), (4, 2)]
+    assert tp_setups([1], [2]) == []

@@ -1,4 +1,5 @@
-"""The planner's choice on synthetic profiles, its command lines, its refusal and its flag errors."""
+"""The planner's choice on synthetic profiles (the hybrid among them), its command lines, its refusal
+and its flag errors."""
 
 from __future__ import annotations
 
@@ -23,8 +24,8 @@ def traffic(prompt_len: int, output_len: int, count: int = 60) -> Traffic:
                        for k in range(count)])
 
 
-def best(profiles, work: Traffic, slo: Slo, knobs=Knobs(512, 64)):
-    candidates = [Candidate(lay, knobs) for lay in layouts(2)]
+def best(profiles, work: Traffic, slo: Slo, knobs=Knobs(512, 64), bounds: tuple[int, ...] = ()):
+    candidates = [Candidate(lay, knobs) for lay in layouts(2, bounds)]
     return ranked([evaluate(c, BASE, profiles, work, slo, SWEEP, 4096) for c in candidates])
 
 
@@ -37,11 +38,63 @@ def test_layouts_on_two_and_four_devices():
     assert Layout(prefill=2, prefill_cores=1, decode=1, decode_cores=2) in four
 
 
+def test_every_split_is_also_tried_as_the_hybrid_at_each_bound():
+    assert [(lay.mode, lay.describe()) for lay in layouts(2, (64, 256))] == [
+        ("colocated", "colocated x1 (2 cores)"), ("colocated", "colocated x2 (1 core each)"),
+        ("disaggregated", "1P (1 core) + 1D (1 core)"), ("hybrid", "1P (1 core) + 1D (1 core) hybrid<=64"),
+        ("hybrid", "1P (1 core) + 1D (1 core) hybrid<=256")]
+    assert sum(lay.mode == "hybrid" for lay in layouts(4, (256,))) == sum(lay.mode == "disaggregated"
+                                                                         for lay in layouts(4, (256,)))
+
+
+def test_each_pool_is_tried_at_every_tp_size_that_divides_its_nodes_cores():
+    assert [lay.describe() for lay in layouts(2, tp_sizes=(1, 2))] == [
+        "colocated x1 (2 cores)", "colocated x1 (2 cores TP 2)", "colocated x2 (1 core each)",
+        "1P (1 core) + 1D (1 core)"]
+    four = [lay for lay in layouts(4, tp_sizes=(1, 2))
+            if lay.prefill == 1 and lay.prefill_cores == 2 and lay.decode == 1]
+    assert [(lay.prefill_tp, lay.decode_tp) for lay in four] == [(1, 1), (1, 2), (2, 1), (2, 2)]
+    assert four[-1].setups == {(2, 2)}
+
+
+def test_a_tp_node_whose_profile_is_faster_wins():
+    """Two cores as one TP 2 node whose steps take 40% of a 1-core node's, against two 1-core
+    nodes (and a 2-thread TP 1 node no faster than one core): the TP node serves more."""
+    per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
+    tp2 = synthetic_profile(base_s=0.002, per_token_s=0.0004, threads=2)
+    candidates = [Candidate(lay, Knobs(512, 64)) for lay in layouts(2, tp_sizes=(1, 2))]
+    results = ranked([evaluate(c, BASE, {(1, 1): per_core, (2, 1): per_core, (2, 2): tp2}, traffic(256, 16),
+                               Slo(ttft_s=0.4, tpot_s=10.0), SWEEP, 4096) for c in candidates])
+    assert results[0].candidate.layout == Layout(colocated=1, colocated_cores=2, colocated_tp=2)
+
+
+def mix(short: int, long: int, output_len: int, count: int = 60) -> Traffic:
+    """Every fourth prompt long, the others short; no two share a block."""
+    lengths = [long if k % 4 == 0 else short for k in range(count)]
+    starts = [1 + sum(lengths[:k]) for k in range(count)]
+    return Traffic.of([(tuple(range(s, s + n)), output_len) for s, n in zip(starts, lengths)])
+
+
+def test_short_and_long_prompts_under_a_balanced_slo_go_hybrid():
+    """64- and 512-token prompts, TTFT 1 s and TPOT 30 ms. Colocated, the long prompts stall the
+    decodes beside them; disaggregated, every prompt queues on the one prefill node while the
+    decode node idles between tokens. The hybrid's decode node takes the short ones along its
+    decode steps and leaves the long ones to the prefill node: more than either."""
+    per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
+    results = best({(1, 1): per_core, (2, 1): per_core}, mix(64, 512, 32), Slo(ttft_s=1.0, tpot_s=0.03), bounds=(256,))
+    by_mode = {}
+    for r in results:
+        by_mode.setdefault(r.candidate.layout.mode, r.prediction.goodput_rps)
+    assert results[0].candidate.layout == Layout(prefill=1, prefill_cores=1, decode=1, decode_cores=1,
+                                                 local_prefill_max_tokens=256)
+    assert by_mode["hybrid"] > by_mode["colocated"] > 0 and by_mode["hybrid"] > by_mode["disaggregated"] > 0
+
+
 def test_long_prompts_under_a_tight_tpot_go_disaggregated():
     """A 512-token prompt costs 0.5 s of one step: on a colocated node it stalls every decode beside
     it far past a 30 ms TPOT; a decode node never runs one."""
     per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
-    results = best({1: per_core, 2: per_core}, traffic(512, 32), Slo(ttft_s=10.0, tpot_s=0.03))
+    results = best({(1, 1): per_core, (2, 1): per_core}, traffic(512, 32), Slo(ttft_s=10.0, tpot_s=0.03))
     assert results[0].candidate.layout.mode == "disaggregated"
     assert results[0].prediction.goodput_rps > 0
 
@@ -49,7 +102,7 @@ def test_long_prompts_under_a_tight_tpot_go_disaggregated():
 def test_a_tight_ttft_with_a_loose_tpot_goes_colocated_on_two_nodes():
     """Two servers of prompts halve the queueing a single prefill node makes; TPOT is free."""
     per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
-    results = best({1: per_core, 2: per_core}, traffic(256, 16), Slo(ttft_s=0.4, tpot_s=10.0))
+    results = best({(1, 1): per_core, (2, 1): per_core}, traffic(256, 16), Slo(ttft_s=0.4, tpot_s=10.0))
     assert results[0].candidate.layout == Layout(colocated=2, colocated_cores=1)
     assert results[0].goodput_per_device > results[-1].goodput_per_device
 
@@ -57,7 +110,7 @@ def test_a_tight_ttft_with_a_loose_tpot_goes_colocated_on_two_nodes():
 def test_slos_nothing_meets_are_refused_naming_the_best_attainable_figures():
     per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
     slo = Slo(ttft_s=0.1, tpot_s=0.001)  # a 256-token prompt alone takes 0.261 s
-    results = best({1: per_core, 2: per_core}, traffic(256, 16, count=20), slo)
+    results = best({(1, 1): per_core, (2, 1): per_core}, traffic(256, 16, count=20), slo)
     assert all(r.prediction.goodput_rps == 0 for r in results)
     message = unattainable(results, 2, slo, 0.9).cli_message()
     assert message.startswith("--ttft-slo/--tpot-slo: no configuration on 2 devices meets TTFT <= 0.1 s and "
@@ -75,6 +128,19 @@ def test_the_command_line_of_each_mode():
     argv = pair.command("/m", "float32", 16)
     assert argv[argv.index("--prefill-cores") + 1] == "0" and argv[argv.index("--decode-cores") + 1] == "1-3"
     assert argv[argv.index("--decode-args") + 1] == "--max-num-batched-tokens 512 --max-num-seqs 64 --chunk-schedule staged"
+    assert "--router-args" not in argv
+    tp = Candidate(Layout(prefill=1, prefill_cores=2, decode=1, decode_cores=2, decode_tp=2),
+                   knobs).command("/m", "float32", 16)
+    assert tp[tp.index("--prefill-args") + 1] == "--max-num-batched-tokens 1024 --max-num-seqs 32"
+    assert tp[tp.index("--decode-args") + 1] == ("--max-num-batched-tokens 1024 --max-num-seqs 32 "
+                                                 "--tensor-parallel-size 2")
+    hybrid = Candidate(Layout(prefill=1, prefill_cores=1, decode=1, decode_cores=1, local_prefill_max_tokens=128),
+                       Knobs(512, 64)).command("/m", "float32", 16)
+    assert shlex.join(hybrid) == (
+        "pdserve cluster --model /m --dtype float32 --block-size 16 --prefill 1 --decode 1 --prefill-cores 0 "
+        "--decode-cores 1 --prefill-args '--max-num-batched-tokens 512 --max-num-seqs 64' --decode-args "
+        "'--max-num-batched-tokens 512 --max-num-seqs 64 --local-prefill' --router-args "
+        "'--disaggregation auto --local-prefill-max-tokens 128'")
 
 
 @pytest.mark.parametrize("argv, flag", [
@@ -86,6 +152,7 @@ def test_the_command_line_of_each_mode():
     (["--devices", "2", "--tpot-slo", "0.1", "--chunk-schedules", "fast"], "--chunk-schedules"),
     (["--devices", "2", "--tpot-slo", "0.1", "--workload", "uniform"], "--workload uniform"),
     (["--devices", "2", "--tpot-slo", "0.1", "--batched-tokens", "0"], "--batched-tokens"),
+    (["--devices", "2", "--tpot-slo", "0.1", "--local-prefill-max-tokens", "x"], "--local-prefill-max-tokens"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_:

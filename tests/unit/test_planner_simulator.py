@@ -1,5 +1,6 @@
 """The cluster simulator against cases computed by hand: one request alone, chunked prefill, the
-hand-off's transfer, a single-server queue, preemption and a request no node can hold."""
+hand-off's transfer, a single-server queue, preemption, a request no node can hold, and the
+hybrid's choice between a decode node that prefills and the prefill pool."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from pdserve.bench.serve.metrics import request_metrics
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.profile import RouterCost, TransferCost
 from pdserve.planner.simulator import EXHAUSTED, ClusterSim, ClusterSpec, Pool, SimRequest
+from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
 from tests.unit.planner_profiles import BLOCK_BYTES, synthetic_profile
 
 
@@ -126,3 +128,46 @@ def test_a_router_slower_than_the_steps_paces_every_stream():
     _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile), router=RouterCost(0.0, 0.05, "slow")), 100, 5)
     assert m.ttft_s == pytest.approx(0.11 + 0.05)
     assert m.itl_s == pytest.approx((0.05,) * 4)
+
+
+def hybrid_pair(bound: int = 256) -> tuple[ClusterSpec, float]:
+    """A prefill node and a decode node that also prefills, on different step times, with a KV
+    transfer that costs: which node computed a prompt, and whether KV moved, show in the times."""
+    transfer = TransferCost(0.005, 1e-6, "synthetic")
+    prefill = synthetic_profile(base_s=0.01, per_token_s=0.001, transfer=transfer)
+    decode = synthetic_profile(base_s=0.02, per_token_s=0.002)
+    spec = ClusterSpec(prefill=Pool(1, config(), prefill), decode=Pool(1, config(), decode),
+                       local_prefill=PrefillChoice(Disaggregation.AUTO, bound))
+    return spec, 0.005 + 7 * BLOCK_BYTES * 1e-6  # the tail of a 100-token prompt: its 7 blocks
+
+
+def test_hybrid_a_short_prompt_alone_is_prefilled_on_the_decode_node_and_no_kv_moves():
+    spec, _ = hybrid_pair()
+    assert spec.mode == "hybrid"
+    sim, m = run_one(spec, 100, 3)  # 100 tokens, nothing queued: within the bound of 256
+    assert m.ttft_s == pytest.approx(0.02 + 100 * 0.002)  # the decode node's prefill step
+    assert m.itl_s == pytest.approx((0.022, 0.022))  # its decode steps, no transfer before token 2
+    assert sim.decode[0].kv.num_used_blocks == 0 and sim.prefill[0].kv.num_used_blocks == 0
+
+
+def test_hybrid_a_prompt_over_the_bound_goes_through_the_prefill_pool():
+    spec, tail = hybrid_pair(bound=99)
+    sim, m = run_one(spec, 100, 3)
+    assert m.ttft_s == pytest.approx(0.01 + 100 * 0.001)  # the prefill node's step
+    assert m.itl_s == pytest.approx((tail + 0.022, 0.022))  # its KV moved before token 2
+    assert sim.decode[0].kv.num_used_blocks == 0 and sim.prefill[0].kv.num_used_blocks == 0
+
+
+def test_hybrid_the_decode_nodes_queue_counts_against_the_bound():
+    """Two 100-token prompts at once: the first is local (100 <= 150); the second would wait
+    behind it (100 + 100 > 150) and the prefill pool is empty, so it goes there."""
+    spec, _ = hybrid_pair(bound=150)
+    sim = ClusterSim(spec, 4096)
+    traces = sim.run([SimRequest(0.0, prompt(0, 100), 1), SimRequest(0.0, prompt(1, 100), 1)])
+    assert [request_metrics(t).ttft_s for t in traces] == pytest.approx([0.22, 0.11])
+
+
+def test_local_prefill_is_for_a_pair_of_pools():
+    profile = synthetic_profile(base_s=0.01)
+    with pytest.raises(ValueError, match="local_prefill"):
+        ClusterSpec(colocated=Pool(1, config(), profile), local_prefill=PrefillChoice(Disaggregation.AUTO, 256))

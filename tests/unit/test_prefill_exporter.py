@@ -8,6 +8,8 @@ block reference freed exactly once with none left.
 
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 
@@ -354,3 +356,19 @@ def test_a_request_id_is_taken_until_its_export_ends(model):
     ready = pair.reserve("r2", prompt(30), GREEDY)
     pair.prefill_from(Ready("r", ready.kv_layout_id, ready.block_ids), prompt(30), GREEDY)
     assert pair.failures("p")["r"].code is ErrorCode.INVALID_ARGUMENT
+
+
+def test_a_queued_prefill_outlives_both_leases_by_renewing_the_reservation(model):
+    pair = Pair(*model, lease_s=5.0)
+    pair.submit("r", prompt(30), GREEDY)
+    start = time.monotonic()
+    for k in range(1, 10):  # three leases in a prefill queue: the engine never steps
+        now = start + 2.0 * k
+        pair.prefill.poll(now)  # nothing pushed, nothing to bound; the reservation is renewed
+        pair.p_tx.progress()
+        pair.decode.poll(now)
+    assert not pair.failures("p") and not pair.failures("d")
+    assert pair.p_moves["r"] == [BOOT, WAIT] and pair.d_moves["r"] == [WAIT]
+    pair.run()
+    assert pair.p_moves["r"] == [BOOT, WAIT, SENDING, OK] and pair.d_moves["r"] == [WAIT, OK]
+    assert pair.all_blocks_returned()

@@ -1,0 +1,104 @@
+"""`pdserve plan --validate` over several workloads and SLO pairs: the planner's published error.
+
+    pdserve bench plan-validation [--model DIR] [--devices 2] [--validate 1] [--validate-others 2]
+                                  [--slos 1.0,0.05 0.3,0.2] [--out-dir results/plan_validation]
+
+For each workload (a fixed, a uniform and a chat mix) and each SLO pair (TTFT,TPOT seconds), one
+`pdserve plan ... --validate K --output-json F` exactly as a user runs it; then one table of every
+validated candidate (predicted and measured goodput, the error, the P90s at the predicted rate),
+and the two goals: the median absolute goodput error over every candidate measured (≤ 10%), and
+for each plan the recommended configuration's measured goodput within 10% of the best measured.
+Long: every candidate of every plan is started and swept for real. Prints the CPU capability.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import subprocess
+import sys
+from pathlib import Path
+
+import torch
+
+WORKLOADS = {
+    "fixed-256-64": ["--workload", "fixed", "--input-len", "256", "--output-len", "64"],
+    "uniform-128:512-32:128": ["--workload", "uniform", "--input-len-range", "128:512", "--output-len-range", "32:128"],
+    "chat": ["--workload", "chat"],
+}
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="pdserve bench plan-validation", description=__doc__.splitlines()[0])
+    p.add_argument("--model", help="model directory (default: the built-in demo model)")
+    p.add_argument("--devices", type=int, default=2)
+    p.add_argument("--slos", nargs="+", default=["1.0,0.05", "0.3,0.2"], metavar="TTFT,TPOT",
+                   help="SLO pairs in seconds (default: a TPOT-tight and a TTFT-tight pair)")
+    p.add_argument("--workloads", default=",".join(WORKLOADS), help=f"comma-separated, of {', '.join(WORKLOADS)}")
+    p.add_argument("--validate", type=int, default=1)
+    p.add_argument("--validate-others", type=int, default=2)
+    p.add_argument("--num-requests", type=int, default=60)
+    p.add_argument("--min-duration-s", type=float, default=15.0)
+    p.add_argument("--out-dir", type=Path, default=Path("results/plan_validation"))
+    return p
+
+
+def _plan(args: argparse.Namespace, workload: str, slo: str, out: Path) -> dict | None:
+    ttft, tpot = slo.split(",")
+    argv = [sys.executable, "-m", "pdserve", "plan", "--devices", str(args.devices), "--ttft-slo", ttft,
+            "--tpot-slo", tpot, "--num-requests", str(args.num_requests), "--min-duration-s", str(args.min_duration_s),
+            "--validate", str(args.validate), "--validate-others", str(args.validate_others), "--no-progress",
+            "--output-json", str(out), *WORKLOADS[workload], *(["--model", args.model] if args.model else [])]
+    print(f"\n$ {' '.join(argv[2:])}", flush=True)
+    done = subprocess.run(argv, check=False)
+    if done.returncode != 0:  # 2: SLOs nothing meets, said on stderr; nothing to validate
+        print(f"(exit {done.returncode}: no plan to validate for {workload} at {slo})", flush=True)
+        return None
+    return json.loads(out.read_text())
+
+
+def _rows(workload: str, slo: str, report: dict) -> list[dict]:
+    return [{"workload": workload, "slo": slo, **c} for c in report["validation"]["candidates"]]
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.0%}"
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
+    unknown = [w for w in workloads if w not in WORKLOADS]
+    if unknown:
+        _parser().error(f"--workloads: unknown workload {unknown[0]!r} ({', '.join(WORKLOADS)})")
+    args.out_dir.mkdir(parents=True, exist_ok=True)
+    print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()}", flush=True)
+    rows, shares = [], []
+    for workload in workloads:
+        for slo in args.slos:
+            report = _plan(args, workload, slo, args.out_dir / f"{workload}-{slo.replace(',', '_')}.json")
+            if report is not None:
+                rows += _rows(workload, slo, report)
+                shares.append(report["validation"]["recommended_share_of_best_measured"])
+    print("\n| workload | SLO TTFT,TPOT s | layout | goodput pred/meas req/s | error | TTFT p90 pred/meas ms | "
+          "TPOT p90 pred/meas ms |\n| --- | --- | --- | --- | --- | --- | --- |")
+    for r in rows:
+        at = r["at_predicted_rate"]
+        p90 = {k: "/".join("-" if v is None else f"{v * 1e3:.0f}" for v in (at[k]["predicted"], at[k]["measured"]))
+               for k in ("ttft_p90_s", "tpot_p90_s")}
+        print(f"| {r['workload']} | {r['slo']} | {r['layout']} | {r['predicted_goodput_rps']:.3g}/"
+              f"{r['measured_goodput_rps']:.3g} | {_pct(r['goodput_error'])} | {p90['ttft_p90_s']} | {p90['tpot_p90_s']} |")
+    errors = [abs(r["goodput_error"]) for r in rows if r["goodput_error"] is not None]
+    median = statistics.median(errors) if errors else None
+    print(f"\nmedian |goodput error| over {len(errors)} measured candidates: "
+          + ("-" if median is None else f"{median:.0%} (goal <= 10%)"))
+    print("recommended / best measured per plan: " + ", ".join("-" if s is None else f"{s:.0%}" for s in shares)
+          + " (goal >= 90% each)")
+    (args.out_dir / "summary.json").write_text(json.dumps({"rows": rows, "median_abs_goodput_error": median,
+                                                           "recommended_share_of_best": shares}, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
