@@ -9,6 +9,7 @@ register at all; a heartbeat answered `known=false` makes it register again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 
@@ -55,24 +56,35 @@ class FakeRegistry(node_pb2_grpc.RegistryServicer):
         return node_pb2.HeartbeatResponse(known=known)
 
 
+@contextlib.asynccontextmanager
+async def registering(registry: FakeRegistry, node_id: str, address: str, latest_stats):
+    """`registry` served on a free port, and a node's registration loop running against it."""
+    server = grpc.aio.server()
+    node_pb2_grpc.add_RegistryServicer_to_server(registry, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    config = NodeConfig(EngineConfig("/m"), router=f"127.0.0.1:{port}", node_id=node_id, heartbeat_interval_s=0.02)
+    task = asyncio.create_task(run_registration(config, address, latest_stats, FINGERPRINT))
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await server.stop(0)
+
+
 def test_heartbeats_carry_the_latest_snapshot_and_wait_for_the_first_one():
     registry = FakeRegistry()
     latest: list[StatsData | None] = [None]
 
     async def scenario():
-        server = grpc.aio.server()
-        node_pb2_grpc.add_RegistryServicer_to_server(registry, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        config = NodeConfig(EngineConfig("/m"), router=f"127.0.0.1:{port}", node_id="p0", heartbeat_interval_s=0.02)
         asked = [0]
 
         def latest_snapshot() -> StatsData | None:
             asked[0] += 1
             return latest[0]
 
-        task = asyncio.create_task(run_registration(config, "127.0.0.1:7000", latest_snapshot, FINGERPRINT))
-        try:
+        async with registering(registry, "p0", "127.0.0.1:7000", latest_snapshot):
             await until(lambda: asked[0] >= 3)  # it looked for a snapshot three times, found none
             before_first = (len(registry.registrations), len(registry.heartbeats))
             latest[0] = snapshot(3)
@@ -82,10 +94,6 @@ def test_heartbeats_carry_the_latest_snapshot_and_wait_for_the_first_one():
             registry.forget_next = True
             await until(lambda: len(registry.registrations) == 2)
             return before_first
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await server.stop(0)
 
     before_first = run(scenario())
     assert before_first == (0, 0)
@@ -103,13 +111,7 @@ def test_a_failed_heartbeat_does_not_register_the_node_again():
     registry = FakeRegistry()
 
     async def scenario() -> int:
-        server = grpc.aio.server()
-        node_pb2_grpc.add_RegistryServicer_to_server(registry, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        config = NodeConfig(EngineConfig("/m"), router=f"127.0.0.1:{port}", node_id="d0", heartbeat_interval_s=0.02)
-        task = asyncio.create_task(run_registration(config, "127.0.0.1:7001", lambda: snapshot(1), FINGERPRINT))
-        try:
+        async with registering(registry, "d0", "127.0.0.1:7001", lambda: snapshot(1)):
             await until(lambda: len(registry.heartbeats) >= 2)
             registry.fail_next = grpc.StatusCode.DEADLINE_EXCEEDED
             failed_at = len(registry.heartbeats)
@@ -118,10 +120,6 @@ def test_a_failed_heartbeat_does_not_register_the_node_again():
             registry.forget_next = True  # what does make it register again
             await until(lambda: len(registry.registrations) == 2)
             return registrations_after_failure
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await server.stop(0)
 
     assert run(scenario()) == 1
     assert [r.node_id for r in registry.registrations] == ["d0", "d0"]
