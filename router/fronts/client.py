@@ -107,6 +107,10 @@ async def _run(args: argparse.Namespace, token: str | None, tls: TlsConfig | Non
                                     tls)
     except grpc.aio.AioRpcError as exc:
         print(f"error: {exc.code().name}: {exc.details()}", file=sys.stderr)
+        if exc.code() is grpc.StatusCode.UNAVAILABLE and tls is not None and not tls.has_identity:
+            # The handshake failure says only "Socket closed": name the likely cause.
+            print("(under mutual TLS the router's gRPC port requires a client certificate the CA signed: "
+                  "--tls-cert-file and --tls-key-file)", file=sys.stderr)
         return ExitStatus.FAILED
     if args.json:
         print(json.dumps(completion.as_dict()))

@@ -157,3 +157,15 @@ def test_a_real_node_with_another_cas_certificate_never_joins(cluster, other_ca,
             assert (health.prefill_nodes, health.decode_nodes) == (1, 1)
         finally:
             supervisor.stop_all(grace_s=10)
+
+
+def test_pdserve_generate_without_a_client_certificate_is_told_what_it_lacks(cluster, capsys):
+    from pdserve.router.fronts import client
+
+    tls = cluster.state.tls()
+    base = ["--addr", cluster.router, "--auth-token-file", cluster.state.auth_token_file, "--max-tokens", "2",
+            "--token-ids", "9,4,77"]
+    assert client.main([*base, "--tls-ca-file", tls.ca_file]) == 1
+    assert "requires a client certificate the CA signed: --tls-cert-file and --tls-key-file" in capsys.readouterr().err
+    assert client.main([*base, *tls.flags(), "--json"]) == 0
+    assert len(json.loads(capsys.readouterr().out.splitlines()[-1])["token_ids"]) == 2
