@@ -197,7 +197,7 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--kv-checksums", action=argparse.BooleanOptionalAction, default=True,
                         help="the decode node checks every KV push's checksums (its default)")
     parser.add_argument("--tls", action="store_true",
-                        help="start the cluster with --tls: mutual TLS among the router and the nodes, TLS to the client")
+                        help="start the cluster with --tls: mutual TLS among the router and the nodes and to the client")
     parser.add_argument("--out", type=Path, default=Path("results/disagg_latency.json"))
     add_auth_args(parser)
     args = parser.parse_args(argv)

@@ -54,7 +54,7 @@ from pdserve.cluster_load_mode import LoadWatcher, build_rebalancer, scrape_url
 from pdserve.cluster_plan import ClusterPlan, NodeSite, build_plan, check_cores, node_spec, resolve_port
 from pdserve.cluster_state import ChildState, ClusterState, write_state
 from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor
-from pdserve.cluster_tls import with_cluster_tls
+from pdserve.cluster_tls import client_flags, with_cluster_tls
 from pdserve.common.api_keys import ApiKeys
 from pdserve.common.auth import TOKEN_ENV, token_from_cli
 from pdserve.common.lifecycle import PARENT_CHECK_S, ExitStatus, status_after, supervisor_of
@@ -280,9 +280,9 @@ def _print_ready(config: ClusterConfig, plan: ClusterPlan, out: TextIO) -> None:
         print(f"pinned: {', '.join(pinned)}", file=out)
     for name, url in plan.metrics_urls(config.host).items():
         print(f"metrics: {name} {url}", file=out)
-    tls = plan.tls.flags() + ("--auth-token-file", config.auth_token_file) if plan.tls is not None else ()
-    print(f"try: pdserve generate --addr {plan.router_addr} {''.join(shlex.quote(a) + ' ' for a in tls)}--max-tokens 32 "
-          f"{shlex.quote(EXAMPLE_PROMPT)}", file=out)
+    flags = "".join(shlex.quote(arg) + " " for arg in client_flags(config))
+    print(f"try: pdserve generate --addr {plan.router_addr} {flags}--max-tokens 32 {shlex.quote(EXAMPLE_PROMPT)}",
+          file=out)
     print("stop with Ctrl-C", file=out, flush=True)
 
 

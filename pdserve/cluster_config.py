@@ -246,8 +246,7 @@ def config_from_args(argv: Sequence[str] | None) -> ClusterConfig:
         router_cores=args.router_cores, ready_timeout_s=args.ready_timeout_s, stop_grace_s=args.stop_grace_s,
         drain_timeout_s=args.drain_timeout_s,
         log_dir=args.log_dir, auth_token_file=args.auth_token_file, api_keys_file=args.api_keys_file,
-        metrics_port=args.metrics_port, tls=tls_from_args(args, server=True), make_tls=args.tls,
-        tls_dir=args.tls_dir,
+        metrics_port=args.metrics_port, tls=tls_from_args(args, server=True), make_tls=args.tls, tls_dir=args.tls_dir,
         http_port=None if args.no_http else args.http_port,
         state_file=args.state_file, restart=RestartPolicy(**values_from_args(args, RestartPolicy, "restart_")),
         rebalance=LoadModeSettings(**values_from_args(args, LoadModeSettings, "rebalance_")) if args.rebalance else None)

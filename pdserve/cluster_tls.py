@@ -55,6 +55,13 @@ def make_cluster_tls(directory: str | os.PathLike, hosts: Iterable[str] = (), na
     return TlsConfig(str(directory / CA_FILE), str(directory / CERT_FILE), str(directory / KEY_FILE))
 
 
+def client_flags(config: ClusterConfig) -> tuple[str, ...]:
+    """What a gRPC client of this cluster passes: its TLS files and the token file, when it has them."""
+    if config.tls is None:
+        return ()
+    return (*config.tls.flags(), *(("--auth-token-file", config.auth_token_file) if config.auth_token_file else ()))
+
+
 def _ca_certificate(key: ec.EllipticCurvePrivateKey, common_name: str, days: int) -> x509.Certificate:
     subject = x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, common_name)])
     return (_builder(subject, subject, key.public_key(), days)

@@ -165,5 +165,15 @@ def test_cluster_tls_makes_a_join_credential_for_the_kv_plane_when_there_is_none
     assert not os.path.exists(temporary.tls.ca_file)  # a directory of its own, removed with the launcher
 
 
+def test_the_ready_banner_names_what_a_client_passes(cluster_tls):
+    from pdserve.cluster_config import ClusterConfig
+    from pdserve.cluster_tls import client_flags
+
+    assert client_flags(ClusterConfig()) == ()
+    assert client_flags(ClusterConfig(tls=cluster_tls)) == cluster_tls.flags()  # the token in the environment
+    assert client_flags(ClusterConfig(tls=cluster_tls, auth_token_file="/t")) == (*cluster_tls.flags(),
+                                                                                  "--auth-token-file", "/t")
+
+
 def _mode(path: str) -> int:
     return os.stat(path).st_mode
