@@ -3,17 +3,17 @@
 Three files, each a flag: `--tls-cert-file` and `--tls-key-file` (this process's identity: the
 certificate it serves with, and presents as a client when it calls a peer) and `--tls-ca-file`
 (the trust anchor: a peer's certificate must chain to it). A router or a node takes all three
-or none (`server_tls_from_args`): its gRPC server then requires a client certificate the CA
+or none (`tls_from_args(..., server=True)`): its gRPC server then requires a client certificate the CA
 signed of every caller (mutual TLS), so a node without one cannot register, call another
 node or be called. A client (the CLI, the benches, the health check) takes the CA alone to
 check the server, plus its own certificate for a port that requires one. The HTTP front
 serves TLS but asks for no client certificate: its callers prove themselves with API keys.
 
-Owns `TlsConfig` (the files, read once, checked at construction so a bad one is a usage
-error naming its flag) and the helpers that bind a server port or open a channel with or
+Owns `TlsConfig` (the files, read and checked at construction so a bad one is a usage error
+naming its flag; gRPC takes the bytes read then, the ssl contexts load the same paths) and the helpers that bind a server port or open a channel with or
 without it. No TLS (None) means the plain `add_insecure_port`/`insecure_channel` of before.
 Must never: read the environment, write a file (pdserve/cluster_tls.py makes certificates), or
-accept a peer the CA did not sign.
+let a gRPC peer in whose certificate the CA did not sign.
 """
 
 from __future__ import annotations
