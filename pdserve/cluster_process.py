@@ -4,7 +4,8 @@
 --log-dir ... <flags>` — the command users run — waits until it serves, and reads the
 state file for what a program needs besides the router's address: each node's address
 (`GetStats`, block counts), its pid (fault drills signal its process group), its
-metrics URL, and with `--tls` the files its own calls use (`state.tls()`). Leaving the `with` block stops the launcher, which stops every child.
+metrics URL, and with `--tls` the files its own calls use (`state.tls()`, `.token`).
+Leaving the `with` block stops the launcher, which stops every child.
 
 Must never: start a router or a node itself (the launcher does, with the command lines
 users get), or outlive its `with` block.
