@@ -10,11 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROGRESS_MODES = ("thread", "thread-polling", "blocking", "polling")
+TRANSPORTS = ("ucx", "torch")  # kv_transfer/ucx.py, kv_transfer/torch_dist.py
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     """Knobs shared by every transport; unused fields are ignored by the in-process one."""
+
+    # Which transport moves the KV: UCX (host caches) or torch.distributed (gloo for host caches,
+    # NCCL for CUDA ones). Prefill and decode nodes must agree: a decode node's layout names its
+    # transport, and a prefill node on the other one is refused, naming it.
+    transport: str = field(default="ucx", metadata={
+        "choices": TRANSPORTS,
+        "help": "ucx: UCX (host caches); torch: a torch.distributed process group per prefill/decode rank "
+                "pair (gloo for host caches, NCCL for CUDA caches); every prefill and decode node the same"})
 
     # Address advertised to peers in the descriptor; UCX is kept to the interface that holds
     # it (netdev.py). ucxx's connection listener still binds all interfaces: its Python API
@@ -35,6 +44,8 @@ class KVTransferConfig:
     close_timeout_s: float = 2.0
     # How often the watchdog looks for overdue transfers.
     watchdog_interval_s: float = 0.05
+    # torch transport: how often the listener looks for a new peer's handshake on its store.
+    accept_poll_s: float = 0.05
     # Largest control message (header + req_id + block ids + done payload).
     max_control_bytes: int = 1 << 20
     # Move KV bytes on a second UCX endpoint built from the peer's worker address without
@@ -74,7 +85,9 @@ class KVTransferConfig:
             raise ValueError("KVTransferConfig.host must be a non-empty address")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"KVTransferConfig.port out of range: {self.port}")
-        for name in ("init_timeout_s", "connect_timeout_s", "handshake_timeout_s",
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        for name in ("accept_poll_s", "init_timeout_s", "connect_timeout_s", "handshake_timeout_s",
                      "transfer_timeout_s", "close_timeout_s", "watchdog_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVTransferConfig.{name} must be > 0")
