@@ -35,6 +35,13 @@ class KVTransferConfig:
     init_timeout_s: float = 30.0
     # Establishing the UCX endpoint (ucxx's peer-info exchange).
     connect_timeout_s: float = 5.0
+    # torch transport: each step of a connect (reaching the peer's TCPStore, its HELLO_REPLY,
+    # both ranks joining the pair's groups) and reaching this rank's own store. Longer than connect_timeout_s because torch's store looks up the
+    # peer's name (a reverse DNS query, getnameinfo) on every new connection, on both ends, and a
+    # resolver that drops the query stalls it by its own timeout (glibc: 5 s, twice): measured on
+    # the dev host, about one store connection in 30 took 5 s. A peer not there by then fails
+    # the connect (KVTransferError), never hangs it.
+    rendezvous_timeout_s: float = 30.0
     # HELLO -> HELLO_REPLY round trip (fingerprint check) on first contact.
     handshake_timeout_s: float = 5.0
     # From push()/send_done() to the receiver's ack; past it the handle is FAILED and the
@@ -87,8 +94,8 @@ class KVTransferConfig:
             raise ValueError(f"KVTransferConfig.port out of range: {self.port}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        for name in ("accept_poll_s", "init_timeout_s", "connect_timeout_s", "handshake_timeout_s",
-                     "transfer_timeout_s", "close_timeout_s", "watchdog_interval_s"):
+        for name in ("accept_poll_s", "init_timeout_s", "connect_timeout_s", "rendezvous_timeout_s",
+                     "handshake_timeout_s", "transfer_timeout_s", "close_timeout_s", "watchdog_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVTransferConfig.{name} must be > 0")
         if self.chunk_bytes <= 0:
@@ -100,3 +107,9 @@ class KVTransferConfig:
         if self.progress_mode not in PROGRESS_MODES:
             raise ValueError(f"unknown progress_mode {self.progress_mode!r}; "
                              f"expected one of {PROGRESS_MODES}")
+
+    def connect_budget_s(self) -> float:
+        """The longest a `connect` on this transport may take before it fails."""
+        if self.transport == "torch":  # the store, the handshake, then the pair's groups
+            return 3 * self.rendezvous_timeout_s + self.close_timeout_s
+        return self.connect_timeout_s + self.handshake_timeout_s + self.close_timeout_s

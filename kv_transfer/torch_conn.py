@@ -3,7 +3,8 @@
 A job's life on the connection (its own sender thread):
 
     enqueue ─▶ sender thread: gather the plan's blocks into the staging buffer (on the caches'
-               device) ─▶ DATA header (the store) ─▶ the staging bytes (the data group)
+               device), digest it when the receiver asked for checksums ─▶ DATA header (the
+               store) ─▶ the staging bytes (the data group) ─▶ SEAL (the store, when sealing)
                ─▶ ACK(seq) (the store) within transfer_timeout_s ─▶ SUCCESS | FAILED
 
 Jobs go out strictly in order, one at a time, so a DONE queued after a request's pushes
@@ -27,6 +28,7 @@ import torch
 
 from .base import KVCacheSpec, KVDescriptor
 from .config import KVTransferConfig
+from .integrity import Sealer, encode_digests
 from .layout import gather, staging_shape, typed_view
 from .torch_pair import PairGroup
 from .ucx_conn import Finisher, Job, data_header
@@ -38,7 +40,7 @@ logger = logging.getLogger(__name__)
 class TorchConnection:
     def __init__(self, peer_id: str, remote: KVDescriptor, pair: PairGroup, config: KVTransferConfig,
                  local: KVCacheSpec, caches: tuple[Sequence[torch.Tensor], Sequence[torch.Tensor]],
-                 finish: Finisher) -> None:
+                 finish: Finisher, sealer: Sealer | None) -> None:
         self.peer_id = peer_id
         self.remote = remote
         self._pair = pair
@@ -46,6 +48,7 @@ class TorchConnection:
         self._spec = local
         self._k, self._v = caches
         self._finish = finish
+        self._sealer = sealer  # None: the receiver asked for no checksums
         self._seq = itertools.count(1)
         self._cond = threading.Condition()
         self._queue: deque[Job] = deque()
@@ -94,19 +97,27 @@ class TorchConnection:
             self._pair.send_ctrl(job.seq, ControlMsg(MsgKind.DONE, seq=job.seq, req_id=job.handle.req_id,
                                                      extra=job.payload))
         else:
-            nbytes = job.handle.nbytes
-            raw = self._staging_for(nbytes)
-            gather(job.plan, self._k, self._v, typed_view(raw, staging_shape(job.plan, self._spec),
-                                                            self._spec.torch_dtype))
-            # One data message per push: chunk_layers covers every layer.
-            self._pair.send_ctrl(job.seq, data_header(job, 0, len(job.plan.layers)))
-            self._pair.send_data(raw[:nbytes])
+            self._send_push(job)
         ack = self._pair.recv_ctrl(job.seq, self._config.transfer_timeout_s, ack=True)
         if ack is None or ack.kind is not MsgKind.ACK or ack.seq != job.seq:
             raise RuntimeError(f"expected ACK({job.seq}), got {ack}")
         if ack.status == STATUS_OK:
             return None
         return f"peer {self.peer_id} rejected {job.handle.req_id!r}: {ack.extra.decode(errors='replace')}"
+
+    def _send_push(self, job: Job) -> None:
+        nbytes = job.handle.nbytes
+        raw = self._staging_for(nbytes)
+        gather(job.plan, self._k, self._v, typed_view(raw, staging_shape(job.plan, self._spec), self._spec.torch_dtype))
+        wire = raw[:nbytes]
+        seal = None
+        if self._sealer is not None:  # digested before it leaves: the drill flips it after
+            seal = encode_digests([self._sealer.seal_push(wire)])
+        # One data message per push: chunk_layers covers every layer.
+        self._pair.send_ctrl(job.seq, data_header(job, 0, len(job.plan.layers)))
+        self._pair.send_data(wire, self._config.transfer_timeout_s)
+        if seal is not None:
+            self._pair.send_seal(job.seq, seal)
 
     def _staging_for(self, nbytes: int) -> torch.Tensor:
         """The reusable flat staging buffer, grown (never shrunk) to `nbytes`."""

@@ -2,13 +2,25 @@
 
 Wiring. `register` starts a TCPStore server on config.host:port (the descriptor carries the
 real port, and `transport="torch"`, so the decode node's layout says which transport it takes).
-`connect` dials that store, takes the next pair number (`store.add`), writes its HELLO there
-(descriptor, the caches' device, the auth token when one is configured) and waits for the
-HELLO_REPLY under the same number. The listener's accept thread answers each HELLO in turn: a
+`connect` dials that store and claims the next free pair number by setting its HELLO there in
+one atomic step (`compare_set` on `hello/<n>`: descriptor, the caches' device, the auth token
+when one is configured, a nonce), so no number is ever taken without its HELLO; then it waits
+for the HELLO_REPLY under the same number. The listener's accept thread answers each HELLO in turn: a
 wrong token is refused first (the reply names nothing of this side), then both sides check the
 fingerprint, and the transports must be the same (`transport` is named as a differing field).
 Once accepted, both build the pair's groups under its own prefix of the store
 (kv_transfer/torch_pair.py: gloo for control and host caches, NCCL for CUDA caches on two GPUs).
+
+Bounds. Reaching a store, the HELLO_REPLY and joining the pair's groups each wait at most
+rendezvous_timeout_s, so a peer that never comes (or dies between the steps) fails `connect`
+with a KVTransferError naming it and the step, which the node's transfer failure path handles
+like any other. The store is bound and listening before `register` returns, so its advertised
+port is there to dial. A connector that dies after its HELLO holds up nobody: the accept loop
+answers it and the pair's join on this side fails after rendezvous_timeout_s, on its own thread.
+
+Integrity (kv_transfer/integrity.py): a receiver with `checksums` says so in its HELLO_REPLY;
+its senders then digest each push's staging bytes before they leave and follow them with a SEAL
+(the digest), which the receiver compares before placing anything.
 
 One push: the sender's thread gathers, sends the DATA header and the bytes and waits for the ACK
 (kv_transfer/torch_conn.py); the receiver's thread validates, receives, places under the write
@@ -24,6 +36,7 @@ import datetime
 import hmac
 import json
 import logging
+import secrets
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -34,18 +47,18 @@ import torch.distributed as dist
 from .base import (DoneCallback, FingerprintMismatch, KVCacheSpec, KVDescriptor, KVTransferError, KVTransport,
                    TransferHandle, TransferState, TransferStats, WritePermits)
 from .config import KVTransferConfig
+from .integrity import check_payload, make_sealer
 from .layout import make_plan, validate_caches
 from .torch_conn import TorchConnection
 from .torch_inbound import TorchInbound
-from .torch_pair import (CLOSE, IDLE_TIMEOUT, RECEIVER_RANK, SENDER_RANK, PairGroup, close_key, data_backend,
-                         device_id)
+from .torch_pair import (ANSWERED, CLOSE, IDLE_TIMEOUT, RECEIVER_RANK, SENDER_RANK, PairGroup, claim_hello,
+                         close_key, data_backend, device_id)
 from .ucx_conn import Job, header_nbytes
 from .ucx_inbound import ReceiverSide
 
 logger = logging.getLogger(__name__)
 
 TRANSPORT_NAME = "torch"
-PAIR_COUNTER = "pairs"
 
 
 class TorchTransport(KVTransport):
@@ -60,6 +73,9 @@ class TorchTransport(KVTransport):
         self._store: dist.TCPStore | None = None
         self._conns: dict[str, TorchConnection] = {}
         self._inbound: dict[int, TorchInbound] = {}
+        # The threads `close` waits for, so none is left inside a torch call when the process exits
+        # (one that returns into a finalizing interpreter aborts it): the accept loop, each inbound pair.
+        self._threads: list[threading.Thread] = []
         self._accepting = 1  # the pair number whose HELLO the accept loop waits for
         self._done_msgs: list[tuple[str, bytes]] = []
         self._callback: DoneCallback | None = None
@@ -67,6 +83,7 @@ class TorchTransport(KVTransport):
         self._sent = TransferStats()
         self._received = TransferStats()
         self._refusals: list[FingerprintMismatch] = []
+        self._sealer = make_sealer(self.config.debug_corrupt_push)  # shared by every connection's thread
         self._closed = threading.Event()
 
     # -- setup -------------------------------------------------------------------------
@@ -77,17 +94,29 @@ class TorchTransport(KVTransport):
             raise ValueError(f"TorchTransport moves caches on one device; got {sorted(map(str, devices))}")
         self._num_blocks = validate_caches(k_caches, v_caches, spec)
         self._k, self._v, self._spec, (self._device,) = list(k_caches), list(v_caches), spec, devices
-        self._store = dist.TCPStore(self.config.host, self.config.port, is_master=True, wait_for_workers=False,
-                                    timeout=datetime.timedelta(seconds=self.config.connect_timeout_s))
+        # is_master: the server binds and listens before this returns (its own client connects to
+        # it), so the port the descriptor advertises is already being served.
+        self._store = self._dial(self.config.host, self.config.port, "this rank's own", is_master=True)
         accept_store = self._own_client()
-        threading.Thread(target=self._accept_loop, args=(accept_store,), name="kv-accept", daemon=True).start()
+        self._start(threading.Thread(target=self._accept_loop, args=(accept_store,), name="kv-accept", daemon=True))
         threading.Thread(target=self._watch, name="kv-watchdog", daemon=True).start()
         return self.descriptor()
 
     def _own_client(self) -> dist.TCPStore:
         """A client of this rank's store for one waiting thread (a client runs one call at a time)."""
-        return dist.TCPStore(self.config.host, self._store.port, is_master=False,
-                             timeout=datetime.timedelta(seconds=self.config.connect_timeout_s))
+        return self._dial(self.config.host, self._store.port, "this rank's own")
+
+    def _dial(self, host: str, port: int, whose: str, is_master: bool = False) -> dist.TCPStore:
+        """A store client (and its server when `is_master`), connected within rendezvous_timeout_s:
+        the store retries its connect until then, a bound long enough to outlast a dropped reverse
+        DNS query (see KVTransferConfig.rendezvous_timeout_s)."""
+        timeout = self.config.rendezvous_timeout_s
+        try:
+            return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=timeout))
+        except Exception as exc:
+            raise KVTransferError(f"cannot reach {whose} KV store at {host}:{port} within {timeout:.0f}s "
+                                  f"(rendezvous_timeout_s): {exc!r}") from exc
 
     def descriptor(self) -> KVDescriptor:
         if self._spec is None or self._store is None:
@@ -100,16 +129,12 @@ class TorchTransport(KVTransport):
         peer_id = f"{remote.address}:{remote.port}"
         if remote.transport != TRANSPORT_NAME:
             raise FingerprintMismatch({"transport": (TRANSPORT_NAME, remote.transport)}, f"peer {peer_id}")
-        try:
-            store = dist.TCPStore(remote.address, remote.port, is_master=False,
-                                  timeout=datetime.timedelta(seconds=self.config.connect_timeout_s))
-        except Exception as exc:
-            raise KVTransferError(f"cannot reach KV peer {peer_id}: {exc!r}") from exc
-        number = store.add(PAIR_COUNTER, 1)
-        theirs, their_device = self._handshake(store, number, local, peer_id)
-        backend = data_backend(self._device, their_device, device_id(self._device))
-        pair = PairGroup.join(store, f"pair/{number}", SENDER_RANK, self.config.host, backend, self._device)
-        conn = TorchConnection(peer_id, theirs, pair, self.config, local.spec, (self._k, self._v), self._finish)
+        store = self._dial(remote.address, remote.port, f"peer {peer_id}'s")
+        number, theirs, their_device, checksums = self._handshake(store, local, peer_id)
+        pair = self._join(store, number, SENDER_RANK, data_backend(self._device, their_device,
+                                                                   device_id(self._device)), peer_id)
+        conn = TorchConnection(peer_id, theirs, pair, self.config, local.spec, (self._k, self._v), self._finish,
+                               self._sealer if checksums else None)
         with self._lock:
             old, self._conns[peer_id] = self._conns.get(peer_id), conn
         if old is not None:
@@ -117,16 +142,29 @@ class TorchTransport(KVTransport):
         conn.start()
         return peer_id
 
-    def _handshake(self, store: dist.TCPStore, number: int, local: KVDescriptor,
-                   peer_id: str) -> tuple[KVDescriptor, str]:
-        hello = {"descriptor": json.loads(local.to_bytes()), "device": device_id(self._device)}
+    def _join(self, store: dist.TCPStore, number: int, rank: int, backend: str, peer: str) -> PairGroup:
+        """This rank's side of pair `number`; a KVTransferError if the peer does not join in time."""
+        timeout = self.config.rendezvous_timeout_s
+        try:
+            return PairGroup.join(store, f"pair/{number}", rank, self.config.host, backend, self._device, timeout)
+        except Exception as exc:
+            raise KVTransferError(f"KV peer {peer} did not join pair {number} within {timeout:.0f}s "
+                                  f"(rendezvous_timeout_s): {exc!r}") from exc
+
+    def _handshake(self, store: dist.TCPStore, local: KVDescriptor,
+                   peer_id: str) -> tuple[int, KVDescriptor, str, bool]:
+        """(the pair number, their descriptor, their caches' device, whether they asked for checksums)."""
+        hello = {"descriptor": json.loads(local.to_bytes()), "device": device_id(self._device),
+                 "nonce": secrets.token_hex(8)}  # tells this HELLO from any other in a claimed slot
         if self.config.auth_token is not None:
             hello["auth_token"] = self.config.auth_token
-        store.set(f"hello/{number}", json.dumps(hello))
+        number = claim_hello(store, json.dumps(hello).encode(), peer_id)
+        timeout = self.config.rendezvous_timeout_s  # the peer's store may be stalled by another's connect
         try:
-            store.wait([f"reply/{number}"], datetime.timedelta(seconds=self.config.handshake_timeout_s))
+            store.wait([f"reply/{number}"], datetime.timedelta(seconds=timeout))
         except Exception as exc:
-            raise KVTransferError(f"peer {peer_id} did not answer the handshake: {exc!r}") from exc
+            raise KVTransferError(f"peer {peer_id} did not answer the handshake within {timeout:.0f}s "
+                                  f"(rendezvous_timeout_s): {exc!r}") from exc
         reply = json.loads(store.get(f"reply/{number}"))
         if "refused" in reply:
             raise KVTransferError(f"peer {peer_id} refused the connection: {reply['refused']}")
@@ -134,7 +172,7 @@ class TorchTransport(KVTransport):
         local.spec.check_compatible(theirs.spec.fingerprint(), f"peer {peer_id}")
         if not reply["accepted"]:
             raise KVTransferError(f"peer {peer_id} refused the connection")
-        return theirs, str(reply["device"])
+        return number, theirs, str(reply["device"]), reply.get("checksums") is True
 
     # -- sending (caller's thread: validate, hand over, return) ------------------------
     def push(self, req_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence[int],
@@ -150,6 +188,7 @@ class TorchTransport(KVTransport):
         return handle
 
     def send_done(self, req_id: str, payload: bytes, *, peer: str | None = None) -> TransferHandle:
+        check_payload(payload)
         conn = self._pick(peer)
         self._check_control_size(header_nbytes(req_id, 0, 0, len(payload)))
         handle = TransferHandle(req_id)
@@ -198,12 +237,11 @@ class TorchTransport(KVTransport):
     # -- receiving ---------------------------------------------------------------------
     def _accept_loop(self, store: dist.TCPStore) -> None:
         """Answer each connector's HELLO in the order they took their numbers, until closed
-        (`close` sets CLOSE as the awaited HELLO). A connector that dies between taking its
-        number and writing its HELLO (two calls back to back) would hold up later ones."""
+        (`close` sets CLOSE as the awaited HELLO)."""
         while not self._closed.is_set():
             number = self._accepting
             key = f"hello/{number}"
-            store.wait([key], IDLE_TIMEOUT)
+            store.wait([key], IDLE_TIMEOUT)  # set by its connector's claim, or by close
             raw = store.get(key)
             if raw == CLOSE:
                 return
@@ -212,6 +250,7 @@ class TorchTransport(KVTransport):
             except Exception as exc:  # a malformed HELLO: that connector times out, the others go on
                 logger.warning("KV handshake %d failed: %r", number, exc)
             self._accepting = number + 1
+            store.add(ANSWERED, 1)
 
     def _answer(self, number: int, hello: dict) -> None:
         if not self._authorized(hello):
@@ -234,16 +273,28 @@ class TorchTransport(KVTransport):
             accepted = False
         own_device = device_id(self._device)
         self._store.set(f"reply/{number}", json.dumps({"descriptor": json.loads(local.to_bytes()),
-                                                       "device": own_device, "accepted": accepted}))
-        if accepted:
-            backend = data_backend(self._device, str(hello["device"]), own_device)
-            peer = f"{theirs.address}:{theirs.port}"
-            threading.Thread(target=self._serve_pair, args=(number, backend, peer), name=f"kv-recv-{number}",
-                             daemon=True).start()
+                                                       "device": own_device, "accepted": accepted,
+                                                       "checksums": self.config.checksums}))
+        if not accepted:
+            return
+        backend = data_backend(self._device, str(hello["device"]), own_device)
+        self._start(threading.Thread(target=self._serve_pair, args=(number, backend, f"{theirs.address}:{theirs.port}"),
+                                     name=f"kv-recv-{number}", daemon=True))
+
+    def _start(self, thread: threading.Thread) -> None:
+        with self._lock:  # not once closing began: `close` would not wait for it
+            if self._closed.is_set():
+                return
+            self._threads = [t for t in self._threads if t.is_alive()]
+            self._threads.append(thread)
+        thread.start()
 
     def _serve_pair(self, number: int, backend: str, peer: str) -> None:
-        pair = PairGroup.join(self._own_client(), f"pair/{number}", RECEIVER_RANK, self.config.host, backend,
-                              self._device)
+        try:
+            pair = self._join(self._own_client(), number, RECEIVER_RANK, backend, peer)
+        except KVTransferError as exc:  # the sender's connect fails on its side too: nothing was placed
+            logger.warning("%s", exc)
+            return
         inbound = TorchInbound(self._receiver_side(), pair, peer)
         with self._lock:
             self._inbound[number] = inbound
@@ -265,11 +316,15 @@ class TorchTransport(KVTransport):
         return hmac.compare_digest(presented.encode("utf-8", "replace"), expected.encode())
 
     def _receiver_side(self) -> ReceiverSide:
-        # Pushes over this transport are not sealed yet (no per-chunk digests): only UCX checks them.
         return ReceiverSide(spec=self.descriptor().spec, k_caches=self._k, v_caches=self._v,
                             num_blocks=self._num_blocks, config=self.config, worker_recv=None,
                             deliver_done=self._deliver_done, count=self._count_received, quarantine=[],
-                            place=self._place, verify=False, count_checksum_failure=lambda: None)
+                            place=self._place, verify=self.config.checksums,
+                            count_checksum_failure=self._count_checksum_failure)
+
+    def _count_checksum_failure(self) -> None:
+        with self._lock:
+            self._received.record_checksum_failure()
 
     def guard_writes(self, permits: WritePermits) -> None:
         self._permits = permits
@@ -326,10 +381,15 @@ class TorchTransport(KVTransport):
             return
         self._closed.set()
         with self._lock:
-            conns, inbound = list(self._conns.values()), list(self._inbound.values())
+            conns, inbound, threads = list(self._conns.values()), list(self._inbound.values()), list(self._threads)
         for conn in conns:
             conn.close("transport closed")
         for receiver in inbound:
             receiver.close(self._store)
         if self._store is not None:
             close_key(self._store, f"hello/{self._accepting}")
+        # The woken ones end at once; a pair's join cannot be woken and ends within rendezvous_timeout_s.
+        deadline = time.monotonic() + self.config.rendezvous_timeout_s + self.config.close_timeout_s
+        for thread in threads:
+            thread.join(max(0.0, deadline - time.monotonic()))
+

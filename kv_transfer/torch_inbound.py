@@ -6,9 +6,12 @@ A message's life on the receiving rank (the pair's own receiver thread):
                    count against the header (a count that does not add up drops the pair: the
                    bytes could not even be drained)
                 ─▶ receive the staging bytes (on the caches' device) within transfer_timeout_s
+                ─▶ when this side asked for checksums: digest them, take the push's SEAL and
+                   compare (a mismatch: nothing is placed, an error ACK, the request refused)
                 ─▶ scatter them into the dst blocks under the request's write permit
                    (`ReceiverSide.place`) ─▶ ACK(seq)
-    DONE        ─▶ deliver (req_id, payload) ─▶ ACK(seq)
+    DONE        ─▶ deliver (req_id, payload), or `INTEGRITY_REFUSAL` in its place for a request
+                   a push of which failed its checksum ─▶ ACK(seq)
 
 Messages are handled strictly one after another, so a DONE is delivered after the bytes of
 every push sent before it. A failed validation still drains the bytes and answers with an
@@ -30,6 +33,7 @@ from functools import partial
 
 import torch
 
+from .integrity import INTEGRITY_REFUSAL, decode_digests, digest_tensor
 from .layout import cache_nbytes, check_incoming, incoming_nbytes, incoming_staging_shape, scatter, typed_view
 from .torch_pair import PairGroup, finish_device_work
 from .ucx_inbound import ReceiverSide
@@ -46,10 +50,13 @@ class TorchInbound:
         self._peer = peer
         self._staging = torch.empty(0, dtype=torch.uint8, device=pair.device)
         self._closed = threading.Event()
+        # Requests a push of which failed its digest, until their done message (which it replaces).
+        self._refused: set[str] = set()
         self.next_seq = 1  # the message this loop waits for
 
     def close(self, closer) -> None:
-        """End the loop: at once if it waits for a message, else after the one it handles.
+        """End the loop: at once if it waits for a message, else after the one it handles
+        (a message it reads from now on is dropped, failing its push on the sender's side).
         `closer`: a store client of this rank's own (not the loop's, which may be waiting)."""
         self._closed.set()
         self._pair.close_receiver(closer, self.next_seq)
@@ -60,7 +67,9 @@ class TorchInbound:
             for seq in itertools.count(1):
                 self.next_seq = seq
                 msg = None if self._closed.is_set() else self._pair.recv_ctrl(seq)
-                if msg is None:
+                # A message read once closing began is dropped: the sender may have overwritten
+                # the CLOSE key with it, and nothing is placed or delivered after close().
+                if msg is None or self._closed.is_set():
                     return
                 if msg.seq != seq:
                     raise WireError(f"message {msg.seq} where {seq} was due")
@@ -75,7 +84,9 @@ class TorchInbound:
 
     def _on_message(self, msg: ControlMsg) -> str | None:
         if msg.kind is MsgKind.DONE:
-            self._side.deliver_done(msg.req_id, msg.extra)
+            refused = msg.req_id in self._refused
+            self._refused.discard(msg.req_id)
+            self._side.deliver_done(msg.req_id, INTEGRITY_REFUSAL if refused else msg.extra)
             return None
         if msg.kind is not MsgKind.DATA:
             raise WireError(f"unexpected {msg.kind.name} on an open pair")
@@ -93,10 +104,25 @@ class TorchInbound:
         except BaseException:
             self._side.count(False, 0, 0, 0.0)
             raise
+        mismatch = self._check_seal(msg, raw[:expected])  # taken for a refused header too: no key lingers
+        error = error or mismatch
         placed = error is None and self._place(msg, raw)
         if error is not None or placed:
             self._side.count(error is None, expected, len(msg.block_ids), time.monotonic() - start)
         return error
+
+    def _check_seal(self, msg: ControlMsg, data: torch.Tensor) -> str | None:
+        """Why the push's bytes are not what its sender sealed, or None (also when unchecked)."""
+        if not self._side.verify:
+            return None
+        sealed = decode_digests(self._pair.recv_seal(msg.seq, self._side.config.transfer_timeout_s))
+        if len(sealed) != 1:  # one data message per push on this transport
+            raise WireError(f"SEAL of push {msg.seq} has {len(sealed)} digests for 1 data message")
+        if sealed[0] == digest_tensor(data):
+            return None
+        self._refused.add(msg.req_id)
+        self._side.count_checksum_failure()
+        return f"KV checksum mismatch in data message 0 of 1 of {msg.req_id!r}: the request is refused here"
 
     def _place(self, msg: ControlMsg, raw: torch.Tensor) -> bool:
         shape = incoming_staging_shape(len(msg.block_ids), len(msg.layers), msg.head_range, self._spec)

@@ -6,14 +6,19 @@ pair's own prefix (rank 0 the receiver, rank 1 the sender), never the process's 
 so a process holds as many pairs as it has peers and nothing else in it sees them.
 
     control   the store itself, under the pair's prefix: message seq at `<prefix>/msg/<seq>`,
-              its ack at `<prefix>/ack/<seq>`, each deleted once read. A store wait ends when
+              its ack at `<prefix>/ack/<seq>`, the SEAL of a push (its digest, when the
+              receiver asked for checksums) at `<prefix>/seal/<seq>`, each deleted once read. A store wait ends when
               its key is set, so an idle receiver waits there, and closing wakes it by setting
               the next message key itself (`CLOSE`): gloo's own receives cannot be woken
               (abort and shutdown leave them waiting), and a timed-out one breaks the pair.
     data      the staging buffer of a push, on the gloo group for host caches; on a second,
               NCCL group for CUDA caches on two different GPUs; through a host copy over gloo
               for CUDA caches on one GPU (NCCL refuses two ranks on one device). A data receive
-              is posted only after its header, and waits at most transfer_timeout_s.
+              is posted only after its header; a data send or receive waits at most
+              transfer_timeout_s.
+
+Joining a pair's groups waits at most rendezvous_timeout_s for the peer (gloo's and NCCL's own
+timeout): a peer that dies between the handshake and joining fails the join, never hangs it.
 
 Every thread that waits on the store has its own client of it: a client runs one operation at
 a time, so a waiting thread would stall every other on a shared one.
@@ -29,14 +34,16 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from .base import KVTransferError
 from .wire import ControlMsg
 
 DATA_TAG = 1
+ANSWERED = "answered"  # how many HELLO numbers the listener is done with: where connectors start
 CLOSE = b"close"  # a control key's value that ends the receiver's loop
 RECEIVER_RANK, SENDER_RANK = 0, 1
-# How long an idle pair waits for its next message: a pair lives as long as both nodes; a
-# transfer's own waits are bounded by transfer_timeout_s. Also the gloo group's setup timeout (a
-# peer that dies between the handshake and joining leaves one idle thread, never a blocked step loop).
+# How long an idle receiver waits for its next message: a pair lives as long as both nodes, and
+# closing wakes the wait (CLOSE). Never a rendezvous or a transfer's wait: those are bounded by
+# rendezvous_timeout_s and transfer_timeout_s.
 IDLE_TIMEOUT = datetime.timedelta(days=7)
 
 
@@ -71,16 +78,19 @@ class PairGroup:
 
     @classmethod
     def join(cls, store: dist.Store, prefix: str, rank: int, host: str, backend: str,
-             device: torch.device) -> PairGroup:
-        """Build this rank's side (blocks until the peer builds its own); `host`: the address
-        this rank's side listens on for the pair's sockets."""
+             device: torch.device, timeout_s: float) -> PairGroup:
+        """Build this rank's side, waiting at most `timeout_s` for the peer to build its own
+        (raises past it); `host`: the address this rank's side listens on for the pair's sockets."""
+        timeout = datetime.timedelta(seconds=timeout_s)
         options = dist.ProcessGroupGloo._Options()
         options._devices = [dist.ProcessGroupGloo.create_device(hostname=host)]
-        options._timeout = IDLE_TIMEOUT
+        options._timeout = timeout
         gloo = dist.ProcessGroupGloo(dist.PrefixStore(prefix + "/gloo", store), rank, 2, options)
         data = gloo
-        if backend == "nccl":
-            data = dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "/nccl", store), rank, 2)
+        if backend == "nccl":  # NCCL meets its peer on the first send/receive, within `timeout`
+            nccl_options = dist.ProcessGroupNCCL.Options()
+            nccl_options._timeout = timeout
+            data = dist.ProcessGroupNCCL(dist.PrefixStore(prefix + "/nccl", store), rank, 2, nccl_options)
         return cls(store, prefix, gloo, data, backend, rank, device)
 
     # -- control ---------------------------------------------------------------------
@@ -95,21 +105,31 @@ class PairGroup:
 
     def recv_ctrl(self, seq: int, timeout_s: float | None = None, ack: bool = False) -> ControlMsg | None:
         """Message `seq` from the peer (its ack of our `seq` when `ack`), at most `timeout_s`
-        away (None: until it comes); None: CLOSE."""
-        key = self._key(seq, ack)
-        self.store.wait([key], IDLE_TIMEOUT if timeout_s is None else datetime.timedelta(seconds=timeout_s))
+        away (None: until it comes or the pair closes); None: CLOSE."""
+        raw = self._take(self._key(seq, ack), IDLE_TIMEOUT if timeout_s is None else _delta(timeout_s))
+        return None if raw == CLOSE else ControlMsg.decode(raw)
+
+    def send_seal(self, seq: int, digests: bytes) -> None:
+        """The SEAL of push `seq`: its digests (kv_transfer/integrity.py), set after its bytes."""
+        self.store.set(f"{self.prefix}/seal/{seq}", digests)
+
+    def recv_seal(self, seq: int, timeout_s: float) -> bytes:
+        return self._take(f"{self.prefix}/seal/{seq}", _delta(timeout_s))
+
+    def _take(self, key: str, timeout: datetime.timedelta) -> bytes:
+        self.store.wait([key], timeout)
         raw = self.store.get(key)
         self.store.delete_key(key)
-        return None if raw == CLOSE else ControlMsg.decode(raw)
+        return raw
 
     def _key(self, seq: int, ack: bool) -> str:
         return f"{self.prefix}/{'ack' if ack else 'msg'}/{seq}"
 
     # -- data --------------------------------------------------------------------------
-    def send_data(self, staging: torch.Tensor) -> None:
+    def send_data(self, staging: torch.Tensor, timeout_s: float) -> None:
         """Send a flat uint8 staging buffer; it may be reused once this returns."""
         wire = staging.cpu() if self.backend == "gloo-host-copy" else staging
-        self.data.send([wire], self.peer, DATA_TAG).wait()
+        _wait(self.data.send([wire], self.peer, DATA_TAG), timeout_s)
         finish_device_work(self.device)
 
     def recv_data(self, staging: torch.Tensor, timeout_s: float) -> None:
@@ -131,17 +151,36 @@ class PairGroup:
                 pass
 
 
+def claim_hello(store: dist.TCPStore, hello: bytes, peer_id: str) -> int:
+    """Set `hello` under the first free pair number from the listener's next one; that number.
+
+    `compare_set` claims a number and publishes its HELLO in one step. The `set` after it (of the
+    value the key holds, whoever's) wakes the listener where compare_set does not on every store
+    backend, also for a number whose claimant died between the two calls."""
+    number = store.add(ANSWERED, 0) + 1
+    while True:
+        key = f"hello/{number}"
+        held = store.compare_set(key, "", hello)
+        store.set(key, held)
+        if held == hello:
+            return number
+        if held == CLOSE:
+            raise KVTransferError(f"peer {peer_id} is closing")
+        number += 1
+
+
 def close_key(closer: dist.Store, key: str) -> None:
     """Set `key` to CLOSE unless it holds a message already, waking whoever waits for it."""
     if closer.compare_set(key, "", CLOSE) == CLOSE:
         closer.set(key, CLOSE)  # compare_set stores it but does not wake a waiting client; set does
 
 
-def _wait(work, timeout_s: float | None) -> None:
-    if timeout_s is None:
-        work.wait()
-    else:
-        work.wait(datetime.timedelta(seconds=timeout_s))
+def _wait(work, timeout_s: float) -> None:
+    work.wait(_delta(timeout_s))
+
+
+def _delta(seconds: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=seconds)
 
 
 def finish_device_work(device: torch.device) -> None:

@@ -106,9 +106,7 @@ class UcxTransport(KVTransport):
         return int(self._listener.port)
 
     def connect(self, remote: KVDescriptor) -> str:
-        cfg = self.config
-        budget = cfg.connect_timeout_s + cfg.handshake_timeout_s + cfg.close_timeout_s
-        return self._rt.call(self._connect(remote), budget)
+        return self._rt.call(self._connect(remote), self.config.connect_budget_s())
 
     async def _connect(self, remote: KVDescriptor) -> str:
         local = self.descriptor()

@@ -8,6 +8,8 @@ on every prefill and decode node, the KV over gloo on 127.0.0.1 (host caches).
   a long prompt, then a decode node SIGKILLed while a long prompt's KV streams into it: each
   request is retried elsewhere, exact tokens, nothing held after.
 - A prefill node on torch and a decode node on UCX: refused, naming the transport.
+- 1P2D with the fault drill `--debug-corrupt-kv-push 1`: the corrupted push is refused by its
+  decode node's checksum, counted once, and the sample resumes elsewhere with exact tokens.
 """
 
 from __future__ import annotations
@@ -20,7 +22,8 @@ import pytest
 
 from pdserve.proto import pdserve_pb2
 
-from tests.e2e.cluster import FaultCluster, FaultSettings, NodeSettings, running_cluster
+from tests.e2e.cluster import FaultCluster, FaultSettings, NodeSettings, assert_every_block_free, running_cluster
+from tests.e2e.test_kv_integrity import MAX_TOKENS as DRILL_TOKENS, PROMPT as DRILL_PROMPT, generate
 from tests.e2e.test_cluster import BLOCK_SIZE, kv_bytes_per_block, run_concurrently
 from tests.e2e.test_node_failure import LONG_PROMPT, SETTINGS, Stream, assert_no_blocks_held, greedy, mid_prefill, prompt
 from tests.integration.reference import assert_matches, greedy_references
@@ -99,3 +102,14 @@ def test_a_prefill_node_on_another_transport_than_the_decode_node_is_refused_nam
         assert "--kv-transport" in refusal.value.details()
         stats = cluster.wait_all_blocks_free(timeout_s=10)
         assert [(s.used_blocks, s.reserved_blocks) for s in stats] == [(0, 0), (0, 0)]
+
+
+def test_a_push_corrupted_after_sealing_is_refused_and_the_sample_resumes_exactly(model_dir):
+    with running_cluster(model_dir, 1, 2, prefill_args=(*TORCH, "--debug-corrupt-kv-push", "1"),
+                         decode_args=TORCH) as cluster:
+        tokens = generate(cluster.router, DRILL_PROMPT)
+        assert_matches([tokens], greedy_references(model_dir, [DRILL_PROMPT], [DRILL_TOKENS]))
+        prefill, *decodes = cluster.stats()
+        assert sum(d.kv_transfer.checksum_failures for d in decodes) == 1
+        assert (prefill.kv_transfer.failures, prefill.kv_transfer.checksum_failures) == (1, 0)
+        assert_every_block_free(cluster)
