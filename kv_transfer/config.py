@@ -35,12 +35,15 @@ class KVTransferConfig:
     init_timeout_s: float = 30.0
     # Establishing the UCX endpoint (ucxx's peer-info exchange).
     connect_timeout_s: float = 5.0
-    # torch transport: each step of a connect (reaching the peer's TCPStore, its HELLO_REPLY,
-    # both ranks joining the pair's groups) and reaching this rank's own store. Longer than connect_timeout_s because torch's store looks up the
-    # peer's name (a reverse DNS query, getnameinfo) on every new connection, on both ends, and a
-    # resolver that drops the query stalls it by its own timeout (glibc: 5 s, twice): measured on
-    # the dev host, about one store connection in 30 took 5 s. A peer not there by then fails
-    # the connect (KVTransferError), never hangs it.
+    # torch transport: reaching a TCPStore (this rank's own, or a peer's). Longer than
+    # connect_timeout_s because torch's store looks up the peer's name (a reverse DNS query,
+    # getnameinfo) on every new connection, on both ends, and a resolver that drops the query
+    # stalls it by its own timeout (glibc: 5 s): measured on the dev host, about one store
+    # connection in 30 took 5 s.
+    store_timeout_s: float = 30.0
+    # torch transport: a peer's HELLO_REPLY, and both ranks joining a pair's groups (gloo's and
+    # NCCL's own timeout). As long, because a store's one event loop stalls for as long on another
+    # client's connect. A peer not there by then fails the connect (KVTransferError), never hangs it.
     rendezvous_timeout_s: float = 30.0
     # HELLO -> HELLO_REPLY round trip (fingerprint check) on first contact.
     handshake_timeout_s: float = 5.0
@@ -94,7 +97,7 @@ class KVTransferConfig:
             raise ValueError(f"KVTransferConfig.port out of range: {self.port}")
         if self.transport not in TRANSPORTS:
             raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
-        for name in ("accept_poll_s", "init_timeout_s", "connect_timeout_s", "rendezvous_timeout_s",
+        for name in ("accept_poll_s", "init_timeout_s", "connect_timeout_s", "store_timeout_s", "rendezvous_timeout_s",
                      "handshake_timeout_s", "transfer_timeout_s", "close_timeout_s", "watchdog_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVTransferConfig.{name} must be > 0")
@@ -111,5 +114,5 @@ class KVTransferConfig:
     def connect_budget_s(self) -> float:
         """The longest a `connect` on this transport may take before it fails."""
         if self.transport == "torch":  # the store, the handshake, then the pair's groups
-            return 3 * self.rendezvous_timeout_s + self.close_timeout_s
+            return self.store_timeout_s + 2 * self.rendezvous_timeout_s + self.close_timeout_s
         return self.connect_timeout_s + self.handshake_timeout_s + self.close_timeout_s

@@ -11,8 +11,8 @@ fingerprint, and the transports must be the same (`transport` is named as a diff
 Once accepted, both build the pair's groups under its own prefix of the store
 (kv_transfer/torch_pair.py: gloo for control and host caches, NCCL for CUDA caches on two GPUs).
 
-Bounds. Reaching a store, the HELLO_REPLY and joining the pair's groups each wait at most
-rendezvous_timeout_s, so a peer that never comes (or dies between the steps) fails `connect`
+Bounds. Reaching a store waits at most store_timeout_s, the HELLO_REPLY and joining the pair's
+groups each at most rendezvous_timeout_s, so a peer that never comes (or dies between the steps) fails `connect`
 with a KVTransferError naming it and the step, which the node's transfer failure path handles
 like any other. The store is bound and listening before `register` returns, so its advertised
 port is there to dial. A connector that dies after its HELLO holds up nobody: the accept loop
@@ -107,16 +107,16 @@ class TorchTransport(KVTransport):
         return self._dial(self.config.host, self._store.port, "this rank's own")
 
     def _dial(self, host: str, port: int, whose: str, is_master: bool = False) -> dist.TCPStore:
-        """A store client (and its server when `is_master`), connected within rendezvous_timeout_s:
-        the store retries its connect until then, a bound long enough to outlast a dropped reverse
-        DNS query (see KVTransferConfig.rendezvous_timeout_s)."""
-        timeout = self.config.rendezvous_timeout_s
+        """A store client (and its server when `is_master`), connected within store_timeout_s: the
+        store retries its connect until then, a bound long enough to outlast a dropped reverse DNS
+        query (see KVTransferConfig.store_timeout_s)."""
+        timeout = self.config.store_timeout_s
         try:
             return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
                                  timeout=datetime.timedelta(seconds=timeout))
         except Exception as exc:
             raise KVTransferError(f"cannot reach {whose} KV store at {host}:{port} within {timeout:.0f}s "
-                                  f"(rendezvous_timeout_s): {exc!r}") from exc
+                                  f"(store_timeout_s): {exc!r}") from exc
 
     def descriptor(self) -> KVDescriptor:
         if self._spec is None or self._store is None:
@@ -388,8 +388,9 @@ class TorchTransport(KVTransport):
             receiver.close(self._store)
         if self._store is not None:
             close_key(self._store, f"hello/{self._accepting}")
-        # The woken ones end at once; a pair's join cannot be woken and ends within rendezvous_timeout_s.
-        deadline = time.monotonic() + self.config.rendezvous_timeout_s + self.config.close_timeout_s
+        # The woken ones end at once; a pair still dialing or joining cannot be woken, and ends in time.
+        cfg = self.config
+        deadline = time.monotonic() + cfg.store_timeout_s + cfg.rendezvous_timeout_s + cfg.close_timeout_s
         for thread in threads:
             thread.join(max(0.0, deadline - time.monotonic()))
 
