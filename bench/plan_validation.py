@@ -1,7 +1,8 @@
 """`pdserve plan --validate` over several workloads and SLO pairs: the planner's published error.
 
     pdserve bench plan-validation [--model DIR] [--devices 2] [--validate 1] [--validate-others 2]
-                                  [--slos 1.0,0.05 0.3,0.2] [--out-dir results/plan_validation]
+                                  [--validate-probes 6] [--slos 1.0,0.05 0.3,0.2] [--workloads ...]
+                                  [--profile-dir DIR] [--out-dir results/plan_validation]
 
 For each workload (a fixed, a uniform and a chat mix) and each SLO pair (TTFT,TPOT seconds), one
 `pdserve plan ... --validate K --output-json F` exactly as a user runs it; then one table of every
@@ -40,6 +41,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--validate-others", type=int, default=2)
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--min-duration-s", type=float, default=15.0)
+    p.add_argument("--validate-probes", type=int, default=6, help="real runs per candidate's sweep at most")
+    p.add_argument("--profile-dir", type=Path,
+                   help="where the plans' profile is cached (an empty one: profiled afresh, under this run's conditions)")
     p.add_argument("--out-dir", type=Path, default=Path("results/plan_validation"))
     return p
 
@@ -48,8 +52,10 @@ def _plan(args: argparse.Namespace, workload: str, slo: str, out: Path) -> dict 
     ttft, tpot = slo.split(",")
     argv = [sys.executable, "-m", "pdserve", "plan", "--devices", str(args.devices), "--ttft-slo", ttft,
             "--tpot-slo", tpot, "--num-requests", str(args.num_requests), "--min-duration-s", str(args.min_duration_s),
-            "--validate", str(args.validate), "--validate-others", str(args.validate_others), "--no-progress",
-            "--output-json", str(out), *WORKLOADS[workload], *(["--model", args.model] if args.model else [])]
+            "--validate", str(args.validate), "--validate-others", str(args.validate_others),
+            "--validate-probes", str(args.validate_probes), "--no-progress", "--output-json", str(out),
+            *WORKLOADS[workload], *(["--model", args.model] if args.model else []),
+            *(["--profile-dir", str(args.profile_dir)] if args.profile_dir else [])]
     print(f"\n$ {' '.join(argv[2:])}", flush=True)
     done = subprocess.run(argv, check=False)
     if done.returncode != 0:  # 2: SLOs nothing meets, said on stderr; nothing to validate

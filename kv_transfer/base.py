@@ -142,10 +142,22 @@ class KVDescriptor:
     port: int
     num_blocks: int
     spec: KVCacheSpec
+    # UCX: peers connect to the worker's address (hex), first message on `hello_tag`, the
+    # tag that names this transport among those sharing the process's worker.
+    worker_address: str = ""
+    hello_tag: int = 0
+
+    @property
+    def name(self) -> str:
+        """How peers name this cache: address:port, and the HELLO tag where there is one
+        (UCX's port is 0 where the OS picks it; the tag tells transports apart)."""
+        base = f"{self.address}:{self.port}"
+        return f"{base}/{self.hello_tag:x}" if self.hello_tag else base
 
     def to_bytes(self) -> bytes:
         data = {"transport": self.transport, "address": self.address, "port": self.port,
-                "num_blocks": self.num_blocks, "spec": self.spec.to_dict()}
+                "num_blocks": self.num_blocks, "spec": self.spec.to_dict(),
+                "worker_address": self.worker_address, "hello_tag": self.hello_tag}
         return json.dumps(data, sort_keys=True).encode()
 
     @classmethod
@@ -153,7 +165,9 @@ class KVDescriptor:
         data = json.loads(raw)
         return cls(transport=str(data["transport"]), address=str(data["address"]),
                    port=int(data["port"]), num_blocks=int(data["num_blocks"]),
-                   spec=KVCacheSpec.from_dict(data["spec"]))
+                   spec=KVCacheSpec.from_dict(data["spec"]),
+                   worker_address=str(data.get("worker_address", "")),
+                   hello_tag=int(data.get("hello_tag", 0)))
 
 
 @dataclass(frozen=True)

@@ -26,10 +26,10 @@ class KVTransferConfig:
                 "pair (gloo for host caches, NCCL for CUDA caches); every prefill and decode node the same"})
 
     # Address advertised to peers in the descriptor; UCX is kept to the interface that holds
-    # it (netdev.py). ucxx's connection listener still binds all interfaces: its Python API
-    # takes no bind address.
+    # it (netdev.py), the only one it listens on.
     host: str = "127.0.0.1"
-    # Listener port; 0 lets the OS pick a free one (the descriptor carries the real one).
+    # The port UCX's TCP transport listens on (first transport of the process); 0: a free
+    # one (the descriptor carries the real one).
     port: int = 0
     # Starting UCX in this process (first transport only).
     init_timeout_s: float = 30.0
@@ -79,7 +79,7 @@ class KVTransferConfig:
     # UCX_TLS override, e.g. "tcp,sm,self"; None keeps UCX's own choice.
     ucx_tls: str | None = None
     # Shared secret a connecting peer must present in its HELLO (and this side presents
-    # when it connects); a listener refuses any other HELLO before looking at its
+    # when it connects); a receiver refuses any other HELLO before looking at its
     # fingerprint. None: no check. It crosses the network in the clear, like the bytes.
     auth_token: str | None = field(default=None, repr=False)
     # Receiving side: ask every sender to seal each push's data messages with their xxh3-64

@@ -1,10 +1,11 @@
-"""Which network interface holds an address: how the UCX transport keeps to the one it is given.
+"""Which network interface holds an address, and which port: how the UCX transport keeps to
+the address it is given.
 
-UCX opens a TCP listener per network interface it uses (the TCP transport's own, for the
-connections that follow the first), on that interface's address. Limiting UCX to the interface
-that holds the KV host (`UCX_NET_DEVICES`) makes those listeners bind that address only.
-(The connection listener itself, ucxx's `create_listener`, binds every interface: ucxx's
-Python API takes no bind address — kv_transfer/ucx.py.)
+Peers reach a UCX transport through its worker's address (kv_transfer/ucx.py), whose only
+socket is the TCP transport's listener, one per network interface UCX uses, on that
+interface's address. Limiting UCX to the interface that holds the KV host (`UCX_NET_DEVICES`)
+makes it bind that address only; `UCX_TCP_PORT_RANGE` pins its port to the node's --kv-port
+(0: the OS picks it).
 
 Must never: import torch or UCX, or guess: an address no interface holds gives None.
 """
@@ -27,6 +28,12 @@ def net_devices(host: str, environ: Mapping[str, str]) -> dict[str, str]:
         return {}
     interface = interface_of(host)
     return {"NET_DEVICES": interface} if interface is not None else {}
+
+
+def tcp_port(port: int) -> dict[str, str]:
+    """The option that pins UCX's TCP listener to `port` (over any UCX_TCP_PORT_RANGE); none
+    for 0: the OS picks one as UCX binds (picking one here to pin would race other binds)."""
+    return {"TCP_PORT_RANGE": f"{port}-{port}"} if port else {}
 
 
 def interface_of(host: str) -> str | None:

@@ -1,12 +1,18 @@
 """UCX KV transport (ucxx): host caches moved between processes and machines.
 
-Wiring. `register` starts a listener (the descriptor carries config.host and its port).
-`connect` dials it, sends HELLO (descriptor + UCX worker address + the auth token when
-one is configured). A listener with a token first refuses a HELLO without the same one
+Wiring. No connection listener: peers connect to UCX worker addresses, so the only socket
+is UCX's TCP transport's, on config.host and the runtime's port (ucx_runtime.py, netdev.py).
+`register` posts a receive on the transport's own HELLO tag (the descriptor carries the
+worker address and that tag). `connect` opens an endpoint to the peer's worker address and
+sends HELLO there (descriptor + its own worker address + the two tags of the connection +
+the auth token when one is configured); the peer opens an endpoint back to that address and
+answers on it, and from then on each side sends on one tag and receives on the other
+(TaggedEndpoint). A receiver with a token first refuses a HELLO without the same one
 (HELLO_REPLY carrying only the refusal: no descriptor, no worker address); then both
-sides check the fingerprint: the listener answers HELLO_REPLY and records any refusal,
+sides check the fingerprint: the receiver answers HELLO_REPLY and records any refusal,
 the connector raises FingerprintMismatch. With `fast_data_path` the connector also opens
-a data endpoint from the listener's worker address (shared memory / CMA on one host).
+a data endpoint without error handling to the receiver's worker address (shared memory /
+CMA on one host).
 
 One push on the wire (sender: ucx_conn.py, receiver: ucx_inbound.py):
 
@@ -51,8 +57,9 @@ from .config import KVTransferConfig
 from .integrity import check_payload, make_sealer
 from .layout import make_plan, validate_caches
 from .ucx_conn import Connection, Job, header_nbytes
+from .ucx_hello import hello_body, hello_msg, parse_hello, random_tag, way_back
 from .ucx_inbound import Inbound, ReceiverSide
-from .ucx_runtime import UcxRuntime, abort_endpoint, recv_ctrl, send_ctrl
+from .ucx_runtime import TaggedEndpoint, UcxRuntime, abort_endpoint, recv_ctrl, send_ctrl
 from .wire import STATUS_ERROR, STATUS_OK, ControlMsg, MsgKind, WireError
 
 logger = logging.getLogger(__name__)
@@ -67,10 +74,11 @@ class UcxTransport(KVTransport):
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
         self._num_blocks = 0
-        self._listener: Any = None
-        self._port = 0
+        self._hello_tag = random_tag()  # names this transport on the process's worker
+        self._accepting: asyncio.Task | None = None
         self._conns: dict[str, Connection] = {}
         self._inbound: set[Any] = set()
+        self._serving: set[asyncio.Task] = set()
         self._watchdog: asyncio.Future | None = None
         self._done_msgs: list[tuple[str, bytes]] = []
         self._callback: DoneCallback | None = None
@@ -89,36 +97,35 @@ class UcxTransport(KVTransport):
             raise ValueError("UcxTransport moves host caches; got a non-CPU tensor")
         self._num_blocks = validate_caches(k_caches, v_caches, spec)
         self._k, self._v, self._spec = list(k_caches), list(v_caches), spec
-        self._port = self._rt.call(self._listen(), self.config.connect_timeout_s)
+        self._rt.call(self._listen(), self.config.connect_timeout_s)
         return self.descriptor()
 
     def descriptor(self) -> KVDescriptor:
         if self._spec is None:
             raise KVTransferError("register() the caches first")
-        return KVDescriptor(transport="ucx", address=self.config.host, port=self._port,
-                            num_blocks=self._num_blocks, spec=self._spec)
+        return KVDescriptor(transport="ucx", address=self.config.host, port=self._rt.port,
+                            num_blocks=self._num_blocks, spec=self._spec,
+                            worker_address=self._worker_address(), hello_tag=self._hello_tag)
 
-    async def _listen(self) -> int:
-        self._listener = self._rt.ucxx.create_listener(
-            self._serve, port=self.config.port,
-            connect_timeout=self.config.connect_timeout_s)
+    async def _listen(self) -> None:
+        self._accepting = asyncio.ensure_future(self._accept())
         self._watchdog = asyncio.ensure_future(self._watch())
-        return int(self._listener.port)
 
     def connect(self, remote: KVDescriptor) -> str:
         return self._rt.call(self._connect(remote), self.config.connect_budget_s())
 
     async def _connect(self, remote: KVDescriptor) -> str:
         local = self.descriptor()
-        peer_id = f"{remote.address}:{remote.port}"
+        peer_id = remote.name
+        if remote.transport != "ucx" or not remote.worker_address:
+            raise KVTransferError(f"KV peer {peer_id} gives no UCX worker address")
         try:
-            ep = await asyncio.wait_for(self._rt.ucxx.create_endpoint(
-                remote.address, remote.port, endpoint_error_handling=True,
-                connect_timeout=self.config.connect_timeout_s), self.config.connect_timeout_s)
+            raw = await self._endpoint_to(remote.worker_address, error_handling=True)
         except Exception as exc:
             raise KVTransferError(f"cannot reach KV peer {peer_id}: {exc!r}") from exc
+        ep = TaggedEndpoint(raw, send_tag=random_tag(), recv_tag=random_tag())
         try:
-            theirs, data_ep, checksums = await self._handshake(ep, local, peer_id)
+            theirs, data_ep, checksums = await self._handshake(ep, local, remote, peer_id)
         except BaseException:
             abort_endpoint(ep, self.config.close_timeout_s)
             raise
@@ -131,31 +138,39 @@ class UcxTransport(KVTransport):
         conn.start()
         return peer_id
 
-    async def _handshake(self, ep: Any, local: KVDescriptor,
+    async def _handshake(self, ep: TaggedEndpoint, local: KVDescriptor, remote: KVDescriptor,
                          peer_id: str) -> tuple[KVDescriptor, Any, bool]:
         """(their descriptor, the data endpoint or None, whether they asked for checksums)."""
-        hello = _hello(MsgKind.HELLO, local, "", self.config.fast_data_path, self.config.auth_token)
-        await asyncio.wait_for(send_ctrl(ep, hello), self.config.handshake_timeout_s)
+        hello = hello_msg(MsgKind.HELLO, local, local.worker_address, self.config.fast_data_path,
+                          self.config.auth_token, tags=(ep.send_tag, ep.recv_tag))
+        # The first message goes to the peer's HELLO tag; the rest of the connection on ours.
+        first = TaggedEndpoint(ep.ep, send_tag=remote.hello_tag, recv_tag=ep.recv_tag)
+        await asyncio.wait_for(send_ctrl(first, hello), self.config.handshake_timeout_s)
         buf = np.empty(self.config.max_control_bytes, dtype=np.uint8)
         reply = await asyncio.wait_for(recv_ctrl(ep, buf), self.config.handshake_timeout_s)
         if reply.kind is not MsgKind.HELLO_REPLY:
             raise KVTransferError(f"peer {peer_id} answered {reply.kind.name}, not HELLO_REPLY")
-        body = _hello_body(reply)
+        body = hello_body(reply)
         refusal = body.get("refused")
         if refusal is not None:
             raise KVTransferError(f"peer {peer_id} refused the connection: {refusal}")
-        theirs, worker_address, _ = _parse_hello(reply)
+        theirs, worker_address, _ = parse_hello(reply)
         local.spec.check_compatible(theirs.spec.fingerprint(), f"peer {peer_id}")
         if reply.status != STATUS_OK:
             raise KVTransferError(f"peer {peer_id} refused the connection")
         checksums = body.get("checksums") is True
         if not worker_address:  # either side wants data on the control endpoint
             return theirs, None, checksums
-        address = self._rt.ucxx.get_ucx_address_from_buffer(bytes.fromhex(worker_address))
-        data_ep = await asyncio.wait_for(
-            self._rt.ucxx.create_endpoint_from_worker_address(
-                address, endpoint_error_handling=False), self.config.connect_timeout_s)
+        data_ep = await self._endpoint_to(worker_address, error_handling=False)
         return theirs, data_ep, checksums
+
+    async def _endpoint_to(self, worker_address: str, *, error_handling: bool) -> Any:
+        """An endpoint to a peer's worker (error handling: the peer's failure cancels what
+        waits on it, which UCX supports only on lanes that can tell: no shared memory)."""
+        address = self._rt.ucxx.get_ucx_address_from_buffer(bytes.fromhex(worker_address))
+        return await asyncio.wait_for(
+            self._rt.ucxx.create_endpoint_from_worker_address(
+                address, endpoint_error_handling=error_handling), self.config.connect_timeout_s)
 
     def _worker_address(self) -> str:
         return self._rt.ucxx.get_worker_address().tobytes().hex()
@@ -221,22 +236,64 @@ class UcxTransport(KVTransport):
                 conn.check_deadlines(now)
 
     # -- receiving (loop thread) -----------------------------------------------------
-    async def _serve(self, ep: Any) -> None:
-        """Listener callback: one inbound connection, from HELLO until it drops."""
+    async def _accept(self) -> None:
+        """Every HELLO sent to this transport's tag starts one inbound connection. The
+        receive stays posted until a message comes (close() sends the last one), so its
+        buffer lives as long as this loop."""
+        buf = np.empty(self.config.max_control_bytes, dtype=np.uint8)
+        while True:
+            await self._rt.ucxx.recv(buf, tag=self._hello_tag)
+            if self._closed:
+                return
+            try:
+                hello = ControlMsg.decode(buf.data)  # a copy: the buffer is reposted
+            except WireError as exc:
+                logger.info("ignored a malformed KV HELLO: %s", exc)
+                continue
+            task = asyncio.ensure_future(self._serve(hello))
+            self._serving.add(task)
+            task.add_done_callback(self._serving.discard)
+
+    async def _serve(self, hello: ControlMsg) -> None:
+        """One inbound connection, from HELLO until it drops."""
+        try:
+            ep = await self._reply_endpoint(hello)
+        except Exception as exc:  # no way to answer: nothing to refuse on
+            logger.info("ignored a KV HELLO that gives no way back: %r", exc)
+            return
         self._inbound.add(ep)
         buf = np.empty(self.config.max_control_bytes, dtype=np.uint8)
+        mirror = None
         try:
-            hello = await asyncio.wait_for(recv_ctrl(ep, buf), self.config.handshake_timeout_s)
             accepted, data_on_worker = await self._answer_hello(ep, hello)
             if not accepted:
                 await self._drain_until_closed(ep, buf)
                 return
+            if data_on_worker:
+                mirror = await self._mirror_data_endpoint(hello)
             await Inbound(self._receiver_side(data_on_worker), ep).run(buf)
         except Exception as exc:  # peer gone or protocol error: drop the connection
             logger.info("inbound KV connection ended: %r", exc)
         finally:
             self._inbound.discard(ep)
+            abort_endpoint(mirror, self.config.close_timeout_s)
             abort_endpoint(ep, self.config.close_timeout_s)
+
+    async def _mirror_data_endpoint(self, hello: ControlMsg) -> Any:
+        """An unused endpoint matching the connector's data endpoint. UCX pairs the endpoints
+        two workers open to each other by their order and refuses a pair whose error handling
+        differs, so each side opens the same ones in the same order: control (error handling),
+        then data (none). Without this one, the next connection's control endpoint would be
+        paired with this connection's data endpoint and refused. (This holds because two
+        workers connect one way only: a prefill rank to a decode rank.)"""
+        address, _ = way_back(hello)
+        return await self._endpoint_to(address, error_handling=False)
+
+    async def _reply_endpoint(self, hello: ControlMsg) -> TaggedEndpoint:
+        """An endpoint back to the connector's worker, on the tags its HELLO chose."""
+        address, (theirs_to_us, ours_to_them) = way_back(hello)
+        raw = await self._endpoint_to(address, error_handling=True)
+        return TaggedEndpoint(raw, send_tag=ours_to_them, recv_tag=theirs_to_us)
 
     async def _answer_hello(self, ep: Any, hello: ControlMsg) -> tuple[bool, bool]:
         """Reply to HELLO; returns (accepted, data arrives on the worker by tag)."""
@@ -245,16 +302,16 @@ class UcxTransport(KVTransport):
         if not self._authorized(hello):
             await self._refuse_unauthenticated(ep)
             return False, False
-        theirs, _, their_fast = _parse_hello(hello)
+        theirs, _, their_fast = parse_hello(hello)
         local = self.descriptor()
         # Both ends must want the fast path; the reply's worker address says it is on.
         data_on_worker = their_fast and self.config.fast_data_path
-        reply = _hello(MsgKind.HELLO_REPLY, local,
-                       self._worker_address() if data_on_worker else "", data_on_worker,
-                       checksums=self.config.checksums)
+        reply = hello_msg(MsgKind.HELLO_REPLY, local,
+                          self._worker_address() if data_on_worker else "", data_on_worker,
+                          checksums=self.config.checksums)
         try:
             local.spec.check_compatible(theirs.spec.fingerprint(),
-                                        f"refused peer {theirs.address}:{theirs.port}")
+                                        f"refused peer {theirs.name}")
         except FingerprintMismatch as exc:
             logger.error("%s", exc)
             with self._lock:
@@ -267,7 +324,7 @@ class UcxTransport(KVTransport):
         expected = self.config.auth_token
         if expected is None:
             return True
-        presented = _hello_body(hello).get("auth_token")
+        presented = hello_body(hello).get("auth_token")
         if not isinstance(presented, str):
             return False
         return hmac.compare_digest(presented.encode("utf-8", "replace"), expected.encode())
@@ -365,37 +422,21 @@ class UcxTransport(KVTransport):
             self._watchdog.cancel()
         for conn in list(self._conns.values()):
             await conn.close("transport closed")
+        for task in list(self._serving):
+            task.cancel()
         for ep in list(self._inbound):
             abort_endpoint(ep, self.config.close_timeout_s)
-        if self._listener is not None:
-            self._listener.close()
-            self._listener = None
+        if self._accepting is not None:
+            await self._stop_accepting(self._accepting)
 
-
-def _hello(kind: MsgKind, desc: KVDescriptor, worker_address: str,
-           fast_data_path: bool, auth_token: str | None = None, checksums: bool = False) -> ControlMsg:
-    body = {"descriptor": json.loads(desc.to_bytes()), "worker_address": worker_address,
-            "fast_data_path": fast_data_path, "checksums": checksums}
-    if auth_token is not None:
-        body["auth_token"] = auth_token
-    return ControlMsg(kind, extra=json.dumps(body).encode())
-
-
-def _hello_body(msg: ControlMsg) -> dict[str, Any]:
-    try:
-        body = json.loads(msg.extra)
-    except ValueError as exc:
-        raise WireError(f"malformed {msg.kind.name}: {exc}") from exc
-    if not isinstance(body, dict):
-        raise WireError(f"malformed {msg.kind.name}: not a JSON object")
-    return body
-
-
-def _parse_hello(msg: ControlMsg) -> tuple[KVDescriptor, str, bool]:
-    """(descriptor, worker address or "", wants the fast data path)."""
-    try:
-        body = json.loads(msg.extra)
-        desc = KVDescriptor.from_bytes(json.dumps(body["descriptor"]).encode())
-        return desc, str(body["worker_address"]), bool(body["fast_data_path"])
-    except (ValueError, KeyError, TypeError) as exc:
-        raise WireError(f"malformed {msg.kind.name}: {exc}") from exc
+    async def _stop_accepting(self, accepting: asyncio.Task) -> None:
+        """Complete the posted HELLO receive with a message to ourselves (cancelling the
+        task would leave UCX a receive into a buffer nobody holds)."""
+        try:
+            ep = await self._endpoint_to(self._worker_address(), error_handling=False)
+            await asyncio.wait_for(ep.send(np.zeros(1, dtype=np.uint8), tag=self._hello_tag,
+                                           force_tag=True), self.config.close_timeout_s)
+            await asyncio.wait_for(accepting, self.config.close_timeout_s)
+            abort_endpoint(ep, self.config.close_timeout_s)
+        except Exception as exc:  # the receive stays posted; its buffer stays with the task
+            logger.warning("KV HELLO receive not stopped: %r", exc)

@@ -179,6 +179,13 @@ class Connection:
                             f"timed out after {timeout:.1f}s")
                 return
 
+    async def _say_bye(self) -> None:
+        try:
+            await asyncio.wait_for(send_ctrl(self._ctrl_ep, ControlMsg(MsgKind.BYE)),
+                                   self._config.close_timeout_s)
+        except Exception as exc:  # peer already gone: nothing to tell
+            logger.debug("BYE to %s not sent: %r", self.peer_id, exc)
+
     def break_(self, reason: str, expected: bool = False) -> None:
         """Fail everything on this connection and abort its endpoints (idempotent)."""
         if self.error is not None:
@@ -195,6 +202,8 @@ class Connection:
         abort_endpoint(self._ctrl_ep, self._config.close_timeout_s)
 
     async def close(self, reason: str) -> None:
+        if self.error is None:  # the peer learns of a close only from this side
+            await self._say_bye()
         self.break_(reason, expected=True)
         for task in self._tasks:
             task.cancel()

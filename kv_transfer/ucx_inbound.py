@@ -90,6 +90,8 @@ class Inbound:
             elif msg.kind is MsgKind.DONE:
                 self._deliver(msg)
                 error = None
+            elif msg.kind is MsgKind.BYE:
+                return
             else:
                 raise WireError(f"unexpected {msg.kind.name} on an open connection")
             ack = ControlMsg(MsgKind.ACK, seq=msg.seq, req_id=msg.req_id,

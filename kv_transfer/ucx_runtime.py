@@ -4,7 +4,8 @@ ucxx keeps one process-wide context whose progress and Python futures are bound 
 event loop that created it, so this process gets exactly one loop thread, shared by all
 `UcxTransport` instances in it (created on first use; the first config's UCX options
 win). The engine's thread only ever hands coroutines or callbacks to this loop. UCX is kept
-to the network interface that holds the configured host (kv_transfer/netdev.py).
+to the network interface that holds the configured host, and to the configured TCP port when
+there is one (kv_transfer/netdev.py).
 
 Also owns the small helpers that put control messages and raw buffers on an endpoint.
 
@@ -27,7 +28,7 @@ import numpy as np
 import torch
 
 from .config import KVTransferConfig
-from .netdev import net_devices
+from .netdev import net_devices, tcp_port
 from .wire import ControlMsg
 
 logger = logging.getLogger(__name__)
@@ -47,6 +48,7 @@ class UcxRuntime:
             return cls._instance
 
     def __init__(self, config: KVTransferConfig) -> None:
+        self.port = config.port  # UCX's TCP port, when pinned (0: the OS's pick, not known here)
         self.loop = asyncio.new_event_loop()
         self._thread = threading.Thread(target=self._run, name="pdserve-kv-ucx", daemon=True)
         self._thread.start()
@@ -63,6 +65,7 @@ class UcxRuntime:
 
         options = {"TLS": config.ucx_tls} if config.ucx_tls else {}
         options.update(net_devices(config.host, os.environ))
+        options.update(tcp_port(config.port))
         try:
             # Python futures: awaiting a request parks the coroutine instead of
             # spinning on asyncio.sleep(0), which would steal the GIL from the engine.
@@ -102,6 +105,25 @@ async def recv_ctrl(ep: Any, buf: np.ndarray) -> ControlMsg:
     """Receive one control message into `buf` (sized max_control_bytes) and decode it."""
     await ep.recv(buf)
     return ControlMsg.decode(buf.data)
+
+
+class TaggedEndpoint:
+    """One side of a connection made from worker addresses: an endpoint to the peer's worker
+    that sends on `send_tag` and receives on `recv_tag` (UCX keeps each tag's messages in
+    order). Receives are matched on the worker but tied to the endpoint, so a peer's failure
+    seen by the endpoint cancels them."""
+
+    def __init__(self, ep: Any, send_tag: int, recv_tag: int) -> None:
+        self.ep, self.send_tag, self.recv_tag = ep, send_tag, recv_tag
+
+    async def send(self, buf: np.ndarray) -> None:
+        await self.ep.send(buf, tag=self.send_tag, force_tag=True)
+
+    async def recv(self, buf: np.ndarray) -> None:
+        await self.ep.recv(buf, tag=self.recv_tag, force_tag=True)
+
+    def abort(self, period: int, max_attempts: int) -> None:
+        self.ep.abort(period=period, max_attempts=max_attempts)
 
 
 def abort_endpoint(ep: Any, timeout_s: float) -> None:

@@ -26,7 +26,7 @@ from dataclasses import dataclass
 import numpy as np
 
 MAGIC = b"PDKV"
-WIRE_VERSION = 2  # 2: SEAL
+WIRE_VERSION = 3  # 2: SEAL; 3: connections from worker addresses (HELLO's tags, BYE)
 HEADER = struct.Struct("<4sHHQQQIIIIIIII")
 
 STATUS_OK = 0
@@ -38,12 +38,13 @@ class WireError(ValueError):
 
 
 class MsgKind(enum.IntEnum):
-    HELLO = 1        # connector -> listener: spec, num_blocks, worker address
-    HELLO_REPLY = 2  # listener -> connector: accepted / refused (+ its spec)
+    HELLO = 1        # connector -> receiver: spec, num_blocks, worker address, tags
+    HELLO_REPLY = 2  # receiver -> connector: accepted / refused (+ its spec)
     DATA = 3         # sender -> receiver: a push; the staging bytes follow
     DONE = 4         # sender -> receiver: request complete, opaque payload
     ACK = 5          # receiver -> sender: seq placed (or failed, with error text)
     SEAL = 6         # sender -> receiver: the digests of push seq's data messages
+    BYE = 7          # sender -> receiver: closing (a worker-address connection has no close of its own)
 
 
 @dataclass(slots=True)

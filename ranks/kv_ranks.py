@@ -70,8 +70,8 @@ class NodeKVDescriptor:
 
     @property
     def key(self) -> str:
-        """The node's name among peers: its rank 0's address."""
-        return f"{self.ranks[0].address}:{self.ranks[0].port}"
+        """The node's name among peers: its rank 0's (KVDescriptor.name)."""
+        return self.ranks[0].name
 
     @property
     def layout_id(self) -> str:

@@ -151,7 +151,7 @@ class _RankTransfer:
         from pdserve.kv_transfer import make_transport
         from pdserve.ranks.kv_ranks import rank_cache_spec
 
-        # Its own listener on a port the OS picks: the node's --kv-port is rank 0's.
+        # Its own port, a free one: the node's --kv-port is rank 0's.
         transport = make_transport(replace(spec.transfer, port=0))
         transport.register(forward.k_caches, forward.v_caches, rank_cache_spec(spec.engine, loaded))
         events.transport = transport

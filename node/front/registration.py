@@ -7,7 +7,9 @@ the node's `NodeStats`: the latest snapshot the engine core pushed, never a fres
 so a core busy in a multi-second step cannot make a live node miss its heartbeats (a
 dead core is the front's to notice: it shuts the node down). The node registers once
 the core has sent its first snapshot. A heartbeat answered `known=false` (the router restarted or
-timed the node out) makes the node register again. While the router is unreachable the
+timed the node out) makes the node register again, and only that: a heartbeat that fails
+(a slow router, a lost connection) does not, since the router replaces the entry of a node
+that registers again and ends the streams it had on it. While the router is unreachable the
 task keeps retrying quietly (debug logs, one info line per outage). A router that refuses
 the node's fingerprint (FAILED_PRECONDITION: e.g. another block size than the router's) would
 refuse it again on every retry, so the task ends with `RegistrationRefused`, whose one line
@@ -96,7 +98,9 @@ class _Registration:
             raise
 
     def failed(self, exc: Exception) -> None:
-        self.registered = False
+        # Still registered: a heartbeat lost to a slow router or network says nothing of
+        # whether the router forgot us (the next answered one does: `known`). Registering
+        # again would replace the router's entry and end every stream it runs here.
         if self.reachable:
             logger.info("router %s unreachable; retrying quietly (%s)", self.config.router, _short(exc))
         else:

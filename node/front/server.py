@@ -16,9 +16,8 @@ the core died or failed to start. A refusal
 (`Refused`: the core cannot serve the model folder, or the router refused the node's
 fingerprint) stops the node the same way, then prints its one line and exits with its code.
 
-Must never: bind anything but the configured host (127.0.0.1 by default; the one exception is
-ucxx's KV connection listener, which binds every interface), or exit leaving the core process
-running.
+Must never: bind anything but the configured hosts (--host, and --kv-host for the KV
+transport: 127.0.0.1 by default), or exit leaving the core process running.
 """
 
 from __future__ import annotations
@@ -169,13 +168,12 @@ async def serve_node(config: NodeConfig, part: CorePart, services: dict[str, Ser
 
 
 def _listens(config: NodeConfig, part: CorePart) -> list[Listen]:
-    """The node's ports, named by their flags. The KV connection listener (ucxx) binds every
-    interface (its API takes no bind address: kv_transfer/netdev.py), so its port is probed there."""
+    """The node's ports, named by their flags, each on the address it binds."""
     listens = [Listen("--port", config.host, config.port)]
     if config.metrics_port is not None:
         listens.append(Listen("--metrics-port", config.host, config.metrics_port))
     if part.uses_kv_transport:
-        listens.append(Listen("--kv-port", "0.0.0.0", config.transfer.port))
+        listens.append(Listen("--kv-port", config.transfer.host, config.transfer.port))
     return listens
 
 

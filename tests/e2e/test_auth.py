@@ -201,7 +201,7 @@ def test_a_kv_peer_without_the_token_is_refused(sender_token):
         _, s_out, _ = kv.start(token_sender_main, spec_kwargs("bfloat16", block_size=32),
                                {"auth_token": sender_token}, desc)
         remote = KVDescriptor.from_bytes(desc)
-        assert expect(s_out, "refused") == (f"KVTransferError: peer {remote.address}:{remote.port} refused the "
+        assert expect(s_out, "refused") == (f"KVTransferError: peer {remote.name} refused the "
                                             "connection: authentication failed: missing or wrong auth token")
         r_cmd.put(("report", 0.0))
         report = expect(r_out, "report")

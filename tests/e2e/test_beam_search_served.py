@@ -22,30 +22,11 @@ from transformers import AutoTokenizer
 
 from pdserve.engine.beam_search import BeamSearchParams
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
-from tests.e2e.cluster import NodeSettings, running_cluster
+from tests.e2e.cluster import NodeSettings
+from tests.e2e.pair_clusters import cluster, model_dir, no_blocks_left  # noqa: F401  (fixtures)
 from tests.integration.reference import greedy_references, transformers_beams
 
 PROMPTS = [[5, 17, 99, 3, 44, 8, 21, 7, 60, 13, 2], list(range(1, 20))]
-
-
-@pytest.fixture(scope="module")
-def model_dir(tiny_model) -> str:
-    return str(tiny_model)
-
-
-@pytest.fixture(scope="module", params=["colocated", "1p1d"])
-def cluster(request, model_dir):
-    pools = (0, 0, 1) if request.param == "colocated" else (1, 1, 0)
-    with running_cluster(model_dir, pools[0], pools[1], NodeSettings(), num_colocated=pools[2]) as running:
-        yield running
-
-
-@pytest.fixture(autouse=True)
-def no_blocks_left(request):
-    yield
-    if "cluster" in request.fixturenames:
-        held = request.getfixturevalue("cluster").wait_all_blocks_free(timeout_s=30)
-        assert {(s.used_blocks, s.reserved_blocks, s.num_running, s.num_waiting) for s in held} == {(0, 0, 0, 0)}
 
 
 def beam_request(prompt: list[int], params: BeamSearchParams) -> pdserve_pb2.GenerateRequest:

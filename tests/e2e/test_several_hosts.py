@@ -4,9 +4,9 @@ a prefill node on another, two decode nodes on the third.
 
 - Float32 greedy tokens equal transformers', and the KV crossed hosts over UCX: the prefill
   node counts the transfers and bytes it sent, the decode nodes what they received.
-- Every listener binds the address its host was given (gRPC, metrics, UCX's TCP listeners),
-  but one per KV transport: ucxx's connection listener, which takes no bind address and binds
-  every interface (README, "Several machines").
+- Every listener binds the address its host was given, and nothing else: gRPC, metrics, and
+  each KV transport's one socket, UCX's TCP listener (peers connect to UCX worker addresses:
+  no connection listener).
 - A decode node killed mid-stream (SIGKILL to its process group, a machine gone): the stream
   resumes on the other decode node, exactly, counted in `pdserve_resumes_total`.
 
@@ -137,14 +137,14 @@ def test_exact_tokens_with_the_kv_crossing_hosts_over_ucx(hosts, tiny_llama):
     assert sum(r.bytes for r in received) == sent.bytes and sum(r.blocks for r in received) == sent.blocks
 
 
-def test_every_listener_binds_its_hosts_address_but_the_ucx_connection_listener(hosts):
-    for host, kv_transports in (("router", 0), ("prefill", 1), ("decode", 2)):
+def test_every_listener_binds_its_hosts_address_the_kv_ones_included(hosts):
+    node_ports = {ROUTER_PORT, METRICS_PORT, PREFILL_PORT, *DECODE_PORTS}
+    for host, kv_transports in (("prefill", 1), ("decode", 2), ("router", 0)):
         listeners = hosts.listeners(host)
-        addresses = [_address(listener) for listener in listeners]
-        ours = [a for a in addresses if a == hosts.addresses[host]]
-        wildcard = [a for a in addresses if a in ("0.0.0.0", "*", "::")]
-        assert len(ours) + len(wildcard) == len(listeners), f"{host}: {listeners}"
-        assert len(wildcard) == kv_transports, f"{host}: {listeners}"
+        assert {_address(listener) for listener in listeners} == {hosts.addresses[host]}, f"{host}: {listeners}"
+        if host != "router":  # a node listens on its --port and its KV transport's (UCX's TCP) port
+            kv = [listener for listener in listeners if int(listener.rsplit(":", 1)[1]) not in node_ports]
+            assert len(kv) == kv_transports, f"{host}: {listeners}"
 
 
 def _address(listener: str) -> str:

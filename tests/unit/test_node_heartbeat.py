@@ -9,6 +9,7 @@ register at all; a heartbeat answered `known=false` makes it register again.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 
 import grpc
 
@@ -40,6 +41,7 @@ class FakeRegistry(node_pb2_grpc.RegistryServicer):
         self.registrations: list[node_pb2.RegisterRequest] = []
         self.heartbeats: list[node_pb2.HeartbeatRequest] = []
         self.forget_next = False
+        self.fail_next: grpc.StatusCode | None = None
 
     async def Register(self, request, context):
         self.registrations.append(request)
@@ -47,8 +49,28 @@ class FakeRegistry(node_pb2_grpc.RegistryServicer):
 
     async def Heartbeat(self, request, context):
         self.heartbeats.append(request)
+        if self.fail_next is not None:
+            code, self.fail_next = self.fail_next, None
+            await context.abort(code, "a slow router")
         known, self.forget_next = not self.forget_next, False
         return node_pb2.HeartbeatResponse(known=known)
+
+
+@contextlib.asynccontextmanager
+async def registering(registry: FakeRegistry, node_id: str, address: str, latest_stats):
+    """`registry` served on a free port, and a node's registration loop running against it."""
+    server = grpc.aio.server()
+    node_pb2_grpc.add_RegistryServicer_to_server(registry, server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    config = NodeConfig(EngineConfig("/m"), router=f"127.0.0.1:{port}", node_id=node_id, heartbeat_interval_s=0.02)
+    task = asyncio.create_task(run_registration(config, address, latest_stats, FINGERPRINT))
+    try:
+        yield
+    finally:
+        task.cancel()
+        await asyncio.gather(task, return_exceptions=True)
+        await server.stop(0)
 
 
 def test_heartbeats_carry_the_latest_snapshot_and_wait_for_the_first_one():
@@ -56,19 +78,13 @@ def test_heartbeats_carry_the_latest_snapshot_and_wait_for_the_first_one():
     latest: list[StatsData | None] = [None]
 
     async def scenario():
-        server = grpc.aio.server()
-        node_pb2_grpc.add_RegistryServicer_to_server(registry, server)
-        port = server.add_insecure_port("127.0.0.1:0")
-        await server.start()
-        config = NodeConfig(EngineConfig("/m"), router=f"127.0.0.1:{port}", node_id="p0", heartbeat_interval_s=0.02)
         asked = [0]
 
         def latest_snapshot() -> StatsData | None:
             asked[0] += 1
             return latest[0]
 
-        task = asyncio.create_task(run_registration(config, "127.0.0.1:7000", latest_snapshot, FINGERPRINT))
-        try:
+        async with registering(registry, "p0", "127.0.0.1:7000", latest_snapshot):
             await until(lambda: asked[0] >= 3)  # it looked for a snapshot three times, found none
             before_first = (len(registry.registrations), len(registry.heartbeats))
             latest[0] = snapshot(3)
@@ -78,10 +94,6 @@ def test_heartbeats_carry_the_latest_snapshot_and_wait_for_the_first_one():
             registry.forget_next = True
             await until(lambda: len(registry.registrations) == 2)
             return before_first
-        finally:
-            task.cancel()
-            await asyncio.gather(task, return_exceptions=True)
-            await server.stop(0)
 
     before_first = run(scenario())
     assert before_first == (0, 0)
@@ -92,3 +104,22 @@ def test_heartbeats_carry_the_latest_snapshot_and_wait_for_the_first_one():
     assert beat.node_id == "p0"
     assert (beat.stats.used_blocks, beat.stats.reserved_blocks, beat.stats.queued_prefill_tokens) == (3, 1, 40)
     assert beat.stats.kv_transfer.bytes == 10
+
+
+def test_a_failed_heartbeat_does_not_register_the_node_again():
+    """Registering again would end the router's streams on this node: only `known=false` does."""
+    registry = FakeRegistry()
+
+    async def scenario() -> int:
+        async with registering(registry, "d0", "127.0.0.1:7001", lambda: snapshot(1)):
+            await until(lambda: len(registry.heartbeats) >= 2)
+            registry.fail_next = grpc.StatusCode.DEADLINE_EXCEEDED
+            failed_at = len(registry.heartbeats)
+            await until(lambda: len(registry.heartbeats) >= failed_at + 3)  # the failed one, two after it
+            registrations_after_failure = len(registry.registrations)
+            registry.forget_next = True  # what does make it register again
+            await until(lambda: len(registry.registrations) == 2)
+            return registrations_after_failure
+
+    assert run(scenario()) == 1
+    assert [r.node_id for r in registry.registrations] == ["d0", "d0"]
