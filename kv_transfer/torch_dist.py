@@ -12,10 +12,10 @@ Once accepted, both build the pair's groups under its own prefix of the store
 (kv_transfer/torch_pair.py: gloo for control and host caches, NCCL for CUDA caches on two GPUs).
 
 Bounds. Reaching a store waits at most store_timeout_s, the HELLO_REPLY and joining the pair's
-groups each at most rendezvous_timeout_s, so a peer that never comes (or dies between the steps) fails `connect`
-with a KVTransferError naming it and the step, which the node's transfer failure path handles
-like any other. The store is bound and listening before `register` returns, so its advertised
-port is there to dial. A connector that dies after its HELLO holds up nobody: the accept loop
+groups each at most rendezvous_timeout_s, so a peer that never comes (or dies between the steps)
+fails `connect` with a KVTransferError naming it and the step, which the node's transfer failure
+path handles like any other. The store serves a socket bound to --kv-host:--kv-port (only that
+address) and listening before `register` returns, so its advertised port is there to dial. A connector that dies after its HELLO holds up nobody: the accept loop
 answers it and the pair's join on this side fails after rendezvous_timeout_s, on its own thread.
 
 Integrity (kv_transfer/integrity.py): a receiver with `checksums` says so in its HELLO_REPLY;
@@ -37,6 +37,7 @@ import hmac
 import json
 import logging
 import secrets
+import socket
 import threading
 import time
 from collections.abc import Callable, Sequence
@@ -94,9 +95,7 @@ class TorchTransport(KVTransport):
             raise ValueError(f"TorchTransport moves caches on one device; got {sorted(map(str, devices))}")
         self._num_blocks = validate_caches(k_caches, v_caches, spec)
         self._k, self._v, self._spec, (self._device,) = list(k_caches), list(v_caches), spec, devices
-        # is_master: the server binds and listens before this returns (its own client connects to
-        # it), so the port the descriptor advertises is already being served.
-        self._store = self._dial(self.config.host, self.config.port, "this rank's own", is_master=True)
+        self._store = self._serve_store()
         accept_store = self._own_client()
         self._start(threading.Thread(target=self._accept_loop, args=(accept_store,), name="kv-accept", daemon=True))
         threading.Thread(target=self._watch, name="kv-watchdog", daemon=True).start()
@@ -106,14 +105,27 @@ class TorchTransport(KVTransport):
         """A client of this rank's store for one waiting thread (a client runs one call at a time)."""
         return self._dial(self.config.host, self._store.port, "this rank's own")
 
-    def _dial(self, host: str, port: int, whose: str, is_master: bool = False) -> dist.TCPStore:
-        """A store client (and its server when `is_master`), connected within store_timeout_s: the
-        store retries its connect until then, a bound long enough to outlast a dropped reverse DNS
-        query (see KVTransferConfig.store_timeout_s)."""
+    def _serve_store(self) -> dist.TCPStore:
+        """This rank's store, served on a socket this side bound to --kv-host:--kv-port and handed
+        over listening (the store's own bind would take every interface), so the port the
+        descriptor advertises is already served when it is read."""
+        host, port = self.config.host, self.config.port
+        try:
+            family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+            listener = socket.create_server((host, port), family=family)
+        except OSError as exc:
+            raise KVTransferError(f"cannot listen on {host}:{port} (--kv-host, --kv-port): {exc}") from exc
+        bound = listener.getsockname()[1]
+        return self._dial(host, bound, "this rank's own", listen_fd=listener.detach())  # the store owns it now
+
+    def _dial(self, host: str, port: int, whose: str, listen_fd: int | None = None) -> dist.TCPStore:
+        """A store client (and the store's server on `listen_fd`, when given), connected within
+        store_timeout_s: the store retries its connect until then, a bound long enough to outlast a
+        dropped reverse DNS query (see KVTransferConfig.store_timeout_s)."""
         timeout = self.config.store_timeout_s
         try:
-            return dist.TCPStore(host, port, is_master=is_master, wait_for_workers=False,
-                                 timeout=datetime.timedelta(seconds=timeout))
+            return dist.TCPStore(host, port, is_master=listen_fd is not None, wait_for_workers=False,
+                                 timeout=datetime.timedelta(seconds=timeout), master_listen_fd=listen_fd)
         except Exception as exc:
             raise KVTransferError(f"cannot reach {whose} KV store at {host}:{port} within {timeout:.0f}s "
                                   f"(store_timeout_s): {exc!r}") from exc

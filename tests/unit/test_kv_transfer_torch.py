@@ -215,3 +215,10 @@ def test_a_connector_gone_after_its_hello_holds_up_no_later_one(monkeypatch):
         gone.close()
         sender.close()
         receiver.close()
+
+
+def test_a_kv_port_in_use_is_refused_naming_the_flags(pair):
+    _, receiver, _, _ = pair
+    taken = receiver.descriptor().port
+    with pytest.raises(KVTransferError, match=rf"cannot listen on 127.0.0.1:{taken} \(--kv-host, --kv-port\)"):
+        transport(caches(8, 3), port=taken)
