@@ -2,9 +2,10 @@
 
 `EngineConfig` is a frozen value validated at construction. Its fields are the engine's
 flags on every node kind (common/config_flags.py derives them from the metadata here) and
-the keyword arguments of `LLM`. It never imports torch: a node's front builds it, and only
-the engine core, on the machine that computes, turns `dtype="auto"` into a real dtype
-(`resolved()`, engine/dtype_choice.py).
+the keyword arguments of `LLM`. It never imports torch, except to ask whether CUDA is there
+when `--device cuda` is given (engine/device.py): a node's front builds it, and only the
+engine core, on the machine that computes, turns `dtype="auto"` and an unset device into real
+ones (`resolved()`, engine/dtype_choice.py, engine/device.py).
 """
 
 from __future__ import annotations
@@ -17,6 +18,7 @@ MODEL_IMPLS = ("auto", "native", "transformers")
 ATTENTION_BACKENDS = ("fast", "reference")
 CHUNK_SCHEDULES = ("fixed", "staged", "target-step")
 PREEMPTION_MODES = ("auto", "swap", "recompute")  # engine/preemption.py
+DEVICES = ("cpu", "cuda")  # engine/device.py
 # Both pools of a cluster and the router must agree on it (KV layout, prefix hashing).
 DEFAULT_BLOCK_SIZE = 16
 # The KV cache's memory when nothing sizes it (--num-blocks, --kv-cache-bytes, --kv-cache-memory-fraction).
@@ -29,6 +31,10 @@ class EngineConfig:
     dtype: str = field(default=AUTO_DTYPE, metadata={
         "choices": DTYPE_NAMES,
         "help": "auto: bfloat16 where the machine computes it natively (CUDA, AMX, AVX512_BF16), else float32"})
+    device: str | None = field(default=None, metadata={
+        "choices": DEVICES,
+        "help": "where the model, the KV cache and every step's tensors live (default: cuda when torch sees a "
+                "CUDA device and the other flags can run there, else cpu)"})
     model_impl: str = field(default="auto", metadata={
         "choices": MODEL_IMPLS,
         "help": "auto: the native forward for llama/mistral/qwen2/qwen3, transformers otherwise"})
@@ -87,6 +93,7 @@ class EngineConfig:
 
     def __post_init__(self) -> None:
         _require(self.dtype in DTYPE_NAMES, "dtype", f"must be one of {DTYPE_NAMES}, got {self.dtype!r}")
+        self._check_device()
         _require(self.model_impl in MODEL_IMPLS, "model_impl", f"must be one of {MODEL_IMPLS}, got {self.model_impl!r}")
         _require(self.block_size >= 1, "block_size", f"must be >= 1, got {self.block_size}")
         _require(self.num_blocks is None or self.num_blocks >= 1, "num_blocks", f"must be >= 1, got {self.num_blocks}")
@@ -131,6 +138,16 @@ class EngineConfig:
         """Does the engine measure memory to size its KV cache (no explicit count given)?"""
         return self.kv_cache_memory_fraction is not None and self.num_blocks is None and self.kv_cache_bytes is None
 
+    def _check_device(self) -> None:
+        _require(self.device is None or self.device in DEVICES, "device",
+                 f"must be one of {DEVICES}, got {self.device!r}")
+        if self.device != "cuda":
+            return
+        from pdserve.engine.device import cuda_refusal  # torch: only when CUDA is asked for
+
+        reason = cuda_refusal(self)
+        _require(reason is None, "device", f"cuda (--device cuda) {reason}")
+
     def _check_memory_fraction(self) -> None:
         fraction = self.kv_cache_memory_fraction
         _require(fraction is None or 0 < fraction <= 1, "kv_cache_memory_fraction", f"must be in (0, 1], got {fraction}")
@@ -154,12 +171,23 @@ class EngineConfig:
                  f"({self.max_num_batched_tokens})], got {high}")
 
     def resolved(self) -> EngineConfig:
-        """This config with `dtype="auto"` replaced by this machine's choice (logged once)."""
-        if self.dtype != AUTO_DTYPE:
+        """This config with `dtype="auto"` and an unset device replaced by this machine's choice
+        (logged once)."""
+        if self.dtype != AUTO_DTYPE and self.device is not None:
             return self
-        from pdserve.engine.dtype_choice import resolve_dtype  # torch: only where the engine runs
+        from pdserve.engine.device import default_device  # torch: only where the engine runs
+        from pdserve.engine.dtype_choice import resolve_dtype
 
-        return replace(self, dtype=resolve_dtype(self.dtype))
+        device = self.device or default_device(self)
+        return replace(self, device=device, dtype=resolve_dtype(self.dtype, device))
+
+    @property
+    def torch_device(self):
+        """The torch device of a resolved config: every tensor the engine makes lives there."""
+        import torch
+
+        _require(self.device is not None, "device", "is still unset: call resolved() first")
+        return torch.device(self.device)
 
     @property
     def torch_dtype(self):

@@ -31,19 +31,19 @@ class DtypeChoice:
     reason: str  # the evidence, for the log and the bench report
 
 
-def resolve_dtype(name: str) -> str:
-    """The concrete dtype name for `name` ("auto" resolved for this machine, others as given)."""
+def resolve_dtype(name: str, device: str = "cpu") -> str:
+    """The concrete dtype name for `name` ("auto" resolved for this machine's `device`, others as given)."""
     if name not in DTYPE_NAMES:
         raise ValueError(f"dtype must be one of {DTYPE_NAMES}, got {name!r}")
     if name != AUTO_DTYPE:
         return name
-    choice = auto_dtype()
+    choice = auto_dtype(device)
     log.info("dtype auto -> %s (%s)", choice.dtype, choice.reason)
     return choice.dtype
 
 
-def auto_dtype() -> DtypeChoice:
-    if torch.cuda.is_available():
+def auto_dtype(device: str = "cpu") -> DtypeChoice:
+    if device == "cuda":
         return DtypeChoice("bfloat16", f"CUDA device {torch.cuda.get_device_name()}")
     capability = torch.backends.cpu.get_cpu_capability()
     native = sorted(set(NATIVE_BF16_FLAGS) & cpu_flags())

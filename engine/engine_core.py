@@ -114,7 +114,10 @@ class EngineCore:
         if config.num_threads is not None:
             torch.set_num_threads(config.num_threads)
         self.config = config
-        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.model_impl)
+        self.loaded = loaded or load_model(config.model, config.torch_dtype, config.model_impl,
+                                           device=config.torch_device)
+        if self.loaded.device != config.torch_device:
+            raise ValueError(f"device {config.device}: the model given was loaded on {self.loaded.device}")
         self.max_model_len = min(config.max_model_len or self.loaded.max_model_len, self.loaded.max_model_len)
         num_blocks = num_kv_blocks(config, self.loaded, self.max_model_len)
         logger.info("KV cache: %d blocks of %d tokens (%d MiB); %.2f requests of the model's %d tokens at once",

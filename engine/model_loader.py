@@ -49,6 +49,7 @@ class LoadedModel:
     vocab_size: int  # rows of the lm_head (may exceed the tokenizer's vocab)
     max_model_len: int
     shard: TPShard = TPShard()  # which rank of the node's tensor-parallel group this copy is
+    device: torch.device = torch.device("cpu")  # where the weights are; the caches and step tensors follow
     kv_heads: tuple[int, int] | None = None  # the global KV heads this rank caches; None: all
 
     @property
@@ -62,19 +63,20 @@ class LoadedModel:
 
 
 def load_model(model_dir: str | os.PathLike, dtype: torch.dtype | str, impl: str = "auto",
-               shard: TPShard = TPShard()) -> LoadedModel:
-    """Load weights, tokenizer and config with the chosen implementation (see choose_impl); on a
-    tensor-parallel rank (`shard`), only that rank's slice of the weights and KV heads."""
+               shard: TPShard = TPShard(), device: torch.device | str = "cpu") -> LoadedModel:
+    """Load weights, tokenizer and config with the chosen implementation (see choose_impl), the
+    weights on `device`; on a tensor-parallel rank (`shard`), only that rank's slice of the
+    weights and KV heads."""
     folder = open_model_folder(model_dir)
     path, config, tokenizer = folder.path, folder.config, folder.tokenizer
     impl = choose_impl(path, config, impl)
     text = config.get_text_config()
     _check_split(text, impl, shard)
-    torch_dtype = _as_dtype(dtype)
+    torch_dtype, device = _as_dtype(dtype), torch.device(device)
     if impl == "native":
-        model = load_native_llama(path, config, torch_dtype, shard)
+        model = load_native_llama(path, config, torch_dtype, shard, device)
     else:
-        model = TransformersCausalLM(_load_transformers(path, torch_dtype, shard))
+        model = TransformersCausalLM(_load_transformers(path, torch_dtype, shard).to(device))
     model.eval().requires_grad_(False)
     return LoadedModel(
         model=model,
@@ -88,6 +90,7 @@ def load_model(model_dir: str | os.PathLike, dtype: torch.dtype | str, impl: str
         vocab_size=text.vocab_size,
         max_model_len=text.max_position_embeddings,
         shard=shard,
+        device=device,
         kv_heads=shard.kv_heads(num_kv_heads(text)),
     )
 

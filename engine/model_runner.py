@@ -1,12 +1,15 @@
 """Runs one scheduled step on the model: pack the batch, forward, sample.
 
-Owns the KV cache tensors, and the host swap space's tensors beside them (the same per-block
-layout), and makes a step's block copies (engine/block_copies.py: copy-on-write and swaps, one
+Owns the KV cache tensors, on the model's device (engine/device.py), and the host swap space's
+tensors beside them (the same per-block layout, on the host), and makes a step's block copies (engine/block_copies.py: copy-on-write and swaps, one
 ordered list) before the forward. Packs every scheduled request into one flat batch
 (decodes first, then prefill chunks), computes positions and cache slots, runs the
 transformers model with the engine's paged attention, takes logits only for the rows
 that are sampled — and, for requests that ask for prompt logprobs, the prompt rows their
-chunk scores (engine/prompt_logprobs.py) — and samples them. It never decides what runs;
+chunk scores (engine/prompt_logprobs.py) — and samples them. A step's tensors are packed on the
+host from the scheduler's lists and copied to the device once each (`_pack`); the only copy
+back is the sampler's, of the sampled token ids (engine/sampler.py, `Sampler.__call__`), and of
+the logprobs a request asked for. It never decides what runs;
 the scheduler does, and never changes a request: the engine core records what a step made.
 """
 
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from pdserve.engine.attention import ForwardContext
+from pdserve.engine.device import to_device
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.model_loader import LoadedModel
 from pdserve.engine.block_copies import BlockCopy, CopyKind, runs
@@ -100,14 +104,14 @@ class RankForward:
                  backend: str, num_swap_blocks: int = 0) -> None:
         self.loaded = loaded
         shape = (num_blocks, loaded.num_local_kv_heads, block_size, loaded.head_dim)
-        self.k_caches = [zeroed_cache(shape, dtype) for _ in range(loaded.num_layers)]
-        self.v_caches = [zeroed_cache(shape, dtype) for _ in range(loaded.num_layers)]
+        self.k_caches = [zeroed_cache(shape, dtype, loaded.device) for _ in range(loaded.num_layers)]
+        self.v_caches = [zeroed_cache(shape, dtype, loaded.device) for _ in range(loaded.num_layers)]
         # The swap space: host memory (pinned, were the caches on a GPU); pages mapped as blocks fill.
         swap_shape = (num_swap_blocks, *shape[1:])
         self.k_swap = [zeroed_cache(swap_shape, dtype) for _ in range(loaded.num_layers)] if num_swap_blocks else []
         self.v_swap = [zeroed_cache(swap_shape, dtype) for _ in range(loaded.num_layers)] if num_swap_blocks else []
         self.backend = BACKENDS[backend]
-        if backend == "fast":
+        if backend == "fast" and loaded.device.type == "cpu":
             # Build the C++ kernels now (once per machine, up to a minute) rather than
             # inside the first step, where a node's core would stop answering meanwhile.
             cpu_ext.ops()
@@ -133,6 +137,7 @@ class ModelRunner:
         self.loaded = loaded
         self.kv = kv
         self.block_size = kv.block_size
+        self.device = loaded.device  # every step tensor is copied here once (`_pack`)
         self.forward = RankForward(loaded, num_blocks, self.block_size, dtype, backend, num_swap_blocks)
         self.k_caches, self.v_caches = self.forward.k_caches, self.forward.v_caches
         self.fanout = fanout  # the node's other tensor-parallel ranks run every step with this one
@@ -162,7 +167,7 @@ class ModelRunner:
         rows, sources = _sampling_rows(batch.sampled)
         sampled_logits = logits[:num_sampled]  # [num_sampled, vocab]
         if len(rows) > num_sampled:  # forked samples draw from their parent's row
-            sampled_logits = sampled_logits[torch.tensor(sources)]  # [len(rows), vocab]
+            sampled_logits = sampled_logits[torch.tensor(sources, device=self.device)]  # [len(rows), vocab]
         result = self.sampler(sampled_logits, rows)
         return StepResult(_sampled_tokens(batch.sampled, result.token_ids, result.logprobs), scores,
                           logits[:num_sampled])
@@ -190,21 +195,24 @@ class ModelRunner:
 
         sampled_pos = [i for i, s in enumerate(seqs) if s.samples]
         scored, scored_rows = _prompt_rows(seqs, starts, query_start_loc)
+        logits_indices = _logits_indices(query_start_loc[1:][sampled_pos].long() - 1, scored_rows)
+        # Built on the host above (small integer arithmetic on the scheduler's lists); one copy each here.
+        device = self.device
         metadata = AttentionMetadata(
-            slot_mapping=slot_mapping,
-            query_start_loc=query_start_loc,
-            seq_lens=torch.tensor(seq_lens, dtype=torch.int32),
-            block_tables=block_tables,
+            slot_mapping=to_device(slot_mapping, device),
+            query_start_loc=to_device(query_start_loc, device),
+            seq_lens=to_device(torch.tensor(seq_lens, dtype=torch.int32), device),
+            block_tables=to_device(block_tables, device),
             num_decodes=sum(1 for n in query_lens if n == 1),
             block_size=self.block_size,
             query_lens_cpu=query_lens,
             seq_lens_cpu=seq_lens,
         )
         return PackedBatch(
-            input_ids=torch.tensor(input_ids),
-            positions=positions,
+            input_ids=to_device(torch.tensor(input_ids), device),
+            positions=to_device(positions, device),
             metadata=metadata,
-            logits_indices=_logits_indices(query_start_loc[1:][sampled_pos].long() - 1, scored_rows),
+            logits_indices=to_device(logits_indices, device),
             sampled=[seqs[i] for i in sampled_pos],
             scored=scored,
         )
@@ -242,7 +250,7 @@ def _score_prompts(scored: list[ScoredRows], logits: torch.Tensor) -> list[Promp
     token_ids = [r.request.prompt_token_ids[p + 1] for r in scored for p in r.positions]
     num_tops = [r.request.params.prompt_logprobs for r in scored for _ in r.positions]
     assert logits.shape[0] == len(token_ids), f"{logits.shape[0]} scored rows for {len(token_ids)} prompt tokens"
-    logprobs = token_logprobs(log_softmax_rows(logits), torch.tensor(token_ids), num_tops)
+    logprobs = token_logprobs(log_softmax_rows(logits), torch.tensor(token_ids, device=logits.device), num_tops)
     out, begin = [], 0
     for r in scored:
         end = begin + len(r.positions)
@@ -251,10 +259,12 @@ def _score_prompts(scored: list[ScoredRows], logits: torch.Tensor) -> list[Promp
     return out
 
 
-def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype) -> torch.Tensor:
-    """A zero-filled cache tensor on anonymous memory pages: the OS maps each page on its first
-    write, so a large KV budget takes RAM as blocks fill rather than all at start (torch.zeros
-    would write every page now)."""
+def zeroed_cache(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device = torch.device("cpu")) -> torch.Tensor:
+    """A zero-filled cache tensor. On the host, on anonymous memory pages: the OS maps each page on
+    its first write, so a large KV budget takes RAM as blocks fill rather than all at start
+    (torch.zeros would write every page now). On a device, torch.zeros there."""
+    if device.type != "cpu":
+        return torch.zeros(shape, dtype=dtype, device=device)
     nbytes = math.prod(shape) * dtype.itemsize
     return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=dtype).view(shape)
 

@@ -70,6 +70,7 @@ class Sampler:
         raw_logprobs = _raw_logprobs(logits, logprob_rows)  # [len(logprob_rows), vocab]
         token_ids = _sample(self.process_logits(logits, rows), rows)  # [num_rows] int64
         logprobs = _gather_logprobs(raw_logprobs, logprob_rows, rows, token_ids)
+        # The step's one copy back to the host: the sampled ids the engine core records.
         return SamplerOutput(token_ids=token_ids.tolist(), logprobs=logprobs)
 
     def process_logits(self, logits: torch.Tensor, rows: Sequence[SamplingRow]) -> torch.Tensor:

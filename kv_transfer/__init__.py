@@ -1,7 +1,8 @@
 """KV-cache transfer between prefill and decode ranks.
 
 Owns the transport interface (`KVTransport`), its value types, the head-overlap plan and
-two implementations: `InProcessTransport` (unit tests) and `UcxTransport` (ucxx).
+three implementations: `InProcessTransport` (unit tests), `UcxTransport` (ucxx) and
+`TorchTransport` (torch.distributed: gloo or NCCL); `make_transport` picks the configured one.
 
 Every name below is imported on first use (PEP 562), so importing this package, or its
 torch-free `counters` module from a node's front, loads neither torch nor UCX.
@@ -21,6 +22,7 @@ if TYPE_CHECKING:
     from .config import KVTransferConfig
     from .counters import TransferStats
     from .inprocess import InProcessFabric, InProcessTransport
+    from .torch_dist import TorchTransport
     from .ucx import UcxTransport
 
 # name -> the module of this package that defines it
@@ -33,12 +35,14 @@ _HOMES = {
     "InProcessFabric": ".inprocess",
     "InProcessTransport": ".inprocess",
     "UcxTransport": ".ucx",
+    "TorchTransport": ".torch_dist",
 }
 
 __all__ = [
     "KV_LAYOUT_VERSION", "FingerprintMismatch", "HeadOverlap", "InProcessFabric", "InProcessTransport",
     "KVCacheSpec", "KVDescriptor", "KVTransferConfig", "KVTransferError", "KVTransport", "TransferHandle",
-    "TransferState", "TransferStats", "UcxTransport", "WritePermits", "plan_head_overlap",
+    "make_transport",
+    "TorchTransport", "TransferState", "TransferStats", "UcxTransport", "WritePermits", "plan_head_overlap",
 ]
 
 
@@ -47,3 +51,14 @@ def __getattr__(name: str) -> object:
     if home is None:
         raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
     return getattr(importlib.import_module(home, __name__), name)
+
+
+def make_transport(config: KVTransferConfig) -> KVTransport:
+    """The transport `config.transport` names (UCX starts in this process only when it is chosen)."""
+    if config.transport == "torch":
+        from .torch_dist import TorchTransport
+
+        return TorchTransport(config)
+    from .ucx import UcxTransport
+
+    return UcxTransport(config)

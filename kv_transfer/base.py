@@ -59,6 +59,8 @@ class FingerprintMismatch(KVTransferError):
         prefix = f"{context}: " if context else ""
         # "auto" resolves per machine: nodes on CPUs with and without native bf16 differ.
         hint = "; set the same --dtype (float32 or bfloat16) on every node" if "dtype" in self.diffs else ""
+        if "transport" in self.diffs:
+            hint += "; set the same --kv-transport (ucx or torch) on every prefill and decode node"
         super().__init__(f"{prefix}KV cache fingerprint mismatch ({'; '.join(parts)}){hint}")
 
 

@@ -10,11 +10,20 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 
 PROGRESS_MODES = ("thread", "thread-polling", "blocking", "polling")
+TRANSPORTS = ("ucx", "torch")  # kv_transfer/ucx.py, kv_transfer/torch_dist.py
 
 
 @dataclass(frozen=True)
 class KVTransferConfig:
     """Knobs shared by every transport; unused fields are ignored by the in-process one."""
+
+    # Which transport moves the KV: UCX (host caches) or torch.distributed (gloo for host caches,
+    # NCCL for CUDA ones). Prefill and decode nodes must agree: a decode node's layout names its
+    # transport, and a prefill node on the other one is refused, naming it.
+    transport: str = field(default="ucx", metadata={
+        "choices": TRANSPORTS,
+        "help": "ucx: UCX (host caches); torch: a torch.distributed process group per prefill/decode rank "
+                "pair (gloo for host caches, NCCL for CUDA caches); every prefill and decode node the same"})
 
     # Address advertised to peers in the descriptor; UCX is kept to the interface that holds
     # it (netdev.py), the only one it listens on.
@@ -26,6 +35,16 @@ class KVTransferConfig:
     init_timeout_s: float = 30.0
     # Establishing the UCX endpoint (ucxx's peer-info exchange).
     connect_timeout_s: float = 5.0
+    # torch transport: reaching a TCPStore (this rank's own, or a peer's). Longer than
+    # connect_timeout_s because torch's store looks up the peer's name (a reverse DNS query,
+    # getnameinfo) on every new connection, on both ends, and a resolver that drops the query
+    # stalls it by its own timeout (glibc: 5 s): measured on the dev host, about one store
+    # connection in 30 took 5 s.
+    store_timeout_s: float = 30.0
+    # torch transport: a peer's HELLO_REPLY, and both ranks joining a pair's groups (gloo's and
+    # NCCL's own timeout). As long, because a store's one event loop stalls for as long on another
+    # client's connect. A peer not there by then fails the connect (KVTransferError), never hangs it.
+    rendezvous_timeout_s: float = 30.0
     # HELLO -> HELLO_REPLY round trip (fingerprint check) on first contact.
     handshake_timeout_s: float = 5.0
     # From push()/send_done() to the receiver's ack; past it the handle is FAILED and the
@@ -35,6 +54,8 @@ class KVTransferConfig:
     close_timeout_s: float = 2.0
     # How often the watchdog looks for overdue transfers.
     watchdog_interval_s: float = 0.05
+    # torch transport: how often the listener looks for a new peer's handshake on its store.
+    accept_poll_s: float = 0.05
     # Largest control message (header + req_id + block ids + done payload).
     max_control_bytes: int = 1 << 20
     # Move KV bytes on a second UCX endpoint built from the peer's worker address without
@@ -74,8 +95,10 @@ class KVTransferConfig:
             raise ValueError("KVTransferConfig.host must be a non-empty address")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"KVTransferConfig.port out of range: {self.port}")
-        for name in ("init_timeout_s", "connect_timeout_s", "handshake_timeout_s",
-                     "transfer_timeout_s", "close_timeout_s", "watchdog_interval_s"):
+        if self.transport not in TRANSPORTS:
+            raise ValueError(f"transport must be one of {TRANSPORTS}, got {self.transport!r}")
+        for name in ("accept_poll_s", "init_timeout_s", "connect_timeout_s", "store_timeout_s", "rendezvous_timeout_s",
+                     "handshake_timeout_s", "transfer_timeout_s", "close_timeout_s", "watchdog_interval_s"):
             if getattr(self, name) <= 0:
                 raise ValueError(f"KVTransferConfig.{name} must be > 0")
         if self.chunk_bytes <= 0:
@@ -87,3 +110,9 @@ class KVTransferConfig:
         if self.progress_mode not in PROGRESS_MODES:
             raise ValueError(f"unknown progress_mode {self.progress_mode!r}; "
                              f"expected one of {PROGRESS_MODES}")
+
+    def connect_budget_s(self) -> float:
+        """The longest a `connect` on this transport may take before it fails."""
+        if self.transport == "torch":  # the store, the handshake, then the pair's groups
+            return self.store_timeout_s + 2 * self.rendezvous_timeout_s + self.close_timeout_s
+        return self.connect_timeout_s + self.handshake_timeout_s + self.close_timeout_s

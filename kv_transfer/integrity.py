@@ -18,7 +18,10 @@ Must never: loop over elements in Python, or let a fault drill run unless asked.
 
 from __future__ import annotations
 
+import threading
+
 import numpy as np
+import torch
 import xxhash
 
 # Delivered by a receiver in place of a request's done message once a push of that request
@@ -30,6 +33,12 @@ INTEGRITY_REFUSAL = b"pdkv:refused:kv-checksum-mismatch"
 def digest(data: np.ndarray) -> int:
     """xxh3-64 of a contiguous byte buffer (no copy)."""
     return xxhash.xxh3_64_intdigest(data)
+
+
+def digest_tensor(data: torch.Tensor) -> int:
+    """xxh3-64 of a flat uint8 tensor on any device: in place on the host, through a host copy
+    off a GPU (the digest runs on the CPU)."""
+    return digest(data.cpu().numpy())
 
 
 def encode_digests(digests: list[int]) -> bytes:
@@ -56,6 +65,11 @@ class Sealer:
     def seal(self, chunk: np.ndarray) -> int:
         return digest(chunk)
 
+    def seal_push(self, data: torch.Tensor) -> int:
+        """A whole push in one data message (the torch transport's staging bytes, a flat uint8
+        tensor on any device): begun and sealed in one step, safe from several sender threads."""
+        return digest_tensor(data)
+
 
 class CorruptingSealer(Sealer):
     """Fault drill (`--debug-corrupt-kv-push N`): the Nth push this transport sends has one
@@ -67,6 +81,7 @@ class CorruptingSealer(Sealer):
         if nth_push < 1:
             raise ValueError(f"the push to corrupt is counted from 1, got {nth_push}")
         self._nth = nth_push
+        self._lock = threading.Lock()
         self._pushes = 0
         self._armed = False
 
@@ -79,6 +94,15 @@ class CorruptingSealer(Sealer):
         if self._armed and chunk.size:
             chunk[0] ^= 0xFF
             self._armed = False
+        return value
+
+    def seal_push(self, data: torch.Tensor) -> int:
+        with self._lock:  # one count of pushes across every connection's sender thread
+            self.start_push()
+            armed, self._armed = self._armed, False
+        value = digest_tensor(data)
+        if armed and data.numel():
+            data[0] ^= 0xFF  # on the tensor's own device: what leaves is what is flipped
         return value
 
 

@@ -117,6 +117,37 @@ def make_plan(req_id: str, src_block_ids: Sequence[int], dst_block_ids: Sequence
         overlap=resolve_overlap(local.local_heads, remote.local_heads, head_range))
 
 
+def check_incoming(block_ids: Sequence[int], layers: Sequence[int], head_range: tuple[int, int],
+                   spec: KVCacheSpec, num_blocks: int) -> str | None:
+    """Why a received push's header cannot be placed in this rank's cache, or None."""
+    try:
+        check_block_ids(block_ids, num_blocks, "dst", unique=True)
+        check_layers(layers, spec.num_layers)
+    except ValueError as exc:
+        return str(exc)
+    held = spec.local_heads
+    if not held[0] <= head_range[0] < head_range[1] <= held[1]:
+        return f"heads {head_range} not held here ({held})"
+    return None
+
+
+def incoming_nbytes(num_blocks: int, num_layers: int, head_range: tuple[int, int], spec: KVCacheSpec) -> int:
+    """The bytes a push header naming these blocks, layers and heads implies."""
+    heads = max(0, head_range[1] - head_range[0])
+    return 2 * num_layers * num_blocks * spec.block_nbytes(heads)
+
+
+def cache_nbytes(spec: KVCacheSpec, num_blocks: int) -> int:
+    """Bytes of this rank's whole cache: no push can be larger."""
+    return incoming_nbytes(num_blocks, spec.num_layers, spec.local_heads, spec)
+
+
+def incoming_staging_shape(num_blocks: int, num_layers: int, head_range: tuple[int, int],
+                           spec: KVCacheSpec) -> tuple[int, ...]:
+    """[layers, K/V, blocks, heads, block_size, head_dim], as the sender gathered it."""
+    return (num_layers, 2, num_blocks, head_range[1] - head_range[0], spec.block_size, spec.head_dim)
+
+
 def staging_shape(plan: TransferPlan, spec: KVCacheSpec) -> tuple[int, ...]:
     return (len(plan.layers), 2, plan.num_blocks, plan.overlap.num_heads,
             spec.block_size, spec.head_dim)

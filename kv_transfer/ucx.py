@@ -112,9 +112,7 @@ class UcxTransport(KVTransport):
         self._watchdog = asyncio.ensure_future(self._watch())
 
     def connect(self, remote: KVDescriptor) -> str:
-        cfg = self.config
-        budget = cfg.connect_timeout_s + cfg.handshake_timeout_s + cfg.close_timeout_s
-        return self._rt.call(self._connect(remote), budget)
+        return self._rt.call(self._connect(remote), self.config.connect_budget_s())
 
     async def _connect(self, remote: KVDescriptor) -> str:
         local = self.descriptor()

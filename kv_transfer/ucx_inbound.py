@@ -41,7 +41,8 @@ import torch
 from .base import KVCacheSpec
 from .config import KVTransferConfig
 from .integrity import INTEGRITY_REFUSAL, decode_digests, digest
-from .layout import check_block_ids, check_layers, layer_chunks, scatter, typed_view
+from .layout import (cache_nbytes, check_incoming, incoming_nbytes, incoming_staging_shape, layer_chunks, scatter,
+                     typed_view)
 from .ucx_conn import TAG_MASK
 from .ucx_runtime import as_bytes_array, recv_ctrl, send_ctrl
 from .wire import STATUS_ERROR, STATUS_OK, ControlMsg, MsgKind, WireError
@@ -183,19 +184,10 @@ class Inbound:
         return place
 
     def _check(self, msg: ControlMsg) -> str | None:
-        try:
-            check_block_ids(msg.block_ids, self._side.num_blocks, "dst", unique=True)
-            check_layers(msg.layers, self._spec.num_layers)
-        except ValueError as exc:
-            return str(exc)
-        held = self._spec.local_heads
-        if not held[0] <= msg.head_range[0] < msg.head_range[1] <= held[1]:
-            return f"heads {msg.head_range} not held here ({held})"
-        return None
+        return check_incoming(msg.block_ids, msg.layers, msg.head_range, self._spec, self._side.num_blocks)
 
     def _expected_nbytes(self, msg: ControlMsg) -> int:
-        heads = max(0, msg.head_range[1] - msg.head_range[0])
-        return 2 * len(msg.layers) * len(msg.block_ids) * self._spec.block_nbytes(heads)
+        return incoming_nbytes(len(msg.block_ids), len(msg.layers), msg.head_range, self._spec)
 
     async def _recv_data(self, raw: torch.Tensor, tag: int) -> None:
         if self._side.worker_recv is None:
@@ -204,17 +196,14 @@ class Inbound:
             await self._side.worker_recv(as_bytes_array(raw), tag=tag)
 
     def _staging_shape(self, msg: ControlMsg) -> tuple[int, ...]:
-        # [layers, K/V, blocks, heads, block_size, head_dim], as the sender gathered it
-        return (len(msg.layers), 2, len(msg.block_ids), msg.head_range[1] - msg.head_range[0],
-                self._spec.block_size, self._spec.head_dim)
+        return incoming_staging_shape(len(msg.block_ids), len(msg.layers), msg.head_range, self._spec)
 
     def _local_heads(self, msg: ControlMsg) -> tuple[int, int]:
         held = self._spec.local_heads[0]
         return msg.head_range[0] - held, msg.head_range[1] - held
 
     def _cache_nbytes(self) -> int:
-        heads = self._spec.local_heads[1] - self._spec.local_heads[0]
-        return 2 * self._spec.num_layers * self._side.num_blocks * self._spec.block_nbytes(heads)
+        return cache_nbytes(self._spec, self._side.num_blocks)
 
     def _staging_for(self, nbytes: int) -> torch.Tensor:
         if self._staging.numel() < nbytes:

@@ -169,9 +169,8 @@ class TPGroup:
                 events_w.close()
                 group._workers.append(process)
                 link = WorkerLink(rank, process, commands_w, events_r)
-                if transfer is not None:  # a connect waits out the worker's own UCX budget first
-                    link.connect_timeout_s += (transfer.connect_timeout_s + transfer.handshake_timeout_s
-                                               + transfer.close_timeout_s)
+                if transfer is not None:  # a connect waits out the worker's own transport budget first
+                    link.connect_timeout_s += transfer.connect_budget_s()
                 group._links.append(link)
             pin_to_cpus(shares[0])
             group._join(store)

@@ -148,11 +148,11 @@ class _RankTransfer:
     def start(cls, spec: WorkerSpec, loaded, forward, events: _Events) -> _RankTransfer:
         from dataclasses import replace
 
-        from pdserve.kv_transfer import UcxTransport
+        from pdserve.kv_transfer import make_transport
         from pdserve.ranks.kv_ranks import rank_cache_spec
 
-        # Its own UCX port, a free one: the node's --kv-port is rank 0's.
-        transport = UcxTransport(replace(spec.transfer, port=0))
+        # Its own port, a free one: the node's --kv-port is rank 0's.
+        transport = make_transport(replace(spec.transfer, port=0))
         transport.register(forward.k_caches, forward.v_caches, rank_cache_spec(spec.engine, loaded))
         events.transport = transport
         return cls(spec, transport, events)

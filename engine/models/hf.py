@@ -37,6 +37,6 @@ class TransformersCausalLM(torch.nn.Module):
         own attention, the sequence alone and unpacked, no cache. What the paged forward must match."""
         self.model.set_attn_implementation(OWN_ATTENTION)
         try:
-            return self.model(input_ids=torch.tensor([token_ids])).logits[0, -1]
+            return self.model(input_ids=torch.tensor([token_ids], device=self.model.device)).logits[0, -1]
         finally:
             self.model.set_attn_implementation(ATTENTION_NAME)

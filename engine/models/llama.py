@@ -207,20 +207,21 @@ class NativeLlama(torch.nn.Module):
 
 
 def load_native_llama(model_dir: Path, config: PretrainedConfig, dtype: torch.dtype,
-                      shard: TPShard = TPShard()) -> NativeLlama:
-    """Read the checkpoint's tensors one at a time into fused weights, this rank's slice of each
-    layer (engine/parallel.py); compute in `dtype`. Embedding, norms and lm_head are whole."""
+                      shard: TPShard = TPShard(), device: torch.device = torch.device("cpu")) -> NativeLlama:
+    """Read the checkpoint's tensors one at a time into fused weights on `device`, this rank's
+    slice of each layer (engine/parallel.py); compute in `dtype`. Embedding, norms and lm_head
+    are whole."""
     text = config.get_text_config()
     shape = LlamaShape.of(text)
     slices = _RankSlices.of(shape, text.intermediate_size, shard)
-    with _Checkpoint(model_dir) as ckpt:
-        store = storage_dtype(ckpt.dtype("model.embed_tokens.weight"), dtype)
+    with _Checkpoint(model_dir, device) as ckpt:
+        store = storage_dtype(ckpt.dtype("model.embed_tokens.weight"), dtype, device)
         embed = ckpt.tensor("model.embed_tokens.weight", store)
         layers = [_load_layer(ckpt, f"model.layers.{i}.", dtype, store, slices) for i in range(shape.num_layers)]
         norm = ckpt.tensor("model.norm.weight", dtype)
         tied = bool(optional(config, "tie_word_embeddings")) or not ckpt.has("lm_head.weight")
         lm_head = embed if tied else ckpt.tensor("lm_head.weight", store)
-    return NativeLlama(shape, RotaryAngles(text), embed, layers, norm, lm_head, shard).eval()
+    return NativeLlama(shape, RotaryAngles(text, device), embed, layers, norm, lm_head, shard).eval()
 
 
 @dataclass(frozen=True, slots=True)
@@ -241,11 +242,12 @@ class _RankSlices:
         return cls(slice(q0 * dim, q1 * dim), slice(kv0 * dim, kv1 * dim), slice(m0, m1), shard.rank == 0)
 
 
-def storage_dtype(checkpoint: torch.dtype, compute: torch.dtype) -> torch.dtype:
+def storage_dtype(checkpoint: torch.dtype, compute: torch.dtype, device: torch.device = torch.device("cpu")) -> torch.dtype:
     """The matrices' dtype in memory. A bf16 checkpoint computed in float32 (a CPU without native
     bf16) keeps bf16 matrices: the values are the same, half the bytes are read per step, and
-    kernels/linear.py converts them in registers. Otherwise the compute dtype."""
-    if checkpoint == torch.bfloat16 and compute == torch.float32 and cpu_ext.available():
+    kernels/linear.py converts them in registers (the C++ kernels: CPU only). Otherwise the
+    compute dtype."""
+    if checkpoint == torch.bfloat16 and compute == torch.float32 and device.type == "cpu" and cpu_ext.available():
         return torch.bfloat16
     return compute
 
@@ -282,7 +284,8 @@ def _load_layer(ckpt: _Checkpoint, prefix: str, dtype: torch.dtype, store: torch
 class _Checkpoint:
     """The tensors of a single-file or sharded safetensors checkpoint, opened lazily by name."""
 
-    def __init__(self, model_dir: Path) -> None:
+    def __init__(self, model_dir: Path, device: torch.device = torch.device("cpu")) -> None:
+        self._device = device
         index = model_dir / SHARD_INDEX
         if index.is_file():
             weight_map = json.loads(index.read_text())["weight_map"]
@@ -302,7 +305,7 @@ class _Checkpoint:
         return name in self._files
 
     def tensor(self, name: str, dtype: torch.dtype) -> torch.Tensor:
-        return self._file(name).get_tensor(name).to(dtype).contiguous()
+        return self._file(name).get_tensor(name).to(device=self._device, dtype=dtype).contiguous()
 
     def dtype(self, name: str) -> torch.dtype:
         stored = self._file(name).get_slice(name).get_dtype()

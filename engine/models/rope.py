@@ -22,7 +22,7 @@ def rope_type(text: PretrainedConfig) -> str:
 
 
 class RotaryAngles:
-    def __init__(self, text: PretrainedConfig) -> None:
+    def __init__(self, text: PretrainedConfig, device: torch.device = torch.device("cpu")) -> None:
         kind = rope_type(text)
         if kind not in STATIC_ROPE_TYPES:
             raise ValueError(f"RoPE type {kind!r} is not one of {STATIC_ROPE_TYPES}")
@@ -33,7 +33,7 @@ class RotaryAngles:
             self.scaling = 1.0
         else:
             self.inv_freq, self.scaling = ROPE_INIT_FUNCTIONS[kind](text)
-
+        self.inv_freq = self.inv_freq.to(device)  # beside the positions each step brings
     def __call__(self, positions: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """float32 cos and sin, [num_tokens, head_dim] each (transformers' formula and order)."""
         freqs = positions[:, None].float() * self.inv_freq

@@ -3,8 +3,8 @@
 Runs only in the child that node/core/spawn.py spawns. `core_main` gets the node kind's
 `CorePart` (node/core/core_part.py): it imports the kind's KV stage factories, builds the
 `EngineCore` with the kind's policy (with `--tensor-parallel-size T`, as rank 0 of T: the
-worker ranks start first, ranks/tp_group.py), registers rank 0's KV caches with a
-`UcxTransport` beside the workers' own in one `RankedTransport` (ranks/kv_ranks.py; not for a
+worker ranks start first, ranks/tp_group.py), registers rank 0's KV caches with the
+`--kv-transport` (`UcxTransport` or `TorchTransport`, kv_transfer/) beside the workers' own in one `RankedTransport` (ranks/kv_ranks.py; not for a
 kind without KV stages), builds the node core (node/core/node_core.py) with the kind's stages, logs the cpus and torch
 threads it runs on, says `CoreStarted` with the KV fingerprint every kind registers with
 (or `CoreFailed`; `refused=True` and no traceback for a model folder the engine refuses, whose
@@ -146,9 +146,12 @@ def _build(config: NodeConfig, part: CorePart, to_front: ToFront, owned: _Owned)
 def _start_transport(config: NodeConfig, engine: EngineCore, spec: KVCacheSpec,
                      group: TPGroup | None) -> RankedTransport:
     """Rank 0's own transport, beside the workers' (each registered its caches when it started)."""
-    from pdserve.kv_transfer import UcxTransport  # starts UCX: only ever in the core process
+    from pdserve.kv_transfer import make_transport  # starts UCX (if chosen): only ever in the core process
 
-    local = UcxTransport(config.transfer)
+    if config.transfer.transport == "ucx" and engine.config.device != "cpu":
+        raise ValueError(f"kv_transport ucx moves host caches only; with --device {engine.config.device} "
+                         f"use --kv-transport torch on every prefill and decode node")
+    local = make_transport(config.transfer)
     local.register(engine.runner.k_caches, engine.runner.v_caches, spec)
     workers = group.links() if group is not None else []
     return RankedTransport([LocalRank(local), *workers], closers=[local])

@@ -27,7 +27,7 @@ def test_a_scheduler_output_reads_its_one_list_by_kind():
 
 
 def rank_forward(num_blocks: int, num_swap_blocks: int) -> RankForward:
-    loaded = types.SimpleNamespace(num_local_kv_heads=1, num_layers=2, head_dim=2)
+    loaded = types.SimpleNamespace(num_local_kv_heads=1, num_layers=2, head_dim=2, device=torch.device("cpu"))
     forward = RankForward(loaded, num_blocks, 1, torch.float32, "reference", num_swap_blocks)
     for layer, (k, v) in enumerate(zip(forward.k_caches, forward.v_caches)):
         for block in range(num_blocks):  # block b of layer l holds 10 * l + b (V: its negation)
