@@ -169,3 +169,17 @@ def test_pdserve_generate_without_a_client_certificate_is_told_what_it_lacks(clu
     assert "requires a client certificate the CA signed: --tls-cert-file and --tls-key-file" in capsys.readouterr().err
     assert client.main([*base, *tls.flags(), "--json"]) == 0
     assert len(json.loads(capsys.readouterr().out.splitlines()[-1])["token_ids"]) == 2
+
+
+def test_the_torch_kv_transport_runs_inside_the_same_trust(model_dir):
+    """`--kv-transport torch` under `pdserve cluster --tls`: its HELLO carries the join credential
+    the launcher made, and the KV crosses; exact tokens, no block left."""
+    torch_kv = ("--kv-transport", "torch")
+    (reference,) = greedy_references(model_dir, [PROMPT], [NEW_TOKENS])
+    with running_cluster(model_dir, 1, 1, NodeSettings(num_blocks=64), prefill_args=torch_kv, decode_args=torch_kv,
+                         launcher_args=("--tls",)) as cluster:
+        completion = asyncio.run(generate(cluster.router, greedy(), None, 60, cluster.token, cluster.state.tls()))
+        assert_matches([completion.token_ids], [reference])
+        stats = cluster.wait_all_blocks_free(timeout_s=10)
+        assert [(s.kind, s.used_blocks) for s in stats] == [("prefill", 0), ("decode", 0)]
+        assert stats[0].kv_transfer.bytes == stats[1].kv_transfer.bytes > 0
