@@ -145,8 +145,8 @@ class NodeConfig:
         _require(self.max_message_bytes >= 1024, "max_message_bytes", f"must be >= 1024, got {self.max_message_bytes}")
         _require(self.retired_id_leases >= 1, "retired_id_leases", f"must be >= 1, got {self.retired_id_leases}")
         if self.tls is not None and self.auth_token is None and self.kind != "colocated":
-            # UCX runs no TLS here: the join credential is what keeps a stranger off the KV listener.
-            raise ValueError("--tls-cert-file: a prefill or decode node's KV data plane (UCX) cannot run TLS; it "
+            # Neither KV transport runs TLS here: the join credential is what keeps a stranger off the KV listener.
+            raise ValueError("--tls-cert-file: a prefill or decode node's KV data plane (UCX, torch) runs no TLS; it "
                              "is authenticated by the node join credential instead, so TLS needs one: "
                              "--auth-token-file or $PDSERVE_AUTH_TOKEN")
         _require(self.busy_poll_ms >= 0 and self.idle_poll_ms > 0, "idle_poll_ms", "must be > 0")

@@ -119,13 +119,13 @@ def with_cluster_tls(config: ClusterConfig, cleanup: ExitStack, token: str | Non
                      out: TextIO = sys.stdout) -> ClusterConfig:
     """`config` with the certificates --tls asks for made (in --tls-dir, else in a temporary
     directory `cleanup` removes when the launcher exits), and a node join credential beside them
-    when `token` (the launcher's) is None: UCX runs no TLS here, so the credential is what
+    when `token` (the launcher's) is None: no KV transport runs TLS here, so the credential is what
     authenticates the KV data plane. Unchanged without TLS; the user's own TLS files without a
     credential are a ValueError naming the flag."""
     if not config.make_tls:
         if config.tls is not None and token is None:
             raise ValueError("--tls-cert-file needs the node join credential (--auth-token-file or "
-                             "$PDSERVE_AUTH_TOKEN): it authenticates the KV data plane, which UCX cannot run over TLS")
+                             "$PDSERVE_AUTH_TOKEN): it authenticates the KV data plane, which runs no TLS")
         return config
     directory = Path(config.tls_dir or cleanup.enter_context(tempfile.TemporaryDirectory(prefix="pdserve-tls-")))
     tls = make_cluster_tls(directory, [config.host])
@@ -136,5 +136,5 @@ def with_cluster_tls(config: ClusterConfig, cleanup: ExitStack, token: str | Non
     token_file = directory / TOKEN_FILE
     _write(token_file, (secrets.token_urlsafe(32) + "\n").encode(), 0o600)
     print(f"node join credential: made for this cluster at {token_file} (it authenticates the KV data plane, which "
-          "UCX cannot run over TLS; the public API takes it too)", file=out, flush=True)
+          "runs no TLS; the public API takes it too)", file=out, flush=True)
     return replace(config, tls=tls, make_tls=False, tls_dir=None, auth_token_file=str(token_file))

@@ -3,7 +3,7 @@ the nodes, TLS on the public API (gRPC and HTTP).
 
 Router + 1 prefill + 1 decode node on 127.0.0.1 started with `--tls` alone, as a user starts them:
 the launcher makes the CA, the certificate and the node join credential (which authenticates the
-KV data plane: UCX runs no TLS here), and the clients use the files it names.
+KV data plane: no KV transport runs TLS here), and the clients use the files it names.
 Generation over TLS gRPC and over HTTPS gives transformers' exact tokens; plaintext to any TLS
 port is refused, so is a client that trusts another CA, and so is a node whose certificate
 another CA signed (it cannot register); every node ends with zero blocks in use.
