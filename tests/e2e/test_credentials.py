@@ -123,7 +123,7 @@ def test_a_client_key_cannot_open_a_kv_connection(cluster):
     pair = ProcessPair()
     try:
         _, out, _ = pair.start(token_sender_main, spec_kwargs("float32"), {"auth_token": KEYS[0]}, rank0.to_bytes())
-        assert expect(out, "refused") == (f"KVTransferError: peer {rank0.address}:{rank0.port} refused the "
+        assert expect(out, "refused") == (f"KVTransferError: peer {rank0.name} refused the "
                                           "connection: authentication failed: missing or wrong auth token")
     finally:
         pair.stop()
