@@ -7,6 +7,9 @@ loads an earlier build). The build goes under the pdserve cache dir (`$PDSERVE_C
 ~/.cache/pdserve), in a folder keyed by the CPU's instruction set and the torch/Python
 versions, because it is compiled with -march=native: a cache dir shared with another kind
 of machine gets its own build.
+Processes building at once (a cluster's nodes) take turns on a lock the kernel releases when
+its holder dies, so a build killed halfway (Ctrl-C) never leaves the next start waiting forever
+on torch's own lock file, which a dead process leaves behind.
 If the build fails (no compiler, no ninja, ...) we log one warning and report the
 extension unavailable; callers then use their torch paths, which compute the same thing.
 `PDSERVE_CPU_EXT=0` forces the torch paths (for comparisons and debugging).
@@ -16,13 +19,15 @@ It never decides which kernel runs for which shapes; the kernel modules do.
 
 from __future__ import annotations
 
+import contextlib
+import fcntl
 import hashlib
 import logging
 import os
 import platform
 import sys
 import threading
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -71,6 +76,17 @@ def ops() -> CpuOps | None:
     return _state["ops"]
 
 
+@contextlib.contextmanager
+def _builder_turn(build_dir: Path) -> Iterator[None]:
+    """This process alone builds or loads in `build_dir` until the block ends. Whoever holds
+    the turn is the only one that can be building, so torch's lock file found then was left by
+    a build that died; it is removed, or torch would wait on it forever."""
+    with open(build_dir / "pdserve-build.lock", "w") as turn:
+        fcntl.flock(turn, fcntl.LOCK_EX)  # released by the kernel when the holder exits or dies
+        (build_dir / "lock").unlink(missing_ok=True)
+        yield
+
+
 def _build() -> CpuOps | None:
     # Imported here: importing the kernels package must stay cheap and compiler-free.
     from torch.utils import cpp_extension
@@ -82,16 +98,17 @@ def _build() -> CpuOps | None:
         print(f"pdserve: building C++ kernels (once, about a minute) in {build_dir}", file=sys.stderr, flush=True)
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
-        # Registers the ops with the dispatcher (TORCH_LIBRARY): no Python module, no pybind.
-        cpp_extension.load(
-            name=NAME,
-            sources=[str(path) for path in SOURCES],
-            extra_cflags=list(CFLAGS),
-            extra_ldflags=list(LDFLAGS),
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
-        )
+        with _builder_turn(build_dir):
+            # Registers the ops with the dispatcher (TORCH_LIBRARY): no Python module, no pybind.
+            cpp_extension.load(
+                name=NAME,
+                sources=[str(path) for path in SOURCES],
+                extra_cflags=list(CFLAGS),
+                extra_ldflags=list(LDFLAGS),
+                build_directory=str(build_dir),
+                is_python_module=False,
+                verbose=False,
+            )
         # The overloads themselves: calling them skips the packet's overload resolution.
         namespace = torch.ops.pdserve_cpu
         return CpuOps(

@@ -1,9 +1,11 @@
 """Whether an engine start compiles the C++ kernels (and says so first) or loads an earlier
-build, decided on a fake build dir: nothing is compiled here."""
+build, decided on a fake build dir, and the builders' turn: nothing is compiled here."""
 
 from __future__ import annotations
 
 import os
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -74,3 +76,21 @@ def test_the_build_line_comes_once_and_only_before_a_build(cached, tmp_path, mon
     assert loads == [str(build_dir)]  # asked once per process, whatever the answer
     said = [line for line in capsys.readouterr().err.splitlines() if "building C++ kernels" in line]
     assert said == ([] if cached else [f"pdserve: building C++ kernels (once, about a minute) in {build_dir}"])
+
+
+def test_a_build_killed_halfway_leaves_no_lock_the_next_start_waits_on(tmp_path):
+    """torch's lock file outlives a build killed mid-compile; the turn a dead process held is
+    the kernel's to release, and whoever takes it next clears torch's lock."""
+    holder = subprocess.Popen([sys.executable, "-c", (
+        "import sys, time; from pathlib import Path; from pdserve.kernels.cpu_ext import _builder_turn\n"
+        f"with _builder_turn(Path({str(tmp_path)!r})):\n"
+        f"    Path({str(tmp_path / 'lock')!r}).touch(); print('building', flush=True); time.sleep(600)")],
+        stdout=subprocess.PIPE, text=True)
+    try:
+        assert holder.stdout.readline() == "building\n"
+    finally:
+        holder.kill()  # a Ctrl-C'd or OOM-killed build: torch's lock stays behind
+        holder.wait(timeout=30)
+    assert (tmp_path / "lock").exists()
+    with cpu_ext._builder_turn(tmp_path):
+        assert not (tmp_path / "lock").exists()
