@@ -45,10 +45,11 @@ from collections.abc import Callable, Sequence
 import torch
 import torch.distributed as dist
 
-from .base import (DoneCallback, FingerprintMismatch, KVCacheSpec, KVDescriptor, KVTransferError, KVTransport,
-                   TransferHandle, TransferState, TransferStats, WritePermits)
+from .base import (FingerprintMismatch, KVCacheSpec, KVDescriptor, KVTransferError, KVTransport, TransferHandle,
+                   TransferState, WritePermits)
 from .config import KVTransferConfig
 from .integrity import check_payload, make_sealer
+from .ledger import LedgerReads, TransferLedger
 from .layout import make_plan, validate_caches
 from .torch_conn import TorchConnection
 from .torch_inbound import TorchInbound
@@ -62,10 +63,11 @@ logger = logging.getLogger(__name__)
 TRANSPORT_NAME = "torch"
 
 
-class TorchTransport(KVTransport):
+class TorchTransport(LedgerReads, KVTransport):
     def __init__(self, config: KVTransferConfig | None = None) -> None:
         self.config = config or KVTransferConfig()
-        self._lock = threading.Lock()  # stats, done messages, refusals, connections
+        self._lock = threading.Lock()  # connections, threads, the handle's first terminal state
+        self.ledger = TransferLedger()  # counters, done messages, refusals
         self._spec: KVCacheSpec | None = None
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
@@ -78,12 +80,7 @@ class TorchTransport(KVTransport):
         # (one that returns into a finalizing interpreter aborts it): the accept loop, each inbound pair.
         self._threads: list[threading.Thread] = []
         self._accepting = 1  # the pair number whose HELLO the accept loop waits for
-        self._done_msgs: list[tuple[str, bytes]] = []
-        self._callback: DoneCallback | None = None
         self._permits: WritePermits | None = None  # None: every valid push is placed
-        self._sent = TransferStats()
-        self._received = TransferStats()
-        self._refusals: list[FingerprintMismatch] = []
         self._sealer = make_sealer(self.config.debug_corrupt_push)  # shared by every connection's thread
         self._closed = threading.Event()
 
@@ -231,11 +228,8 @@ class TorchTransport(KVTransport):
             if job.handle.done:
                 return
             if job.plan is not None:  # counted first: whoever sees the handle end sees its bytes counted
-                if error:
-                    self._sent.record_failure()
-                else:
-                    self._sent.record_success(job.handle.nbytes, job.handle.num_blocks,
-                                              time.monotonic() - job.handle.created_at)
+                self.ledger.count_sent(error is None, job.handle.nbytes, job.handle.num_blocks,
+                                       time.monotonic() - job.handle.created_at)
         job.handle._finish(TransferState.FAILED if error else TransferState.SUCCESS, error)
 
     def _watch(self) -> None:
@@ -280,8 +274,7 @@ class TorchTransport(KVTransport):
             local.spec.check_compatible(theirs.spec.fingerprint(), f"refused peer {theirs.address}:{theirs.port}")
         except FingerprintMismatch as exc:
             logger.error("%s", exc)
-            with self._lock:
-                self._refusals.append(exc)
+            self.ledger.refused(exc)
             accepted = False
         own_device = device_id(self._device)
         self._store.set(f"reply/{number}", json.dumps({"descriptor": json.loads(local.to_bytes()),
@@ -330,13 +323,9 @@ class TorchTransport(KVTransport):
     def _receiver_side(self) -> ReceiverSide:
         return ReceiverSide(spec=self.descriptor().spec, k_caches=self._k, v_caches=self._v,
                             num_blocks=self._num_blocks, config=self.config, worker_recv=None,
-                            deliver_done=self._deliver_done, count=self._count_received, quarantine=[],
+                            deliver_done=self.ledger.deliver_done, count=self.ledger.count_received, quarantine=[],
                             place=self._place, verify=self.config.checksums,
-                            count_checksum_failure=self._count_checksum_failure)
-
-    def _count_checksum_failure(self) -> None:
-        with self._lock:
-            self._received.record_checksum_failure()
+                            count_checksum_failure=self.ledger.count_checksum_failure)
 
     def guard_writes(self, permits: WritePermits) -> None:
         self._permits = permits
@@ -348,42 +337,7 @@ class TorchTransport(KVTransport):
             return True
         return permits.place(req_id, dst_block_ids, write)
 
-    def _count_received(self, ok: bool, nbytes: int, num_blocks: int, latency_s: float) -> None:
-        with self._lock:
-            if ok:
-                self._received.record_success(nbytes, num_blocks, latency_s)
-            else:
-                self._received.record_failure()
-
-    def _deliver_done(self, req_id: str, payload: bytes) -> None:
-        with self._lock:
-            self._done_msgs.append((req_id, payload))
-            callback = self._callback
-        if callback is not None:
-            callback(req_id, payload)
-
-    def poll_done(self) -> list[tuple[str, bytes]]:
-        with self._lock:
-            out, self._done_msgs = self._done_msgs, []
-        return out
-
-    def set_done_callback(self, callback: DoneCallback | None) -> None:
-        with self._lock:
-            self._callback = callback
-
     # -- observability / teardown ------------------------------------------------------
-    def stats(self) -> TransferStats:
-        with self._lock:
-            return self._sent.snapshot()
-
-    def recv_stats(self) -> TransferStats:
-        with self._lock:
-            return self._received.snapshot()
-
-    def handshake_refusals(self) -> list[FingerprintMismatch]:
-        with self._lock:
-            return list(self._refusals)
-
     def peers(self) -> list[str]:
         with self._lock:
             return list(self._conns)

@@ -42,7 +42,6 @@ import asyncio
 import hmac
 import json
 import logging
-import threading
 import time
 from collections.abc import Callable, Sequence
 from typing import Any
@@ -50,11 +49,11 @@ from typing import Any
 import numpy as np
 import torch
 
-from .base import (DoneCallback, FingerprintMismatch, KVCacheSpec, KVDescriptor,
-                   KVTransferError, KVTransport, TransferHandle, TransferState,
-                   TransferStats, WritePermits)
+from .base import (FingerprintMismatch, KVCacheSpec, KVDescriptor, KVTransferError,
+                   KVTransport, TransferHandle, TransferState, WritePermits)
 from .config import KVTransferConfig
 from .integrity import check_payload, make_sealer
+from .ledger import LedgerReads, TransferLedger
 from .layout import make_plan, validate_caches
 from .ucx_conn import Connection, Job, header_nbytes
 from .ucx_hello import hello_body, hello_msg, parse_hello, random_tag, way_back
@@ -65,11 +64,11 @@ from .wire import STATUS_ERROR, STATUS_OK, ControlMsg, MsgKind, WireError
 logger = logging.getLogger(__name__)
 
 
-class UcxTransport(KVTransport):
+class UcxTransport(LedgerReads, KVTransport):
     def __init__(self, config: KVTransferConfig | None = None) -> None:
         self.config = config or KVTransferConfig()
         self._rt = UcxRuntime.get(self.config)
-        self._lock = threading.Lock()  # stats, done messages, refusals
+        self.ledger = TransferLedger()  # counters, done messages, refusals
         self._spec: KVCacheSpec | None = None
         self._k: list[torch.Tensor] = []
         self._v: list[torch.Tensor] = []
@@ -80,12 +79,7 @@ class UcxTransport(KVTransport):
         self._inbound: set[Any] = set()
         self._serving: set[asyncio.Task] = set()
         self._watchdog: asyncio.Future | None = None
-        self._done_msgs: list[tuple[str, bytes]] = []
-        self._callback: DoneCallback | None = None
         self._permits: WritePermits | None = None  # None: every valid push is placed
-        self._sent = TransferStats()
-        self._received = TransferStats()
-        self._refusals: list[FingerprintMismatch] = []
         self._quarantine: list[torch.Tensor] = []  # staging buffers of failed receives
         self._sealer = make_sealer(self.config.debug_corrupt_push)  # loop thread only
         self._closed = False
@@ -220,12 +214,8 @@ class UcxTransport(KVTransport):
         if job.handle.done:  # the first terminal state wins (only this loop thread ends handles)
             return
         if job.plan is not None:  # counted first: whoever sees the handle end sees its bytes counted
-            with self._lock:
-                if error:
-                    self._sent.record_failure()
-                else:
-                    self._sent.record_success(job.handle.nbytes, job.handle.num_blocks,
-                                              time.monotonic() - job.handle.created_at)
+            self.ledger.count_sent(error is None, job.handle.nbytes, job.handle.num_blocks,
+                                   time.monotonic() - job.handle.created_at)
         job.handle._finish(state, error)
 
     async def _watch(self) -> None:
@@ -314,8 +304,7 @@ class UcxTransport(KVTransport):
                                         f"refused peer {theirs.name}")
         except FingerprintMismatch as exc:
             logger.error("%s", exc)
-            with self._lock:
-                self._refusals.append(exc)
+            self.ledger.refused(exc)
             reply.status = STATUS_ERROR
         await asyncio.wait_for(send_ctrl(ep, reply), self.config.handshake_timeout_s)
         return reply.status == STATUS_OK, data_on_worker
@@ -348,9 +337,9 @@ class UcxTransport(KVTransport):
             spec=self.descriptor().spec, k_caches=self._k, v_caches=self._v,
             num_blocks=self._num_blocks, config=self.config,
             worker_recv=self._rt.ucxx.recv if data_on_worker else None,
-            deliver_done=self._deliver_done, count=self._count_received,
+            deliver_done=self.ledger.deliver_done, count=self.ledger.count_received,
             quarantine=self._quarantine, place=self._place, verify=self.config.checksums,
-            count_checksum_failure=self._count_checksum_failure)
+            count_checksum_failure=self.ledger.count_checksum_failure)
 
     def guard_writes(self, permits: WritePermits) -> None:
         self._permits = permits
@@ -364,47 +353,7 @@ class UcxTransport(KVTransport):
             return True
         return permits.place(req_id, dst_block_ids, write)
 
-    def _count_received(self, ok: bool, nbytes: int, num_blocks: int,
-                        latency_s: float) -> None:
-        with self._lock:
-            if ok:
-                self._received.record_success(nbytes, num_blocks, latency_s)
-            else:
-                self._received.record_failure()
-
-    def _count_checksum_failure(self) -> None:
-        with self._lock:
-            self._received.record_checksum_failure()
-
-    def _deliver_done(self, req_id: str, payload: bytes) -> None:
-        with self._lock:
-            self._done_msgs.append((req_id, payload))
-            callback = self._callback
-        if callback is not None:
-            callback(req_id, payload)
-
-    def poll_done(self) -> list[tuple[str, bytes]]:
-        with self._lock:
-            out, self._done_msgs = self._done_msgs, []
-        return out
-
-    def set_done_callback(self, callback: DoneCallback | None) -> None:
-        with self._lock:
-            self._callback = callback
-
     # -- observability / teardown ----------------------------------------------------
-    def stats(self) -> TransferStats:
-        with self._lock:
-            return self._sent.snapshot()
-
-    def recv_stats(self) -> TransferStats:
-        with self._lock:
-            return self._received.snapshot()
-
-    def handshake_refusals(self) -> list[FingerprintMismatch]:
-        with self._lock:
-            return list(self._refusals)
-
     def peers(self) -> list[str]:
         return list(self._conns)
 
