@@ -79,6 +79,7 @@ class SimNode:
         self.scheduler = scheduler_for(config, self.kv, swap, clock)
         self.scheduler.chunks = chunk_schedule_for(config, self._step_tokens_within_target)
         self.step: SchedulerOutput | None = None  # the step in progress
+        self.stretch = 1.0  # every step's time over the profile's: the router's CPU on the same cores
         self._arrivals = 0
 
     def _step_tokens_within_target(self) -> int:
@@ -142,7 +143,7 @@ class SimNode:
             return None
         self.step = out
         shape = StepShape.of((s.request.num_computed_tokens, s.num_scheduled_tokens) for s in out.scheduled)
-        return self.cost.time(shape)
+        return self.cost.time(shape) * self.stretch
 
     def finish_step(self) -> list[Sampled]:
         out, self.step = self.step, None

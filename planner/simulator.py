@@ -21,8 +21,11 @@ policies are the router's own objects, given fresh stats at every decision (a re
 stats up to a heartbeat old plus what it sent since). The router itself, one process on one event
 loop, is a first-come-first-served server: each request costs it `per_request_s` before placement
 and each token `per_token_s` before the client has it (the profile's `RouterCost`), so a router
-that cannot keep up delays every stream. Not simulated: the router's CPU taken from the nodes'
-cores, the network between client and router, queue bounds, failures.
+that cannot keep up delays every stream. On one machine the router's CPU also comes out of the
+cores the nodes run on: every step takes 1 / (1 - u) as long, u the share of those cores the
+router's work on the run's requests takes at their arrival rate (`cpu_stretch`). Not simulated:
+the node fronts' and the clients' CPU, the network between client and router, queue bounds,
+failures.
 
 Each request's trace is the serving bench's `RequestTrace` (one chunk per token), so the bench's
 metrics apply unchanged. Must never: read a wall clock or load torch.
@@ -76,6 +79,12 @@ class ClusterSpec:
             raise ValueError("local_prefill is for a cluster of a prefill and a decode pool")
 
     @property
+    def node_cores(self) -> int:
+        """The cores the nodes run on (each node's `num_threads`, 1 when unset)."""
+        pools = (self.colocated, self.prefill, self.decode)
+        return sum(p.count * (p.config.num_threads or 1) for p in pools if p is not None)
+
+    @property
     def mode(self) -> str:
         if self.colocated is not None:
             return "colocated"
@@ -119,6 +128,7 @@ class ClusterSim:
         self._prefill_profile = spec.prefill.profile if spec.prefill is not None else None
         self._flights: dict[str, _Flight] = {}
         self._router = spec.router
+        self._node_cores = spec.node_cores
         self._router_free_s = 0.0  # when the router has done all the work handed to it so far
 
     def _nodes(self, kind: str, pool: Pool | None, policy, max_model_len: int) -> list[SimNode]:
@@ -128,6 +138,9 @@ class ClusterSim:
                 for i in range(pool.count)]
 
     def run(self, requests: list[SimRequest]) -> list[RequestTrace]:
+        stretch = cpu_stretch(self._router, requests, self._node_cores)
+        for node in (*self.colocated, *self.prefill, *self.decode):
+            node.stretch = stretch
         traces = []
         for index, spec in enumerate(requests):
             trace = RequestTrace(index, spec.arrival_s, spec.output_len, len(spec.prompt_token_ids),
@@ -268,3 +281,24 @@ class ClusterSim:
     def _fail(trace: RequestTrace, status: str) -> None:
         trace.status = status
         trace.end_s = trace.sent_s
+
+
+# A router that would need more than this share of the nodes' cores is a bottleneck its own
+# queue already shows; the steps are not slowed without bound for it.
+MAX_ROUTER_SHARE = 0.9
+
+
+def cpu_stretch(router: RouterCost, requests: list[SimRequest], cores: int) -> float:
+    """1 / (1 - u): how much longer every step takes while the router works on `requests`, u its
+    CPU per second at their mean arrival rate (each request's cost and each output token's) over
+    `cores`. 1 for a router that costs nothing, or fewer than two requests (no rate)."""
+    if len(requests) < 2 or cores < 1:
+        return 1.0
+    arrivals = [r.arrival_s for r in requests]
+    span = max(arrivals) - min(arrivals)
+    if span <= 0:
+        return 1.0
+    rate = (len(requests) - 1) / span
+    mean_output = sum(r.output_len for r in requests) / len(requests)
+    share = rate * (router.per_request_s + mean_output * router.per_token_s) / cores
+    return 1.0 / (1.0 - min(share, MAX_ROUTER_SHARE))

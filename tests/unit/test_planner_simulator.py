@@ -9,7 +9,7 @@ import pytest
 from pdserve.bench.serve.metrics import request_metrics
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.profile import RouterCost, TransferCost
-from pdserve.planner.simulator import EXHAUSTED, ClusterSim, ClusterSpec, Pool, SimRequest
+from pdserve.planner.simulator import EXHAUSTED, MAX_ROUTER_SHARE, ClusterSim, ClusterSpec, Pool, SimRequest, cpu_stretch
 from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
 from tests.unit.planner_profiles import BLOCK_BYTES, synthetic_profile
 
@@ -128,6 +128,26 @@ def test_a_router_slower_than_the_steps_paces_every_stream():
     _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile), router=RouterCost(0.0, 0.05, "slow")), 100, 5)
     assert m.ttft_s == pytest.approx(0.11 + 0.05)
     assert m.itl_s == pytest.approx((0.05,) * 4)
+
+
+def test_the_routers_cpu_at_the_arrival_rate_stretches_every_step_of_the_nodes_it_shares_cores_with():
+    """Two requests a second apart (1 request/s), each 50 ms of router work on the node's one core:
+    u = 0.05, every step takes 1 / 0.95 of its profiled time."""
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    spec = ClusterSpec(colocated=Pool(1, config(num_threads=1), profile), router=RouterCost(0.05, 0.0, "synthetic"))
+    sim = ClusterSim(spec, 4096)
+    traces = sim.run([SimRequest(0.0, prompt(0, 100), 1), SimRequest(1.0, prompt(1, 100), 1)])
+    assert [request_metrics(t).ttft_s for t in traces] == pytest.approx([0.05 + 0.11 / 0.95] * 2)
+
+
+def test_cpu_stretch_by_hand():
+    router = RouterCost(0.01, 0.001, "synthetic")
+    every_100_ms = [SimRequest(i * 0.1, prompt(i, 8), 10) for i in range(11)]  # 10 requests/s
+    # 10/s x (10 ms + 10 tokens x 1 ms) = 0.2 of a core, over 2 cores: u = 0.1
+    assert cpu_stretch(router, every_100_ms, cores=2) == pytest.approx(1 / 0.9)
+    assert cpu_stretch(router, every_100_ms[:1], cores=2) == 1.0  # one request: no rate
+    assert cpu_stretch(RouterCost(0.0, 0.0, "free"), every_100_ms, cores=2) == 1.0
+    assert cpu_stretch(RouterCost(1.0, 0.0, "slow"), every_100_ms, cores=1) == pytest.approx(1 / (1 - MAX_ROUTER_SHARE))
 
 
 def hybrid_pair(bound: int = 256) -> tuple[ClusterSpec, float]:
