@@ -7,6 +7,7 @@ frozen value validated at construction.
 
 from __future__ import annotations
 
+import hmac
 from dataclasses import dataclass, field
 
 PROGRESS_MODES = ("thread", "thread-polling", "blocking", "polling")
@@ -110,6 +111,15 @@ class KVTransferConfig:
         if self.progress_mode not in PROGRESS_MODES:
             raise ValueError(f"unknown progress_mode {self.progress_mode!r}; "
                              f"expected one of {PROGRESS_MODES}")
+
+    def admits(self, presented: object) -> bool:
+        """Whether a peer's HELLO, presenting `presented` as its `auth_token`, may connect: any
+        peer when no token is set, else one presenting this token (compared in constant time)."""
+        if self.auth_token is None:
+            return True
+        if not isinstance(presented, str):
+            return False
+        return hmac.compare_digest(presented.encode("utf-8", "replace"), self.auth_token.encode())
 
     def connect_budget_s(self) -> float:
         """The longest a `connect` on this transport may take before it fails."""

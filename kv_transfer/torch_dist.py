@@ -33,7 +33,6 @@ Must never: join the process's default group, pickle, or block the caller of `pu
 from __future__ import annotations
 
 import datetime
-import hmac
 import json
 import logging
 import secrets
@@ -259,7 +258,7 @@ class TorchTransport(LedgerReads, KVTransport):
             store.add(ANSWERED, 1)
 
     def _answer(self, number: int, hello: dict) -> None:
-        if not self._authorized(hello):
+        if not self.config.admits(hello.get("auth_token")):
             logger.warning("refused a KV peer: missing or wrong auth token")
             self._store.set(f"reply/{number}", json.dumps({"refused": "authentication failed: missing or wrong "
                                                                       "auth token"}))
@@ -310,15 +309,6 @@ class TorchTransport(LedgerReads, KVTransport):
         finally:
             with self._lock:
                 self._inbound.pop(number, None)
-
-    def _authorized(self, hello: dict) -> bool:
-        expected = self.config.auth_token
-        if expected is None:
-            return True
-        presented = hello.get("auth_token")
-        if not isinstance(presented, str):
-            return False
-        return hmac.compare_digest(presented.encode("utf-8", "replace"), expected.encode())
 
     def _receiver_side(self) -> ReceiverSide:
         return ReceiverSide(spec=self.descriptor().spec, k_caches=self._k, v_caches=self._v,

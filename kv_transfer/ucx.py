@@ -39,7 +39,6 @@ on anything but an idle connection.
 from __future__ import annotations
 
 import asyncio
-import hmac
 import json
 import logging
 import time
@@ -289,7 +288,7 @@ class UcxTransport(LedgerReads, KVTransport):
         """Reply to HELLO; returns (accepted, data arrives on the worker by tag)."""
         if hello.kind is not MsgKind.HELLO:
             raise WireError(f"expected HELLO, got {hello.kind.name}")
-        if not self._authorized(hello):
+        if not self.config.admits(hello_body(hello).get("auth_token")):
             await self._refuse_unauthenticated(ep)
             return False, False
         theirs, _, their_fast = parse_hello(hello)
@@ -308,15 +307,6 @@ class UcxTransport(LedgerReads, KVTransport):
             reply.status = STATUS_ERROR
         await asyncio.wait_for(send_ctrl(ep, reply), self.config.handshake_timeout_s)
         return reply.status == STATUS_OK, data_on_worker
-
-    def _authorized(self, hello: ControlMsg) -> bool:
-        expected = self.config.auth_token
-        if expected is None:
-            return True
-        presented = hello_body(hello).get("auth_token")
-        if not isinstance(presented, str):
-            return False
-        return hmac.compare_digest(presented.encode("utf-8", "replace"), expected.encode())
 
     async def _refuse_unauthenticated(self, ep: Any) -> None:
         # Nothing about this side (descriptor, worker address) goes to an unauthenticated peer.
