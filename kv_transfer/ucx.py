@@ -11,8 +11,8 @@ answers on it, and from then on each side sends on one tag and receives on the o
 (HELLO_REPLY carrying only the refusal: no descriptor, no worker address); then both
 sides check the fingerprint: the receiver answers HELLO_REPLY and records any refusal,
 the connector raises FingerprintMismatch. With `fast_data_path` the connector also opens
-a data endpoint without error handling to the receiver's worker address (shared memory /
-CMA on one host).
+a data endpoint without error handling to the receiver's worker address (shared memory on
+one host; KVTransferConfig.ucx_tls says why not CMA).
 
 One push on the wire (sender: ucx_conn.py, receiver: ucx_inbound.py):
 
@@ -159,7 +159,8 @@ class UcxTransport(LedgerReads, KVTransport):
 
     async def _endpoint_to(self, worker_address: str, *, error_handling: bool) -> Any:
         """An endpoint to a peer's worker (error handling: the peer's failure cancels what
-        waits on it, which UCX supports only on lanes that can tell: no shared memory)."""
+        waits on it, which UCX supports only on lanes that can tell: no shared memory;
+        without it, a failure UCX cannot hand to the endpoint aborts the process)."""
         address = self._rt.ucxx.get_ucx_address_from_buffer(bytes.fromhex(worker_address))
         return await asyncio.wait_for(
             self._rt.ucxx.create_endpoint_from_worker_address(

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import importlib.util
 import io
+import itertools
 import multiprocessing as mp
 import os
 import queue
@@ -32,6 +33,8 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None,
 STEP_TIMEOUT_S = 40.0  # any single wait on a child; each test stays well under 60 s
 LAYERS, HEADS, HEAD_DIM, BLOCK = 4, 2, 16, 16
 SRC_BLOCKS, DST_BLOCKS = 48, 64
+# A push to a dead peer ends by the broken connection, or the transfer_timeout_s (5 s) watchdog.
+ENDED_IN_BOUNDED_TIME = r"sending to \S+ failed|connection to \S+ lost|timed out after 5\.0s"
 
 
 def spec_kwargs(dtype: str, **overrides: Any) -> dict[str, Any]:
@@ -112,6 +115,30 @@ def sender_main(spec_kw: dict[str, Any], cfg_kw: dict[str, Any], desc: bytes,
     states = [(h.wait(config.transfer_timeout_s + 5).name, h.error) for h in handles]
     out.put(("sent", dict(states=states, stats=asdict(transport.stats()))))
     transport.close()
+
+
+def flooding_sender_main(spec_kw: dict[str, Any], cfg_kw: dict[str, Any], desc: bytes, out: Any,
+                         cmd: Any) -> None:
+    """Pushes every block, 4 pushes in flight, until one fails (it says so and waits to be
+    told to exit) or it is killed; says when the first one landed."""
+    from pdserve.kv_transfer import KVDescriptor, KVTransferConfig, UcxTransport
+
+    k, v = make_caches(spec_kw, SRC_BLOCKS, seed=1)
+    config = KVTransferConfig(**cfg_kw)
+    transport = UcxTransport(config)
+    transport.register(k, v, KVCacheSpec(**spec_kw))
+    transport.connect(KVDescriptor.from_bytes(desc))
+    blocks = list(range(SRC_BLOCKS))
+    in_flight = [transport.push(f"req-{i}", blocks, blocks) for i in range(4)]
+    for n in itertools.count(4):
+        handle = in_flight.pop(0)
+        if handle.wait(config.transfer_timeout_s + 5).name != "SUCCESS":
+            out.put(("failed", handle.error))
+            cmd.get(timeout=STEP_TIMEOUT_S)
+            return
+        if n == 4:
+            out.put(("flowing", None))
+        in_flight.append(transport.push(f"req-{n}", blocks, blocks))
 
 
 # -- harness -------------------------------------------------------------------------
@@ -248,8 +275,7 @@ def test_dead_peer_fails_in_bounded_time(cluster: Cluster, fast: bool) -> None:
     sent = expect(s_out, "sent")
     (state, error), = sent["states"]
     assert state == "FAILED" and error
-    # Ended by a bounded mechanism: the broken connection, or the transfer_timeout_s watchdog.
-    assert re.search(r"sending to \S+ failed|connection to \S+ lost|timed out after 5\.0s", error), error
+    assert re.search(ENDED_IN_BOUNDED_TIME, error), error
     assert (sent["stats"]["failures"], sent["stats"]["transfers"]) == (1, 0)
 
 
@@ -318,3 +344,43 @@ def test_data_path_is_agreed_when_configs_differ(cluster: Cluster, sender_fast: 
     want_k, want_v = expected_state(spec_kw, [([5, 6], [1, 0], list(range(LAYERS)))])
     got_k, got_v = loads(report["final"])
     assert same_bytes(got_k, want_k) and same_bytes(got_v, want_v)
+
+
+
+SPEC_OF_BIG_PUSHES = dict(num_kv_heads=8, head_dim=128)  # 12 MiB a push, 4 in flight
+
+
+def test_a_sender_killed_mid_push_leaves_the_receiver_alive(cluster: Cluster) -> None:
+    """SIGKILL a sender while its pushes stream: the receiver lives on and answers.
+
+    On one host UCX would read a sender's memory directly (CMA), and a read from a process
+    that just died aborts the reader when its endpoint has no peer-failure handling, as the
+    data endpoint has not: the transport's UCX_TLS default leaves CMA out."""
+    spec_kw = spec_kwargs("float32", **SPEC_OF_BIG_PUSHES)
+    cfg_kw = dict(transfer_timeout_s=5.0)
+    receiver, r_out, r_cmd = cluster.start(receiver_main, spec_kw, cfg_kw)
+    desc = expect(r_out, "desc")
+    for _ in range(3):  # each kill lands at some point of a push
+        sender, s_out, _ = cluster.start(flooding_sender_main, spec_kw, cfg_kw, desc)
+        expect(s_out, "flowing")
+        time.sleep(random.uniform(0.0, 0.05))  # not a condition: where in the stream the kill lands
+        sender.kill()
+        sender.join(timeout=10)
+        r_cmd.put(("report", 0.0))
+        report = expect(r_out, "report")
+        assert receiver.exitcode is None and report["stats"]["transfers"] > 0
+    r_cmd.put(("exit", 0))
+
+
+def test_a_receiver_killed_mid_push_fails_the_push_and_leaves_the_sender_alive(cluster: Cluster) -> None:
+    spec_kw = spec_kwargs("float32", **SPEC_OF_BIG_PUSHES)
+    cfg_kw = dict(transfer_timeout_s=5.0)
+    receiver, r_out, _ = cluster.start(receiver_main, spec_kw, cfg_kw)
+    sender, s_out, s_cmd = cluster.start(flooding_sender_main, spec_kw, cfg_kw, expect(r_out, "desc"))
+    expect(s_out, "flowing")
+    time.sleep(random.uniform(0.0, 0.05))  # not a condition: where in the stream the kill lands
+    receiver.kill()
+    error = expect(s_out, "failed")
+    assert sender.exitcode is None
+    assert re.search(ENDED_IN_BOUNDED_TIME, error), error
+    s_cmd.put("exit")
