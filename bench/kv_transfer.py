@@ -7,7 +7,8 @@ non-contiguous reserved blocks of a receiver process, push() to ack, and prints:
   * memcpy     : torch copy_ of the same bytes, contiguous, in one process;
   * gather     : index_select of the blocks into a staging buffer (sender's local cost);
   * ucx <path> : one push at a time (latency) and `--pipeline` pushes in flight
-                 (throughput), for the shared-memory fast path and TCP, and how long
+                 (throughput), for the default data path (one endpoint with peer-failure
+                 handling) and the opt-in fast path (shared memory), and how long
                  the push() call itself holds the caller;
 
 each with its ratio to memcpy. A script, never a timed test.
@@ -169,7 +170,7 @@ def main() -> None:
     parser.add_argument("--dtype", default="bfloat16")
     parser.add_argument("--iters", type=int, default=20)
     parser.add_argument("--pipeline", type=int, default=2, help="pushes in flight x iters")
-    parser.add_argument("--paths", default="fast,tcp", help="comma list of: fast, tcp")
+    parser.add_argument("--paths", default="default,fast", help="comma list of: default, fast")
     args = parser.parse_args()
     torch.set_num_threads(1)
     shape = Shape(args.tokens, args.layers, args.kv_heads, args.head_dim, args.block_size,

@@ -60,13 +60,16 @@ class KVTransferConfig:
     # Largest control message (header + req_id + block ids + done payload).
     max_control_bytes: int = 1 << 20
     # Move KV bytes on a second UCX endpoint built from the peer's worker address without
-    # peer-failure handling: that is what lets UCX pick shared memory on one host
-    # (one 12 MB message: 2.5-9 GB/s vs 0.3-1.1 GB/s over TCP loopback on the 2-core dev
-    # host; UCX drops shm lanes from error-handling endpoints). Liveness is still watched
-    # on the control endpoint, which keeps error handling, plus transfer_timeout_s (and
-    # ucx_tls leaves out the one lane whose peer's death would be fatal here: CMA).
-    # False: data rides the control endpoint (TCP only).
-    fast_data_path: bool = True
+    # peer-failure handling: that is what lets UCX pick shared memory on one host (11.8 MB
+    # pushes, bench/kv_transfer.py: 1.10 vs 0.69-0.83 GB/s one at a time, 1.54 vs 0.84-0.94
+    # pipelined). Off by default, because such an endpoint cannot survive its peer's death:
+    # a sender SIGKILLed mid-push aborts the receiving process when UCX was reading it with
+    # CMA (process_vm_readv on a dead pid is fatal there), and without CMA it can leave the
+    # receiver's shared-memory queue wedged for every other sender (its pushes time out).
+    # tests/e2e/test_kv_transfer_ucx.py kills senders mid-push to check the default.
+    # False: data rides the control endpoint, which keeps peer-failure handling (UCX picks TCP,
+    # or CMA with its failures reported).
+    fast_data_path: bool = False
     # Largest data message: a bigger push is cut on layer boundaries into messages of about
     # this size and pipelined (chunk j+1 is gathered and chunk j-1 scattered while chunk j
     # moves). Measured (bench/kv_transfer.py shape, 11.8 MB pushes, loaded 2-core host):
@@ -77,16 +80,9 @@ class KVTransferConfig:
     # (tiny push->ack median ~2 ms here); "blocking" measured ~12 ms (epoll wake-ups);
     # "polling" spins a core on the loop thread and starves the engine of the GIL.
     progress_mode: str = "thread"
-    # UCX_TLS: the transports UCX may use, e.g. "tcp,self" (several hosts as network
-    # namespaces of one machine). The default is all but CMA: CMA reads the peer's memory
-    # with process_vm_readv, and when that peer has just died (a prefill node killed
-    # mid-push) UCX aborts this whole process unless the endpoint has peer-failure
-    # handling, which the fast data endpoint has not. Shared memory proper merely stops
-    # delivering, and transfer_timeout_s ends the push. Cost on one host
-    # (bench/kv_transfer.py, 11.8 MB pushes): pipelined 1.59 GB/s without CMA, 1.54 with;
-    # one push at a time 0.87 vs 1.10 GB/s (noisy). tests/e2e/test_kv_transfer_ucx.py
-    # SIGKILLs a sender mid-push and checks the receiver lives.
-    ucx_tls: str = "^cma"
+    # UCX_TLS override, e.g. "tcp,self" (several hosts as network namespaces of one
+    # machine); None keeps UCX's own choice.
+    ucx_tls: str | None = None
     # Shared secret a connecting peer must present in its HELLO (and this side presents
     # when it connects); a receiver refuses any other HELLO before looking at its
     # fingerprint. None: no check. It crosses the network in the clear, like the bytes.

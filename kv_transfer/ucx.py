@@ -10,9 +10,9 @@ answers on it, and from then on each side sends on one tag and receives on the o
 (TaggedEndpoint). A receiver with a token first refuses a HELLO without the same one
 (HELLO_REPLY carrying only the refusal: no descriptor, no worker address); then both
 sides check the fingerprint: the receiver answers HELLO_REPLY and records any refusal,
-the connector raises FingerprintMismatch. With `fast_data_path` the connector also opens
-a data endpoint without error handling to the receiver's worker address (shared memory on
-one host; KVTransferConfig.ucx_tls says why not CMA).
+the connector raises FingerprintMismatch. With `fast_data_path` (opt-in: it does not survive
+a peer's death, KVTransferConfig says why) the connector also opens a data endpoint without
+error handling to the receiver's worker address (shared memory on one host).
 
 One push on the wire (sender: ucx_conn.py, receiver: ucx_inbound.py):
 

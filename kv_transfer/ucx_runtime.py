@@ -63,7 +63,7 @@ class UcxRuntime:
         os.environ.setdefault("UCX_WARN_UNUSED_ENV_VARS", "n")
         import ucxx
 
-        options = {} if "UCX_TLS" in os.environ else {"TLS": config.ucx_tls}  # the user's UCX_TLS wins
+        options = {"TLS": config.ucx_tls} if config.ucx_tls else {}
         options.update(net_devices(config.host, os.environ))
         options.update(tcp_port(config.port))
         try:
