@@ -111,10 +111,11 @@ def sender(shape: Shape, cfg_kw: dict[str, Any], desc: bytes, iters: int, pipeli
     transport.close()
 
 
-def run_ucx(shape: Shape, fast: bool, iters: int,
-            pipeline: int) -> tuple[list[float], float, float]:
+def run_ucx(shape: Shape, iters: int, pipeline: int,
+            fast: bool | None = None) -> tuple[list[float], float, float]:
+    """`fast`: the opt-in fast data path or not; None: the nodes' default."""
     ctx = mp.get_context("spawn")
-    cfg_kw = dict(fast_data_path=fast)
+    cfg_kw = {} if fast is None else dict(fast_data_path=fast)
     r_out, r_cmd, s_out = ctx.Queue(), ctx.Queue(), ctx.Queue()
     recv = ctx.Process(target=receiver, args=(shape, cfg_kw, r_out, r_cmd), daemon=True)
     recv.start()
@@ -184,8 +185,7 @@ def main() -> None:
     print(f"{'gather (index_select, sender)':34s} {gb / gather_s:7.2f} GB/s  "
           f"{gather_s * 1e3:7.2f} ms  ratio {memcpy / gather_s:.3f}")
     for path in args.paths.split(","):
-        latencies, pipelined, call_s = run_ucx(shape, path == "fast", args.iters,
-                                               args.pipeline)
+        latencies, pipelined, call_s = run_ucx(shape, args.iters, args.pipeline, fast=path == "fast")
         lat = statistics.median(latencies)
         print(f"{'ucx ' + path + ' (1 in flight, median)':34s} {gb / lat:7.2f} GB/s  "
               f"{lat * 1e3:7.2f} ms  ratio {memcpy / lat:.3f}")

@@ -2,7 +2,7 @@
 
     pdserve bench plan-validation [--model DIR] [--devices 2] [--validate 1] [--validate-others 2]
                                   [--validate-probes 6] [--slos 1.0,0.05 0.3,0.2] [--workloads ...]
-                                  [--profile-dir DIR] [--out-dir results/plan_validation]
+                                  [--profile-dir DIR] [--out-dir results/plan_validation] [--rescore]
 
 For each workload (a fixed, a uniform and a chat mix) and each SLO pair (TTFT,TPOT seconds), one
 `pdserve plan ... --validate K --output-json F` exactly as a user runs it; then one table of every
@@ -10,6 +10,12 @@ validated candidate (predicted and measured goodput, the error, the P90s at the 
 and the two goals: the median absolute goodput error over every candidate measured (≤ 10%), and
 for each plan the recommended configuration's measured goodput within 10% of the best measured.
 Long: every candidate of every plan is started and swept for real. Prints the CPU capability.
+
+`--rescore` measures nothing: it plans again (the same flags, no --validate, `--client-here`: the
+measurements had their client on this machine) on the cached profile (`--profile-dir`, the run's)
+and prints each candidate an earlier run in `--out-dir` measured with its prediction then and now
+beside that measurement, and where the measurement lies: the highest rate that passed and the
+lowest above it that failed bracket the true goodput (a sweep of a few probes rarely closes it).
 """
 
 from __future__ import annotations
@@ -45,15 +51,19 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--profile-dir", type=Path,
                    help="where the plans' profile is cached (an empty one: profiled afresh, under this run's conditions)")
     p.add_argument("--out-dir", type=Path, default=Path("results/plan_validation"))
+    p.add_argument("--rescore", action="store_true",
+                   help="measure nothing: predict the candidates that the run in --out-dir measured again, "
+                        "with this simulator, and print the errors then and now")
     return p
 
 
-def _plan(args: argparse.Namespace, workload: str, slo: str, out: Path) -> dict | None:
+def _plan(args: argparse.Namespace, workload: str, slo: str, out: Path, validate: bool = True) -> dict | None:
     ttft, tpot = slo.split(",")
+    checks = (["--validate", str(args.validate), "--validate-others", str(args.validate_others),
+               "--validate-probes", str(args.validate_probes)] if validate else ["--client-here"])
     argv = [sys.executable, "-m", "pdserve", "plan", "--devices", str(args.devices), "--ttft-slo", ttft,
             "--tpot-slo", tpot, "--num-requests", str(args.num_requests), "--min-duration-s", str(args.min_duration_s),
-            "--validate", str(args.validate), "--validate-others", str(args.validate_others),
-            "--validate-probes", str(args.validate_probes), "--no-progress", "--output-json", str(out),
+            *checks, "--no-progress", "--output-json", str(out),
             *WORKLOADS[workload], *(["--model", args.model] if args.model else []),
             *(["--profile-dir", str(args.profile_dir)] if args.profile_dir else [])]
     print(f"\n$ {' '.join(argv[2:])}", flush=True)
@@ -80,10 +90,12 @@ def main(argv: list[str] | None = None) -> int:
         _parser().error(f"--workloads: unknown workload {unknown[0]!r} ({', '.join(WORKLOADS)})")
     args.out_dir.mkdir(parents=True, exist_ok=True)
     print(f"CPU capability: {torch.backends.cpu.get_cpu_capability()}", flush=True)
+    if args.rescore:
+        return _rescore(args, workloads)
     rows, shares = [], []
     for workload in workloads:
         for slo in args.slos:
-            report = _plan(args, workload, slo, args.out_dir / f"{workload}-{slo.replace(',', '_')}.json")
+            report = _plan(args, workload, slo, _report_path(args, workload, slo))
             if report is not None:
                 rows += _rows(workload, slo, report)
                 shares.append(report["validation"]["recommended_share_of_best_measured"])
@@ -104,6 +116,60 @@ def main(argv: list[str] | None = None) -> int:
     (args.out_dir / "summary.json").write_text(json.dumps({"rows": rows, "median_abs_goodput_error": median,
                                                            "recommended_share_of_best": shares}, indent=1))
     return 0
+
+
+
+def _report_path(args: argparse.Namespace, workload: str, slo: str, suffix: str = "") -> Path:
+    return args.out_dir / f"{workload}-{slo.replace(',', '_')}{suffix}.json"
+
+
+def _rescore(args: argparse.Namespace, workloads: list[str]) -> int:
+    print("\n| workload | SLO TTFT,TPOT s | layout | measured req/s (bracket) | predicted then -> now | "
+          "error then -> now | outside the bracket now |\n| --- | --- | --- | --- | --- | --- | --- |")
+    then, now, outside, shares = [], [], [], []
+    for workload in workloads:
+        for slo in args.slos:
+            measured_in = _report_path(args, workload, slo)
+            if not measured_in.exists():
+                continue
+            old = json.loads(measured_in.read_text())
+            new = _plan(args, workload, slo, _report_path(args, workload, slo, ".rescored"), validate=False)
+            shares.append(_recommended_share(old, new))
+            for measured in old["validation"]["candidates"]:
+                knobs = next(c["knobs"] for c in old["candidates"] if c["layout"] == measured["layout"])
+                again = next((c for c in (new or {}).get("candidates", [])
+                              if c["layout"] == measured["layout"] and c["knobs"] == knobs), None)
+                predicted = again["predicted_goodput_rps"] if again else 0.0
+                low, high = _bracket(measured["probes"])
+                if low <= 0:  # no probe passed: no goodput to compare with
+                    continue
+                then.append(abs(measured["goodput_error"]))
+                now.append(abs(predicted / low - 1))
+                outside.append(0.0 if low <= predicted <= high else min(abs(predicted / e - 1) for e in (low, high)))
+                print(f"| {workload} | {slo} | {measured['layout']} | {low:.3g} ({low:.3g}-{high:.3g}) | "
+                      f"{measured['predicted_goodput_rps']:.3g} -> {predicted:.3g} | {_pct(measured['goodput_error'])} -> "
+                      f"{_pct(predicted / low - 1)} | {outside[-1]:.0%} |")
+    if then:
+        print(f"\nmedian |goodput error| over {len(then)} candidates: {statistics.median(then):.0%} then, "
+              f"{statistics.median(now):.0%} now (goal <= 10%); outside the measured bracket now: "
+              f"{statistics.median(outside):.0%}")
+    print("recommended now / best measured per plan: " + ", ".join("-" if s is None else f"{s:.0%}" for s in shares)
+          + " (goal >= 90% each; - : the layout recommended now was not measured)")
+    return 0
+
+
+def _recommended_share(old: dict, new: dict | None) -> float | None:
+    """What the layout the plan recommends now measured in the earlier run, over the best it measured."""
+    measured = {c["layout"]: c["measured_goodput_rps"] for c in old["validation"]["candidates"]}
+    if not new or not new["candidates"] or new["candidates"][0]["layout"] not in measured:
+        return None
+    return measured[new["candidates"][0]["layout"]] / max(measured.values())
+
+
+def _bracket(probes: list[dict]) -> tuple[float, float]:
+    """(the highest rate that passed, the lowest above it that failed; inf when none did)."""
+    low = max((p["rate"] for p in probes if p["passed"]), default=0.0)
+    return low, min((p["rate"] for p in probes if not p["passed"] and p["rate"] > low), default=float("inf"))
 
 
 if __name__ == "__main__":

@@ -32,8 +32,8 @@ from pdserve.bench.serve.workloads import ModelLimits, RequestSpec
 from pdserve.common.refusal import Refused
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE, DTYPE_NAMES, EngineConfig
 from pdserve.planner.goodput import Traffic
-from pdserve.planner.profile import Profile, ProfileCache
-from pdserve.planner.profile_cli import default_model, int_list, profiles_for, router_cost_for
+from pdserve.planner.profile import ClientCost, Profile, ProfileCache
+from pdserve.planner.profile_cli import default_model, int_list, profiles_for, serving_costs_for
 from pdserve.planner.search import (
     DEFAULT_LOCAL_PREFILL_MAX_TOKENS, Candidate, Evaluated, Knobs, evaluate, layouts, ranked,
 )
@@ -86,6 +86,10 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --validate: the best-ranked candidates of M more layouts")
     check.add_argument("--validate-probes", type=int, default=6,
                        help="with --validate: real runs per candidate's sweep at most")
+    check.add_argument("--client-here", action="store_true",
+                       help="predict for a load generator on this machine: its CPU (measured by `pdserve profile`) "
+                            "comes out of the nodes' cores, as the router's and the node fronts' does. "
+                            "--validate implies it (its client runs here)")
     out = p.add_argument_group("output")
     out.add_argument("--output-json", type=Path)
     out.add_argument("--profile-dir", help="where profiles are cached (default: <pdserve cache>/profiles)")
@@ -222,7 +226,9 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
     setups = sorted({s for c in candidates for s in c.layout.setups})
     cache = ProfileCache(args.profile_dir)
     profiles = profiles_for(model, setups, args.dtype, args.block_size, cache, not args.no_progress, log=log)
-    router = router_cost_for(model, cache, log=log)
+    costs = serving_costs_for(model, cache, log=log)
+    if not (args.client_here or args.validate):
+        costs = replace(costs, client=ClientCost.free())  # the clients run elsewhere
     first = profiles[setups[0]]
     cores, most = first.machine.get("cores"), max(threads for threads, _ in setups)
     if isinstance(cores, int) and most > cores:
@@ -232,7 +238,7 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
     traffic = _traffic(args, model, first)
     slo = Slo(args.ttft_slo, args.tpot_slo)
     sweep = SweepConfig(args.attainment, tolerance=args.tolerance, max_probes=args.max_probes)
-    results = ranked([evaluate(c, base, profiles, traffic, slo, sweep, first.max_model_len, router)
+    results = ranked([evaluate(c, base, profiles, traffic, slo, sweep, first.max_model_len, costs)
                       for c in tqdm(candidates, desc="simulating", unit="config", disable=args.no_progress)])
     records = [candidate_record(e, model, first.setup.dtype, args.block_size) for e in results]
     best = records[0] if results and results[0].prediction.goodput_rps > 0 else None

@@ -30,7 +30,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from pdserve.bench.serve.metrics import Slo
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.goodput import Traffic, simulate
-from pdserve.planner.profile import Profile, RouterCost
+from pdserve.planner.profile import Profile, ServingCosts
 from pdserve.planner.simulator import ClusterSpec, Pool
 
 PROMPT, OUTPUT = "pdserve_request_prompt_tokens", "pdserve_request_generation_tokens"
@@ -157,12 +157,12 @@ class LoadModeConfig:
 
 class Rebalancer:
     def __init__(self, config: LoadModeConfig, prefill: EngineConfig, decode: EngineConfig, profile: Profile,
-                 router: RouterCost = RouterCost(0.0, 0.0, "free")) -> None:
+                 costs: ServingCosts = ServingCosts()) -> None:
         """`prefill`/`decode`: each pool's engine config; `profile`: the nodes' (one threads count)."""
         self.config = config
         self._engines = {"prefill": prefill, "decode": decode}
         self._profile = profile
-        self._router = router
+        self._costs = costs
 
     def decide(self, window: Window, current: Split) -> Move | None:
         if len(window.mix) < self.config.min_samples or window.meets(self.config.target):
@@ -176,7 +176,7 @@ class Rebalancer:
 
     def attainment(self, split: Split, window: Window) -> float:
         spec = ClusterSpec(prefill=Pool(split.prefill, self._engines["prefill"], self._profile),
-                           decode=Pool(split.decode, self._engines["decode"], self._profile), router=self._router)
+                           decode=Pool(split.decode, self._engines["decode"], self._profile), costs=self._costs)
         limit = self._profile.max_model_len
 
         def request(i: int) -> tuple[tuple[int, ...], int]:

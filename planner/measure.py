@@ -147,9 +147,9 @@ def measure_ucx_push(core: EngineCore) -> TransferCost:
     for tokens in UCX_PUSH_TOKENS:
         shape = Shape(tokens, loaded.num_layers, loaded.num_local_kv_heads, loaded.head_dim, config.block_size,
                       config.dtype)
-        latencies, _, _ = run_ucx(shape, fast=True, iters=REPEATS, pipeline=1)
+        latencies, _, _ = run_ucx(shape, iters=REPEATS, pipeline=1)  # the nodes' data path
         points.append((shape.nbytes, statistics.median(latencies)))
-    return _line(points, "UCX push to acknowledgement between two processes (shared memory)")
+    return _line(points, "UCX push to acknowledgement between two processes (the nodes' data path)")
 
 
 def _line(points: list[tuple[int, float]], method: str) -> TransferCost:

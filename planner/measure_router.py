@@ -36,7 +36,12 @@ def measure_router_cost(model_dir: str) -> RouterCost:
         for process in (nodes, router.process):
             process.terminate()
             process.wait(timeout=30)
+    return RouterCost(*per_request_and_token(points, REQUESTS), "router CPU behind fake nodes, gRPC streams")
+
+
+def per_request_and_token(points: list[tuple[int, float]], requests: int) -> tuple[float, float]:
+    """(per request, per token) CPU seconds from two runs of `requests` requests each,
+    (tokens streamed, CPU seconds) with few and with many tokens."""
     (few, cpu_few), (many, cpu_many) = points
     per_token = max((cpu_many - cpu_few) / (many - few), 0.0)
-    per_request = max((cpu_few - per_token * few) / REQUESTS, 0.0)
-    return RouterCost(per_request, per_token, "router CPU behind fake nodes, gRPC streams")
+    return max((cpu_few - per_token * few) / requests, 0.0), per_token

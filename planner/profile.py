@@ -5,8 +5,9 @@ size, dtype, block size) on a model folder on a machine, the samples it was fitt
 error per kind of step, the bytes of one KV block, and the cost of moving KV. It is cached as JSON
 under the pdserve cache dir (`profiles/<key>.json`), keyed by a hash of the model folder (its
 config and the names and sizes of its weight files), the machine (CPU model, its capability flags,
-its core count) and the setup: measured once, reused until one of them changes. The router's
-cost per request and per token (`RouterCost`) is cached beside them, keyed by model and machine.
+its core count) and the setup: measured once, reused until one of them changes. The CPU per
+request and per token of the serving stack around the engines (`ServingCosts`: the router's, a
+node front's, a client's) is cached beside them, keyed by model and machine.
 
 Must never: measure anything (planner/measure.py does) or import torch.
 """
@@ -23,7 +24,7 @@ from pathlib import Path
 from pdserve.common.paths import default_cache_dir
 from pdserve.planner.step_cost import StepCost, StepShape
 
-PROFILE_VERSION = 2  # bump when what is measured, or how, changes: older files are measured again
+PROFILE_VERSION = 3  # bump when what is measured, or how, changes: older files are measured again
 # CPU flags that change which kernels and dtypes the engine runs (engine/dtype_choice.py, kernels/).
 CAPABILITY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -55,29 +56,69 @@ class TransferCost:
 
 
 @dataclass(frozen=True)
-class RouterCost:
-    """The router's CPU per request and per streamed token (one process, one event loop: the
-    simulator runs it as a single first-come-first-served server)."""
+class CpuCost:
+    """One serving process's CPU per request and per streamed token."""
 
     per_request_s: float
     per_token_s: float
     method: str  # how it was measured
 
+    @classmethod
+    def free(cls):
+        return cls(0.0, 0.0, "free")
+
+    def of_request(self, tokens: float) -> float:
+        """CPU seconds for one request that streams `tokens` tokens."""
+        return self.per_request_s + tokens * self.per_token_s
+
     def to_json(self) -> dict:
         return {**dataclasses.asdict(self), "version": PROFILE_VERSION}
 
     @classmethod
-    def from_json(cls, record: dict) -> RouterCost:
+    def from_json(cls, record: dict):
         record = dict(record)
         if record.pop("version", None) != PROFILE_VERSION:
-            raise ValueError("router cost written by another version")
+            raise ValueError(f"{cls.__name__} written by another version")
         return cls(**record)
+
+
+class RouterCost(CpuCost):
+    """The router's (one process, one event loop: the simulator runs it as a single
+    first-come-first-served server)."""
+
+
+class FrontCost(CpuCost):
+    """A node front's: its gRPC server relaying what its engine core (a process of its own)
+    sends. A disaggregated request passes two fronts (the prefill leg costs a request)."""
+
+
+class ClientCost(CpuCost):
+    """A streaming gRPC client's (the serving bench's): charged only when the load generator
+    shares the nodes' machine, as when a plan is validated here."""
+
+
+@dataclass(frozen=True)
+class ServingCosts:
+    """What the serving stack around the engines costs on this machine."""
+
+    router: RouterCost = RouterCost.free()
+    fronts: FrontCost = FrontCost.free()
+    client: ClientCost = ClientCost.free()
 
 
 def router_key(model_digest: str, machine: dict[str, object]) -> str:
     """The router tokenizes and detokenizes with the model's tokenizer; no node setup matters."""
-    text = json.dumps([PROFILE_VERSION, "router", model_digest, machine], sort_keys=True)
-    return "router-" + hashlib.sha256(text.encode()).hexdigest()[:20]
+    return cost_key("router", model_digest, machine)
+
+
+def stack_keys(model_digest: str, machine: dict[str, object]) -> tuple[str, str]:
+    """Where a node front's and a client's costs are cached (measured in one run)."""
+    return cost_key("front", model_digest, machine), cost_key("client", model_digest, machine)
+
+
+def cost_key(process: str, model_digest: str, machine: dict[str, object]) -> str:
+    text = json.dumps([PROFILE_VERSION, process, model_digest, machine], sort_keys=True)
+    return f"{process}-" + hashlib.sha256(text.encode()).hexdigest()[:20]
 
 
 @dataclass(frozen=True)
@@ -168,14 +209,14 @@ class ProfileCache:
         return self.folder / f"{key}.json"
 
     def load(self, key: str, kind: type = Profile):
-        """The cached `kind` (a Profile or a RouterCost), or None when there is none (or it is
+        """The cached `kind` (a Profile or a CpuCost), or None when there is none (or it is
         unreadable: measured again)."""
         try:
             return kind.from_json(json.loads(self.path(key).read_text()))
         except (OSError, ValueError, TypeError, KeyError):
             return None
 
-    def store(self, key: str, entry: Profile | RouterCost) -> Path:
+    def store(self, key: str, entry: Profile | CpuCost) -> Path:
         self.folder.mkdir(parents=True, exist_ok=True)
         path = self.path(key)
         tmp = path.with_suffix(".tmp")

@@ -1,13 +1,14 @@
 """`pdserve profile`: measure (or read from the cache) what the simulator needs of each node
-configuration on this machine, and print the fitted step-time model with its fit error, and the router's cost per request and
-per token.
+configuration on this machine, and print the fitted step-time model with its fit error, and the CPU per request and per
+token of the serving stack around the engines (the router, a node front, a client).
 
     pdserve profile [--model DIR] [--threads 1,2] [--tp 1,2] [--dtype auto] [--block-size 16] [--remeasure]
         [--skip-router]
 
-`profiles_for` and `router_cost_for` are also what `pdserve plan` calls: a cached profile is reused, a missing one is
-measured (a progress bar on stderr) and stored. Owns the flags and the printing; the measuring is
-planner/measure.py's and planner/measure_router.py's, imported only when something must be measured.
+`profiles_for` and `serving_costs_for` are also what `pdserve plan` calls: a cached profile is reused, a missing one
+is measured (a progress bar on stderr) and stored. Owns the flags and the printing; the measuring is
+planner/measure.py's, planner/measure_router.py's and planner/measure_front.py's, imported only when something must be
+measured.
 """
 
 from __future__ import annotations
@@ -18,7 +19,8 @@ import sys
 from pdserve.common.refusal import Refused
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE, DTYPE_NAMES
 from pdserve.planner.profile import (
-    NodeSetup, Profile, ProfileCache, RouterCost, machine_facts, model_hash, profile_key, router_key,
+    ClientCost, CpuCost, FrontCost, NodeSetup, Profile, ProfileCache, RouterCost, ServingCosts, machine_facts,
+    model_hash, profile_key, router_key, stack_keys,
 )
 
 
@@ -63,21 +65,34 @@ def tp_setups(threads: list[int], tp_sizes: list[int]) -> list[tuple[int, int]]:
     return [(count, tp) for count in threads for tp in tp_sizes if count % tp == 0]
 
 
-def router_cost_for(model: str, cache: ProfileCache, remeasure: bool = False, log=print) -> RouterCost:
-    """The router's cost on this machine for this model, from the cache or measured now (and cached)."""
-    key = router_key(model_hash(model), machine_facts())
-    cost = None if remeasure else cache.load(key, RouterCost)
-    if cost is None:
+def serving_costs_for(model: str, cache: ProfileCache, remeasure: bool = False, log=print) -> ServingCosts:
+    """The serving stack's costs on this machine for this model, from the cache or measured now (and cached)."""
+    digest, machine = model_hash(model), machine_facts()
+    router_at, (front_at, client_at) = router_key(digest, machine), stack_keys(digest, machine)
+    router = None if remeasure else cache.load(router_at, RouterCost)
+    if router is None:
         from pdserve.planner.measure_router import measure_router_cost  # processes and gRPC: only when measuring
 
         log("profile: measuring the router behind fake nodes ...")
-        cost = measure_router_cost(model)
-        log(f"profile: measured the router, stored in {cache.store(key, cost)}")
-    return cost
+        router = measure_router_cost(model)
+        log(f"profile: measured the router, stored in {cache.store(router_at, router)}")
+    fronts, client = (None, None) if remeasure else (cache.load(front_at, FrontCost), cache.load(client_at, ClientCost))
+    if fronts is None or client is None:
+        from pdserve.planner.measure_front import measure_stack_cost  # a real cluster: only when measuring
+
+        log("profile: measuring a node front and a client on a local colocated cluster ...")
+        fronts, client = measure_stack_cost(model)
+        log(f"profile: measured them, stored in {cache.store(front_at, fronts)} and {cache.store(client_at, client)}")
+    return ServingCosts(router, fronts, client)
 
 
-def format_router(cost: RouterCost) -> str:
-    return (f"router ≈ {cost.per_request_s * 1e6:.0f} µs/request + {cost.per_token_s * 1e6:.1f} µs/token "
+def format_costs(costs: ServingCosts) -> str:
+    return "\n".join(format_cost(name, cost) for name, cost in
+                     (("router", costs.router), ("node front", costs.fronts), ("client", costs.client)))
+
+
+def format_cost(name: str, cost: CpuCost) -> str:
+    return (f"{name} ≈ {cost.per_request_s * 1e6:.0f} µs/request + {cost.per_token_s * 1e6:.1f} µs/token "
             f"({cost.method})")
 
 
@@ -104,7 +119,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", choices=DTYPE_NAMES, default="auto")
     p.add_argument("--block-size", type=int, default=DEFAULT_BLOCK_SIZE)
     p.add_argument("--remeasure", action="store_true", help="measure even when a cached profile exists")
-    p.add_argument("--skip-router", action="store_true", help="do not measure (or print) the router's cost")
+    p.add_argument("--skip-router", action="store_true",
+                   help="do not measure (or print) the serving stack's cost (router, node front, client)")
     p.add_argument("--profile-dir", help="where profiles are cached (default: <pdserve cache>/profiles)")
     p.add_argument("--no-progress", action="store_true")
     return p
@@ -130,14 +146,14 @@ def main(argv: list[str] | None = None) -> int:
             p.error("--tp: no size divides any --threads count")
         profiles = profiles_for(model, setups, args.dtype, args.block_size, cache, not args.no_progress,
                                 args.remeasure)
-        router = None if args.skip_router else router_cost_for(model, cache, args.remeasure)
+        costs = None if args.skip_router else serving_costs_for(model, cache, args.remeasure)
     except Refused as err:
         print(f"pdserve profile: {err.cli_message()}", file=sys.stderr)
         return err.exit_code
     for profile in profiles.values():
         print(format_profile(profile))
-    if router is not None:
-        print(format_router(router))
+    if costs is not None:
+        print(format_costs(costs))
     return 0
 
 

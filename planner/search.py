@@ -24,7 +24,7 @@ from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.sweep import SweepConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.goodput import Prediction, Traffic, predict_goodput, start_rate
-from pdserve.planner.profile import Profile, RouterCost
+from pdserve.planner.profile import Profile, ServingCosts
 from pdserve.planner.simulator import ClusterSpec, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
@@ -138,7 +138,7 @@ class Candidate:
     layout: Layout
     knobs: Knobs
 
-    def spec(self, base: EngineConfig, profiles: dict[tuple[int, int], Profile], router: RouterCost) -> ClusterSpec:
+    def spec(self, base: EngineConfig, profiles: dict[tuple[int, int], Profile], costs: ServingCosts) -> ClusterSpec:
         """`base`: every node's engine config (model, dtype, block size, KV capacity)."""
         config = replace(base, max_num_batched_tokens=self.knobs.max_num_batched_tokens,
                          max_num_seqs=self.knobs.max_num_seqs, chunk_schedule=self.knobs.chunk_schedule)
@@ -153,7 +153,7 @@ class Candidate:
                   else PrefillChoice(Disaggregation.AUTO, lay.local_prefill_max_tokens))
         return ClusterSpec(pool(lay.colocated, lay.colocated_cores, lay.colocated_tp),
                            pool(lay.prefill, lay.prefill_cores, lay.prefill_tp),
-                           pool(lay.decode, lay.decode_cores, lay.decode_tp), router, choice)
+                           pool(lay.decode, lay.decode_cores, lay.decode_tp), costs, choice)
 
     def command(self, model: str, dtype: str, block_size: int) -> list[str]:
         """The `pdserve cluster` argv that runs this candidate on cores 0..N-1."""
@@ -195,8 +195,8 @@ class Evaluated:
 
 
 def evaluate(candidate: Candidate, base: EngineConfig, profiles: dict[int, Profile], traffic: Traffic, slo: Slo,
-             sweep: SweepConfig, max_model_len: int, router: RouterCost = RouterCost(0.0, 0.0, "free")) -> Evaluated:
-    spec = candidate.spec(base, profiles, router)
+             sweep: SweepConfig, max_model_len: int, costs: ServingCosts = ServingCosts()) -> Evaluated:
+    spec = candidate.spec(base, profiles, costs)
     sweep = replace(sweep, start_rate=start_rate(spec, traffic)) if sweep.rate_min is None else sweep
     return Evaluated(candidate, predict_goodput(spec, traffic, slo, max_model_len, sweep))
 

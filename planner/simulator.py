@@ -21,11 +21,11 @@ policies are the router's own objects, given fresh stats at every decision (a re
 stats up to a heartbeat old plus what it sent since). The router itself, one process on one event
 loop, is a first-come-first-served server: each request costs it `per_request_s` before placement
 and each token `per_token_s` before the client has it (the profile's `RouterCost`), so a router
-that cannot keep up delays every stream. On one machine the router's CPU also comes out of the
-cores the nodes run on: every step takes 1 / (1 - u) as long, u the share of those cores the
-router's work on the run's requests takes at their arrival rate (`cpu_stretch`). Not simulated:
-the node fronts' and the clients' CPU, the network between client and router, queue bounds,
-failures.
+that cannot keep up delays every stream. On one machine the serving stack's CPU also comes out
+of the cores the nodes run on: every step takes 1 / (1 - u) as long, u the share of those cores
+that the router, the node fronts and (when the plan says the load generator runs here) the
+client take on the run's requests at their arrival rate (`cpu_stretch`, from the profile's
+`ServingCosts`). Not simulated: the network between client and router, queue bounds, failures.
 
 Each request's trace is the serving bench's `RequestTrace` (one chunk per token), so the bench's
 metrics apply unchanged. Must never: read a wall clock or load torch.
@@ -42,7 +42,7 @@ from pdserve.bench.serve.metrics import RequestTrace
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.request import Request
-from pdserve.planner.profile import Profile, RouterCost
+from pdserve.planner.profile import Profile, ServingCosts
 from pdserve.planner.sim_node import PLACEHOLDER_TOKEN, Sampled, SimClock, SimNode
 from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.router.cluster.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
@@ -67,7 +67,7 @@ class ClusterSpec:
     colocated: Pool | None = None
     prefill: Pool | None = None
     decode: Pool | None = None
-    router: RouterCost = RouterCost(0.0, 0.0, "free")
+    costs: ServingCosts = ServingCosts()
     # Decode nodes started with `--local-prefill`, and the router's `--disaggregation` choice
     # between them and the prefill pool; None: every request of a pair is disaggregated.
     local_prefill: PrefillChoice | None = None
@@ -110,6 +110,7 @@ class _Flight:
 class ClusterSim:
     def __init__(self, spec: ClusterSpec, max_model_len: int) -> None:
         self.clock = SimClock()
+        self._spec = spec
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._stats_seq = itertools.count()
@@ -127,8 +128,7 @@ class ClusterSim:
         self.decode = self._nodes("decode", spec.decode, ColocatedPolicy(), max_model_len)
         self._prefill_profile = spec.prefill.profile if spec.prefill is not None else None
         self._flights: dict[str, _Flight] = {}
-        self._router = spec.router
-        self._node_cores = spec.node_cores
+        self._router = spec.costs.router
         self._router_free_s = 0.0  # when the router has done all the work handed to it so far
 
     def _nodes(self, kind: str, pool: Pool | None, policy, max_model_len: int) -> list[SimNode]:
@@ -138,7 +138,7 @@ class ClusterSim:
                 for i in range(pool.count)]
 
     def run(self, requests: list[SimRequest]) -> list[RequestTrace]:
-        stretch = cpu_stretch(self._router, requests, self._node_cores)
+        stretch = cpu_stretch(self._spec, requests)
         for node in (*self.colocated, *self.prefill, *self.decode):
             node.stretch = stretch
         traces = []
@@ -283,15 +283,17 @@ class ClusterSim:
         trace.end_s = trace.sent_s
 
 
-# A router that would need more than this share of the nodes' cores is a bottleneck its own
-# queue already shows; the steps are not slowed without bound for it.
-MAX_ROUTER_SHARE = 0.9
+# A serving stack that would need more than this share of the nodes' cores is a bottleneck the
+# router's queue already shows; the steps are not slowed without bound for it.
+MAX_STACK_SHARE = 0.9
 
 
-def cpu_stretch(router: RouterCost, requests: list[SimRequest], cores: int) -> float:
-    """1 / (1 - u): how much longer every step takes while the router works on `requests`, u its
-    CPU per second at their mean arrival rate (each request's cost and each output token's) over
-    `cores`. 1 for a router that costs nothing, or fewer than two requests (no rate)."""
+def cpu_stretch(spec: ClusterSpec, requests: list[SimRequest]) -> float:
+    """1 / (1 - u): how much longer every step takes while the serving stack works on `requests`,
+    u its CPU per second at their mean arrival rate over the nodes' cores: per request and per
+    output token, the router's, one front's per leg (two when a prefill pool computes prompts),
+    the client's. 1 for a stack that costs nothing, or fewer than two requests (no rate)."""
+    cores = spec.node_cores
     if len(requests) < 2 or cores < 1:
         return 1.0
     arrivals = [r.arrival_s for r in requests]
@@ -299,6 +301,10 @@ def cpu_stretch(router: RouterCost, requests: list[SimRequest], cores: int) -> f
     if span <= 0:
         return 1.0
     rate = (len(requests) - 1) / span
-    mean_output = sum(r.output_len for r in requests) / len(requests)
-    share = rate * (router.per_request_s + mean_output * router.per_token_s) / cores
-    return 1.0 / (1.0 - min(share, MAX_ROUTER_SHARE))
+    tokens = sum(r.output_len for r in requests) / len(requests)
+    costs = spec.costs
+    legs = 1 if spec.prefill is None else 2
+    per_request = (costs.router.of_request(tokens) + costs.client.of_request(tokens)
+                   + costs.fronts.of_request(tokens) + (legs - 1) * costs.fronts.per_request_s)
+    share = rate * per_request / cores
+    return 1.0 / (1.0 - min(share, MAX_STACK_SHARE))

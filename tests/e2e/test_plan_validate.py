@@ -11,9 +11,9 @@ import sys
 
 from pdserve.engine.dtype_choice import resolve_dtype
 from pdserve.planner.profile import (
-    NodeSetup, ProfileCache, RouterCost, machine_facts, model_hash, profile_key, router_key,
+    NodeSetup, ProfileCache, machine_facts, model_hash, profile_key,
 )
-from tests.unit.planner_profiles import synthetic_profile
+from tests.unit.planner_profiles import store_synthetic_costs, synthetic_profile
 
 
 def test_plan_validate_runs_the_recommended_cluster_and_reports_predicted_beside_measured(tiny_model, tmp_path):
@@ -22,7 +22,7 @@ def test_plan_validate_runs_the_recommended_cluster_and_reports_predicted_beside
     digest, machine = model_hash(tiny_model), machine_facts()
     cache.store(profile_key(digest, machine, NodeSetup(1, resolve_dtype("auto"), 16)),
                 synthetic_profile(base_s=0.002, per_token_s=0.0001))
-    cache.store(router_key(digest, machine), RouterCost(1e-4, 1e-5, "synthetic"))
+    store_synthetic_costs(cache, digest, machine)
     # Loose SLOs: every real run meets them, so what is checked is the plumbing, never a timing.
     argv = [sys.executable, "-m", "pdserve", "plan", "--model", str(tiny_model), "--devices", "1",
             "--profile-dir", str(tmp_path / "profiles"), "--no-progress", "--workload", "fixed",

@@ -13,9 +13,9 @@ from pdserve.engine.dtype_choice import resolve_dtype
 from pdserve.model_factory import make_model
 from pdserve.planner.cli import main
 from pdserve.planner.profile import (
-    NodeSetup, ProfileCache, RouterCost, machine_facts, model_hash, profile_key, router_key,
+    NodeSetup, ProfileCache, machine_facts, model_hash, profile_key,
 )
-from tests.unit.planner_profiles import synthetic_profile
+from tests.unit.planner_profiles import store_synthetic_costs, synthetic_profile
 
 
 @pytest.fixture(scope="module")
@@ -31,7 +31,7 @@ def planned(tmp_path_factory):
         cache.store(profile_key(digest, machine, NodeSetup(threads, dtype, 16)), profile)
     tp2 = synthetic_profile(base_s=0.005, per_token_s=0.0004, threads=2)
     cache.store(profile_key(digest, machine, NodeSetup(2, dtype, 16, tensor_parallel_size=2)), tp2)
-    cache.store(router_key(digest, machine), RouterCost(1e-4, 1e-5, "synthetic"))
+    store_synthetic_costs(cache, digest, machine)
     return str(model), str(cache.folder)
 
 

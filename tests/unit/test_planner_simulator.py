@@ -8,8 +8,8 @@ import pytest
 
 from pdserve.bench.serve.metrics import request_metrics
 from pdserve.engine.config import EngineConfig
-from pdserve.planner.profile import RouterCost, TransferCost
-from pdserve.planner.simulator import EXHAUSTED, MAX_ROUTER_SHARE, ClusterSim, ClusterSpec, Pool, SimRequest, cpu_stretch
+from pdserve.planner.profile import ClientCost, FrontCost, RouterCost, ServingCosts, TransferCost
+from pdserve.planner.simulator import EXHAUSTED, MAX_STACK_SHARE, ClusterSim, ClusterSpec, Pool, SimRequest, cpu_stretch
 from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
 from tests.unit.planner_profiles import BLOCK_BYTES, synthetic_profile
 
@@ -117,7 +117,7 @@ def test_a_request_no_node_can_ever_hold_is_refused():
 def test_the_router_costs_each_request_and_each_token_once_on_its_way():
     profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
     router = RouterCost(0.003, 0.0005, "synthetic")
-    _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile), router=router), 100, 5)
+    _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile), costs=ServingCosts(router)), 100, 5)
     assert m.ttft_s == pytest.approx(0.003 + 0.11 + 0.0005)
     assert m.tpot_s == pytest.approx(0.011)  # every token waits the same relay
 
@@ -125,7 +125,8 @@ def test_the_router_costs_each_request_and_each_token_once_on_its_way():
 def test_a_router_slower_than_the_steps_paces_every_stream():
     """Tokens leave the node every 11 ms but the router relays one per 50 ms: they queue there."""
     profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
-    _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile), router=RouterCost(0.0, 0.05, "slow")), 100, 5)
+    _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile),
+                               costs=ServingCosts(RouterCost(0.0, 0.05, "slow"))), 100, 5)
     assert m.ttft_s == pytest.approx(0.11 + 0.05)
     assert m.itl_s == pytest.approx((0.05,) * 4)
 
@@ -134,20 +135,35 @@ def test_the_routers_cpu_at_the_arrival_rate_stretches_every_step_of_the_nodes_i
     """Two requests a second apart (1 request/s), each 50 ms of router work on the node's one core:
     u = 0.05, every step takes 1 / 0.95 of its profiled time."""
     profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
-    spec = ClusterSpec(colocated=Pool(1, config(num_threads=1), profile), router=RouterCost(0.05, 0.0, "synthetic"))
+    spec = ClusterSpec(colocated=Pool(1, config(num_threads=1), profile),
+                       costs=ServingCosts(RouterCost(0.05, 0.0, "synthetic")))
     sim = ClusterSim(spec, 4096)
     traces = sim.run([SimRequest(0.0, prompt(0, 100), 1), SimRequest(1.0, prompt(1, 100), 1)])
     assert [request_metrics(t).ttft_s for t in traces] == pytest.approx([0.05 + 0.11 / 0.95] * 2)
 
 
 def test_cpu_stretch_by_hand():
+    every_100_ms = [SimRequest(i * 0.1, prompt(i, 8), 10) for i in range(11)]  # 10 requests/s, 10 tokens each
+    profile = synthetic_profile()
+
+    def stretch(costs: ServingCosts, requests=every_100_ms, cores: int = 2, pair: bool = False) -> float:
+        one_core = Pool(1, config(num_threads=1), profile)
+        pools = (dict(prefill=one_core, decode=one_core) if pair
+                 else dict(colocated=Pool(1, config(num_threads=cores), profile)))
+        return cpu_stretch(ClusterSpec(**pools, costs=costs), requests)
+
     router = RouterCost(0.01, 0.001, "synthetic")
-    every_100_ms = [SimRequest(i * 0.1, prompt(i, 8), 10) for i in range(11)]  # 10 requests/s
     # 10/s x (10 ms + 10 tokens x 1 ms) = 0.2 of a core, over 2 cores: u = 0.1
-    assert cpu_stretch(router, every_100_ms, cores=2) == pytest.approx(1 / 0.9)
-    assert cpu_stretch(router, every_100_ms[:1], cores=2) == 1.0  # one request: no rate
-    assert cpu_stretch(RouterCost(0.0, 0.0, "free"), every_100_ms, cores=2) == 1.0
-    assert cpu_stretch(RouterCost(1.0, 0.0, "slow"), every_100_ms, cores=1) == pytest.approx(1 / (1 - MAX_ROUTER_SHARE))
+    assert stretch(ServingCosts(router)) == pytest.approx(1 / 0.9)
+    assert stretch(ServingCosts(router), every_100_ms[:1]) == 1.0  # one request: no rate
+    assert stretch(ServingCosts()) == 1.0
+    assert stretch(ServingCosts(RouterCost(1.0, 0.0, "slow")), cores=1) == pytest.approx(1 / (1 - MAX_STACK_SHARE))
+    # Router, front and client: 20 ms a request each; 10/s x 60 ms = 0.6 of a core, over 2: u = 0.3.
+    front, client = FrontCost(0.01, 0.001, "synthetic"), ClientCost(0.01, 0.001, "synthetic")
+    assert stretch(ServingCosts(router, front, client)) == pytest.approx(1 / (1 - 0.3))
+    # A pair's request passes two fronts: its prefill leg adds 10 ms more, u = 10/s x 70 ms / 2 = 0.35.
+    assert stretch(ServingCosts(router, front, client), pair=True) == pytest.approx(1 / (1 - 0.35))
+
 
 
 def hybrid_pair(bound: int = 256) -> tuple[ClusterSpec, float]:
