@@ -28,6 +28,7 @@ import torch
 from .base import (DoneCallback, FingerprintMismatch, KVCacheSpec, KVDescriptor,
                    KVTransferError, KVTransport, TransferHandle, TransferState,
                    TransferStats, WritePermits)
+from .ledger import DoneQueue
 from .layout import (TransferPlan, check_block_ids, check_layers, gather, make_plan,
                      scatter, staging_shape, validate_caches)
 
@@ -74,8 +75,7 @@ class InProcessTransport(KVTransport):
         self._num_blocks = 0
         self._peers: dict[str, KVDescriptor] = {}
         self._jobs: deque[_Job] = deque()
-        self._done_msgs: list[tuple[str, bytes]] = []
-        self._callback: DoneCallback | None = None
+        self._dones = DoneQueue()
         self._permits: WritePermits | None = None
         self._sent = TransferStats()
         self._received = TransferStats()
@@ -180,7 +180,7 @@ class InProcessTransport(KVTransport):
             return
         try:
             if job.plan is None:
-                node._deliver_done(job.handle.req_id, job.payload)
+                node._dones.deliver(job.handle.req_id, job.payload)
             else:
                 node._place(job.plan, job.staging)
         except ValueError as exc:
@@ -219,17 +219,11 @@ class InProcessTransport(KVTransport):
     def guard_writes(self, permits: WritePermits) -> None:
         self._permits = permits
 
-    def _deliver_done(self, req_id: str, payload: bytes) -> None:
-        self._done_msgs.append((req_id, payload))
-        if self._callback is not None:
-            self._callback(req_id, payload)
-
     def poll_done(self) -> list[tuple[str, bytes]]:
-        out, self._done_msgs = self._done_msgs, []
-        return out
+        return self._dones.poll()
 
     def set_done_callback(self, callback: DoneCallback | None) -> None:
-        self._callback = callback
+        self._dones.set_callback(callback)
 
     # -- observability / teardown ----------------------------------------------------
     def stats(self) -> TransferStats:

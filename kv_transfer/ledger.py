@@ -15,13 +15,38 @@ from .base import DoneCallback, FingerprintMismatch
 from .counters import TransferStats
 
 
+class DoneQueue:
+    """Completion messages not yet polled, each also handed to the callback when one is set
+    (called outside the lock). Its own lock, a leaf."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._done: list[tuple[str, bytes]] = []
+        self._callback: DoneCallback | None = None
+
+    def deliver(self, req_id: str, payload: bytes) -> None:
+        with self._lock:
+            self._done.append((req_id, payload))
+            callback = self._callback
+        if callback is not None:
+            callback(req_id, payload)
+
+    def poll(self) -> list[tuple[str, bytes]]:
+        with self._lock:
+            out, self._done = self._done, []
+        return out
+
+    def set_callback(self, callback: DoneCallback | None) -> None:
+        with self._lock:
+            self._callback = callback
+
+
 class TransferLedger:
     def __init__(self) -> None:
         self._lock = threading.Lock()
         self._sent = TransferStats()
         self._received = TransferStats()
-        self._done: list[tuple[str, bytes]] = []
-        self._callback: DoneCallback | None = None
+        self.dones = DoneQueue()
         self._refusals: list[FingerprintMismatch] = []
 
     def count_sent(self, ok: bool, nbytes: int, num_blocks: int, latency_s: float) -> None:
@@ -40,23 +65,6 @@ class TransferLedger:
     def refused(self, mismatch: FingerprintMismatch) -> None:
         with self._lock:
             self._refusals.append(mismatch)
-
-    def deliver_done(self, req_id: str, payload: bytes) -> None:
-        """A request's completion message: kept for `poll_done`, and handed to the callback."""
-        with self._lock:
-            self._done.append((req_id, payload))
-            callback = self._callback
-        if callback is not None:
-            callback(req_id, payload)
-
-    def poll_done(self) -> list[tuple[str, bytes]]:
-        with self._lock:
-            out, self._done = self._done, []
-        return out
-
-    def set_done_callback(self, callback: DoneCallback | None) -> None:
-        with self._lock:
-            self._callback = callback
 
     def sent(self) -> TransferStats:
         with self._lock:
@@ -85,10 +93,10 @@ class LedgerReads:
     ledger: TransferLedger
 
     def poll_done(self) -> list[tuple[str, bytes]]:
-        return self.ledger.poll_done()
+        return self.ledger.dones.poll()
 
     def set_done_callback(self, callback: DoneCallback | None) -> None:
-        self.ledger.set_done_callback(callback)
+        self.ledger.dones.set_callback(callback)
 
     def stats(self) -> TransferStats:
         return self.ledger.sent()

@@ -313,7 +313,7 @@ class TorchTransport(LedgerReads, KVTransport):
     def _receiver_side(self) -> ReceiverSide:
         return ReceiverSide(spec=self.descriptor().spec, k_caches=self._k, v_caches=self._v,
                             num_blocks=self._num_blocks, config=self.config, worker_recv=None,
-                            deliver_done=self.ledger.deliver_done, count=self.ledger.count_received, quarantine=[],
+                            deliver_done=self.ledger.dones.deliver, count=self.ledger.count_received, quarantine=[],
                             place=self._place, verify=self.config.checksums,
                             count_checksum_failure=self.ledger.count_checksum_failure)
 

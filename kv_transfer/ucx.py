@@ -328,7 +328,7 @@ class UcxTransport(LedgerReads, KVTransport):
             spec=self.descriptor().spec, k_caches=self._k, v_caches=self._v,
             num_blocks=self._num_blocks, config=self.config,
             worker_recv=self._rt.ucxx.recv if data_on_worker else None,
-            deliver_done=self.ledger.deliver_done, count=self.ledger.count_received,
+            deliver_done=self.ledger.dones.deliver, count=self.ledger.count_received,
             quarantine=self._quarantine, place=self._place, verify=self.config.checksums,
             count_checksum_failure=self.ledger.count_checksum_failure)
 

@@ -24,6 +24,7 @@ from multiprocessing.connection import Connection
 from pdserve.kv_transfer import (FingerprintMismatch, KVDescriptor, KVTransferError, TransferHandle, TransferState,
                                  TransferStats, WritePermits)
 from pdserve.kv_transfer.base import DoneCallback
+from pdserve.kv_transfer.ledger import DoneQueue
 from pdserve.ranks.tp_wire import (Command, Connect, Connected, Done, Event, Failed, Grant, Granted, Guard, Handle,
                                    Push, Ready, Revoke, SendDone, Stop, from_text, receive_event, send_command, to_text)
 
@@ -53,8 +54,7 @@ class WorkerLink:
         self._ready: Future[KVDescriptor | None] = Future()
         self._replies: dict[int, Future[Event]] = {}
         self._handles: dict[int, TransferHandle] = {}
-        self._dones: list[tuple[str, bytes]] = []
-        self._callback: DoneCallback | None = None
+        self._dones = DoneQueue()
         self._sent = TransferStats()
         self._received = TransferStats()
         self._failure: str | None = None
@@ -125,16 +125,9 @@ class WorkerLink:
                     handle._start()
                     handle._finish(event.state, event.error)
             case Done():
-                self._on_done((event.req_id, from_text(event.payload)))
+                self._dones.deliver(event.req_id, from_text(event.payload))
             case Failed():
                 self._failure = f"rank {self.rank} failed: {event.error}"
-
-    def _on_done(self, done: tuple[str, bytes]) -> None:
-        with self._lock:
-            self._dones.append(done)
-            callback = self._callback
-        if callback is not None:
-            callback(*done)
 
     def _fail_everything(self, reason: str) -> None:
         self._failure = reason
@@ -199,13 +192,10 @@ class WorkerLink:
         return handle
 
     def poll_done(self) -> list[tuple[str, bytes]]:
-        with self._lock:
-            dones, self._dones = self._dones, []
-        return dones
+        return self._dones.poll()
 
     def set_done_callback(self, callback: DoneCallback | None) -> None:
-        with self._lock:
-            self._callback = callback
+        self._dones.set_callback(callback)
 
     def follow_permits(self, permits: WritePermits) -> None:
         self.send(Guard())

@@ -27,9 +27,9 @@ def test_pushes_sent_and_received_are_counted_apart():
 
 def test_each_done_message_is_polled_once_and_handed_to_the_callback_set_then():
     transport, called = Reads(), []
-    transport.ledger.deliver_done("a", b"1")
+    transport.ledger.dones.deliver("a", b"1")
     transport.set_done_callback(lambda req_id, payload: called.append((req_id, payload)))
-    transport.ledger.deliver_done("b", b"2")
+    transport.ledger.dones.deliver("b", b"2")
     assert transport.poll_done() == [("a", b"1"), ("b", b"2")]
     assert transport.poll_done() == []
     assert called == [("b", b"2")]
