@@ -11,10 +11,12 @@ threads. Must never start a process.
 from __future__ import annotations
 
 import os
+import random
 import socket
 import sys
 from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass, field, replace
+from pathlib import Path
 
 from pdserve.cluster_config import THREADS_FLAGS, ClusterConfig, ClusterError
 from pdserve.cluster_supervisor import ChildSpec
@@ -160,15 +162,46 @@ def _threads_args(config: ClusterConfig, extra: Sequence[str], pinned: bool) -> 
     return ("--num-threads", str(threads))
 
 
-def resolve_port(host: str, port: int) -> int:
-    """`port`, checked free on `host`; 0 → a free port the OS picks."""
+# Where a port the launcher picks for a child comes from: below the kernel's ephemeral range. The
+# ports the OS hands out itself (a connection's source port, a listener bound to port 0: UCX's,
+# another program's) come from that range, so a port picked there and bound moments later by the
+# child may be taken meanwhile; below it only another launcher's pick competes.
+PICK_LOW = 20000
+PICK_TRIES = 64
+EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+
+
+def resolve_port(host: str, port: int, rng: random.Random | None = None) -> int:
+    """`port`, checked free on `host`; 0 → a free port below the ephemeral range (the OS's own
+    pick when none is found there)."""
+    if port == 0:
+        rng = rng or random.Random()
+        high = _ephemeral_low() - 1
+        for _ in range(PICK_TRIES if high > PICK_LOW else 0):
+            candidate = rng.randint(PICK_LOW, high)
+            try:
+                return _bind(host, candidate)
+            except OSError:
+                continue
+    try:
+        return _bind(host, port)
+    except OSError as err:
+        raise ClusterError(f"cannot use {host}:{port} for the router ({err.strerror}); "
+                           "pass --port 0 to pick a free port") from err
+
+
+def _bind(host: str, port: int) -> int:
+    """The port, bound and let go at once; raises OSError when it cannot be bound."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         # SO_REUSEADDR so a TIME_WAIT leftover does not count as busy; a live listener still
         # does (the same probe as common/ports.py's check_free, which also picks no port).
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        try:
-            sock.bind((host, port))
-        except OSError as err:
-            raise ClusterError(f"cannot use {host}:{port} for the router ({err.strerror}); "
-                               "pass --port 0 to pick a free port") from err
+        sock.bind((host, port))
         return int(sock.getsockname()[1])
+
+
+def _ephemeral_low() -> int:
+    try:
+        return int(EPHEMERAL_RANGE.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return 32768  # Linux's default

@@ -12,7 +12,6 @@ from __future__ import annotations
 import os
 import shlex
 import signal
-import socket
 import tempfile
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -22,6 +21,7 @@ from pathlib import Path
 import grpc
 
 from pdserve.cluster_process import ClusterProcess
+from pdserve.cluster_plan import resolve_port
 from pdserve.testing.waiting import settled
 from pdserve.proto import node_pb2
 
@@ -30,10 +30,9 @@ START_TIMEOUT_S = 300.0  # five processes importing torch on a shared 2-core box
 
 
 def free_port() -> int:
-    """A port free on HOST now (for the tests that start a single process by hand)."""
-    with socket.socket() as s:
-        s.bind((HOST, 0))
-        return s.getsockname()[1]
+    """A port free on HOST now (for the tests that start a single process by hand), picked as the
+    launcher picks its children's."""
+    return resolve_port(HOST, 0)
 
 
 @dataclass(frozen=True)

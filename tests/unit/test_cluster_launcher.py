@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import io
 import os
+import random
 import re
 import signal
 import socket
@@ -29,7 +30,7 @@ from pdserve.cluster import (
     resolve_port,
     run_cluster,
 )
-from pdserve.cluster_plan import NodeSite, node_spec
+from pdserve.cluster_plan import PICK_LOW, NodeSite, node_spec
 from pdserve.cluster_state import read_state
 from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor, RestartPolicy
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
@@ -293,6 +294,19 @@ def test_resolve_port_picks_a_free_port_and_refuses_a_busy_one():
         with pytest.raises(ClusterError, match="--port 0"):
             resolve_port("127.0.0.1", busy)
     assert resolve_port("127.0.0.1", 0) > 0
+
+
+def test_a_picked_port_lies_below_the_ports_the_os_hands_out_itself():
+    """A port the OS gives a connection or a port-0 listener meanwhile can never be the one a
+    child was told to bind; a taken candidate is passed over."""
+    low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    picks = {resolve_port("127.0.0.1", 0, random.Random(seed)) for seed in range(20)}
+    assert all(PICK_LOW <= port < low for port in picks)
+    first = resolve_port("127.0.0.1", 0, random.Random(7))
+    with socket.socket() as listener:
+        listener.bind(("127.0.0.1", first))
+        listener.listen()
+        assert resolve_port("127.0.0.1", 0, random.Random(7)) not in (first, 0)
 
 
 def test_cli_hands_the_rest_of_argv_to_the_cluster_module(capsys):
