@@ -220,31 +220,36 @@ class SampleDriver:
                 event = await self._next_event(leg, watch)
 
     async def _next_event(self, leg: Leg, watch: GoneWatch) -> node_pb2.DecodeEvent:
-        node = f"{self._route.kind.value} node {leg.entry.address}"
-        # Lost once the client has tokens: a resume; before any: a retry.
-        decoding = bool(self.sink.streamed_token_ids)
+        # Runs once per streamed token: every message and judgement is built only on a failure.
         try:
             event = await watch.until(leg.call.read())
         except NodeGone as gone:
             # Frozen or replaced (the stream's node, or the prefill node still sending it KV): it
             # answers nothing, so no probe; never asked again for this sample.
-            raise NodeLost(NodeFailed(str(gone)), probe=[], decoding=decoding, exclude=[gone.entry],
+            raise NodeLost(NodeFailed(str(gone)), probe=[], decoding=self._decoding, exclude=[gone.entry],
                            reason=LossReason.NODE_GONE) from gone
         except grpc.aio.AioRpcError as exc:
             failure = from_node_error(self._route.kind.value, leg.entry.address, exc)
             if self._kv_never_came(leg, exc):
                 # Token 1 left its prefill node before the KV: the transfer failed after it.
-                raise NodeLost(failure, probe=list(leg.feeders), decoding=decoding, reason=LossReason.KV_LOST) from exc
+                raise NodeLost(failure, probe=list(leg.feeders), decoding=self._decoding,
+                               reason=LossReason.KV_LOST) from exc
             if exc.code() not in NODE_LOST_CODES:
                 raise failure from exc
-            raise self._route.stream_lost(leg, failure, decoding) from exc
+            raise self._route.stream_lost(leg, failure, self._decoding) from exc
         if event is grpc.aio.EOF:
-            raise self._route.stream_lost(leg, NodeFailed(f"{node} ended the stream unfinished"), decoding)
+            node = f"{self._route.kind.value} node {leg.entry.address}"
+            raise self._route.stream_lost(leg, NodeFailed(f"{node} ended the stream unfinished"), self._decoding)
         if leg.feeders and event.WhichOneof("event") == self.sink.event:
             # The KV has landed: the stream no longer depends on its sender.
             watch.forget(leg.feeders)
             leg.feeders.clear()
         return event
+
+    @property
+    def _decoding(self) -> bool:
+        """Lost once the client has tokens: a resume; before any: a retry."""
+        return bool(self.sink.streamed_token_ids)
 
     def _kv_never_came(self, leg: Leg, exc: grpc.aio.AioRpcError) -> bool:
         """The stream's node gave up waiting for KV (its reservation's lease) while the
