@@ -3,8 +3,8 @@ decode pools while the cluster serves.
 
 Owns the flags (`LoadModeSettings`, `--rebalance-*`), what the planner's `Rebalancer` needs from
 the launcher (`build_rebalancer`: each pool's engine config parsed from its own command line, the
-nodes' profile from the planner's cache — measured first by `pdserve profile` in a child process
-when missing, since the launcher never loads torch), and the `LoadWatcher`: a thread that scrapes
+nodes' profile and the serving stack's costs from the planner's cache — measured first by
+`pdserve profile` in a child process when missing, since the launcher never loads torch), and the `LoadWatcher`: a thread that scrapes
 the router's /metrics every interval and offers the launcher a `Move` once the cooldown since the
 last one has passed. The launcher (cluster.py) carries a move out: it retires a node of the
 source pool (SIGTERM: the node drains and leaves) and starts one of the target pool on its cores.
@@ -82,14 +82,31 @@ def build_rebalancer(settings: LoadModeSettings, node_argvs: Sequence[tuple[str,
     decode, count = engines["decode"], threads.pop()
     setup = NodeSetup(count, _dtype(decode.dtype), decode.block_size)
     cache = ProfileCache(settings.profile_dir)
-    key = profile_key(model_hash(decode.model), machine_facts(), setup)
+    digest, machine = model_hash(decode.model), machine_facts()
+    key = profile_key(digest, machine, setup)
     if cache.load(key) is None:
-        log(f"load mode: profiling {setup.describe()} first (pdserve profile; cached for the next start)")
+        log(f"load mode: profiling {setup.describe()} and the serving stack first (pdserve profile; cached for "
+            "the next start)")
         argv = [python, "-m", "pdserve", "profile", "--model", decode.model, "--threads", str(count),
-                "--dtype", decode.dtype, "--block-size", str(decode.block_size), "--skip-router", "--no-progress"]
+                "--dtype", decode.dtype, "--block-size", str(decode.block_size), "--no-progress"]
         subprocess.run(argv + (["--profile-dir", settings.profile_dir] if settings.profile_dir else []), check=True,
                        stdout=subprocess.DEVNULL)
-    return Rebalancer(settings.load_mode(), engines["prefill"], decode, cache.load(key))
+    return Rebalancer(settings.load_mode(), engines["prefill"], decode, cache.load(key),
+                      _stack_costs(cache, digest, machine, log))
+
+
+def _stack_costs(cache, digest: str, machine: dict, log: Callable[[str], None]):
+    """The router's and the nodes' fronts' CPU from the planner's cache (the clients run elsewhere:
+    not charged); none when they were never measured here (a profile taken with --skip-router)."""
+    from pdserve.planner.profile import FrontCost, RouterCost, ServingCosts, stack_keys
+
+    router_at, front_at, _ = stack_keys(digest, machine)
+    router, fronts = cache.load(router_at, RouterCost), cache.load(front_at, FrontCost)
+    if router is None or fronts is None:
+        log("load mode: the serving stack's CPU was never measured for this model here (`pdserve profile` "
+            "measures it): the simulator charges none")
+        return ServingCosts()
+    return ServingCosts(router, fronts)
 
 
 def _dtype(name: str) -> str:

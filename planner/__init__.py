@@ -3,8 +3,8 @@
     step_cost.py   the step-time model (one formula for prefill, decode and mixed steps) and its fit
     profile.py     what the simulator needs of one node configuration on this machine, cached as JSON
     measure.py     `pdserve profile`'s measuring: the real engine's steps timed on the real model
-    measure_router.py  the router's CPU per request and per token, behind fake nodes
-    measure_front.py   a node front's and a client's, on a real local colocated cluster
+    measure_stack.py  the router's, a node front's and a client's CPU per request and per token,
+                   on a real local colocated cluster
     sim_node.py    one simulated node: the engine's own scheduler and KV cache manager on a simulated clock
     simulator.py   the whole cluster as discrete events: the router's placement, the nodes, the KV hand-off
     goodput.py     a simulated run's SLO summary and the goodput search, as the serving bench computes them

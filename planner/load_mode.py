@@ -162,7 +162,7 @@ class Rebalancer:
         self.config = config
         self._engines = {"prefill": prefill, "decode": decode}
         self._profile = profile
-        self._costs = costs
+        self.costs = costs  # the serving stack's CPU the simulator charges to the nodes' cores
 
     def decide(self, window: Window, current: Split) -> Move | None:
         if len(window.mix) < self.config.min_samples or window.meets(self.config.target):
@@ -176,7 +176,7 @@ class Rebalancer:
 
     def attainment(self, split: Split, window: Window) -> float:
         spec = ClusterSpec(prefill=Pool(split.prefill, self._engines["prefill"], self._profile),
-                           decode=Pool(split.decode, self._engines["decode"], self._profile), costs=self._costs)
+                           decode=Pool(split.decode, self._engines["decode"], self._profile), costs=self.costs)
         limit = self._profile.max_model_len
 
         def request(i: int) -> tuple[tuple[int, ...], int]:

@@ -24,7 +24,7 @@ from pathlib import Path
 from pdserve.common.paths import default_cache_dir
 from pdserve.planner.step_cost import StepCost, StepShape
 
-PROFILE_VERSION = 3  # bump when what is measured, or how, changes: older files are measured again
+PROFILE_VERSION = 4  # bump when what is measured, or how, changes: older files are measured again
 # CPU flags that change which kernels and dtypes the engine runs (engine/dtype_choice.py, kernels/).
 CAPABILITY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -106,14 +106,13 @@ class ServingCosts:
     client: ClientCost = ClientCost.free()
 
 
-def router_key(model_digest: str, machine: dict[str, object]) -> str:
-    """The router tokenizes and detokenizes with the model's tokenizer; no node setup matters."""
-    return cost_key("router", model_digest, machine)
+STACK_PROCESSES = ("router", "front", "client")
 
 
-def stack_keys(model_digest: str, machine: dict[str, object]) -> tuple[str, str]:
-    """Where a node front's and a client's costs are cached (measured in one run)."""
-    return cost_key("front", model_digest, machine), cost_key("client", model_digest, machine)
+def stack_keys(model_digest: str, machine: dict[str, object]) -> tuple[str, str, str]:
+    """Where the router's, a node front's and a client's costs are cached (measured in one run).
+    The router tokenizes and detokenizes with the model's tokenizer; no node setup matters."""
+    return tuple(cost_key(process, model_digest, machine) for process in STACK_PROCESSES)
 
 
 def cost_key(process: str, model_digest: str, machine: dict[str, object]) -> str:

@@ -7,7 +7,7 @@ token of the serving stack around the engines (the router, a node front, a clien
 
 `profiles_for` and `serving_costs_for` are also what `pdserve plan` calls: a cached profile is reused, a missing one
 is measured (a progress bar on stderr) and stored. Owns the flags and the printing; the measuring is
-planner/measure.py's, planner/measure_router.py's and planner/measure_front.py's, imported only when something must be
+planner/measure.py's and planner/measure_stack.py's, imported only when something must be
 measured.
 """
 
@@ -20,7 +20,7 @@ from pdserve.common.refusal import Refused
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE, DTYPE_NAMES
 from pdserve.planner.profile import (
     ClientCost, CpuCost, FrontCost, NodeSetup, Profile, ProfileCache, RouterCost, ServingCosts, machine_facts,
-    model_hash, profile_key, router_key, stack_keys,
+    model_hash, profile_key, stack_keys,
 )
 
 
@@ -67,23 +67,18 @@ def tp_setups(threads: list[int], tp_sizes: list[int]) -> list[tuple[int, int]]:
 
 def serving_costs_for(model: str, cache: ProfileCache, remeasure: bool = False, log=print) -> ServingCosts:
     """The serving stack's costs on this machine for this model, from the cache or measured now (and cached)."""
-    digest, machine = model_hash(model), machine_facts()
-    router_at, (front_at, client_at) = router_key(digest, machine), stack_keys(digest, machine)
-    router = None if remeasure else cache.load(router_at, RouterCost)
-    if router is None:
-        from pdserve.planner.measure_router import measure_router_cost  # processes and gRPC: only when measuring
+    keys = stack_keys(model_hash(model), machine_facts())
+    kinds = (RouterCost, FrontCost, ClientCost)
+    cached = [None if remeasure else cache.load(key, kind) for key, kind in zip(keys, kinds)]
+    if None not in cached:
+        return ServingCosts(*cached)
+    from pdserve.planner.measure_stack import measure_stack_cost  # a real cluster: only when measuring
 
-        log("profile: measuring the router behind fake nodes ...")
-        router = measure_router_cost(model)
-        log(f"profile: measured the router, stored in {cache.store(router_at, router)}")
-    fronts, client = (None, None) if remeasure else (cache.load(front_at, FrontCost), cache.load(client_at, ClientCost))
-    if fronts is None or client is None:
-        from pdserve.planner.measure_front import measure_stack_cost  # a real cluster: only when measuring
-
-        log("profile: measuring a node front and a client on a local colocated cluster ...")
-        fronts, client = measure_stack_cost(model)
-        log(f"profile: measured them, stored in {cache.store(front_at, fronts)} and {cache.store(client_at, client)}")
-    return ServingCosts(router, fronts, client)
+    log("profile: measuring the router, a node front and a client on a local colocated cluster ...")
+    costs = measure_stack_cost(model)
+    stored = [cache.store(key, cost) for key, cost in zip(keys, (costs.router, costs.fronts, costs.client))]
+    log(f"profile: measured them, stored in {', '.join(str(path) for path in stored)}")
+    return costs
 
 
 def format_costs(costs: ServingCosts) -> str:

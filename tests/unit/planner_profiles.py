@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from pdserve.planner.profile import (
-    ClientCost, FrontCost, NodeSetup, Profile, RouterCost, TransferCost, router_key, stack_keys,
+    ClientCost, FrontCost, NodeSetup, Profile, RouterCost, TransferCost, stack_keys,
 )
 from pdserve.planner.step_cost import StepCost
 
@@ -22,7 +22,7 @@ def synthetic_profile(base_s: float = 0.0, per_token_s: float = 0.0, per_seq_s: 
 
 def store_synthetic_costs(cache, model_digest: str, machine: dict) -> None:
     """Small serving-stack costs in `cache`, so that a plan measures none."""
-    front_at, client_at = stack_keys(model_digest, machine)
-    cache.store(router_key(model_digest, machine), RouterCost(1e-4, 1e-5, "synthetic"))
+    router_at, front_at, client_at = stack_keys(model_digest, machine)
+    cache.store(router_at, RouterCost(1e-4, 1e-5, "synthetic"))
     cache.store(front_at, FrontCost(1e-4, 1e-5, "synthetic"))
     cache.store(client_at, ClientCost(1e-4, 1e-5, "synthetic"))

@@ -124,3 +124,29 @@ def test_the_moves_describe_every_split_of_the_same_nodes(nodes):
     else:
         assert sorted(move.predicted) == [Split(p, nodes - p) for p in range(1, nodes)]
         assert move.describe(current).startswith(f"a prefill node becomes a decode node ({nodes - 1}P1D toward ")
+
+
+def _pool_argvs(model: str) -> list[tuple[str, ...]]:
+    flags = ("--model", model, "--num-threads", "1", "--dtype", "float32", "--block-size", "8")
+    return [("python", "-m", "pdserve", "prefill", *flags), ("python", "-m", "pdserve", "decode", *flags)]
+
+
+def test_the_load_mode_charges_the_cached_router_and_fronts_never_the_client(tmp_path, tiny_llama):
+    from pdserve.cluster_load_mode import LoadModeSettings, build_rebalancer
+    from pdserve.planner.profile import (
+        ClientCost, FrontCost, NodeSetup, ProfileCache, RouterCost, ServingCosts, machine_facts, model_hash,
+        profile_key, stack_keys,
+    )
+
+    cache = ProfileCache(tmp_path)
+    digest, machine = model_hash(tiny_llama), machine_facts()
+    cache.store(profile_key(digest, machine, NodeSetup(1, "float32", 8)), synthetic_profile(base_s=0.001))
+    settings = LoadModeSettings(ttft_slo=1.0, tpot_slo=0.1, profile_dir=str(tmp_path))
+    said: list[str] = []
+    assert build_rebalancer(settings, _pool_argvs(str(tiny_llama)), log=said.append).costs == ServingCosts()
+    assert "the simulator charges none" in said[-1]
+
+    router, front = RouterCost(1e-3, 1e-4, "synthetic"), FrontCost(2e-3, 2e-4, "synthetic")
+    for key, cost in zip(stack_keys(digest, machine), (router, front, ClientCost(3e-3, 3e-4, "synthetic"))):
+        cache.store(key, cost)
+    assert build_rebalancer(settings, _pool_argvs(str(tiny_llama))).costs == ServingCosts(router, front)

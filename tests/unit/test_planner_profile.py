@@ -68,15 +68,18 @@ def test_the_measured_steps_stay_within_the_models_length():
     assert all(computed + scheduled <= 599 for _, chunks in shapes for computed, scheduled in chunks)
 
 
-def test_the_router_cost_is_cached_beside_the_profiles(tmp_path):
-    from pdserve.planner.profile import RouterCost, router_key
+def test_the_serving_stacks_costs_are_cached_beside_the_profiles(tmp_path):
+    from pdserve.planner.profile import ClientCost, FrontCost, RouterCost, stack_keys
 
     cache = ProfileCache(tmp_path)
-    cost = RouterCost(1e-4, 8e-5, "synthetic")
-    key = router_key("digest", {"cpu": "X", "flags": [], "cores": 2})
-    cache.store(key, cost)
-    assert cache.load(key, RouterCost) == cost
-    assert key != router_key("other", {"cpu": "X", "flags": [], "cores": 2})
+    machine = {"cpu": "X", "flags": [], "cores": 2}
+    keys = stack_keys("digest", machine)
+    costs = (RouterCost(1e-4, 8e-5, "synthetic"), FrontCost(2e-4, 9e-5, "synthetic"), ClientCost(3e-4, 7e-5, "synthetic"))
+    for key, cost in zip(keys, costs):
+        cache.store(key, cost)
+    assert [cache.load(key, type(cost)) for key, cost in zip(keys, costs)] == list(costs)
+    assert len(set(keys)) == 3
+    assert set(keys).isdisjoint(stack_keys("other", machine))
 
 
 def test_a_tp_size_is_profiled_for_every_threads_count_it_divides():

@@ -1,0 +1,58 @@
+"""`pdserve profile`'s serving-stack measurement: the router's, a node front's and a client's CPU
+per request and per streamed token.
+
+A real `pdserve cluster --colocated 1` on the model, started as users start it, and closed-loop
+gRPC streams through its router: the same requests with few and then with many tokens each. The
+router's process, the node's own process (its front: its engine core is a process of its own,
+with its own CPU time) and this process (the client) are timed over each run, and the two runs
+separate each one's two costs: CPU = per_request × requests + per_token × tokens.
+
+The router is measured in the cluster, not behind fake nodes that answer at once (the router's
+own benchmark, bench/http_front.py): there the node events come back to back and a wakeup of its
+event loop serves several, the cheapest a token can be; in a cluster they come as the engine
+steps, which is what the planner predicts.
+
+Must never: be imported by the simulator (it starts processes and loads gRPC).
+"""
+
+from __future__ import annotations
+
+import time
+
+import uvloop
+
+from pdserve.bench.common import local_cluster
+from pdserve.bench.http_front import grpc_streams, process_cpu_s
+from pdserve.planner.profile import ClientCost, FrontCost, RouterCost, ServingCosts
+
+REQUESTS_PER_STREAM = 8  # each run: this many requests per stream in flight, at least 64 in all
+CONCURRENCY = 8
+FEW_TOKENS, MANY_TOKENS = 2, 32
+
+
+def measure_stack_cost(model_dir: str, concurrency: int = CONCURRENCY) -> ServingCosts:
+    with local_cluster(model_dir, ("--colocated", "1"), ("--threads", "1")) as cluster:
+        children = cluster.state.children.values()
+        node = next(child.pid for child in children if child.kind == "colocated")
+        router = next(child.pid for child in children if child.kind == "router")
+        uvloop.run(grpc_streams(cluster.router, concurrency, FEW_TOKENS, concurrency))  # warm-up
+        requests = max(64, REQUESTS_PER_STREAM * concurrency)
+        runs: dict[str, list[tuple[int, float]]] = {"router": [], "front": [], "client": []}
+        for tokens in (FEW_TOKENS, MANY_TOKENS):
+            before = {"router": process_cpu_s(router), "front": process_cpu_s(node), "client": time.process_time()}
+            streamed = uvloop.run(grpc_streams(cluster.router, requests, tokens, concurrency))
+            after = {"router": process_cpu_s(router), "front": process_cpu_s(node), "client": time.process_time()}
+            for name, points in runs.items():
+                points.append((streamed, after[name] - before[name]))
+    method = f"closed-loop gRPC streams through a colocated cluster, {concurrency} at once"
+    return ServingCosts(RouterCost(*per_request_and_token(runs["router"], requests), f"the router's process, {method}"),
+                        FrontCost(*per_request_and_token(runs["front"], requests), f"a node's front process, {method}"),
+                        ClientCost(*per_request_and_token(runs["client"], requests), f"the client, {method}"))
+
+
+def per_request_and_token(points: list[tuple[int, float]], requests: int) -> tuple[float, float]:
+    """(per request, per token) CPU seconds from two runs of `requests` requests each,
+    (tokens streamed, CPU seconds) with few and with many tokens."""
+    (few, cpu_few), (many, cpu_many) = points
+    per_token = max((cpu_many - cpu_few) / (many - few), 0.0)
+    return max((cpu_few - per_token * few) / requests, 0.0), per_token
