@@ -4,9 +4,9 @@ decode pools while the cluster serves.
 Owns the flags (`LoadModeSettings`, `--rebalance-*`), what the planner's `Rebalancer` needs from
 the launcher (`build_rebalancer`: each pool's engine config parsed from its own command line, the
 nodes' profile and the serving stack's costs from the planner's cache — measured first by
-`pdserve profile` in a child process when missing, since the launcher never loads torch), and the `LoadWatcher`: a thread that scrapes
-the router's /metrics every interval and offers the launcher a `Move` once the cooldown since the
-last one has passed. The launcher (cluster.py) carries a move out: it retires a node of the
+`pdserve profile` in a child process when missing, since the launcher never loads torch), and the
+`LoadWatcher`: a thread that scrapes the router's /metrics every interval and offers the launcher
+a `Move` once the cooldown since the last one has passed. The launcher (cluster.py) carries a move out: it retires a node of the
 source pool (SIGTERM: the node drains and leaves) and starts one of the target pool on its cores.
 
 Must never: start or stop a process itself, or decide a move (planner/load_mode.py does).
