@@ -31,23 +31,27 @@ FEW_TOKENS, MANY_TOKENS = 2, 32
 
 
 def measure_stack_cost(model_dir: str, concurrency: int = CONCURRENCY) -> ServingCosts:
+    """`concurrency`: the streams at once (docs/benchmarks.md compares 8, 32 and 64)."""
     with local_cluster(model_dir, ("--colocated", "1"), ("--threads", "1")) as cluster:
         children = cluster.state.children.values()
         node = next(child.pid for child in children if child.kind == "colocated")
         router = next(child.pid for child in children if child.kind == "router")
+
+        def cpu_now() -> tuple[float, float, float]:
+            return process_cpu_s(router), process_cpu_s(node), time.process_time()
+
         uvloop.run(grpc_streams(cluster.router, concurrency, FEW_TOKENS, concurrency))  # warm-up
         requests = max(64, REQUESTS_PER_STREAM * concurrency)
-        runs: dict[str, list[tuple[int, float]]] = {"router": [], "front": [], "client": []}
+        runs: list[list[tuple[int, float]]] = [[], [], []]  # router, front, client
         for tokens in (FEW_TOKENS, MANY_TOKENS):
-            before = {"router": process_cpu_s(router), "front": process_cpu_s(node), "client": time.process_time()}
+            before = cpu_now()
             streamed = uvloop.run(grpc_streams(cluster.router, requests, tokens, concurrency))
-            after = {"router": process_cpu_s(router), "front": process_cpu_s(node), "client": time.process_time()}
-            for name, points in runs.items():
-                points.append((streamed, after[name] - before[name]))
+            for points, start, end in zip(runs, before, cpu_now()):
+                points.append((streamed, end - start))
     method = f"closed-loop gRPC streams through a colocated cluster, {concurrency} at once"
-    return ServingCosts(RouterCost(*per_request_and_token(runs["router"], requests), f"the router's process, {method}"),
-                        FrontCost(*per_request_and_token(runs["front"], requests), f"a node's front process, {method}"),
-                        ClientCost(*per_request_and_token(runs["client"], requests), f"the client, {method}"))
+    kinds = ((RouterCost, "the router's process"), (FrontCost, "a node's front process"), (ClientCost, "the client"))
+    return ServingCosts(*(kind(*per_request_and_token(points, requests), f"{process}, {method}")
+                          for (kind, process), points in zip(kinds, runs)))
 
 
 def per_request_and_token(points: list[tuple[int, float]], requests: int) -> tuple[float, float]:
