@@ -10,12 +10,13 @@
             ─▶ or `--drain-timeout-s` passes first ─▶ Deregister anyway ─▶ stop
 
 What still runs at the timeout is failed, not handed off: the router sees its node leave
-(Deregister marks the entry gone), and the stopping server cancels the calls, so each sample
+(a Deregister that is not `drained` marks the entry gone), and the stopping server cancels the calls, so each sample
 resumes on another node from the tokens its client already has — the same exact path as a
 lost node, counted `pdserve_resumes_total{reason="drain_timeout"}`. A hand-off would move a
 running request's KV to another decode node, a decode-to-decode path and a re-placement the
 router does not have; a resume costs one prefill of prompt + streamed tokens, and only for
-what outlives the drain. A drain that ends in time recomputes nothing.
+what outlives the drain. A drain that ends in time recomputes nothing: its Deregister says `drained`, so a decode
+stream it fed (whose first token the router may not have yet) is not failed over.
 
 Must never: refuse a call while draining (the router may have placed it before it heard),
 stop the node before it holds nothing or the timeout passed, or wait past the timeout.
@@ -53,7 +54,7 @@ async def drain(client: CoreClient, link: RouterLink, timeout_s: float, poll_s: 
     logger.info("draining: placed nothing new from now on; finishing what this node holds (up to %.1fs)",
                 timeout_s)
     drained = await _until_empty(client, start + timeout_s, poll_s)
-    await link.leave()
+    await link.leave(drained)
     if drained:
         logger.info("drained in %.2fs", time.monotonic() - start)
     return drained

@@ -116,12 +116,12 @@ class _Registration:
         except grpc.aio.AioRpcError as exc:
             self.failed(exc)
 
-    async def leave(self) -> None:
-        """Deregister (the node holds nothing, or its drain ran out of time)."""
+    async def leave(self, drained: bool) -> None:
+        """Deregister: `drained`, the node holds nothing; otherwise its drain ran out of time."""
         if not self.registered:
             return
         try:
-            await self.stub.Deregister(node_pb2.DeregisterRequest(node_id=self.node_id),
+            await self.stub.Deregister(node_pb2.DeregisterRequest(node_id=self.node_id, drained=drained),
                                        timeout=self.config.registry_rpc_timeout_s)
             logger.info("left the router at %s", self.config.router)
         except grpc.aio.AioRpcError as exc:
@@ -156,8 +156,8 @@ class RouterLink:
     async def drain(self) -> None:
         await self._registration.drain()
 
-    async def leave(self) -> None:
-        await self._registration.leave()
+    async def leave(self, drained: bool) -> None:
+        await self._registration.leave(drained)
 
     async def close(self) -> None:
         await self._channel.close()

@@ -156,14 +156,17 @@ class NodeRegistry:
                      entry.address)
         return True
 
-    def deregister(self, node_id: str) -> bool:
-        """A node leaves (drained: it holds nothing). Its entry is gone at once, so a call still
-        open on it (a drain that ran out of time) moves elsewhere. False if it was not known."""
+    def deregister(self, node_id: str, drained: bool) -> bool:
+        """A node leaves. Not `drained` (its drain ran out of time): its entry is marked gone, so
+        a call still open on it moves elsewhere. `drained` (it holds nothing): a watch on it stays
+        quiet, since a decode stream it fed already has its KV and needs nothing more from it.
+        False if it was not known."""
         entry = self._nodes.get(node_id)
         if entry is None:
             return False
         entry.draining = True  # a loss on it from here on is the drain's (router/dispatch/driver.py)
-        _mark_gone(entry, f"{entry.address} left the cluster (drained)")
+        if not drained:
+            _mark_gone(entry, f"{entry.address} left the cluster before its drain finished")
         self._drop(entry)
         log.info("%s node %s at %s left the cluster", entry.kind.value, node_id, entry.address)
         return True

@@ -192,7 +192,7 @@ class RegistryServicer(node_pb2_grpc.RegistryServicer):
         return node_pb2.HeartbeatResponse(known=known)
 
     async def Deregister(self, request, context):
-        known = self._state.registry.deregister(request.node_id)
+        known = self._state.registry.deregister(request.node_id, drained=request.drained)
         await self._on_nodes_changed()
         return node_pb2.DeregisterResponse(known=known)
 

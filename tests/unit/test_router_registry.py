@@ -8,6 +8,7 @@ import grpc
 import pytest
 
 from pdserve.proto import node_pb2
+from pdserve.router.cluster.liveness import GoneWatch
 from pdserve.router.cluster.registry import NodeKind, NodeRegistry
 
 TIMEOUT_S = 2.0
@@ -198,16 +199,17 @@ def test_a_draining_node_is_not_live_but_stays_known_while_it_heartbeats(registr
     assert entry.stats.used_blocks == 45  # its stats still land
 
 
-def test_a_node_that_deregisters_is_forgotten_and_its_calls_move_on(registry, channels):
+def test_a_node_whose_drain_ran_out_of_time_is_forgotten_and_its_calls_move_on(registry, channels):
     async def scenario():
         entry = registry.register(NodeKind.PREFILL, "127.0.0.1:7002", "p0")
         registry.channel(entry)
         registry.heartbeat("p0", stats(free=1), draining=True)
-        assert registry.deregister("p0") is True
+        assert registry.deregister("p0", drained=False) is True
         assert registry.get("p0") is None and registry.draining(NodeKind.PREFILL) == []
-        # A call still open on it (a drain that ran out of time) sees it gone, and why.
-        assert entry.gone.is_set() and entry.gone_reason == "127.0.0.1:7002 left the cluster (drained)"
-        assert registry.deregister("p0") is False  # twice: not known any more
+        # A call still open on it sees it gone, and why.
+        assert entry.gone.is_set()
+        assert entry.gone_reason == "127.0.0.1:7002 left the cluster before its drain finished"
+        assert registry.deregister("p0", drained=False) is False  # twice: not known any more
         assert registry.heartbeat("p0", stats(free=1)) is False  # a late heartbeat: register again
         await asyncio.sleep(0)
         await registry.close()
@@ -216,9 +218,26 @@ def test_a_node_that_deregisters_is_forgotten_and_its_calls_move_on(registry, ch
     assert channels.made[0].closed_with == 3.0
 
 
+def test_a_node_that_drained_is_forgotten_without_failing_a_stream_it_fed(registry):
+    """A drained prefill node's pushes were all acknowledged: a decode stream that still lists
+    it as a feeder (its first token not yet relayed) must not be resumed when it leaves."""
+    async def scenario():
+        prefill = registry.register(NodeKind.PREFILL, "127.0.0.1:7002", "p0")
+        decode = registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
+        registry.heartbeat("p0", stats(free=1), draining=True)
+        with GoneWatch([decode, prefill]) as watch:
+            assert registry.deregister("p0", drained=True) is True
+            assert registry.get("p0") is None and not prefill.gone.is_set()
+            # The stream's next await completes rather than raising NodeGone.
+            assert await watch.until(asyncio.sleep(0, result="token")) == "token"
+        await registry.close()
+
+    asyncio.run(scenario())
+
+
 def test_a_node_started_again_after_a_drain_registers_afresh_and_is_live(registry):
     registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
     registry.heartbeat("d0", stats(free=1), draining=True)
-    registry.deregister("d0")
+    registry.deregister("d0", drained=True)
     entry = registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
     assert not entry.draining and ids(registry.live(NodeKind.DECODE)) == ["d0"]
