@@ -6,6 +6,7 @@
     measure_stack.py  the router's, a node front's and a client's CPU per request and per token,
                    on a real local colocated cluster
     sim_node.py    one simulated node: the engine's own scheduler and KV cache manager on a simulated clock
+    stack_load.py  the serving stack's share of the nodes' cores as a simulated run goes, and its stretch of a step
     simulator.py   the whole cluster as discrete events: the router's placement, the nodes, the KV hand-off
     goodput.py     a simulated run's SLO summary and the goodput search, as the serving bench computes them
     search.py      the configurations on N devices, each simulated and ranked

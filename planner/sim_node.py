@@ -79,7 +79,7 @@ class SimNode:
         self.scheduler = scheduler_for(config, self.kv, swap, clock)
         self.scheduler.chunks = chunk_schedule_for(config, self._step_tokens_within_target)
         self.step: SchedulerOutput | None = None  # the step in progress
-        self.stretch = 1.0  # every step's time over the profile's: the router's CPU on the same cores
+        self.stretch = 1.0  # the next step's time over the profile's: the serving stack's CPU on the same cores
         self._arrivals = 0
 
     def _step_tokens_within_target(self) -> int:

@@ -22,10 +22,10 @@ stats up to a heartbeat old plus what it sent since). The router itself, one pro
 loop, is a first-come-first-served server: each request costs it `per_request_s` before placement
 and each token `per_token_s` before the client has it (the profile's `RouterCost`), so a router
 that cannot keep up delays every stream. On one machine the serving stack's CPU also comes out
-of the cores the nodes run on: every step takes 1 / (1 - u) as long, u the share of those cores
-that the router, the node fronts and (when the plan says the load generator runs here) the
-client take on the run's requests at their arrival rate (`cpu_stretch`, from the profile's
-`ServingCosts`). Not simulated: the network between client and router, queue bounds, failures.
+of the cores the nodes run on: the router's, the node fronts' and (when the plan says the load
+generator runs here) the client's CPU is charged as each request arrives and each token streams
+(the profile's `ServingCosts`), and a step takes longer while that load is high
+(planner/stack_load.py). Not simulated: the network between client and router, queue bounds, failures.
 
 Each request's trace is the serving bench's `RequestTrace` (one chunk per token), so the bench's
 metrics apply unchanged. Must never: read a wall clock or load torch.
@@ -44,6 +44,7 @@ from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.request import Request
 from pdserve.planner.profile import Profile, ServingCosts
 from pdserve.planner.sim_node import PLACEHOLDER_TOKEN, Sampled, SimClock, SimNode
+from pdserve.planner.stack_load import StackLoad
 from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.router.cluster.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
 from pdserve.router.config import RouterConfig
@@ -130,6 +131,12 @@ class ClusterSim:
         self._flights: dict[str, _Flight] = {}
         self._router = spec.costs.router
         self._router_free_s = 0.0  # when the router has done all the work handed to it so far
+        self._stack = StackLoad(spec.node_cores)
+        costs, legs = spec.costs, 1 if spec.prefill is None else 2
+        # A request's stack CPU before its tokens (a pair's passes two fronts), and each token's.
+        self._stack_per_request_s = (costs.router.per_request_s + costs.client.per_request_s
+                                     + legs * costs.fronts.per_request_s)
+        self._stack_per_token_s = costs.router.per_token_s + costs.client.per_token_s + costs.fronts.per_token_s
 
     def _nodes(self, kind: str, pool: Pool | None, policy, max_model_len: int) -> list[SimNode]:
         if pool is None:
@@ -138,9 +145,6 @@ class ClusterSim:
                 for i in range(pool.count)]
 
     def run(self, requests: list[SimRequest]) -> list[RequestTrace]:
-        stretch = cpu_stretch(self._spec, requests)
-        for node in (*self.colocated, *self.prefill, *self.decode):
-            node.stretch = stretch
         traces = []
         for index, spec in enumerate(requests):
             trace = RequestTrace(index, spec.arrival_s, spec.output_len, len(spec.prompt_token_ids),
@@ -167,6 +171,7 @@ class ClusterSim:
         return self._router_free_s
 
     def _receive(self, spec: SimRequest, trace: RequestTrace) -> None:
+        self._stack.charge(self.clock.t, self._stack_per_request_s)
         self._at(self._router_work(self._router.per_request_s), lambda: self._arrive(spec, trace))
 
     def _arrive(self, spec: SimRequest, trace: RequestTrace) -> None:
@@ -232,6 +237,7 @@ class ClusterSim:
     def _kick(self, node: SimNode) -> None:
         if node.busy:
             return
+        node.stretch = self._stack.stretch(self.clock.t)
         duration = node.start_step()
         if duration is not None:
             self._at(self.clock.t + duration, lambda: self._step_done(node))
@@ -272,6 +278,7 @@ class ClusterSim:
 
     def _token(self, trace: RequestTrace, now: float, last: bool) -> None:
         """A node streamed a token; the client has it once the router has relayed it."""
+        self._stack.charge(now, self._stack_per_token_s)
         delivered = self._router_work(self._router.per_token_s)
         trace.chunks.append((delivered, 1))
         if last:
@@ -281,30 +288,3 @@ class ClusterSim:
     def _fail(trace: RequestTrace, status: str) -> None:
         trace.status = status
         trace.end_s = trace.sent_s
-
-
-# A serving stack that would need more than this share of the nodes' cores is a bottleneck the
-# router's queue already shows; the steps are not slowed without bound for it.
-MAX_STACK_SHARE = 0.9
-
-
-def cpu_stretch(spec: ClusterSpec, requests: list[SimRequest]) -> float:
-    """1 / (1 - u): how much longer every step takes while the serving stack works on `requests`,
-    u its CPU per second at their mean arrival rate over the nodes' cores: per request and per
-    output token, the router's, one front's per leg (two when a prefill pool computes prompts),
-    the client's. 1 for a stack that costs nothing, or fewer than two requests (no rate)."""
-    cores = spec.node_cores
-    if len(requests) < 2 or cores < 1:
-        return 1.0
-    arrivals = [r.arrival_s for r in requests]
-    span = max(arrivals) - min(arrivals)
-    if span <= 0:
-        return 1.0
-    rate = (len(requests) - 1) / span
-    tokens = sum(r.output_len for r in requests) / len(requests)
-    costs = spec.costs
-    legs = 1 if spec.prefill is None else 2
-    per_request = (costs.router.of_request(tokens) + costs.client.of_request(tokens)
-                   + costs.fronts.of_request(tokens) + (legs - 1) * costs.fronts.per_request_s)
-    share = rate * per_request / cores
-    return 1.0 / (1.0 - min(share, MAX_STACK_SHARE))

@@ -4,12 +4,15 @@ hybrid's choice between a decode node that prefills and the prefill pool."""
 
 from __future__ import annotations
 
+import math
+
 import pytest
 
 from pdserve.bench.serve.metrics import request_metrics
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.profile import ClientCost, FrontCost, RouterCost, ServingCosts, TransferCost
-from pdserve.planner.simulator import EXHAUSTED, MAX_STACK_SHARE, ClusterSim, ClusterSpec, Pool, SimRequest, cpu_stretch
+from pdserve.planner.simulator import EXHAUSTED, ClusterSim, ClusterSpec, Pool, SimRequest
+from pdserve.planner.stack_load import WINDOW_S
 from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
 from tests.unit.planner_profiles import BLOCK_BYTES, synthetic_profile
 
@@ -114,55 +117,61 @@ def test_a_request_no_node_can_ever_hold_is_refused():
     assert sim.prefill[0].kv.num_used_blocks == 0 and sim.decode[0].kv.num_used_blocks == 0
 
 
+def stretch_after(charged_s: float, elapsed_s: float, cores: int = 1) -> float:
+    """A step's stretch `elapsed_s` after the stack was charged `charged_s` of CPU (nothing before)."""
+    return 1 / (1 - charged_s / WINDOW_S * math.exp(-elapsed_s / WINDOW_S) / cores)
+
+
 def test_the_router_costs_each_request_and_each_token_once_on_its_way():
     profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
     router = RouterCost(0.003, 0.0005, "synthetic")
     _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile), costs=ServingCosts(router)), 100, 5)
-    assert m.ttft_s == pytest.approx(0.003 + 0.11 + 0.0005)
-    assert m.tpot_s == pytest.approx(0.011)  # every token waits the same relay
+    # The prefill starts once the router placed the request, stretched by that request's 3 ms of CPU.
+    assert m.ttft_s == pytest.approx(0.003 + 0.11 * stretch_after(0.003, 0.003) + 0.0005)
+    # Every token waits the same relay; the decode steps are stretched under 1% by the stack's CPU.
+    assert m.tpot_s == pytest.approx(0.011, rel=0.01)
 
 
 def test_a_router_slower_than_the_steps_paces_every_stream():
-    """Tokens leave the node every 11 ms but the router relays one per 50 ms: they queue there."""
+    """Tokens leave the node every 11–18 ms (stretched by the router's CPU on its core) but the
+    router relays one per 50 ms: they queue there."""
     profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
     _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile),
                                costs=ServingCosts(RouterCost(0.0, 0.05, "slow"))), 100, 5)
-    assert m.ttft_s == pytest.approx(0.11 + 0.05)
+    assert m.ttft_s == pytest.approx(0.11 + 0.05)  # nothing was charged before the prefill
     assert m.itl_s == pytest.approx((0.05,) * 4)
 
 
-def test_the_routers_cpu_at_the_arrival_rate_stretches_every_step_of_the_nodes_it_shares_cores_with():
-    """Two requests a second apart (1 request/s), each 50 ms of router work on the node's one core:
-    u = 0.05, every step takes 1 / 0.95 of its profiled time."""
+def test_the_stacks_cpu_stretches_the_steps_that_follow_it_on_the_same_cores():
+    """Two requests a second apart, each 50 ms of router work on the node's one core: each
+    prefill is stretched by what the stack was charged, decayed over the time since."""
     profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
     spec = ClusterSpec(colocated=Pool(1, config(num_threads=1), profile),
                        costs=ServingCosts(RouterCost(0.05, 0.0, "synthetic")))
-    sim = ClusterSim(spec, 4096)
-    traces = sim.run([SimRequest(0.0, prompt(0, 100), 1), SimRequest(1.0, prompt(1, 100), 1)])
-    assert [request_metrics(t).ttft_s for t in traces] == pytest.approx([0.05 + 0.11 / 0.95] * 2)
+    traces = ClusterSim(spec, 4096).run([SimRequest(0.0, prompt(0, 100), 1), SimRequest(1.0, prompt(1, 100), 1)])
+    first = stretch_after(0.05, 0.05)
+    # The second prefill also carries what is left of the first request's charge, a second older.
+    second = 1 / (1 - 0.05 / WINDOW_S * (math.exp(-1.05 / WINDOW_S) + math.exp(-0.05 / WINDOW_S)))
+    assert [request_metrics(t).ttft_s for t in traces] == pytest.approx([0.05 + 0.11 * first, 0.05 + 0.11 * second])
 
 
-def test_cpu_stretch_by_hand():
-    every_100_ms = [SimRequest(i * 0.1, prompt(i, 8), 10) for i in range(11)]  # 10 requests/s, 10 tokens each
-    profile = synthetic_profile()
+def test_a_pairs_request_is_charged_two_fronts_and_the_stack_shares_both_nodes_cores():
+    """A front's 50 ms per request, twice on a pair (the prefill node's and the decode node's),
+    over the pair's two cores; the router itself costs nothing here, so it adds no wait."""
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    one_core = Pool(1, config(num_threads=1), profile)
+    spec = ClusterSpec(prefill=one_core, decode=one_core, costs=ServingCosts(fronts=FrontCost(0.05, 0.0, "synthetic")))
+    _, m = run_one(spec, 100, 1)
+    assert m.ttft_s == pytest.approx(0.11 * stretch_after(0.1, 0.0, cores=2))
 
-    def stretch(costs: ServingCosts, requests=every_100_ms, cores: int = 2, pair: bool = False) -> float:
-        one_core = Pool(1, config(num_threads=1), profile)
-        pools = (dict(prefill=one_core, decode=one_core) if pair
-                 else dict(colocated=Pool(1, config(num_threads=cores), profile)))
-        return cpu_stretch(ClusterSpec(**pools, costs=costs), requests)
 
-    router = RouterCost(0.01, 0.001, "synthetic")
-    # 10/s x (10 ms + 10 tokens x 1 ms) = 0.2 of a core, over 2 cores: u = 0.1
-    assert stretch(ServingCosts(router)) == pytest.approx(1 / 0.9)
-    assert stretch(ServingCosts(router), every_100_ms[:1]) == 1.0  # one request: no rate
-    assert stretch(ServingCosts()) == 1.0
-    assert stretch(ServingCosts(RouterCost(1.0, 0.0, "slow")), cores=1) == pytest.approx(1 / (1 - MAX_STACK_SHARE))
-    # Router, front and client: 20 ms a request each; 10/s x 60 ms = 0.6 of a core, over 2: u = 0.3.
-    front, client = FrontCost(0.01, 0.001, "synthetic"), ClientCost(0.01, 0.001, "synthetic")
-    assert stretch(ServingCosts(router, front, client)) == pytest.approx(1 / (1 - 0.3))
-    # A pair's request passes two fronts: its prefill leg adds 10 ms more, u = 10/s x 70 ms / 2 = 0.35.
-    assert stretch(ServingCosts(router, front, client), pair=True) == pytest.approx(1 / (1 - 0.35))
+def test_the_client_is_charged_only_when_its_costs_are_given():
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    client = ClientCost(0.05, 0.0, "synthetic")
+    _, here = run_one(ClusterSpec(colocated=Pool(1, config(), profile), costs=ServingCosts(client=client)), 100, 1)
+    _, elsewhere = run_one(ClusterSpec(colocated=Pool(1, config(), profile)), 100, 1)
+    assert here.ttft_s == pytest.approx(0.11 * stretch_after(0.05, 0.0))
+    assert elsewhere.ttft_s == pytest.approx(0.11)
 
 
 
