@@ -33,12 +33,19 @@ STOP_TIMEOUT_S = 60.0
 NODE_FLAGS = ("--dtype", "float32", "--num-blocks", "64", "--max-num-batched-tokens", "64")
 
 
+def _as_a_terminal_starts_it() -> None:
+    """Ctrl-C as a shell at a terminal leaves it: a suite started in the background (`cmd &` in a
+    script) passes SIGINT on ignored, and a Python started so never raises KeyboardInterrupt."""
+    signal.signal(signal.SIGINT, signal.SIG_DFL)
+
+
 class Command:
     """`python -m pdserve ARGS` in its own process group, its output collected as it comes."""
 
     def __init__(self, *args: str) -> None:
         self.proc = subprocess.Popen([sys.executable, "-m", "pdserve", *args], stdin=subprocess.DEVNULL,
-                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True)
+                                     stdout=subprocess.PIPE, stderr=subprocess.PIPE, start_new_session=True,
+                                     preexec_fn=_as_a_terminal_starts_it)
         self._changed = threading.Condition()
         self._text = {"stdout": "", "stderr": ""}
         self._ended: set[str] = set()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import io
+import itertools
 import os
 import random
 import re
@@ -505,12 +506,23 @@ def test_a_killed_node_comes_back_on_the_same_command_line_and_the_state_file_fo
     assert _all_dead(supervisor.pids.values())
 
 
-def test_a_crash_looping_router_stops_the_cluster(supervisor):
+def test_a_crash_looping_router_stops_the_cluster(supervisor, tmp_path):
+    # The router lives until the cluster is ready (the probe's second answer, "serving", leaves the
+    # mark), then every start of it exits 3 at once: a crash loop after the start, however slowly
+    # a loaded machine starts the children.
+    mark = tmp_path / "ready"
+    router = (PY, "-c", f"import os, sys, time\nwhile not os.path.exists({str(mark)!r}): time.sleep(0.01)\nsys.exit(3)")
+    answers = itertools.count()
+
+    def probe() -> Verdict:
+        if next(answers) >= 1:
+            mark.touch()
+        return Verdict(True, "ok")
+
     out = io.StringIO()
-    router = (PY, "-c", "import time, sys; time.sleep(0.2); sys.exit(3)")
     config = dataclasses.replace(FAST, restart=dataclasses.replace(QUICK_RESTARTS, max_restarts=1))
     code = run_cluster(config, _plan([ChildSpec("decode-0", SLEEPER)], router=router), supervisor,
-                       lambda: Verdict(True, "ok"), threading.Event(), out)
+                       probe, threading.Event(), out)
     assert code == 1
     assert "router exited with code 3 after 1 restarts in 60s; stopping the cluster" in out.getvalue()
     assert _all_dead(supervisor.pids.values())
