@@ -76,8 +76,10 @@ def _parser() -> argparse.ArgumentParser:
     search.add_argument("--min-duration-s", type=float, default=30.0,
                         help="every simulated run's arrivals span at least this many seconds (more requests "
                              "than --num-requests at high rates), so a probe is a sustained load, not a burst")
-    search.add_argument("--tolerance", type=float, default=0.1, help="stop when the bracket is this fraction")
-    search.add_argument("--max-probes", type=int, default=10, help="simulated runs per candidate at most")
+    search.add_argument("--tolerance", type=float, default=0.02,
+                        help="stop when the bracket is this fraction (a prediction is the bracket's low end: "
+                             "this is its own resolution, well under the error the validation measures)")
+    search.add_argument("--max-probes", type=int, default=12, help="simulated runs per candidate at most")
     check = p.add_argument_group("validation (runs clusters for real: minutes per candidate)")
     check.add_argument("--validate", type=int, default=0, metavar="K",
                        help="start the top K candidates and --validate-others more for real, sweep each with "

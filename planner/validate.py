@@ -8,7 +8,10 @@ and swept with `pdserve bench serve`'s own machinery: the same workload, arrival
 A prediction and its measurement therefore differ only in what produced the traces.
 
 The sweep starts at the predicted goodput, so its first probe also measures the P90s at the
-predicted rate: the latency error is read there, at the same rate on both sides.
+predicted rate: the latency error is read there, at the same rate on both sides. It moves from
+there by a quarter (`GROWTH`), not by doubling: a prediction within 25% of the truth is
+bracketed by its next probe, 20–25% wide, and each probe after halves that, so a budget of a
+few probes measures the goodput to a few percent, where doubling left brackets of 15–25%.
 
 Must never: decide the plan (that is planner/search.py's), or leave a cluster running.
 """
@@ -34,6 +37,7 @@ from pdserve.planner.goodput import Traffic
 from pdserve.planner.search import Evaluated
 
 WARMUP_REQUESTS = 4  # every node's first shapes (kernel builds, allocator growth) before any probe
+GROWTH = 1.25  # the sweep's step from the predicted rate: × 1.25 up after a pass, ÷ 1.25 down after a miss
 
 
 def chosen(results: list[Evaluated], top: int, others: int) -> list[Evaluated]:
@@ -110,7 +114,7 @@ def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Validation:
             start = predicted if predicted > 0 else plan.sweep.start_rate
             sweep = find_max_rate(run_at, SweepConfig(plan.sweep.target_attainment, start_rate=start,
                                                       tolerance=plan.sweep.tolerance,
-                                                      max_probes=plan.sweep.max_probes))
+                                                      max_probes=plan.sweep.max_probes, growth=GROWTH))
     at_predicted = runs[predicted].summary if predicted > 0 else None
     return Validation(e, sweep.best_rate or 0.0, at_predicted, sweep)
 

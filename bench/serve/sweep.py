@@ -1,7 +1,8 @@
 """The goodput search: the highest request rate whose SLO attainment still reaches a target.
 
 DistServe defines a system's goodput as that rate. Owns the bracket (given, or found
-by doubling from a start rate while the target is met and halving while it is not)
+by growing from a start rate while the target is met and shrinking while it is not,
+by `growth` each probe: doubling and halving unless told)
 and the bisection inside it, to a relative tolerance or a probe budget. Pure: each
 probe is one call of `run_at(rate)`, a full run at that rate whose result reports an
 `attainment`; this module never sends a request or reads a clock. It assumes
@@ -32,6 +33,9 @@ class SweepConfig:
     start_rate: float = 1.0  # where the automatic bracket starts when rate_min is unset
     tolerance: float = 0.05  # stop when the bracket is at most this fraction of its top
     max_probes: int = 12
+    # The automatic bracket's step: × growth after a pass, ÷ growth after a miss. A start near
+    # the answer (a prediction being checked) brackets it tightly with a small one.
+    growth: float = 2.0
 
     def __post_init__(self) -> None:
         checks = [
@@ -42,6 +46,7 @@ class SweepConfig:
             (0 < self.start_rate < math.inf, "start_rate must be a finite rate > 0"),
             (0 < self.tolerance < 1, "tolerance must be in (0, 1)"),
             (self.max_probes >= 2, "max_probes must be >= 2"),
+            (1 < self.growth < math.inf, "growth must be a finite factor > 1"),
         ]
         for ok, message in checks:
             if not ok:
@@ -104,8 +109,8 @@ def _bracket(probe: Callable[[float], bool], config: SweepConfig, sweep: SweepRe
         if probe(rate):
             if sweep.failed_rate is not None or (high is not None and rate >= high):
                 return
-            rate = 2 * rate if high is None else min(2 * rate, high)
+            rate = config.growth * rate if high is None else min(config.growth * rate, high)
         else:
             if sweep.best_rate is not None or (low is not None and rate <= low):
                 return
-            rate /= 2
+            rate /= config.growth

@@ -59,6 +59,18 @@ def test_automatic_bracket_halves_from_a_start_that_misses():
     assert sweep.converged and sweep.best_rate <= 6.3 < sweep.failed_rate
 
 
+def test_a_smaller_growth_brackets_a_start_near_the_answer_in_a_narrow_step():
+    """From a prediction 10% under the answer, steps of a quarter: the second probe misses, and
+    the bracket is 20% wide after two probes (doubling: 50%)."""
+    calls: list[float] = []
+    sweep = find_max_rate(step_at(6.3, calls), SweepConfig(start_rate=5.7, tolerance=0.02, max_probes=4, growth=1.25))
+    assert calls[:2] == pytest.approx([5.7, 7.125])
+    assert calls[2:] == pytest.approx([(5.7 + 7.125) / 2, (5.7 + 6.4125) / 2])
+    assert sweep.best_rate == pytest.approx(6.05625) and sweep.failed_rate == pytest.approx(6.4125)
+    with pytest.raises(ValueError, match="growth"):
+        SweepConfig(growth=1.0)
+
+
 def test_a_given_bracket_is_bisected():
     calls: list[float] = []
     sweep = find_max_rate(step_at(6.3, calls), SweepConfig(rate_min=2.0, rate_max=10.0, tolerance=0.1))
