@@ -24,8 +24,9 @@ and each token `per_token_s` before the client has it (the profile's `RouterCost
 that cannot keep up delays every stream. On one machine the serving stack's CPU also comes out
 of the cores the nodes run on: the router's, the node fronts' and (when the plan says the load
 generator runs here) the client's CPU is charged as each request arrives and each token streams
-(the profile's `ServingCosts`), and a step takes longer while that load is high
-(planner/stack_load.py). Not simulated: the network between client and router, queue bounds, failures.
+(the profile's `ServingCosts`), a front's to its own node's cores, the router's and the client's
+to all of them, and a step takes longer while that load is high (planner/stack_load.py). Not
+simulated: the network between client and router, queue bounds, failures.
 
 Each request's trace is the serving bench's `RequestTrace` (one chunk per token), so the bench's
 metrics apply unchanged. Must never: read a wall clock or load torch.
@@ -44,7 +45,7 @@ from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.request import Request
 from pdserve.planner.profile import Profile, ServingCosts
 from pdserve.planner.sim_node import PLACEHOLDER_TOKEN, Sampled, SimClock, SimNode
-from pdserve.planner.stack_load import StackLoad
+from pdserve.planner.stack_load import CpuLoad, stretch
 from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.router.cluster.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
 from pdserve.router.config import RouterConfig
@@ -131,12 +132,15 @@ class ClusterSim:
         self._flights: dict[str, _Flight] = {}
         self._router = spec.costs.router
         self._router_free_s = 0.0  # when the router has done all the work handed to it so far
-        self._stack = StackLoad(spec.node_cores)
-        costs, legs = spec.costs, 1 if spec.prefill is None else 2
-        # A request's stack CPU before its tokens (a pair's passes two fronts), and each token's.
-        self._stack_per_request_s = (costs.router.per_request_s + costs.client.per_request_s
-                                     + legs * costs.fronts.per_request_s)
-        self._stack_per_token_s = costs.router.per_token_s + costs.client.per_token_s + costs.fronts.per_token_s
+        # The serving stack's CPU on the nodes' cores (planner/stack_load.py): the router and the
+        # client float over all of them; each node's front is pinned with it, to its cores.
+        costs = spec.costs
+        self._floating = CpuLoad(spec.node_cores)
+        self._floating_per_request_s = costs.router.per_request_s + costs.client.per_request_s
+        self._floating_per_token_s = costs.router.per_token_s + costs.client.per_token_s
+        self._front = costs.fronts
+        self._front_loads = {node: CpuLoad(node.config.num_threads or 1)
+                             for node in (*self.colocated, *self.prefill, *self.decode)}
 
     def _nodes(self, kind: str, pool: Pool | None, policy, max_model_len: int) -> list[SimNode]:
         if pool is None:
@@ -171,7 +175,7 @@ class ClusterSim:
         return self._router_free_s
 
     def _receive(self, spec: SimRequest, trace: RequestTrace) -> None:
-        self._stack.charge(self.clock.t, self._stack_per_request_s)
+        self._floating.charge(self.clock.t, self._floating_per_request_s)
         self._at(self._router_work(self._router.per_request_s), lambda: self._arrive(spec, trace))
 
     def _arrive(self, spec: SimRequest, trace: RequestTrace) -> None:
@@ -202,6 +206,7 @@ class ClusterSim:
             request = node.new_request(req_id, prompt, out_len)
             placement.assign(c, len(prompt), node.kv.blocks_needed(len(prompt)))
             self._flights[req_id] = _Flight(trace)
+            self._front_takes(node)
             node.add(request)
             self._kick(node)
             return
@@ -215,6 +220,7 @@ class ClusterSim:
             if node.can_ever_hold(len(prompt), out_len) and node.reserve(request):
                 self._decode_placement.reserve(c, node.kv.blocks_needed(len(prompt)))
                 self._flights[req_id] = _Flight(trace, node, request)
+                self._front_takes(node)
                 self._prefill(req_id, prompt, trace)
                 return
         self._fail(trace, EXHAUSTED)
@@ -229,6 +235,7 @@ class ClusterSim:
         by_id = {n.node_id: n for n in able}
         chosen = self._prefill_placement.choose([n.candidate(next(self._stats_seq)) for n in able], prompt)
         node = by_id[chosen.node_id]
+        self._front_takes(node)
         node.add(node.new_request(req_id, prompt, 1))
         self._kick(node)
 
@@ -237,7 +244,8 @@ class ClusterSim:
     def _kick(self, node: SimNode) -> None:
         if node.busy:
             return
-        node.stretch = self._stack.stretch(self.clock.t)
+        now = self.clock.t
+        node.stretch = stretch(self._floating.share(now), self._front_loads[node].share(now))
         duration = node.start_step()
         if duration is not None:
             self._at(self.clock.t + duration, lambda: self._step_done(node))
@@ -249,7 +257,7 @@ class ClusterSim:
                 self._hand_off(node, sampled, now)
                 continue
             flight = self._flights[sampled.request.req_id]
-            self._token(flight.trace, now, sampled.finished)
+            self._token(node, flight.trace, now, sampled.finished)
             if sampled.finished:
                 del self._flights[sampled.request.req_id]
         self._kick(node)
@@ -257,7 +265,7 @@ class ClusterSim:
     def _hand_off(self, node: SimNode, sampled: Sampled, now: float) -> None:
         """Token 1 goes to the client now; the KV tail follows it to the decode node."""
         flight = self._flights[sampled.request.req_id]
-        self._token(flight.trace, now, False)
+        self._token(node, flight.trace, now, False)
         blocks = sampled.handoff_blocks
         pushed = sampled.computed_before // node.kv.block_size  # full before the last chunk: already sent
         profile = self._prefill_profile
@@ -276,9 +284,14 @@ class ClusterSim:
 
     # ------------------------------------------------------------------ outcomes
 
-    def _token(self, trace: RequestTrace, now: float, last: bool) -> None:
-        """A node streamed a token; the client has it once the router has relayed it."""
-        self._stack.charge(now, self._stack_per_token_s)
+    def _front_takes(self, node: SimNode) -> None:
+        """A request's leg is placed on `node`: its front's per-request CPU, on its cores."""
+        self._front_loads[node].charge(self.clock.t, self._front.per_request_s)
+
+    def _token(self, node: SimNode, trace: RequestTrace, now: float, last: bool) -> None:
+        """`node` streamed a token; the client has it once the router has relayed it."""
+        self._floating.charge(now, self._floating_per_token_s)
+        self._front_loads[node].charge(now, self._front.per_token_s)
         delivered = self._router_work(self._router.per_token_s)
         trace.chunks.append((delivered, 1))
         if last:

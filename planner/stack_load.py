@@ -1,11 +1,18 @@
 """The serving stack's share of the nodes' cores as a simulated run goes, and what it does to a step.
 
 On one machine the router, the node fronts and (when the load generator runs here) the client
-take their CPU from the cores the engines step on. `StackLoad` is charged that CPU when the work
-happens — a request's per-request part when it arrives, a token's per-token part when a node
-streams it (the profile's `ServingCosts`) — and keeps an exponentially weighted rate of it over
-about `WINDOW_S`: u(t), in cores. A step that starts at t takes 1 / (1 − u(t) / cores) of its
-profiled time.
+take their CPU from the cores the engines step on. Each is a `CpuLoad`, charged its CPU when the
+work happens — a request's per-request part when it arrives or is placed, a token's per-token
+part when a node streams it (the profile's `ServingCosts`) — which keeps an exponentially
+weighted rate of it over about `WINDOW_S`. Where that CPU lands follows the launcher's pinning:
+
+- a node's front is pinned with its engine core (`--<kind>-cores`): its CPU is that node's
+  cores' alone, so a decode node that relays every token carries all of that work, and the
+  prefill node beside it only its per-request part;
+- the router and the client are not pinned: the OS spreads them over all the nodes' cores.
+
+A step that starts at t on a node takes 1 / (1 − u) of its profiled time, u the node's front's
+share of its cores plus the router's and client's share of all of them (`stretch`).
 
 Why charged as it happens, not at the arrival rate × the mean output (the steady state): a
 sweep's probe of a few hundred requests with long outputs never reaches that state. Its tokens
@@ -32,7 +39,9 @@ WINDOW_S = 0.5
 MAX_STACK_SHARE = 0.9
 
 
-class StackLoad:
+class CpuLoad:
+    """One share of the stack's work over `cores` cores."""
+
     def __init__(self, cores: int, window_s: float = WINDOW_S) -> None:
         self._cores = cores
         self._window_s = window_s
@@ -40,17 +49,21 @@ class StackLoad:
         self._at = 0.0
 
     def charge(self, now: float, cpu_s: float) -> None:
-        """The stack spends `cpu_s` of CPU at `now`."""
+        """`cpu_s` of CPU spent at `now`."""
         if cpu_s > 0:
             self._rate = self.rate(now) + cpu_s / self._window_s
             self._at = now
 
     def rate(self, now: float) -> float:
-        """The stack's CPU per second at `now`, in cores."""
+        """CPU per second at `now`, in cores."""
         return self._rate * math.exp(-(now - self._at) / self._window_s)
 
-    def stretch(self, now: float) -> float:
-        """How much longer a step that starts at `now` takes than its profiled time."""
-        if self._cores < 1:
-            return 1.0
-        return 1.0 / (1.0 - min(self.rate(now) / self._cores, MAX_STACK_SHARE))
+    def share(self, now: float) -> float:
+        """The part of its cores it takes at `now` (0 with no cores)."""
+        return self.rate(now) / self._cores if self._cores >= 1 else 0.0
+
+
+def stretch(*shares: float) -> float:
+    """How much longer a step takes than its profiled time on cores that the stack takes
+    `shares` of."""
+    return 1.0 / (1.0 - min(sum(shares), MAX_STACK_SHARE))

@@ -155,14 +155,21 @@ def test_the_stacks_cpu_stretches_the_steps_that_follow_it_on_the_same_cores():
     assert [request_metrics(t).ttft_s for t in traces] == pytest.approx([0.05 + 0.11 * first, 0.05 + 0.11 * second])
 
 
-def test_a_pairs_request_is_charged_two_fronts_and_the_stack_shares_both_nodes_cores():
-    """A front's 50 ms per request, twice on a pair (the prefill node's and the decode node's),
-    over the pair's two cores; the router itself costs nothing here, so it adds no wait."""
+def test_a_front_loads_its_own_nodes_cores_alone():
+    """A pair, one core each: a front's CPU lands on its node's core alone. Its per-request
+    50 ms on each leg: the prefill step is stretched by the prefill front's alone. Its per-token
+    10 ms: token 1 is the prefill node's, so the decode node's first step is not stretched, and
+    its second is, by the decode front's relay of token 2."""
     profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
     one_core = Pool(1, config(num_threads=1), profile)
     spec = ClusterSpec(prefill=one_core, decode=one_core, costs=ServingCosts(fronts=FrontCost(0.05, 0.0, "synthetic")))
     _, m = run_one(spec, 100, 1)
-    assert m.ttft_s == pytest.approx(0.11 * stretch_after(0.1, 0.0, cores=2))
+    assert m.ttft_s == pytest.approx(0.11 * stretch_after(0.05, 0.0, cores=1))
+
+    spec = ClusterSpec(prefill=one_core, decode=one_core, costs=ServingCosts(fronts=FrontCost(0.0, 0.01, "synthetic")))
+    _, m = run_one(spec, 100, 3)
+    assert m.ttft_s == pytest.approx(0.11)
+    assert m.itl_s == pytest.approx((0.011, 0.011 * stretch_after(0.01, 0.0, cores=1)))
 
 
 def test_the_client_is_charged_only_when_its_costs_are_given():

@@ -7,18 +7,19 @@ import math
 
 import pytest
 
-from pdserve.planner.stack_load import MAX_STACK_SHARE, StackLoad
+from pdserve.planner.stack_load import MAX_STACK_SHARE, CpuLoad, stretch
 
 
-def test_nothing_charged_stretches_nothing():
-    assert StackLoad(cores=2).stretch(5.0) == 1.0
+def test_nothing_charged_takes_no_share():
+    assert CpuLoad(cores=2).share(5.0) == 0.0
+    assert stretch(CpuLoad(cores=2).share(5.0)) == 1.0
 
 
 def test_a_charge_is_a_rate_over_the_window_that_decays_with_time():
-    load = StackLoad(cores=2, window_s=0.5)
+    load = CpuLoad(cores=2, window_s=0.5)
     load.charge(0.0, 0.1)
     assert load.rate(0.0) == pytest.approx(0.2)  # 0.1 s of CPU over a 0.5 s window: 0.2 of a core
-    assert load.stretch(0.0) == pytest.approx(1 / (1 - 0.1))  # 0.2 over 2 cores
+    assert load.share(0.0) == pytest.approx(0.1)  # over 2 cores
     assert load.rate(0.5) == pytest.approx(0.2 / math.e)
     load.charge(0.5, 0.1)
     assert load.rate(0.5) == pytest.approx(0.2 / math.e + 0.2)
@@ -26,20 +27,19 @@ def test_a_charge_is_a_rate_over_the_window_that_decays_with_time():
 
 def test_a_steady_stream_of_charges_settles_near_its_mean_rate():
     """1 ms of CPU every 5 ms: 0.2 of a core once the window has filled."""
-    load = StackLoad(cores=1, window_s=0.5)
+    load = CpuLoad(cores=1, window_s=0.5)
     for k in range(2000):
         load.charge(k * 0.005, 0.001)
     # Just after a charge the weighted rate is (c / W) / (1 − e^(−dt/W)): within 1% of c / dt here.
     assert load.rate(1999 * 0.005) == pytest.approx(0.2, rel=0.01)
 
 
-def test_a_stack_that_wants_more_than_the_cores_slows_the_steps_by_a_bounded_factor():
-    load = StackLoad(cores=1)
-    load.charge(0.0, 10.0)
-    assert load.stretch(0.0) == pytest.approx(1 / (1 - MAX_STACK_SHARE))
+def test_the_shares_on_one_nodes_cores_add_and_the_stretch_is_bounded():
+    assert stretch(0.1, 0.2) == pytest.approx(1 / (1 - 0.3))
+    assert stretch(0.5, 0.7) == pytest.approx(1 / (1 - MAX_STACK_SHARE))
 
 
-def test_no_cores_no_stretch():
-    load = StackLoad(cores=0)
+def test_no_cores_no_share():
+    load = CpuLoad(cores=0)
     load.charge(0.0, 1.0)
-    assert load.stretch(0.0) == 1.0
+    assert load.share(0.0) == 0.0
