@@ -11,8 +11,9 @@ and the two goals: the median absolute goodput error over every candidate measur
 for each plan the recommended configuration's measured goodput within 10% of the best measured.
 Long: every candidate of every plan is started and swept for real. Prints the CPU capability.
 
-`--rescore` measures nothing: it plans again (the same flags, no --validate, `--client-here`: the
-measurements had their client on this machine) on the cached profile (`--profile-dir`, the run's)
+`--rescore` measures nothing: it plans again (the same flags, the run's own run length as its
+report recorded it, no --validate, `--client-here`: the measurements had their client on this
+machine) on the cached profile (`--profile-dir`, the run's)
 and prints each candidate an earlier run in `--out-dir` measured with its prediction then and now
 beside that measurement, and where the measurement lies: the highest rate that passed and the
 lowest above it that failed bracket the true goodput (a sweep of a few probes rarely closes it).
@@ -133,7 +134,10 @@ def _rescore(args: argparse.Namespace, workloads: list[str]) -> int:
             if not measured_in.exists():
                 continue
             old = json.loads(measured_in.read_text())
-            new = _plan(args, workload, slo, _report_path(args, workload, slo, ".rescored"), validate=False)
+            # The run's own run length, whatever the flags say now: a longer simulated run reaches a
+            # steadier state and predicts another goodput for the same cluster.
+            same = argparse.Namespace(**{**vars(args), **old.get("traffic", {})})
+            new = _plan(same, workload, slo, _report_path(args, workload, slo, ".rescored"), validate=False)
             shares.append(_recommended_share(old, new))
             for measured in old["validation"]["candidates"]:
                 knobs = next(c["knobs"] for c in old["candidates"] if c["layout"] == measured["layout"])

@@ -247,7 +247,9 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
     report = {"recommended": None if best is None else {
         "command": best["command"], "mode": best["mode"], "predicted_goodput_rps": best["predicted_goodput_rps"],
         "predicted": {"ttft_p90_s": best["predicted"]["ttft_p90_s"], "tpot_p90_s": best["predicted"]["tpot_p90_s"]}},
-        "candidates": records}
+        "candidates": records,
+        # What every simulated run sent (a prediction is only comparable under the same run length).
+        "traffic": {"num_requests": traffic.num_requests, "min_duration_s": traffic.min_duration_s}}
     checks = ValidationPlan(traffic, lambda limits: build_workload(args, limits), slo,
                             replace(sweep, max_probes=args.validate_probes), first.setup.dtype, args.block_size)
     return results, report, checks

@@ -57,6 +57,7 @@ def test_plan_prints_the_ranking_and_writes_the_recommendation(planned, tmp_path
     assert [c["mode"] for c in report["candidates"]].count("hybrid") == 1 and len(report["candidates"]) == 4
     assert report["candidates"][0]["command"] == best["command"]
     assert lines[-1] == shlex.join(best["command"])
+    assert report["traffic"] == {"num_requests": 40, "min_duration_s": 0.0}  # what a re-prediction must send
 
 
 def test_no_hybrid_leaves_the_hybrid_splits_out(planned, tmp_path):
