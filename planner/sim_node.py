@@ -79,7 +79,6 @@ class SimNode:
         self.scheduler = scheduler_for(config, self.kv, swap, clock)
         self.scheduler.chunks = chunk_schedule_for(config, self._step_tokens_within_target)
         self.step: SchedulerOutput | None = None  # the step in progress
-        self.stretch = 1.0  # the next step's time over the profile's: the serving stack's CPU on the same cores
         self._arrivals = 0
 
     def _step_tokens_within_target(self) -> int:
@@ -134,8 +133,9 @@ class SimNode:
         self.scheduler.add(request)
         return False
 
-    def start_step(self) -> float | None:
-        """Schedule the next step; its modelled duration, or None when nothing can run now."""
+    def start_step(self, stretch: float = 1.0) -> float | None:
+        """Schedule the next step; its modelled duration (the profile's × `stretch`: the serving
+        stack's CPU on the same cores), or None when nothing can run now."""
         out = self.scheduler.schedule()
         while out.is_empty and out.preempted:  # the engine's loop steps again at once
             out = self.scheduler.schedule()
@@ -143,7 +143,7 @@ class SimNode:
             return None
         self.step = out
         shape = StepShape.of((s.request.num_computed_tokens, s.num_scheduled_tokens) for s in out.scheduled)
-        return self.cost.time(shape) * self.stretch
+        return self.cost.time(shape) * stretch
 
     def finish_step(self) -> list[Sampled]:
         out, self.step = self.step, None

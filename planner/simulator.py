@@ -63,6 +63,11 @@ class Pool:
     config: EngineConfig
     profile: Profile
 
+    @property
+    def cores_per_node(self) -> int:
+        """Each node's `num_threads`, 1 when unset."""
+        return self.config.num_threads or 1
+
 
 @dataclass(frozen=True)
 class ClusterSpec:
@@ -84,7 +89,7 @@ class ClusterSpec:
     def node_cores(self) -> int:
         """The cores the nodes run on (each node's `num_threads`, 1 when unset)."""
         pools = (self.colocated, self.prefill, self.decode)
-        return sum(p.count * (p.config.num_threads or 1) for p in pools if p is not None)
+        return sum(p.count * p.cores_per_node for p in pools if p is not None)
 
     @property
     def mode(self) -> str:
@@ -139,8 +144,9 @@ class ClusterSim:
         self._floating_per_request_s = costs.router.per_request_s + costs.client.per_request_s
         self._floating_per_token_s = costs.router.per_token_s + costs.client.per_token_s
         self._front = costs.fronts
-        self._front_loads = {node: CpuLoad(node.config.num_threads or 1)
-                             for node in (*self.colocated, *self.prefill, *self.decode)}
+        self._front_loads = {node: CpuLoad(pool.cores_per_node)
+                             for pool, nodes in ((spec.colocated, self.colocated), (spec.prefill, self.prefill),
+                                                 (spec.decode, self.decode)) for node in nodes}
 
     def _nodes(self, kind: str, pool: Pool | None, policy, max_model_len: int) -> list[SimNode]:
         if pool is None:
@@ -245,10 +251,9 @@ class ClusterSim:
         if node.busy:
             return
         now = self.clock.t
-        node.stretch = stretch(self._floating.share(now), self._front_loads[node].share(now))
-        duration = node.start_step()
+        duration = node.start_step(stretch(self._floating.share(now), self._front_loads[node].share(now)))
         if duration is not None:
-            self._at(self.clock.t + duration, lambda: self._step_done(node))
+            self._at(now + duration, lambda: self._step_done(node))
 
     def _step_done(self, node: SimNode) -> None:
         now = self.clock.t

@@ -9,14 +9,15 @@
                block in use or held for a transfer) ─▶ Deregister ─▶ stop ─▶ exit 0
             ─▶ or `--drain-timeout-s` passes first ─▶ Deregister anyway ─▶ stop
 
-What still runs at the timeout is failed, not handed off: the router sees its node leave
-(a Deregister that is not `drained` marks the entry gone), and the stopping server cancels the calls, so each sample
-resumes on another node from the tokens its client already has — the same exact path as a
-lost node, counted `pdserve_resumes_total{reason="drain_timeout"}`. A hand-off would move a
-running request's KV to another decode node, a decode-to-decode path and a re-placement the
-router does not have; a resume costs one prefill of prompt + streamed tokens, and only for
-what outlives the drain. A drain that ends in time recomputes nothing: its Deregister says `drained`, so a decode
-stream it fed (whose first token the router may not have yet) is not failed over.
+What still runs at the timeout is failed, not handed off: the router sees its node leave (a
+Deregister that is not `drained` marks the entry gone), and the stopping server cancels the
+calls, so each sample resumes on another node from the tokens its client already has — the same
+exact path as a lost node, counted `pdserve_resumes_total{reason="drain_timeout"}`. A hand-off
+would move a running request's KV to another decode node, a decode-to-decode path and a
+re-placement the router does not have; a resume costs one prefill of prompt + streamed tokens,
+and only for what outlives the drain. A drain that ends in time recomputes nothing: its
+Deregister says `drained`, so a decode stream it fed (whose first token the router may not have
+yet) is not failed over.
 
 Must never: refuse a call while draining (the router may have placed it before it heard),
 stop the node before it holds nothing or the timeout passed, or wait past the timeout.
