@@ -5,7 +5,7 @@ behind the same router and API. The launcher's config and flags are in cluster_c
 every child's command line, ports and cores in cluster_plan.py, the processes themselves
 (start, pinning, logs, restart, stop) in cluster_supervisor.py.
 
-Lifecycle: start router → wait until it answers → start nodes → wait until serving with
+Lifecycle: start the router and every node at once → wait until serving with
 N prefill + M decode (or N colocated) → print the addresses → serve until SIGINT/SIGTERM.
 SIGTERM drains (`_drain`): the router first (it refuses new requests and finishes its streams
 within `--drain-timeout-s`), then every node (each leaves placement, finishes what it holds,
@@ -58,6 +58,7 @@ from pdserve.cluster_tls import client_flags, with_cluster_tls
 from pdserve.common.api_keys import ApiKeys
 from pdserve.common.auth import TOKEN_ENV, token_from_cli
 from pdserve.common.lifecycle import PARENT_CHECK_S, ExitStatus, status_after, supervisor_of
+from pdserve.common.paths import DEMO_MODEL_NAME, cached_model
 from pdserve.common.ports import Listen, PortUnavailable, check_free
 from pdserve.healthcheck import HealthcheckConfig, Verdict, check
 from pdserve.common.affinity import format_cpu_list
@@ -83,12 +84,11 @@ def run_cluster(config: ClusterConfig, plan: ClusterPlan, supervisor: ClusterSup
     drain = False
     try:
         deadline = time.monotonic() + config.ready_timeout_s
-        supervisor.start(plan.router)
-        if not _wait_for(lambda: probe().reachable, "the router to answer", supervisor, stop, deadline, config):
-            return 0
-        for spec in plan.nodes:
+        # The router and the nodes start together: each process spends seconds importing torch,
+        # and a node registers whenever the router comes up (it retries an unreachable router).
+        for spec in (plan.router, *plan.nodes):
             supervisor.start(spec)
-        if not _wait_for(lambda: probe().healthy, "the cluster to serve", supervisor, stop, deadline, config):
+        if not _wait_until_serving(probe, supervisor, stop, deadline, config):
             return 0
         _print_ready(config, plan, out)
         keeper = _Keeper(config, plan, supervisor, out)
@@ -119,15 +119,18 @@ def _drain(config: ClusterConfig, plan: ClusterPlan, supervisor: ClusterSupervis
     supervisor.signal_and_wait([spec.name for spec in plan.nodes], signal.SIGTERM, wait_s)
 
 
-def _wait_for(ready: Callable[[], bool], what: str, supervisor: ClusterSupervisor, stop: threading.Event,
-              deadline: float, config: ClusterConfig) -> bool:
-    """True once `ready()`; False when asked to stop; raises on a dead child or the deadline."""
+def _wait_until_serving(probe: Probe, supervisor: ClusterSupervisor, stop: threading.Event, deadline: float,
+                        config: ClusterConfig) -> bool:
+    """True once the probe says the cluster serves; False when asked to stop; raises on a dead
+    child, or at the deadline naming what the probe last found missing."""
     while not stop.is_set():
         supervisor.raise_if_exited()
-        if ready():
+        verdict = probe()
+        if verdict.healthy:
             return True
         if time.monotonic() >= deadline:
-            raise ClusterError(f"timed out after {config.ready_timeout_s:g}s waiting for {what}")
+            raise ClusterError(f"timed out after {config.ready_timeout_s:g}s waiting for the cluster to serve "
+                               f"({verdict.reason})")
         stop.wait(config.poll_interval_s)
     return False
 
@@ -344,8 +347,11 @@ def _model_dir(config: ClusterConfig, python: str = sys.executable) -> str:
         if not (Path(config.model) / "config.json").is_file():
             raise ClusterError(f"--model {config.model}: no config.json there")
         return str(Path(config.model).resolve())
-    # In a child process: the launcher itself never loads torch or transformers.
     print("using the built-in demo model (built on first use, then cached)", flush=True)
+    cached = cached_model(DEMO_MODEL_NAME)
+    if cached is not None:
+        return str(cached.resolve())
+    # In a child process: the launcher itself never loads torch or transformers.
     code = "from pdserve.model_factory import ensure_demo_model; print(ensure_demo_model())"
     try:
         done = subprocess.run([python, "-c", code], stdout=subprocess.PIPE, text=True,

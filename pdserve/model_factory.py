@@ -34,7 +34,7 @@ from transformers import (
 # What Qwen2Tokenizer rebuilds on load (see `build_tokenizer`); imported so the two agree.
 from transformers.models.qwen2.tokenization_qwen2 import PRETOKENIZE_REGEX as QWEN2_PRETOKENIZE_REGEX
 
-from pdserve.common.paths import default_cache_dir
+from pdserve.common.paths import DEMO_MODEL_NAME, cached_model, default_cache_dir
 
 ARCHS = ("llama", "qwen2", "mistral", "qwen3")
 SIZES = ("tiny", "small", "smol135m")
@@ -318,17 +318,18 @@ def _init_weights(model: torch.nn.Module, seed: int) -> None:
 
 def ensure_demo_model(cache_dir: str | os.PathLike | None = None) -> Path:
     """Build the llama-small demo model once under the cache dir; reuse it afterwards."""
-    return ensure_cached_model("demo-llama-small", "llama", "small", torch.float32, cache_dir)
+    return ensure_cached_model(DEMO_MODEL_NAME, "llama", "small", torch.float32, cache_dir)
 
 
 def ensure_cached_model(
     name: str, arch: str, size: str, dtype: torch.dtype, cache_dir: str | os.PathLike | None = None
 ) -> Path:
     """Build `arch`/`size` in `dtype` once as `name` under the cache dir; reuse it afterwards."""
+    cached = cached_model(name, cache_dir)
+    if cached is not None:
+        return cached
     root = Path(cache_dir) if cache_dir is not None else default_cache_dir()
     final = root / name
-    if (final / "config.json").is_file() and (final / "tokenizer.json").is_file():
-        return final
     root.mkdir(parents=True, exist_ok=True)
     # Build aside and rename, so a concurrent or interrupted build never leaves a
     # half-written directory at the final path.

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import io
-import itertools
 import os
 import random
 import re
@@ -388,19 +387,21 @@ def test_ready_then_stopped_by_signal_stops_every_child(supervisor):
     assert _all_dead(supervisor.pids.values())
 
 
-def test_nodes_start_only_once_the_router_answers(supervisor):
+def test_nodes_start_beside_the_router_and_a_router_that_never_answers_times_out_naming_it(supervisor):
     seen: list[set[str]] = []
 
     def probe() -> Verdict:
         seen.append(set(supervisor.pids))
-        return Verdict(False, "down", reachable=False)
+        return Verdict(False, "router at 127.0.0.1:1: UNAVAILABLE", reachable=False)
 
     config = ClusterConfig(ready_timeout_s=0.5, stop_grace_s=2.0, poll_interval_s=0.05)
     out = io.StringIO()
     assert run_cluster(config, _plan([ChildSpec("decode-0", SLEEPER)]), supervisor, probe,
                        threading.Event(), out) == 1
-    assert seen and all(names == {"router"} for names in seen)
-    assert "timed out after 0.5s waiting for the router to answer" in out.getvalue()
+    assert seen and all(names == {"router", "decode-0"} for names in seen)
+    assert ("timed out after 0.5s waiting for the cluster to serve (router at 127.0.0.1:1: UNAVAILABLE)"
+            in out.getvalue())
+    assert _all_dead(supervisor.pids.values())
 
 
 def test_a_node_dying_before_ready_fails_the_launch_with_its_log(supervisor):
@@ -507,16 +508,14 @@ def test_a_killed_node_comes_back_on_the_same_command_line_and_the_state_file_fo
 
 
 def test_a_crash_looping_router_stops_the_cluster(supervisor, tmp_path):
-    # The router lives until the cluster is ready (the probe's second answer, "serving", leaves the
-    # mark), then every start of it exits 3 at once: a crash loop after the start, however slowly
-    # a loaded machine starts the children.
+    # The router lives until the cluster is ready (the probe's answer, "serving", leaves the mark),
+    # then every start of it exits 3 at once: a crash loop after the start, however slowly a
+    # loaded machine starts the children.
     mark = tmp_path / "ready"
     router = (PY, "-c", f"import os, sys, time\nwhile not os.path.exists({str(mark)!r}): time.sleep(0.01)\nsys.exit(3)")
-    answers = itertools.count()
 
     def probe() -> Verdict:
-        if next(answers) >= 1:
-            mark.touch()
+        mark.touch()
         return Verdict(True, "ok")
 
     out = io.StringIO()

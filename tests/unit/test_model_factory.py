@@ -21,6 +21,7 @@ from tokenizers import Tokenizer
 from transformers import AutoModelForCausalLM, MistralConfig, Qwen2Config, T5Config
 
 from pdserve.engine.attention import ATTENTION_NAME, ForwardContext
+from pdserve.common.paths import DEMO_MODEL_NAME, cached_model
 from pdserve.model_factory import ARCHS, build_tokenizer, ensure_demo_model, make_config, make_model
 from pdserve.engine.model_folder import check_servable
 from pdserve.engine.model_loader import load_model, load_reference_model
@@ -297,7 +298,9 @@ def test_bfloat16_checkpoint_in_float32_keeps_bf16_matrices_and_float32_results(
 
 
 def test_ensure_demo_model_builds_once(tmp_path):
+    assert cached_model(DEMO_MODEL_NAME, tmp_path) is None
     first = ensure_demo_model(tmp_path)
+    assert cached_model(DEMO_MODEL_NAME, tmp_path) == first  # what the launcher finds without torch
     stamp = (first / "model.safetensors").stat().st_mtime_ns
     assert ensure_demo_model(tmp_path) == first
     assert (first / "model.safetensors").stat().st_mtime_ns == stamp
