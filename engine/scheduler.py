@@ -111,6 +111,11 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running or self.swapped)
 
+    def queued_prompt_tokens(self) -> int:
+        """Prompt tokens not yet computed, waiting and running: what a new prompt waits behind
+        (a request whose prompt came with its KV, as on a decode node, has none left)."""
+        return sum(max(0, r.num_prompt_tokens - r.num_computed_tokens) for r in (*self.waiting, *self.running))
+
     def schedule(self) -> SchedulerOutput:
         out = SchedulerOutput()
         self.admission.start_step(self.waiting, bool(self.running))

@@ -99,9 +99,7 @@ class SimNode:
 
     def candidate(self, stats_seq: int) -> Candidate:
         """This node as the router's placement sees it, from fresh stats."""
-        queued = sum(max(0, r.num_prompt_tokens - r.num_computed_tokens)
-                     for queue in (self.scheduler.waiting, self.scheduler.running) for r in queue)
-        return Candidate(self.node_id, stats_seq, self.kv.num_free_blocks, queued)
+        return Candidate(self.node_id, stats_seq, self.kv.num_free_blocks, self.scheduler.queued_prompt_tokens())
 
     def can_ever_hold(self, num_prompt_tokens: int, max_tokens: int) -> bool:
         """The engine's one capacity rule (`EngineCore._check_kv_fits`)."""

@@ -36,8 +36,8 @@ def queued_tokens(engine: EngineCore) -> int:
 def build_stats(kind: str, engine: EngineCore, transport: RankedTransport | None,
                 num_blocks_outside_scheduler: int) -> StatsData:
     """A prefill node counts what it sent, a decode node what it received, a node without a
-    transport (colocated) nothing. Queued tokens are the work a new prompt waits behind:
-    prefill and colocated nodes compute prompts, a decode node never does. Blocks held
+    transport (colocated) nothing. Queued prefill tokens are the prompt tokens a new prompt waits
+    behind (none on a decode node, unless it computes prompts of its own: `--local-prefill`). Blocks held
     outside the scheduler (a decode node's reservations, a prefill node's blocks awaiting
     push acknowledgements) are reported as `reserved_blocks`; blocks are counted once per node (rank 0's
     block pool is every rank's), transfers per rank and in sum."""
@@ -54,7 +54,7 @@ def build_stats(kind: str, engine: EngineCore, transport: RankedTransport | None
         reserved_blocks=num_blocks_outside_scheduler,
         num_waiting=len(scheduler.waiting),
         num_running=len(scheduler.running),
-        queued_prefill_tokens=queued_tokens(engine) if kind != "decode" else 0,
+        queued_prefill_tokens=scheduler.queued_prompt_tokens(),
         kv_transfer=sum_stats(ranks),
         prefix_cache_queries=pool.stats.queries,
         prefix_cache_hits=pool.stats.hits,

@@ -23,7 +23,7 @@ from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.config import NodeConfig, parse_node_args
 from pdserve.node.errors import ErrorCode
 from pdserve.node.messages import Abort, BeamOption, BeamsDone, StreamSubmit, Message, RequestFailed, Tokens
-from pdserve.node.core.stats import QueueBounds
+from pdserve.node.core.stats import QueueBounds, build_stats
 
 from ..integration.reference import assert_matches, greedy_references
 from .node_pair import engine_config
@@ -113,6 +113,24 @@ def test_beyond_max_queued_tokens_is_refused_and_resumed_tokens_count(model):
         ErrorCode.RESOURCE_EXHAUSTED, "queue full: 12 tokens to compute, this request adds 10 (limit 20)")
     assert node.submit("d", prompt(8, 3)) is None  # 12 + 8 is exactly the bound
     assert sorted(node.run()) == ["a", "d"]
+    assert node.used_blocks() == 0
+
+
+def test_the_stats_count_the_prompt_tokens_a_new_prompt_waits_behind(model):
+    node = Node(model, QueueBounds(max_waiting_requests=100, max_queued_tokens=10_000))
+    assert node.submit("a", prompt(12)) is None and node.submit("b", prompt(9, 1)) is None
+
+    def queued(kind: str) -> int:
+        return build_stats(kind, node.engine, None, 0).queued_prefill_tokens
+
+    # A decode node started with --local-prefill computes prompts too: the router's hybrid
+    # routing compares this with the prefill pool's queue.
+    assert queued("colocated") == queued("decode") == 21
+    node.core.after_step(node.engine.step())  # a budget of 16: all of a, 4 of b
+    assert queued("decode") == 5
+    node.core.after_step(node.engine.step())
+    assert queued("decode") == 0  # decoding: the tokens left are no prompt's
+    assert sorted(node.run()) == ["a", "b"]
     assert node.used_blocks() == 0
 
 
