@@ -67,6 +67,7 @@ class Orchestrator:
         """Every sample's responses, as they come (the merged stream itself: no layer per response);
         raises the first sample's `RouterError`, a refusal of the route at once."""
         route = self.choose_route(len(request.prompt_token_ids), beam_search=request.beam is not None)
+        self.state.routes.count(route.name)
         received_at = self.state.clock()
         deadline = received_at + timeout_s if timeout_s is not None else None
         sequence = next(self._sequence)

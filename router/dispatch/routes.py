@@ -46,7 +46,7 @@ from pdserve.router.cluster.placement import Candidate, ColocatedPlacement, Deco
 from pdserve.router.dispatch.recovery import NODE_LOST_CODES, LossReason, NodeLost
 from pdserve.router.cluster.registry import NodeEntry, NodeKind
 from pdserve.router.dispatch.asks import NodeAsks
-from pdserve.router.dispatch.state import RouterState, SampleSpec
+from pdserve.router.dispatch.state import PromptRoute, RouterState, SampleSpec
 
 
 @dataclass(frozen=True, slots=True)
@@ -115,6 +115,7 @@ class Route(ABC):
     """What differs between the architectures; the driver's loops are the same for both."""
 
     kind: NodeKind  # the nodes a sample's stream is opened on
+    name: PromptRoute  # where the prompt is computed
     opening: Opening
 
     def takes(self, entry: NodeEntry) -> bool:
@@ -156,6 +157,7 @@ class Route(ABC):
 
 class ColocatedRoute(Route):
     kind = NodeKind.COLOCATED
+    name = PromptRoute.COLOCATED
     # The first event follows the whole prefill (a beam search's, the whole search), however
     # long the node's queue: only the client's deadline bounds it.
     opening = Opening(None, None, None)
@@ -192,6 +194,7 @@ class LocalPrefillRoute(ColocatedRoute):
     in the decode pool's placement, which the disaggregated route reserves from too."""
 
     kind = NodeKind.DECODE
+    name = PromptRoute.DECODE_NODE
 
     def takes(self, entry: NodeEntry) -> bool:
         return entry.local_prefill
@@ -199,6 +202,7 @@ class LocalPrefillRoute(ColocatedRoute):
 
 class DisaggregatedRoute(Route):
     kind = NodeKind.DECODE
+    name = PromptRoute.PREFILL_POOL
 
     def __init__(self, decode: DecodePlacement, prefill: PrefillPlacement, ready_timeout_s: float,
                  prefill_timeout_s: float) -> None:

@@ -1,16 +1,18 @@
 """What the router's sample driver works from: the router-wide state and one sample's facts.
 
 Owns `RouterState` (config, model, registry, the disaggregated pools' placements, the
-count of resumes, the clock: what every sample of every request shares) and `SampleSpec` (one sample of one
+counts of resumes and of routes, the clock: what every sample of every request shares) and `SampleSpec` (one sample of one
 request, fixed when the request arrives). Plain data: it never calls a node and never
 changes the registry or a placement.
 """
 
 from __future__ import annotations
 
+import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from enum import Enum
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.model import RouterModel
@@ -18,6 +20,29 @@ from pdserve.router.cluster.placement import DecodePlacement, PrefillPlacement
 from pdserve.router.cluster.registry import NodeRegistry
 from pdserve.router.dispatch.recovery import ResumeCounts
 from pdserve.router.requests.validation import ValidatedRequest
+
+
+class PromptRoute(str, Enum):
+    """Where a request's prompt is computed (each route's `name`, router/dispatch/routes.py)."""
+
+    COLOCATED = "colocated"
+    PREFILL_POOL = "prefill_pool"  # the disaggregated route
+    DECODE_NODE = "decode_node"  # a decode node started with --local-prefill
+
+
+@dataclass
+class RouteCounts:
+    """Requests by the route first chosen for them; one per router, read by its metrics at
+    scrape time (`pdserve_prompt_routes_total`): what `--disaggregation auto` decides."""
+
+    counts: collections.Counter[PromptRoute] = field(default_factory=collections.Counter)
+
+    def count(self, route: PromptRoute) -> None:
+        self.counts[route] += 1
+
+    def snapshot(self) -> dict[PromptRoute, int]:
+        """Every route's count, zeros included (so each series exists before its first request)."""
+        return {route: self.counts[route] for route in PromptRoute}
 
 
 @dataclass(frozen=True)
@@ -30,6 +55,7 @@ class RouterState:
     decode_placement: DecodePlacement
     prefill_placement: PrefillPlacement
     resumes: ResumeCounts = field(default_factory=ResumeCounts)
+    routes: RouteCounts = field(default_factory=RouteCounts)
     clock: Callable[[], float] = field(default=time.monotonic)
 
 

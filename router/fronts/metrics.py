@@ -9,7 +9,8 @@ successive responses on the router's clock, over the tokens the later one carrie
 prompt's tokens once per request, and the request's final status. The per-node gauges
 come from the heartbeats the registry already keeps, read at scrape time by
 `NodeStatsCollector` (no polling of its own); `pdserve_resumes_total{reason}` from the router's
-`ResumeCounts` (router/dispatch/recovery.py), read at scrape time by `ResumesCollector`.
+`ResumeCounts` (router/dispatch/recovery.py) and `pdserve_prompt_routes_total{route}` from its
+`RouteCounts` (router/dispatch/state.py), each read at scrape time by a `CountsCollector`.
 
 Must never: change a response, pick a status code (it only reads the one the servicer
 aborted with), or call a node.
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import asyncio
 import time
+from enum import Enum
 from collections.abc import AsyncIterator, Callable, Iterator
 
 import grpc
@@ -30,6 +32,7 @@ from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import status_of
 from pdserve.router.cluster.registry import NodeEntry, NodeKind, NodeRegistry
 from pdserve.router.dispatch.recovery import ResumeCounts
+from pdserve.router.dispatch.state import RouteCounts
 
 # A tiny model on a CPU answers in milliseconds, a real one under load in tens of seconds.
 LATENCY_BUCKETS_S = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 20.0, 40.0, 60.0)
@@ -41,7 +44,8 @@ TOKEN_BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 384, 512, 76
 
 class RouterMetrics:
     def __init__(self, registry: CollectorRegistry, nodes: NodeRegistry | None = None,
-                 resumes: ResumeCounts | None = None, clock: Callable[[], float] = time.monotonic) -> None:
+                 resumes: ResumeCounts | None = None, clock: Callable[[], float] = time.monotonic,
+                 routes: RouteCounts | None = None) -> None:
         """`clock`: what inter-token gaps are measured with (tests hand in their own)."""
         self.registry = registry
         self._clock = clock
@@ -70,7 +74,9 @@ class RouterMetrics:
         if nodes is not None:
             registry.register(NodeStatsCollector(nodes))
         if resumes is not None:
-            registry.register(ResumesCollector(resumes))
+            registry.register(resumes_collector(resumes))
+        if routes is not None:
+            registry.register(routes_collector(routes))
 
     async def observe(self, responses: AsyncIterator[pdserve_pb2.GenerateResponse],
                       ended: EndStatus) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
@@ -201,12 +207,16 @@ class NodeStatsCollector(Collector):
         return []
 
 
-class ResumesCollector(Collector):
-    """`pdserve_resumes_total{reason}`: samples computed again on another node after a loss (a
-    resume while decoding, or a retry before the next token); every reason, zeros included."""
+class CountsCollector(Collector):
+    """One counter family with one label, read from a router-wide count at scrape time (every
+    label value, zeros included): `pdserve_resumes_total{reason}` (samples computed again on
+    another node after a loss: a resume while decoding, or a retry before the next token) and
+    `pdserve_prompt_routes_total{route}` (requests by where their prompt is computed)."""
 
-    def __init__(self, resumes: ResumeCounts) -> None:
-        self._resumes = resumes
+    def __init__(self, name: str, documentation: str, label: str,
+                 snapshot: Callable[[], dict[Enum, int]]) -> None:
+        self._name, self._documentation, self._label = name, documentation, label
+        self._snapshot = snapshot
 
     def describe(self) -> Iterator[CounterMetricFamily]:
         return iter([self._family()])
@@ -216,17 +226,26 @@ class ResumesCollector(Collector):
         # Read on the endpoint's thread while the loop may count: a copy, retried if it changed mid-read.
         for _ in range(_SNAPSHOT_ATTEMPTS):
             try:
-                counts = self._resumes.snapshot()
+                counts = self._snapshot()
                 break
             except RuntimeError:
                 continue
         else:
             counts = {}
-        for reason, value in counts.items():
-            family.add_metric([reason.value], value)
+        for key, value in counts.items():
+            family.add_metric([key.value], value)
         return iter([family])
 
-    @staticmethod
-    def _family() -> CounterMetricFamily:
-        return CounterMetricFamily("pdserve_resumes", "Samples computed again on another node after losing one, "
-                                   "by reason", labels=["reason"])
+    def _family(self) -> CounterMetricFamily:
+        return CounterMetricFamily(self._name, self._documentation, labels=[self._label])
+
+
+def resumes_collector(resumes: ResumeCounts) -> CountsCollector:
+    return CountsCollector("pdserve_resumes", "Samples computed again on another node after losing one, by reason",
+                           "reason", resumes.snapshot)
+
+
+def routes_collector(routes: RouteCounts) -> CountsCollector:
+    return CountsCollector("pdserve_prompt_routes", "Requests by where their prompt is computed: a colocated node, "
+                           "the prefill pool, or a decode node that prefills (--local-prefill)", "route",
+                           routes.snapshot)

@@ -227,7 +227,7 @@ class RouterServer:
         self.admission = Admission(config.admission)
         # Read at start (a bad file stops it), then again whenever it changes.
         self.api_keys = ApiKeys(config.api_keys_file) if config.api_keys_file else None
-        self.metrics = RouterMetrics(CollectorRegistry(), registry, self.state.resumes)
+        self.metrics = RouterMetrics(CollectorRegistry(), registry, self.state.resumes, routes=self.state.routes)
         self._server: grpc.aio.Server | None = None
         self._standard: StandardServices | None = None
         self.http: HTTPFront | None = None  # the OpenAI-compatible API, with --http-port

@@ -13,12 +13,14 @@ import os
 import shlex
 import signal
 import tempfile
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster_process import ClusterProcess
 from pdserve.cluster_plan import resolve_port
@@ -33,6 +35,14 @@ def free_port() -> int:
     """A port free on HOST now (for the tests that start a single process by hand), picked as the
     launcher picks its children's."""
     return resolve_port(HOST, 0)
+
+
+def counter(metrics_url: str, family: str, label: str) -> dict[str, float]:
+    """A counter family served at `metrics_url` (e.g. `pdserve_resumes`), by its one label."""
+    with urllib.request.urlopen(metrics_url, timeout=10) as response:
+        text = response.read().decode()
+    [found] = [f for f in text_string_to_metric_families(text) if f.name == family]
+    return {s.labels[label]: s.value for s in found.samples if s.name == f"{family}_total"}
 
 
 @dataclass(frozen=True)

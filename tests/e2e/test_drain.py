@@ -16,15 +16,13 @@ from __future__ import annotations
 
 import asyncio
 import importlib.util
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing.waiting import until, wait_until
-from tests.e2e.cluster import FaultCluster, FaultSettings
+from tests.e2e.cluster import FaultCluster, FaultSettings, counter
 from tests.e2e.streams import Stream, greedy, prompt
 from tests.integration.reference import assert_matches, greedy_references
 
@@ -55,10 +53,7 @@ def resumes(cluster: FaultCluster) -> dict[str, float]:
 
 
 def resumes_at(metrics_url: str) -> dict[str, float]:
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    [family] = [f for f in text_string_to_metric_families(text) if f.name == "pdserve_resumes"]
-    return {s.labels["reason"]: s.value for s in family.samples if s.name == "pdserve_resumes_total"}
+    return counter(metrics_url, "pdserve_resumes", "reason")
 
 
 def busy(cluster: FaultCluster, kind: str, holds) -> str | None:

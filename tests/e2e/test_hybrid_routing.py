@@ -3,7 +3,8 @@ with `--local-prefill`, the router on `--disaggregation auto --local-prefill-max
 
 A prompt the decode node can absorb (≤ 32 tokens, its queue empty) is computed there: no prefill
 time, no KV moved. A longer one goes to the idle prefill pool, whose KV lands in the decode node.
-Both are token-exact against transformers, and every block is free after.
+Both are token-exact against transformers, the router's `pdserve_prompt_routes_total` counts one
+of each, and every block is free after.
 """
 
 from __future__ import annotations
@@ -14,7 +15,7 @@ import random
 import grpc
 
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
-from tests.e2e.cluster import NodeSettings, running_cluster
+from tests.e2e.cluster import NodeSettings, counter, running_cluster
 
 from ..integration.reference import assert_matches, greedy_references
 
@@ -36,11 +37,13 @@ def test_auto_prefills_a_short_prompt_on_the_decode_node_and_a_long_one_on_the_p
     refs = greedy_references(str(tiny_llama), prompts, [NEW_TOKENS] * 2)
     router_args = ("--disaggregation", "auto", "--local-prefill-max-tokens", "32")
     with running_cluster(str(tiny_llama), 1, 1, NodeSettings(), router_args=router_args,
-                         decode_args=("--local-prefill",)) as cluster:
+                         decode_args=("--local-prefill",), metrics=True) as cluster:
         short, long = (asyncio.run(generate(cluster.router, p)) for p in prompts)
         assert_matches([[t for r in stream for t in r.token_ids] for stream in (short, long)], refs)
         assert (short[-1].timings.prefill_s, short[-1].timings.kv_transfer_bytes) == (0.0, 0)  # on the decode node
         assert long[-1].timings.prefill_s > 0 and long[-1].timings.kv_transfer_bytes > 0  # on the prefill node
+        assert counter(cluster.metrics["router"], "pdserve_prompt_routes", "route") == {
+            "colocated": 0.0, "prefill_pool": 1.0, "decode_node": 1.0}
         prefill, decode = cluster.wait_all_blocks_free(timeout_s=5)
         assert (prefill.used_blocks, decode.used_blocks, decode.reserved_blocks) == (0, 0, 0)
         assert prefill.kv_transfer.transfers == 1  # the long prompt's only

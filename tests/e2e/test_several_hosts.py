@@ -22,15 +22,14 @@ import os
 import signal
 import subprocess
 import sys
-import urllib.request
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing import netns
 from pdserve.testing.waiting import until, wait_until
+from tests.e2e.cluster import counter
 from tests.e2e.test_drain import Stream, greedy, prompt
 from tests.integration.reference import assert_matches, greedy_references
 
@@ -110,11 +109,7 @@ def decode_addresses(hosts: netns.Hosts) -> list[str]:
 
 
 def resumes(hosts: netns.Hosts) -> float:
-    url = f"http://{hosts.addresses['router']}:{METRICS_PORT}/metrics"
-    with urllib.request.urlopen(url, timeout=10) as response:
-        text = response.read().decode()
-    [family] = [f for f in text_string_to_metric_families(text) if f.name == "pdserve_resumes"]
-    return sum(s.value for s in family.samples if s.name == "pdserve_resumes_total")
+    return sum(counter(f"http://{hosts.addresses['router']}:{METRICS_PORT}/metrics", "pdserve_resumes", "reason").values())
 
 
 async def _served(router: str, request: pdserve_pb2.GenerateRequest) -> Stream:

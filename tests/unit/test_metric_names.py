@@ -12,6 +12,7 @@ from prometheus_client import CollectorRegistry
 from pdserve.node.front.metrics import NodeStatsCollector
 from pdserve.router.cluster.registry import NodeRegistry
 from pdserve.router.dispatch.recovery import ResumeCounts
+from pdserve.router.dispatch.state import RouteCounts
 from pdserve.router.fronts.metrics import RouterMetrics
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -19,14 +20,15 @@ DASHBOARD = ROOT / "deploy" / "grafana" / "pdserve.json"
 NAME = re.compile(r"\bpdserve_[a-z0-9_]+\b")
 # Labels a dashboard may select or group on: the code's (histograms' `le`, RouterMetrics'
 # `status`, the router's per-node `node` and `kind`), and the ones Prometheus adds to a target.
-LABELS = {"le", "status", "node", "kind", "reason"} | {"instance", "job", "pod", "namespace"}
+LABELS = {"le", "status", "node", "kind", "reason", "route"} | {"instance", "job", "pod", "namespace"}
 SUFFIXES = {"counter": ("_total",), "histogram": ("_bucket", "_sum", "_count"), "gauge": ("",)}
 
 
 def families() -> dict[str, str]:
     """Every pdserve family, name -> type, as the router and a node register them."""
     router = CollectorRegistry()
-    RouterMetrics(router, NodeRegistry(heartbeat_timeout_s=5.0, channel_close_grace_s=0.0), ResumeCounts())
+    RouterMetrics(router, NodeRegistry(heartbeat_timeout_s=5.0, channel_close_grace_s=0.0), ResumeCounts(),
+                  routes=RouteCounts())
     found = {metric.name: metric.type for metric in router.collect()}
     found.update({metric.name: metric.type for metric in NodeStatsCollector(lambda: None).describe()})
     return found
@@ -43,7 +45,7 @@ def exprs() -> list[str]:
 
 
 def test_every_family_is_found():
-    assert len(families()) == 40  # 11 router request series + 6 router node series + 23 node series
+    assert len(families()) == 41  # 12 router request series + 6 router node series + 23 node series
 
 
 def test_every_dashboard_expr_names_exported_series_and_labels():
