@@ -1,5 +1,6 @@
 """Draining, one seam at a time: what a node still holds, the router's admission once closed,
-resumes counted by reason (a drain that runs out of time is its own reason), and the series."""
+resumes counted by reason (a drain that runs out of time is its own reason; the series is
+tests/unit/test_router_metrics.py's)."""
 
 from __future__ import annotations
 
@@ -7,17 +8,13 @@ import asyncio
 
 import grpc
 import pytest
-from prometheus_client import CollectorRegistry
-from prometheus_client.parser import text_string_to_metric_families
-from prometheus_client import generate_latest
 
 from pdserve.node.front.drain import still_held
 from pdserve.node.messages import StatsData
 from pdserve.router.cluster.registry import NodeKind, NodeRegistry
 from pdserve.router.config import AdmissionLimits
-from pdserve.router.dispatch.recovery import LossReason, NodeLost, ResumeCounts
+from pdserve.router.dispatch.recovery import LossReason, NodeLost
 from pdserve.router.errors import NodeFailed, RouterDraining, status_of
-from pdserve.router.fronts.metrics import RouterMetrics
 from pdserve.router.requests.admission import Admission
 
 
@@ -65,16 +62,3 @@ def test_a_loss_on_a_draining_node_counts_as_its_drain_running_out_of_time():
         assert gone.cause() is LossReason.DRAIN_TIMEOUT
 
     asyncio.run(scenario())
-
-
-def test_resumes_are_a_counter_by_reason_every_reason_shown_from_zero():
-    resumes = ResumeCounts()
-    metrics = RouterMetrics(CollectorRegistry(), resumes=resumes)
-    resumes.count(LossReason.NODE_FAILED)
-    resumes.count(LossReason.NODE_FAILED)
-    resumes.count(LossReason.DRAIN_TIMEOUT)
-    text = generate_latest(metrics.registry).decode()
-    [family] = [f for f in text_string_to_metric_families(text) if f.name == "pdserve_resumes"]
-    assert family.type == "counter"
-    assert {s.labels["reason"]: s.value for s in family.samples if s.name == "pdserve_resumes_total"} == {
-        "node_failed": 2.0, "node_gone": 0.0, "kv_lost": 0.0, "drain_timeout": 1.0}

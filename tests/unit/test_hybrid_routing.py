@@ -10,8 +10,6 @@ from __future__ import annotations
 import dataclasses
 
 import pytest
-from prometheus_client import CollectorRegistry, generate_latest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.router.config import RouterConfig
 from pdserve.router.cluster.placement import DecodePlacement, PrefillPlacement
@@ -19,8 +17,7 @@ from pdserve.router.cluster.registry import NodeKind, NodeRegistry
 from pdserve.router.dispatch.hybrid import Disaggregation, Loads, PrefillChoice
 from pdserve.router.dispatch.orchestrator import Orchestrator
 from pdserve.router.dispatch.routes import DisaggregatedRoute, LocalPrefillRoute
-from pdserve.router.dispatch.state import RouteCounts, RouterState
-from pdserve.router.fronts.metrics import RouterMetrics
+from pdserve.router.dispatch.state import RouterState
 from pdserve.router.errors import NoNodeAvailable
 from pdserve.router.model import load_router_model
 from pdserve.proto import node_pb2
@@ -95,16 +92,3 @@ def test_a_bad_disaggregation_mode_or_bound_names_the_flag():
         RouterConfig(model="m", disaggregation="sometimes")
     with pytest.raises(ValueError, match="^local_prefill_max_tokens must be >= 0, got -1$"):
         RouterConfig(model="m", local_prefill_max_tokens=-1)
-
-
-def test_the_routes_taken_are_a_counter_every_route_shown_from_zero():
-    routes = RouteCounts()
-    metrics = RouterMetrics(CollectorRegistry(), routes=routes)
-    routes.count(LocalPrefillRoute.name)
-    routes.count(LocalPrefillRoute.name)
-    routes.count(DisaggregatedRoute.name)
-    text = generate_latest(metrics.registry).decode()
-    [family] = [f for f in text_string_to_metric_families(text) if f.name == "pdserve_prompt_routes"]
-    assert family.type == "counter"
-    assert {s.labels["route"]: s.value for s in family.samples if s.name == "pdserve_prompt_routes_total"} == {
-        "colocated": 0.0, "prefill_pool": 1.0, "decode_node": 2.0}

@@ -10,6 +10,8 @@ from prometheus_client import CollectorRegistry, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.proto import node_pb2, pdserve_pb2
+from pdserve.router.dispatch.recovery import LossReason, ResumeCounts
+from pdserve.router.dispatch.state import PromptRoute, RouteCounts
 from pdserve.router.errors import Overloaded
 from pdserve.router.fronts.metrics import RouterMetrics, grpc_end_status, http_end_status
 from pdserve.router.cluster.registry import NodeKind, NodeRegistry
@@ -240,3 +242,20 @@ def test_http_requests_end_ok_with_the_router_errors_code_or_cancelled():
     assert http_end_status(False, Overloaded("full")) is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert http_end_status(False, GeneratorExit()) is grpc.StatusCode.CANCELLED
     assert http_end_status(False, RuntimeError("bug")) is grpc.StatusCode.INTERNAL
+
+
+@pytest.mark.parametrize("family, label, counts, expected", [
+    ("pdserve_resumes", "reason", [LossReason.NODE_FAILED, LossReason.NODE_FAILED, LossReason.DRAIN_TIMEOUT],
+     {"node_failed": 2.0, "node_gone": 0.0, "kv_lost": 0.0, "drain_timeout": 1.0}),
+    ("pdserve_prompt_routes", "route", [PromptRoute.DECODE_NODE, PromptRoute.DECODE_NODE, PromptRoute.PREFILL_POOL],
+     {"colocated": 0.0, "prefill_pool": 1.0, "decode_node": 2.0}),
+])
+def test_the_router_counts_are_counters_every_label_shown_from_zero(family, label, counts, expected):
+    resumes, routes = ResumeCounts(), RouteCounts()
+    metrics = RouterMetrics(CollectorRegistry(), resumes=resumes, routes=routes)
+    for key in counts:
+        (resumes if family == "pdserve_resumes" else routes).count(key)
+    text = generate_latest(metrics.registry).decode()
+    [found] = [f for f in text_string_to_metric_families(text) if f.name == family]
+    assert found.type == "counter"
+    assert {s.labels[label]: s.value for s in found.samples if s.name == f"{family}_total"} == expected
