@@ -80,12 +80,16 @@ def test_every_node_kind_refuses_a_bad_folder_in_one_line(good, tmp_path, kind, 
     assert "Traceback" not in done.stderr and "listening" not in done.stdout
 
 
-def test_the_cluster_launch_fails_at_once_with_the_routers_line(good, tmp_path):
+def test_the_cluster_launch_fails_at_once_with_the_refusal_line(good, tmp_path):
     folder = masked_lm(good, tmp_path)
     done = pdserve("cluster", "--model", str(folder), "--port", "0", "--http-port", "0", "--colocated", "1")
-    line = f"pdserve router: --model {folder}: BertForMaskedLM is not a causal language model (...ForCausalLM)"
+    # The router and the node start together and both refuse the folder: the first to exit is named.
+    first = "router" if "failed: router exited" in done.stdout else "colocated-0"
+    line = (f"pdserve {first.removesuffix('-0')}: --model {folder}: "
+            "BertForMaskedLM is not a causal language model (...ForCausalLM)")
     assert done.returncode == 1
-    assert f"pdserve cluster failed: router exited with code {EXIT_USAGE}\n  | {line}\n" in done.stdout
+    assert f"pdserve cluster failed: {first} exited with code {EXIT_USAGE}\n" in done.stdout
+    assert f"  | {line}\n" in done.stdout
 
 
 class Process:
