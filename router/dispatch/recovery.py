@@ -10,14 +10,14 @@ nodes a loss implicates. Never calls a node and never touches the registry.
 
 from __future__ import annotations
 
-import collections
 import enum
 import itertools
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 
 import grpc
 
+from pdserve.common.enum_counts import EnumCounts
 from pdserve.router.errors import DeadlineExceeded, RequestKillsNodes, RouterError
 from pdserve.router.cluster.registry import NodeEntry
 
@@ -59,19 +59,12 @@ class NodeLost(Exception):
         return self.reason
 
 
-@dataclass(slots=True)
-class ResumeCounts:
+class ResumeCounts(EnumCounts[LossReason]):
     """Samples computed again on another node after a loss (resumes and retries), by reason; one
     per router, read by its metrics at scrape time."""
 
-    counts: collections.Counter[LossReason] = field(default_factory=collections.Counter)
-
-    def count(self, reason: LossReason) -> None:
-        self.counts[reason] += 1
-
-    def snapshot(self) -> dict[LossReason, int]:
-        """Every reason's count, zeros included (so a series exists before the first loss)."""
-        return {reason: self.counts[reason] for reason in LossReason}
+    def __init__(self) -> None:
+        super().__init__(LossReason)
 
 
 @dataclass(slots=True)

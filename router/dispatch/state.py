@@ -8,12 +8,12 @@ changes the registry or a placement.
 
 from __future__ import annotations
 
-import collections
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
 from enum import Enum
 
+from pdserve.common.enum_counts import EnumCounts
 from pdserve.router.config import RouterConfig
 from pdserve.router.model import RouterModel
 from pdserve.router.cluster.placement import DecodePlacement, PrefillPlacement
@@ -30,19 +30,12 @@ class PromptRoute(str, Enum):
     DECODE_NODE = "decode_node"  # a decode node started with --local-prefill
 
 
-@dataclass
-class RouteCounts:
+class RouteCounts(EnumCounts[PromptRoute]):
     """Requests by the route first chosen for them; one per router, read by its metrics at
     scrape time (`pdserve_prompt_routes_total`): what `--disaggregation auto` decides."""
 
-    counts: collections.Counter[PromptRoute] = field(default_factory=collections.Counter)
-
-    def count(self, route: PromptRoute) -> None:
-        self.counts[route] += 1
-
-    def snapshot(self) -> dict[PromptRoute, int]:
-        """Every route's count, zeros included (so each series exists before its first request)."""
-        return {route: self.counts[route] for route in PromptRoute}
+    def __init__(self) -> None:
+        super().__init__(PromptRoute)
 
 
 @dataclass(frozen=True)
