@@ -20,6 +20,7 @@ from pathlib import Path
 
 from pdserve.cluster_config import THREADS_FLAGS, ClusterConfig, ClusterError
 from pdserve.cluster_supervisor import ChildSpec
+from pdserve.common.port_picks import PortLedger
 from pdserve.common.affinity import available_cpus, check_available, format_cpu_list, split_cpus
 from pdserve.common.tls import TlsConfig, http_scheme
 
@@ -171,23 +172,31 @@ PICK_TRIES = 64
 EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 
-def resolve_port(host: str, port: int, rng: random.Random | None = None) -> int:
-    """`port`, checked free on `host`; 0 → a free port below the ephemeral range (the OS's own
-    pick when none is found there)."""
+def resolve_port(host: str, port: int, rng: random.Random | None = None, ledger: PortLedger | None = None) -> int:
+    """`port`, checked free on `host`; 0 → a free port below the ephemeral range, held in the
+    machine's ledger of picks (common/port_picks.py) so no other pick hands it out before the
+    child binds it (the OS's own pick when none is found there)."""
     if port == 0:
         rng = rng or random.Random()
         high = _ephemeral_low() - 1
-        for _ in range(PICK_TRIES if high > PICK_LOW else 0):
-            candidate = rng.randint(PICK_LOW, high)
-            try:
-                return _bind(host, candidate)
-            except OSError:
-                continue
+        tries = PICK_TRIES if high > PICK_LOW else 0
+        picked = (ledger or PortLedger()).claim((rng.randint(PICK_LOW, high) for _ in range(tries)),
+                                                lambda candidate: _is_free(host, candidate))
+        if picked is not None:
+            return picked
     try:
         return _bind(host, port)
     except OSError as err:
         raise ClusterError(f"cannot use {host}:{port} for the router ({err.strerror}); "
                            "pass --port 0 to pick a free port") from err
+
+
+def _is_free(host: str, port: int) -> bool:
+    try:
+        _bind(host, port)
+    except OSError:
+        return False
+    return True
 
 
 def _bind(host: str, port: int) -> int:
