@@ -542,11 +542,10 @@ def test_launcher_with_a_real_health_probe(supervisor, tmp_path):
 
     def probe() -> Verdict:
         verdict = check(addr, "router", probe_config)
-        if verdict.healthy and not stricter:  # first answer: the router is up
+        if verdict.healthy:  # the cluster is ready: probe it more strictly, then stop it
             stricter.append(check(addr, "router", HealthcheckConfig(min_decode=3)))
             stricter.append(check(addr, "prefill"))
             stricter.append(check(addr, "decode"))
-        elif verdict.healthy:  # second: the cluster is ready; then stop it
             stop.set()
         return verdict
 
