@@ -48,8 +48,9 @@ from pdserve.planner.sim_node import PLACEHOLDER_TOKEN, Sampled, SimClock, SimNo
 from pdserve.planner.stack_load import CpuLoad, stretch
 from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.router.cluster.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.prefix_affinity import PrefixAffinity
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch.hybrid import Loads, PrefillChoice
+from pdserve.router.dispatch.hybrid import Loads, PrefillChoice, local_loads
 
 EXHAUSTED = "RESOURCE_EXHAUSTED"
 UNFINISHED = "UNFINISHED"  # still running when no event was left (a scheduler that can make no progress)
@@ -122,13 +123,14 @@ class ClusterSim:
         self._seq = itertools.count()
         self._stats_seq = itertools.count()
         router = RouterConfig(model="", block_size=(spec.colocated or spec.prefill).config.block_size)
-        self._colocated_placement = ColocatedPlacement(router.exhausted_cooldown_s, self.clock.now)
+        self._colocated_placement = ColocatedPlacement(router.exhausted_cooldown_s, self.clock.now,
+                                                       affinity=PrefixAffinity.for_router(router))
         self._decode_placement = DecodePlacement(router.exhausted_cooldown_s, self.clock.now)
         self._prefill_placement = PrefillPlacement(router.block_size, router.affinity_slack_tokens,
                                                    router.max_affinity_entries)
         # As the orchestrator builds it: decode nodes that prefill, their blocks in the decode pool's.
         self._local_placement = ColocatedPlacement(router.exhausted_cooldown_s, self.clock.now,
-                                                   blocks=self._decode_placement)
+                                                   blocks=self._decode_placement, affinity=PrefixAffinity.for_router(router))
         self._prefill_choice = spec.local_prefill
         self.colocated = self._nodes("colocated", spec.colocated, ColocatedPolicy(), max_model_len)
         self.prefill = self._nodes("prefill", spec.prefill, PrefillPolicy(), max_model_len)
@@ -189,28 +191,29 @@ class ClusterSim:
         prompt, out_len = list(spec.prompt_token_ids), spec.output_len
         if self.colocated:
             self._place_colocated(self.colocated, self._colocated_placement, req_id, prompt, out_len, trace)
-        elif self._prefill_choice is not None and self._prefill_choice.local(self._loads(len(prompt))):
+        elif self._prefill_choice is not None and self._prefill_choice.local(self._loads(prompt)):
             self._place_colocated(self.decode, self._local_placement, req_id, prompt, out_len, trace)
         else:
             self._place_pair(req_id, prompt, out_len, trace)
 
-    def _loads(self, prompt_tokens: int) -> Loads:
+    def _loads(self, prompt: list[int]) -> Loads:
         """The orchestrator's `_loads`: the shortest prompt queue of each place this prompt could be
-        computed, as each pool's placement counts it."""
+        computed, as each pool's placement counts it, and what the best decode node holds of it."""
         prefill = [self._prefill_placement.load(n.candidate(next(self._stats_seq))) for n in self.prefill]
-        local = [self._local_placement.load(n.candidate(next(self._stats_seq))) for n in self.decode]
-        return Loads(prompt_tokens, min(prefill, default=None), min(local, default=None))
+        local = [n.candidate(next(self._stats_seq)) for n in self.decode]
+        return local_loads(self._local_placement, prompt, min(prefill, default=None), local)
 
     def _place_colocated(self, nodes: list[SimNode], placement: ColocatedPlacement, req_id: str, prompt: list[int],
                          out_len: int, trace: RequestTrace) -> None:
         """The colocated route over `nodes`: colocated nodes, or decode nodes that prefill."""
         by_id = {n.node_id: n for n in nodes}
-        for c in placement.rank([n.candidate(next(self._stats_seq)) for n in nodes]):
+        hashes = placement.affinity.hashes(prompt)
+        for c in placement.rank([n.candidate(next(self._stats_seq)) for n in nodes], hashes):
             node = by_id[c.node_id]
             if not node.can_ever_hold(len(prompt), out_len):
                 continue
             request = node.new_request(req_id, prompt, out_len)
-            placement.assign(c, len(prompt), node.kv.blocks_needed(len(prompt)))
+            placement.assign(c, len(prompt), node.kv.blocks_needed(len(prompt)), hashes)
             self._flights[req_id] = _Flight(trace)
             self._front_takes(node)
             node.add(request)
@@ -225,6 +228,8 @@ class ClusterSim:
             request = node.new_request(req_id, prompt, out_len)
             if node.can_ever_hold(len(prompt), out_len) and node.reserve(request):
                 self._decode_placement.reserve(c, node.kv.blocks_needed(len(prompt)))
+                if self._prefill_choice is not None:  # as DisaggregatedRoute.claim: the node caches the prompt
+                    self._local_placement.affinity.remember(c.node_id, self._local_placement.affinity.hashes(prompt))
                 self._flights[req_id] = _Flight(trace, node, request)
                 self._front_takes(node)
                 self._prefill(req_id, prompt, trace)

@@ -8,22 +8,23 @@ given, so every decision is unit-testable.
   asked of the node since the node's last stats), skipping a node that just refused
   for lack of blocks until its next stats (or a cooldown).
 - Prefill: fewest queued prefill tokens (last stats + what this router sent since),
-  except that the node which last got the prompt's longest known prefix (chained
-  block hashes, `hash_block_tokens`, the nodes' block size) wins while its queue is
-  within a slack of the shortest — it will serve those blocks from its prefix cache.
-- Colocated: fewest queued tokens (last stats + prompts this router sent since that
-  have not reached token 1), then most free blocks after this router's reservations;
+  except that the node which last got the prompt's longest known prefix wins while its
+  queue is within a slack of the shortest — it will serve those blocks from its prefix
+  cache (router/cluster/prefix_affinity.py).
+- Colocated (and decode nodes that prefill): fewest queued tokens (last stats + prompts
+  this router sent since that have not reached token 1), then most free blocks after this
+  router's reservations, with the prefill rule's prefix affinity (router/cluster/prefix_affinity.py);
   a node that just refused is skipped as for decode.
 """
 
 from __future__ import annotations
 
 import time
-from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from pdserve.engine.block_pool import BlockHash, hash_block_tokens
+from pdserve.engine.block_pool import BlockHash
+from pdserve.router.cluster.prefix_affinity import PrefixAffinity
 
 
 @dataclass(frozen=True, slots=True)
@@ -103,21 +104,15 @@ class DecodePlacement:
 
 class PrefillPlacement:
     def __init__(self, block_size: int, affinity_slack_tokens: int, max_affinity_entries: int) -> None:
-        self.block_size = block_size
-        self._slack = affinity_slack_tokens
-        self._max_entries = max_affinity_entries
+        self.affinity = PrefixAffinity(block_size, affinity_slack_tokens, max_affinity_entries)
         self._sent = _SinceStats()
-        # Leading-block hash of some prompt -> the prefill node that last got it (LRU).
-        self._affinity: OrderedDict[BlockHash, str] = OrderedDict()
 
-    def prefix_hashes(self, prompt_token_ids: Sequence[int]) -> list[BlockHash]:
-        """Chained hashes of the prompt's full blocks, as every node's prefix cache keys them."""
-        hashes: list[BlockHash] = []
-        parent: BlockHash | None = None
-        for start in range(0, len(prompt_token_ids) - self.block_size + 1, self.block_size):
-            parent = hash_block_tokens(parent, prompt_token_ids[start : start + self.block_size])
-            hashes.append(parent)
-        return hashes
+    @property
+    def block_size(self) -> int:
+        return self.affinity.block_size
+
+    def prefix_hashes(self, prompt_token_ids: Sequence[int]) -> tuple[BlockHash, ...]:
+        return self.affinity.hashes(prompt_token_ids)
 
     def load(self, c: Candidate) -> int:
         return c.queued_prefill_tokens + self._sent.get(c)
@@ -128,12 +123,9 @@ class PrefillPlacement:
             raise ValueError("choose needs at least one candidate")
         self._sent.forget({c.node_id for c in candidates})
         hashes = self.prefix_hashes(prompt_token_ids)
-        least = min(candidates, key=lambda c: (self.load(c), c.node_id))
-        chosen = least
-        holder = self._affinity_holder(candidates, hashes)
-        if holder is not None and self.load(holder) <= self.load(least) + self._slack:
-            chosen = holder
-        self._remember(chosen, hashes)
+        chosen = (self.affinity.holder(candidates, hashes, self.load)
+                  or min(candidates, key=lambda c: (self.load(c), c.node_id)))
+        self.affinity.remember(chosen.node_id, hashes)
         self._sent.add(chosen, len(prompt_token_ids))
         return chosen
 
@@ -141,48 +133,47 @@ class PrefillPlacement:
         """A prompt sent to `c` is done; it no longer counts against c's queue."""
         self._sent.add(c, -num_tokens)
 
-    def _affinity_holder(self, candidates: Sequence[Candidate], hashes: list[BlockHash]) -> Candidate | None:
-        by_id = {c.node_id: c for c in candidates}
-        for block_hash in reversed(hashes):  # the longest known prefix first
-            node_id = self._affinity.get(block_hash)
-            if node_id in by_id:
-                return by_id[node_id]
-        return None
-
-    def _remember(self, c: Candidate, hashes: list[BlockHash]) -> None:
-        for block_hash in hashes:
-            self._affinity[block_hash] = c.node_id
-            self._affinity.move_to_end(block_hash)
-        while len(self._affinity) > self._max_entries:
-            self._affinity.popitem(last=False)
-
 
 class ColocatedPlacement:
     """A colocated node computes prompts and holds KV, so both of decode's and prefill's loads count.
 
     The queue of prompt tokens decides first (it is what a new prompt waits behind);
-    free blocks break ties. Refusals are remembered exactly as for decode nodes.
+    free blocks break ties; the node that last got the prompt's longest known prefix goes
+    first while its queue is within the affinity's slack (it computes only the rest).
+    Refusals are remembered exactly as for decode nodes.
     """
 
     def __init__(self, exhausted_cooldown_s: float, clock: Callable[[], float] = time.monotonic,
-                 blocks: DecodePlacement | None = None) -> None:
+                 blocks: DecodePlacement | None = None, affinity: PrefixAffinity | None = None) -> None:
         # `blocks`: the decode pool's, for decode nodes that also prefill (both routes reserve there).
         self._blocks = blocks or DecodePlacement(exhausted_cooldown_s, clock)
+        # None: no prefix affinity (every prompt placed by load alone).
+        self.affinity = affinity
         self._sent = _SinceStats()
 
     def load(self, c: Candidate) -> int:
         return c.queued_prefill_tokens + self._sent.get(c)
 
-    def rank(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        """Nodes to ask, best first; nodes that just refused are left out."""
+    def rank(self, candidates: Sequence[Candidate], hashes: Sequence[BlockHash] = ()) -> list[Candidate]:
+        """Nodes to ask, best first; nodes that just refused are left out. `hashes`: the prompt's
+        leading blocks (`PrefixAffinity.hashes`)."""
         self._sent.forget({c.node_id for c in candidates})
         usable = self._blocks.rank(candidates)
-        return sorted(usable, key=lambda c: (self.load(c), -self._blocks.free_after_reservations(c), c.node_id))
+        ranked = sorted(usable, key=lambda c: (self.load(c), -self._blocks.free_after_reservations(c), c.node_id))
+        holder = self.affinity.holder(ranked, hashes, self.load) if self.affinity and hashes else None
+        return ranked if holder is None else [holder, *(c for c in ranked if c is not holder)]
 
-    def assign(self, c: Candidate, num_tokens: int, num_blocks: int) -> None:
-        """This router sent `c` a request: `num_tokens` to prefill, `num_blocks` to hold."""
+    def cached_tokens(self, c: Candidate, hashes: Sequence[BlockHash]) -> int:
+        """Tokens of the prompt `c` probably holds in its prefix cache (0 without an affinity)."""
+        return self.affinity.cached_tokens(c.node_id, hashes) if self.affinity else 0
+
+    def assign(self, c: Candidate, num_tokens: int, num_blocks: int, hashes: Sequence[BlockHash] = ()) -> None:
+        """This router sent `c` a request: `num_tokens` to prefill, `num_blocks` to hold, the
+        prompt's leading blocks `hashes` (which `c` will hold from now on)."""
         self._sent.add(c, num_tokens)
         self._blocks.reserve(c, num_blocks)
+        if self.affinity is not None:
+            self.affinity.remember(c.node_id, hashes)
 
     def prefilled(self, c: Candidate, num_tokens: int) -> None:
         """The request's first token arrived: its prompt no longer counts against c's queue."""

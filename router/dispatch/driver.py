@@ -140,9 +140,10 @@ class SampleDriver:
             raise self.none_left(kind)
         request, model = self.spec.request, self.state.model
         load = Load(len(request.prompt_token_ids) + len(resumed),
-                    self.asks.num_blocks(self.state.config.block_size, model.max_model_len))
+                    self.asks.num_blocks(self.state.config.block_size, model.max_model_len),
+                    route.prefix([*request.prompt_token_ids, *resumed], live))
         refused: list[str] = []
-        for candidate in route.rank([e.candidate() for e in live]):
+        for candidate in route.rank([e.candidate() for e in live], load):
             entry = self.state.registry.get(candidate.node_id)
             if entry is None:
                 continue

@@ -27,18 +27,19 @@ from __future__ import annotations
 import itertools
 import logging
 import uuid
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Sequence
 from functools import partial
 
 from pdserve.proto import pdserve_pb2
 from pdserve.router.dispatch.asks import NodeAsks
 from pdserve.router.dispatch.driver import SampleDriver
-from pdserve.router.dispatch.hybrid import Disaggregation, Loads, PrefillChoice
+from pdserve.router.dispatch.hybrid import Disaggregation, Loads, PrefillChoice, local_loads
 from pdserve.router.errors import NeedsNodes, NoNodeAvailable
 from pdserve.router.requests.beam_results import BeamResults
 from pdserve.router.requests.merge import Put, merged
 from pdserve.router.requests.relay import TokenRelay
 from pdserve.router.cluster.placement import ColocatedPlacement
+from pdserve.router.cluster.prefix_affinity import PrefixAffinity
 from pdserve.router.cluster.registry import NodeKind
 from pdserve.router.dispatch.routes import ColocatedRoute, DisaggregatedRoute, LocalPrefillRoute, Route
 from pdserve.router.dispatch.state import RouterState, SampleSpec
@@ -53,20 +54,23 @@ class Orchestrator:
         self._router_id = uuid.uuid4().hex[:8]  # node request ids stay unique across routers
         self._sequence = itertools.count()
         config = state.config
-        self._colocated = ColocatedRoute(ColocatedPlacement(config.exhausted_cooldown_s, state.clock))
-        # Decode nodes that also prefill: their blocks counted with the decode pool's reservations.
+        self._colocated = ColocatedRoute(ColocatedPlacement(config.exhausted_cooldown_s, state.clock,
+                                                            affinity=PrefixAffinity.for_router(config)))
+        # Decode nodes that also prefill: their blocks counted with the decode pool's reservations,
+        # the prompts they hold (computed or imported) in one affinity both routes keep.
         self._local_placement = ColocatedPlacement(config.exhausted_cooldown_s, state.clock,
-                                                   blocks=state.decode_placement)
+                                                   blocks=state.decode_placement, affinity=PrefixAffinity.for_router(config))
         self._local = LocalPrefillRoute(self._local_placement)
         self._prefill_choice = PrefillChoice(Disaggregation(config.disaggregation), config.local_prefill_max_tokens)
         self._disaggregated = DisaggregatedRoute(state.decode_placement, state.prefill_placement,
-                                                 config.ready_timeout_s, config.prefill_timeout_s)
+                                                 config.ready_timeout_s, config.prefill_timeout_s,
+                                                 local_affinity=self._local_placement.affinity)
 
     def generate(self, request: ValidatedRequest,
                  timeout_s: float | None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """Every sample's responses, as they come (the merged stream itself: no layer per response);
         raises the first sample's `RouterError`, a refusal of the route at once."""
-        route = self.choose_route(len(request.prompt_token_ids), beam_search=request.beam is not None)
+        route = self.choose_route(request.prompt_token_ids, beam_search=request.beam is not None)
         self.state.routes.count(route.name)
         received_at = self.state.clock()
         deadline = received_at + timeout_s if timeout_s is not None else None
@@ -79,13 +83,13 @@ class Orchestrator:
                                 received_at, deadline) for index in range(request.params.n)]
         return merged([partial(self._run_sample, route, spec) for spec in specs])
 
-    def choose_route(self, prompt_tokens: int, beam_search: bool = False) -> Route:
+    def choose_route(self, prompt_token_ids: Sequence[int], beam_search: bool = False) -> Route:
         """Colocated nodes when any is live, else the disaggregated pools; refuse at once
         (UNAVAILABLE) when neither can serve, naming the kinds that are missing."""
         registry = self.state.registry
         if registry.live(NodeKind.COLOCATED):
             return self._colocated
-        if self._prefill_choice.local(self._loads(prompt_tokens)):
+        if self._prefill_choice.local(self._loads(prompt_token_ids)):
             return self._local
         if self._prefill_choice.mode is Disaggregation.NEVER:
             raise NoNodeAvailable("no decode node started with --local-prefill is live, and no colocated node "
@@ -100,12 +104,13 @@ class Orchestrator:
                                   "the cluster cannot serve")
         return self._disaggregated
 
-    def _loads(self, prompt_tokens: int) -> Loads:
-        """The shortest prompt queue of each place this request's prompt could be computed."""
+    def _loads(self, prompt_token_ids: Sequence[int]) -> Loads:
+        """The shortest prompt queue of each place this request's prompt could be computed, and
+        what the decode node with the least to compute holds of it already."""
         registry, state = self.state.registry, self.state
         prefill = [state.prefill_placement.load(e.candidate()) for e in registry.live(NodeKind.PREFILL)]
-        local = [self._local_placement.load(e.candidate()) for e in registry.live(NodeKind.DECODE) if e.local_prefill]
-        return Loads(prompt_tokens, min(prefill, default=None), min(local, default=None))
+        local = [e.candidate() for e in registry.live(NodeKind.DECODE) if e.local_prefill]
+        return local_loads(self._local_placement, prompt_token_ids, min(prefill, default=None), local)
 
     async def _run_sample(self, route: Route, spec: SampleSpec, put: Put) -> None:
         request, state = spec.request, self.state

@@ -42,7 +42,9 @@ import grpc
 from pdserve.proto import node_pb2, node_pb2_grpc
 from pdserve.router.errors import NodeFailed, NoNodeAvailable, Overloaded, RouterError, from_node_error
 from pdserve.router.cluster.liveness import NodeGone, unless_gone
+from pdserve.engine.block_pool import BlockHash
 from pdserve.router.cluster.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.prefix_affinity import PrefixAffinity
 from pdserve.router.dispatch.recovery import NODE_LOST_CODES, LossReason, NodeLost
 from pdserve.router.cluster.registry import NodeEntry, NodeKind
 from pdserve.router.dispatch.asks import NodeAsks
@@ -64,6 +66,7 @@ class Load:
 
     num_tokens: int  # to prefill: prompt + resumed tokens
     num_blocks: int  # to hold: prompt + max_tokens
+    prefix: tuple[BlockHash, ...] = ()  # those tokens' leading blocks, where the route keeps prefix affinity
 
 
 @dataclass(frozen=True, slots=True)
@@ -122,9 +125,14 @@ class Route(ABC):
         """Can this node of the route's kind open its streams? (All can, but for the local route.)"""
         return True
 
+    def prefix(self, token_ids: Sequence[int], live: Sequence[NodeEntry]) -> tuple[BlockHash, ...]:
+        """The leading-block hashes `rank` and `claim` weigh, given the `live` nodes the route
+        may ask (none: the route keeps no affinity)."""
+        return ()
+
     @abstractmethod
-    def rank(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        """The nodes to ask, best first; nodes that just refused are left out."""
+    def rank(self, candidates: Sequence[Candidate], load: Load) -> list[Candidate]:
+        """The nodes to ask for `load`, best first; nodes that just refused are left out."""
 
     @abstractmethod
     def mark_exhausted(self, candidate: Candidate) -> None:
@@ -165,14 +173,18 @@ class ColocatedRoute(Route):
     def __init__(self, placement: ColocatedPlacement) -> None:
         self._placement = placement
 
-    def rank(self, candidates: Sequence[Candidate]) -> list[Candidate]:
-        return self._placement.rank(candidates)
+    def prefix(self, token_ids: Sequence[int], live: Sequence[NodeEntry]) -> tuple[BlockHash, ...]:
+        affinity = self._placement.affinity
+        return affinity.hashes(token_ids) if affinity is not None else ()
+
+    def rank(self, candidates: Sequence[Candidate], load: Load) -> list[Candidate]:
+        return self._placement.rank(candidates, load.prefix)
 
     def mark_exhausted(self, candidate: Candidate) -> None:
         self._placement.mark_exhausted(candidate)
 
     def claim(self, candidate: Candidate, load: Load) -> None:
-        self._placement.assign(candidate, load.num_tokens, load.num_blocks)
+        self._placement.assign(candidate, load.num_tokens, load.num_blocks, load.prefix)
 
     def withdraw(self, candidate: Candidate, load: Load) -> None:
         self._placement.withdraw(candidate, load.num_tokens, load.num_blocks)
@@ -205,13 +217,21 @@ class DisaggregatedRoute(Route):
     name = PromptRoute.PREFILL_POOL
 
     def __init__(self, decode: DecodePlacement, prefill: PrefillPlacement, ready_timeout_s: float,
-                 prefill_timeout_s: float) -> None:
+                 prefill_timeout_s: float, local_affinity: PrefixAffinity | None = None) -> None:
         self._decode = decode
         self._prefill = prefill
         self._prefill_timeout_s = prefill_timeout_s
         self.opening = Opening("ready", "READY", ready_timeout_s)
+        # The local route's, when decode nodes also prefill: a decode node caches the prompt
+        # whose KV it imports, so a later prompt sharing it computes only the rest there.
+        self._local_affinity = local_affinity
 
-    def rank(self, candidates: Sequence[Candidate]) -> list[Candidate]:
+    def prefix(self, token_ids: Sequence[int], live: Sequence[NodeEntry]) -> tuple[BlockHash, ...]:
+        if self._local_affinity is None or not any(e.local_prefill for e in live):
+            return ()  # no decode node here computes prompts: nothing to remember
+        return self._local_affinity.hashes(token_ids)
+
+    def rank(self, candidates: Sequence[Candidate], load: Load) -> list[Candidate]:
         return self._decode.rank(candidates)
 
     def mark_exhausted(self, candidate: Candidate) -> None:
@@ -219,6 +239,8 @@ class DisaggregatedRoute(Route):
 
     def claim(self, candidate: Candidate, load: Load) -> None:
         self._decode.reserve(candidate, load.num_blocks)
+        if self._local_affinity is not None:
+            self._local_affinity.remember(candidate.node_id, load.prefix)
 
     def withdraw(self, candidate: Candidate, load: Load) -> None:
         self._decode.reserve(candidate, -load.num_blocks)

@@ -3,7 +3,8 @@
 A router with 2 colocated nodes (each runs both phases) serves concurrent greedy
 streams token-identical to transformers; Health reports the colocated nodes; a node
 refuses at once (RESOURCE_EXHAUSTED) a request it can never hold; a cancelled stream
-frees every block; every node ends with zero blocks in use. A node started with
+frees every block; a conversation's next turn goes to the node that holds its history in its
+prefix cache; every node ends with zero blocks in use. A node started with
 `--cpus 0` runs its front and its engine core on core 0 only, with one torch thread.
 """
 
@@ -152,6 +153,25 @@ def wait_for_line(supervisor: ClusterSupervisor, name: str, needle: str, timeout
 
 
 @pytest.mark.skipif(not {0, 1} <= os.sched_getaffinity(0), reason="needs cores 0 and 1")
+def test_a_conversation_returns_to_the_node_that_holds_its_prefix(cluster):
+    """Two conversations start at once and are spread over the two nodes; each next turn (its
+    history plus new tokens) goes back to the node that holds the history in its prefix cache,
+    though both nodes are idle and by load alone the same node would take every turn."""
+    rng = random.Random(11)
+    histories = [[rng.randrange(1, 900) for _ in range(8 * BLOCK_SIZE)] for _ in range(2)]
+    before = cluster.stats()
+    asyncio.run(run_concurrently(cluster.router, histories, [1, 1]))
+    opened = [s.prefix_cache_queries - b.prefix_cache_queries for s, b in zip(cluster.stats(), before)]
+    for history in histories:  # a conversation's two turns in a row: load alone would alternate them
+        for _ in range(2):
+            new_tokens = [rng.randrange(1, 900) for _ in range(BLOCK_SIZE)]
+            asyncio.run(run_concurrently(cluster.router, [history + new_tokens], [1]))
+    stats = cluster.wait_all_blocks_free(timeout_s=5)
+    assert all(q > 0 for q in opened), "the two conversations started on different nodes"
+    # Every later turn found its whole 8-block history on its node: 2 turns x 8 blocks each.
+    assert [s.prefix_cache_hits - b.prefix_cache_hits for s, b in zip(stats, before)] == [16, 16]
+
+
 def test_a_node_pinned_to_one_core_runs_there_with_one_torch_thread(model_dir):
     argv = (sys.executable, "-m", "pdserve", "colocated", "--model", model_dir, "--host", HOST, "--port", "0",
             "--router", f"{HOST}:{free_port()}", "--dtype", "float32", "--num-blocks", "64", "--cpus", "0")

@@ -3,8 +3,10 @@ with `--local-prefill`, the router on `--disaggregation auto --local-prefill-max
 
 A prompt the decode node can absorb (≤ 32 tokens, its queue empty) is computed there: no prefill
 time, no KV moved. A longer one goes to the idle prefill pool, whose KV lands in the decode node.
-Both are token-exact against transformers, the router's `pdserve_prompt_routes_total` counts one
-of each, and every block is free after.
+The long prompt's next turn (it, plus 10 new tokens) is computed on the decode node again: the
+router counts only the tokens that node does not hold in its prefix cache. All three are
+token-exact against transformers, the router's `pdserve_prompt_routes_total` counts them, and
+every block is free after.
 """
 
 from __future__ import annotations
@@ -19,8 +21,9 @@ from tests.e2e.cluster import NodeSettings, counter, running_cluster
 
 from ..integration.reference import assert_matches, greedy_references
 
-SHORT, LONG = 20, 60
+SHORT, LONG = 20, 60  # 60: 7 full blocks of 8, which the decode node caches when their KV arrives
 NEW_TOKENS = 8
+NEXT_TURN = 10  # new tokens: 70 in all, 14 of them not cached (4 of the long prompt's, these 10)
 
 
 async def generate(router: str, prompt: list[int]) -> list[pdserve_pb2.GenerateResponse]:
@@ -34,16 +37,21 @@ async def generate(router: str, prompt: list[int]) -> list[pdserve_pb2.GenerateR
 def test_auto_prefills_a_short_prompt_on_the_decode_node_and_a_long_one_on_the_prefill_pool(tiny_llama):
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 900) for _ in range(n)] for n in (SHORT, LONG)]
-    refs = greedy_references(str(tiny_llama), prompts, [NEW_TOKENS] * 2)
+    prompts.append(prompts[1] + [rng.randrange(1, 900) for _ in range(NEXT_TURN)])
+    refs = greedy_references(str(tiny_llama), prompts, [NEW_TOKENS] * 3)
     router_args = ("--disaggregation", "auto", "--local-prefill-max-tokens", "32")
     with running_cluster(str(tiny_llama), 1, 1, NodeSettings(), router_args=router_args,
                          decode_args=("--local-prefill",), metrics=True) as cluster:
-        short, long = (asyncio.run(generate(cluster.router, p)) for p in prompts)
-        assert_matches([[t for r in stream for t in r.token_ids] for stream in (short, long)], refs)
+        short, long = (asyncio.run(generate(cluster.router, p)) for p in prompts[:2])
+        hits_before = cluster.stats("decode-0").prefix_cache_hits
+        next_turn = asyncio.run(generate(cluster.router, prompts[2]))
+        assert_matches([[t for r in stream for t in r.token_ids] for stream in (short, long, next_turn)], refs)
         assert (short[-1].timings.prefill_s, short[-1].timings.kv_transfer_bytes) == (0.0, 0)  # on the decode node
         assert long[-1].timings.prefill_s > 0 and long[-1].timings.kv_transfer_bytes > 0  # on the prefill node
+        assert (next_turn[-1].timings.prefill_s, next_turn[-1].timings.kv_transfer_bytes) == (0.0, 0)  # decode node
         assert counter(cluster.metrics["router"], "pdserve_prompt_routes", "route") == {
-            "colocated": 0.0, "prefill_pool": 1.0, "decode_node": 1.0}
+            "colocated": 0.0, "prefill_pool": 1.0, "decode_node": 2.0}
         prefill, decode = cluster.wait_all_blocks_free(timeout_s=5)
+        assert decode.prefix_cache_hits - hits_before == LONG // 8  # the long prompt's 7 blocks, found
         assert (prefill.used_blocks, decode.used_blocks, decode.reserved_blocks) == (0, 0, 0)
         assert prefill.kv_transfer.transfers == 1  # the long prompt's only

@@ -16,7 +16,7 @@ from pdserve.router.cluster.placement import DecodePlacement, PrefillPlacement
 from pdserve.router.cluster.registry import NodeKind, NodeRegistry
 from pdserve.router.dispatch.hybrid import Disaggregation, Loads, PrefillChoice
 from pdserve.router.dispatch.orchestrator import Orchestrator
-from pdserve.router.dispatch.routes import DisaggregatedRoute, LocalPrefillRoute
+from pdserve.router.dispatch.routes import DisaggregatedRoute, Load, LocalPrefillRoute
 from pdserve.router.dispatch.state import RouterState
 from pdserve.router.errors import NoNodeAvailable
 from pdserve.router.model import load_router_model
@@ -32,6 +32,8 @@ AUTO = PrefillChoice(Disaggregation.AUTO, max_local_tokens=100)
     (Loads(500, prefill_queue=500, local_queue=0), False),  # level: long prompts stay off the decode node
     (Loads(10, prefill_queue=None, local_queue=900), True),  # no prefill node: the decode node or nothing
     (Loads(10, prefill_queue=0, local_queue=None), False),  # no decode node can prefill
+    (Loads(300, prefill_queue=0, local_queue=40, local_cached_tokens=240), True),  # 40 + the 60 it lacks
+    (Loads(300, prefill_queue=0, local_queue=40, local_cached_tokens=239), False),  # 101
 ])
 def test_auto_prefills_on_the_decode_node_when_its_share_is_small_or_the_pool_is_further_behind(loads, local):
     assert AUTO.local(loads) is local
@@ -69,22 +71,22 @@ def cluster(tiny_llama):
 
 def test_the_route_follows_the_choice_and_the_local_route_takes_only_nodes_that_prefill(cluster):
     registry, router = cluster("auto", local_queue=30)
-    local = router.choose_route(34)
+    local = router.choose_route([1] * 34)
     assert isinstance(local, LocalPrefillRoute)
     assert [e.node_id for e in registry.live(NodeKind.DECODE) if local.takes(e)] == ["d1"]
-    assert isinstance(router.choose_route(35), DisaggregatedRoute)  # 30 queued + 35 > 64
-    assert isinstance(cluster("always")[1].choose_route(1), DisaggregatedRoute)
-    assert isinstance(cluster("never")[1].choose_route(10_000), LocalPrefillRoute)
-    assert isinstance(cluster("auto", local_queue=0, prefill_queue=5_000)[1].choose_route(1_000), LocalPrefillRoute)
+    assert isinstance(router.choose_route([1] * 35), DisaggregatedRoute)  # 30 queued + 35 > 64
+    assert isinstance(cluster("always")[1].choose_route([1] * 1), DisaggregatedRoute)
+    assert isinstance(cluster("never")[1].choose_route([1] * 10_000), LocalPrefillRoute)
+    assert isinstance(cluster("auto", local_queue=0, prefill_queue=5_000)[1].choose_route([1] * 1_000), LocalPrefillRoute)
 
 
 def test_never_without_a_decode_node_that_prefills_is_unavailable_naming_the_flag(cluster):
     registry, router = cluster("never")
     registry.mark_suspect(registry.get("d1"), "lost")  # the only decode node that prefills
     with pytest.raises(NoNodeAvailable) as err:
-        router.choose_route(5)
+        router.choose_route([1] * 5)
     assert "--local-prefill" in str(err.value) and "--disaggregation never" in str(err.value)
-    assert isinstance(cluster("auto")[1].choose_route(5), LocalPrefillRoute)
+    assert isinstance(cluster("auto")[1].choose_route([1] * 5), LocalPrefillRoute)
 
 
 def test_a_bad_disaggregation_mode_or_bound_names_the_flag():
@@ -92,3 +94,18 @@ def test_a_bad_disaggregation_mode_or_bound_names_the_flag():
         RouterConfig(model="m", disaggregation="sometimes")
     with pytest.raises(ValueError, match="^local_prefill_max_tokens must be >= 0, got -1$"):
         RouterConfig(model="m", local_prefill_max_tokens=-1)
+
+
+def test_a_prompt_whose_prefix_a_decode_node_imported_is_prefilled_there(cluster):
+    """The decode node holds the first prompt's KV (imported through the pool, then cached), so a
+    second prompt that extends it leaves only its new tokens to compute there (what `auto` weighs)."""
+    registry, router = cluster("auto", local_queue=30)
+    first = list(range(1, 49))  # 48 tokens: 30 queued + 48 > 64, so the prefill pool computes it
+    route = router.choose_route(first)
+    assert isinstance(route, DisaggregatedRoute)
+    live = registry.live(NodeKind.DECODE)
+    d1 = registry.get("d1").candidate()
+    route.claim(d1, Load(len(first), 8, route.prefix(first, live)))  # the driver's claim on d1
+    second = first + list(range(100, 120))  # 68 tokens, 20 of them new: 30 + 20 <= 64
+    assert isinstance(router.choose_route(second), LocalPrefillRoute)
+    assert isinstance(router.choose_route(list(range(200, 268))), DisaggregatedRoute)  # 68 new ones

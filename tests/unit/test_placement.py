@@ -9,7 +9,8 @@ from pdserve.engine.block_pool import hash_block_tokens
 from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
-from pdserve.router.cluster.placement import Candidate, DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.prefix_affinity import PrefixAffinity
 
 BLOCK = 4
 
@@ -85,7 +86,7 @@ def test_prefix_hashes_match_the_engines_prefix_cache():
     prompt = list(range(1, 12))  # 2 full blocks of 4 and a partial one
     hashes = prefill().prefix_hashes(prompt)
     first = hash_block_tokens(None, prompt[:4])
-    assert hashes == [first, hash_block_tokens(first, prompt[4:8])]
+    assert hashes == (first, hash_block_tokens(first, prompt[4:8]))
     # A node that computed this prompt finds exactly these keys in its prefix cache.
     kv = KVCacheManager(num_blocks=8, block_size=BLOCK, enable_caching=True)
     request = Request("r", prompt, SamplingParams(), arrival_index=0, seed=0)
@@ -155,3 +156,38 @@ def test_prefill_affinity_memory_is_bounded_lru(shared_blocks, expected):
     placement.finished(a, len(prompt))
     probe = prompt[: shared_blocks * BLOCK] + [0] * BLOCK
     assert placement.choose([a, b], probe).node_id == expected
+
+
+# -- colocated (and decode nodes that prefill) -----------------------------------------
+
+
+def colocated(slack: int = 10) -> ColocatedPlacement:
+    return ColocatedPlacement(1.0, Clock(), affinity=PrefixAffinity(BLOCK, slack, max_entries=1000))
+
+
+def test_colocated_ranks_the_node_holding_the_prefix_first_within_the_slack():
+    placement = colocated(slack=10)
+    conversation = list(range(1, 17))  # 4 full blocks
+    a, b = node("a", free=100), node("b", free=100)
+    hashes = placement.affinity.hashes(conversation)
+    first = placement.rank([a, b], hashes)[0]
+    placement.assign(first, len(conversation), 5, hashes)
+    placement.prefilled(first, len(conversation))
+    assert first.node_id == "a"
+    turn_2 = conversation + [7, 8, 9, 10, 11]
+    later_a, later_b = node("a", seq=2, free=95, queued=8), node("b", seq=2, free=100)
+    assert placement.cached_tokens(later_a, placement.affinity.hashes(turn_2)) == 16
+    assert placement.cached_tokens(later_b, placement.affinity.hashes(turn_2)) == 0
+    # a is 8 tokens busier, within the slack: it computes 5 tokens where b would compute 21
+    assert ids_of(placement.rank([later_a, later_b], placement.affinity.hashes(turn_2))) == ["a", "b"]
+    busy_a = node("a", seq=3, free=95, queued=50)  # beyond the slack: the shortest queue first
+    assert ids_of(placement.rank([busy_a, later_b], placement.affinity.hashes(turn_2))) == ["b", "a"]
+    assert ids_of(placement.rank([later_a, later_b])) == ["b", "a"]  # no prompt given: by load alone
+
+
+def test_colocated_without_an_affinity_ranks_by_load_and_holds_nothing():
+    placement = ColocatedPlacement(1.0, Clock())
+    a, b = node("a", free=10, queued=5), node("b", free=10)
+    placement.assign(a, 16, 4, PrefixAffinity(BLOCK, 0, 10).hashes(list(range(16))))
+    assert ids_of(placement.rank([a, b])) == ["b", "a"]
+    assert placement.cached_tokens(a, ()) == 0

@@ -102,7 +102,7 @@ def orchestrator(model, registry: NodeRegistry) -> Orchestrator:
 def test_neither_a_colocated_node_nor_a_pair_is_failed_precondition_naming_beam_width_and_http_400(model):
     registry = NodeRegistry(heartbeat_timeout_s=3.0, channel_close_grace_s=0.1)
     with pytest.raises(NeedsNodes) as err:
-        orchestrator(model, registry).choose_route(3, beam_search=True)
+        orchestrator(model, registry).choose_route([1, 2, 3], beam_search=True)
     assert err.value.code is grpc.StatusCode.FAILED_PRECONDITION and err.value.field == "beam_width"
     assert str(err.value).startswith("beam_width: beam search runs on a colocated node or a prefill + decode pair")
     http = error_of(err.value)
@@ -115,9 +115,9 @@ def test_a_live_prefill_and_decode_pair_can_run_a_beam_search_and_one_kind_alone
     router = orchestrator(model, registry)
     registry.register(NodeKind.PREFILL, "127.0.0.1:7002", "p0")
     with pytest.raises(NeedsNodes):
-        router.choose_route(3, beam_search=True)
+        router.choose_route([1, 2, 3], beam_search=True)
     registry.register(NodeKind.DECODE, "127.0.0.1:7001", "d0")
-    assert isinstance(router.choose_route(3, beam_search=True), DisaggregatedRoute)
+    assert isinstance(router.choose_route([1, 2, 3], beam_search=True), DisaggregatedRoute)
     registry.register(NodeKind.COLOCATED, "127.0.0.1:7003", "c0")
-    assert isinstance(router.choose_route(3, beam_search=True), ColocatedRoute)  # a colocated node first, as for samples
+    assert isinstance(router.choose_route([1, 2, 3], beam_search=True), ColocatedRoute)  # a colocated node first, as for samples
     assert beams_to_keep(3, num_eos=1, ignore_eos=False) == 6 and beams_to_keep(3, 2, False) == 9
