@@ -71,7 +71,8 @@ class PrefillChoice:
 def local_loads(placement: ColocatedPlacement, prompt_token_ids: Sequence[int], prefill_queue: int | None,
                 local: Sequence[Candidate]) -> Loads:
     """`Loads` for a prompt, given the prefill pool's shortest queue and the `local` candidates
-    (decode nodes that prefill) as `placement` — the local route's — counts and remembers them."""
+    (decode nodes that prefill): their queues as `placement` (the local route's) counts them, and
+    what each holds of the prompt as its prefix affinity forecasts it."""
     prompt_tokens = len(prompt_token_ids)
     if not local:
         return Loads(prompt_tokens, prefill_queue, None)
