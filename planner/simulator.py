@@ -40,6 +40,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from pdserve.bench.serve.metrics import RequestTrace
+from pdserve.engine.block_pool import BlockHash
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.request import Request
@@ -189,25 +190,26 @@ class ClusterSim:
     def _arrive(self, spec: SimRequest, trace: RequestTrace) -> None:
         req_id = trace.request_id
         prompt, out_len = list(spec.prompt_token_ids), spec.output_len
+        # Hashed once for every placement: their affinities share the router's block size.
+        hashes = self._local_placement.affinity.hashes(prompt)
         if self.colocated:
-            self._place_colocated(self.colocated, self._colocated_placement, req_id, prompt, out_len, trace)
-        elif self._prefill_choice is not None and self._prefill_choice.local(self._loads(prompt)):
-            self._place_colocated(self.decode, self._local_placement, req_id, prompt, out_len, trace)
+            self._place_colocated(self.colocated, self._colocated_placement, req_id, prompt, hashes, out_len, trace)
+        elif self._prefill_choice is not None and self._prefill_choice.local(self._loads(prompt, hashes)):
+            self._place_colocated(self.decode, self._local_placement, req_id, prompt, hashes, out_len, trace)
         else:
-            self._place_pair(req_id, prompt, out_len, trace)
+            self._place_pair(req_id, prompt, hashes, out_len, trace)
 
-    def _loads(self, prompt: list[int]) -> Loads:
+    def _loads(self, prompt: list[int], hashes: tuple[BlockHash, ...]) -> Loads:
         """The orchestrator's `_loads`: the shortest prompt queue of each place this prompt could be
         computed, as each pool's placement counts it, and what the best decode node holds of it."""
         prefill = [self._prefill_placement.load(n.candidate(next(self._stats_seq))) for n in self.prefill]
         local = [n.candidate(next(self._stats_seq)) for n in self.decode]
-        return local_loads(self._local_placement, prompt, min(prefill, default=None), local)
+        return local_loads(self._local_placement, len(prompt), hashes, min(prefill, default=None), local)
 
     def _place_colocated(self, nodes: list[SimNode], placement: ColocatedPlacement, req_id: str, prompt: list[int],
-                         out_len: int, trace: RequestTrace) -> None:
+                         hashes: tuple[BlockHash, ...], out_len: int, trace: RequestTrace) -> None:
         """The colocated route over `nodes`: colocated nodes, or decode nodes that prefill."""
         by_id = {n.node_id: n for n in nodes}
-        hashes = placement.affinity.hashes(prompt)
         for c in placement.rank([n.candidate(next(self._stats_seq)) for n in nodes], hashes):
             node = by_id[c.node_id]
             if not node.can_ever_hold(len(prompt), out_len):
@@ -221,7 +223,8 @@ class ClusterSim:
             return
         self._fail(trace, EXHAUSTED)
 
-    def _place_pair(self, req_id: str, prompt: list[int], out_len: int, trace: RequestTrace) -> None:
+    def _place_pair(self, req_id: str, prompt: list[int], hashes: tuple[BlockHash, ...], out_len: int,
+                    trace: RequestTrace) -> None:
         by_id = {n.node_id: n for n in self.decode}
         for c in self._decode_placement.rank([n.candidate(next(self._stats_seq)) for n in self.decode]):
             node = by_id[c.node_id]
@@ -229,7 +232,7 @@ class ClusterSim:
             if node.can_ever_hold(len(prompt), out_len) and node.reserve(request):
                 self._decode_placement.reserve(c, node.kv.blocks_needed(len(prompt)))
                 if self._prefill_choice is not None:  # as DisaggregatedRoute.claim: the node caches the prompt
-                    self._local_placement.affinity.remember(c.node_id, self._local_placement.affinity.hashes(prompt))
+                    self._local_placement.affinity.remember(c.node_id, hashes)
                 self._flights[req_id] = _Flight(trace, node, request)
                 self._front_takes(node)
                 self._prefill(req_id, prompt, trace)

@@ -24,6 +24,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from enum import Enum
 
+from pdserve.engine.block_pool import BlockHash
 from pdserve.router.cluster.placement import Candidate, ColocatedPlacement
 
 
@@ -68,15 +69,14 @@ class PrefillChoice:
         return local <= self.max_local_tokens or loads.prefill_queue > local
 
 
-def local_loads(placement: ColocatedPlacement, prompt_token_ids: Sequence[int], prefill_queue: int | None,
-                local: Sequence[Candidate]) -> Loads:
-    """`Loads` for a prompt, given the prefill pool's shortest queue and the `local` candidates
-    (decode nodes that prefill): their queues as `placement` (the local route's) counts them, and
-    what each holds of the prompt as its prefix affinity forecasts it."""
-    prompt_tokens = len(prompt_token_ids)
+def local_loads(placement: ColocatedPlacement, prompt_tokens: int, hashes: Sequence[BlockHash],
+                prefill_queue: int | None, local: Sequence[Candidate]) -> Loads:
+    """`Loads` for a prompt of `prompt_tokens` whose leading blocks are `hashes`, given the prefill
+    pool's shortest queue and the `local` candidates (decode nodes that prefill): their queues as
+    `placement` (the local route's) counts them, and what each holds of the prompt as its prefix
+    affinity forecasts it."""
     if not local:
         return Loads(prompt_tokens, prefill_queue, None)
-    hashes = placement.affinity.hashes(prompt_token_ids) if placement.affinity is not None else ()
     cached = {c.node_id: min(prompt_tokens, placement.cached_tokens(c, hashes)) for c in local}
     best = min(local, key=lambda c: (placement.load(c) - cached[c.node_id], c.node_id))
     return Loads(prompt_tokens, prefill_queue, placement.load(best), cached[best.node_id])

@@ -110,7 +110,9 @@ class Orchestrator:
         registry, state = self.state.registry, self.state
         prefill = [state.prefill_placement.load(e.candidate()) for e in registry.live(NodeKind.PREFILL)]
         local = [e.candidate() for e in registry.live(NodeKind.DECODE) if e.local_prefill]
-        return local_loads(self._local_placement, prompt_token_ids, min(prefill, default=None), local)
+        affinity = self._local_placement.affinity
+        hashes = affinity.hashes(prompt_token_ids) if local and affinity is not None else ()
+        return local_loads(self._local_placement, len(prompt_token_ids), hashes, min(prefill, default=None), local)
 
     async def _run_sample(self, route: Route, spec: SampleSpec, put: Put) -> None:
         request, state = spec.request, self.state

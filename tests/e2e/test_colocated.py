@@ -167,6 +167,7 @@ def test_a_conversation_returns_to_the_node_that_holds_its_prefix(cluster):
             new_tokens = [rng.randrange(1, 900) for _ in range(BLOCK_SIZE)]
             asyncio.run(run_concurrently(cluster.router, [history + new_tokens], [1]))
     stats = cluster.wait_all_blocks_free(timeout_s=5)
+    assert [s.used_blocks for s in stats] == [0, 0]
     assert all(q > 0 for q in opened), "the two conversations started on different nodes"
     # Every later turn found its whole 8-block history on its node: 2 turns x 8 blocks each.
     assert [s.prefix_cache_hits - b.prefix_cache_hits for s, b in zip(stats, before)] == [16, 16]
