@@ -73,6 +73,13 @@ def scrape_until(url: str, ready) -> Scrape:
     return settled(lambda: scrape(url), ready, WAIT_S, interval_s=0.1)
 
 
+def ended_as(**counts: int):
+    """Ready once `pdserve_requests_total` has these counts by status. A refused request's
+    client sees its status before the router's handler unwinds and counts it, so a scrape
+    right after the client's answer can miss it."""
+    return lambda s: all(s.value("pdserve_requests_total", status=status) == n for status, n in counts.items())
+
+
 @pytest.fixture(scope="module")
 def model_dir(tiny_llama) -> str:
     return str(tiny_llama)
@@ -151,7 +158,7 @@ def test_metrics_series_served_and_moving(model_dir):
 
         num_ok = len(prompts) + 1
         all_prompts = [*prompts, prompts[2]]
-        router = scrape_until(router_url, lambda s: s.value("pdserve_requests_total", status="OK") == num_ok)
+        router = scrape_until(router_url, ended_as(OK=num_ok, INVALID_ARGUMENT=1))
         assert router.value("pdserve_requests_total", status="OK") == num_ok
         assert router.value("pdserve_requests_total", status="INVALID_ARGUMENT") == 1
         assert router.value("pdserve_request_ttft_seconds_count") == num_ok
@@ -181,7 +188,7 @@ def test_metrics_series_served_and_moving(model_dir):
         assert 0 < prefill.value("pdserve_prefix_cache_hit_rate") <= 1
 
         asyncio.run(cancel_after_first_response(cluster.router, prompts[1]))
-        router = scrape_until(router_url, lambda s: s.value("pdserve_requests_total", status="CANCELLED") == 1)
+        router = scrape_until(router_url, ended_as(OK=num_ok, INVALID_ARGUMENT=1, CANCELLED=1))
         assert router.value("pdserve_requests_total", status="CANCELLED") == 1
         assert router.value("pdserve_requests_total", status="OK") == num_ok
         assert router.value("pdserve_requests_in_flight") == 0
@@ -193,7 +200,7 @@ def test_metrics_series_served_and_moving(model_dir):
                                 extra_body={"ignore_eos": True})
         with pytest.raises(openai.BadRequestError):
             http.completions.create(model="llama", prompt=prompts[0], max_tokens=3, top_p=7)
-        router = scrape_until(router_url, lambda s: s.value("pdserve_requests_total", status="OK") == num_ok + 1)
+        router = scrape_until(router_url, ended_as(OK=num_ok + 1, INVALID_ARGUMENT=2, CANCELLED=1))
         assert router.value("pdserve_requests_total", status="OK") == num_ok + 1
         assert router.value("pdserve_requests_total", status="INVALID_ARGUMENT") == 2
         assert router.value("pdserve_generated_tokens_total") == tokens_before + 3
