@@ -21,6 +21,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import logging
 import os
@@ -58,6 +59,8 @@ class CpuOps:
     rope_write_kv: Callable[..., None]
     linear_gemv: Callable[..., torch.Tensor]
     layer_stack: Callable[..., torch.Tensor]
+    # head_dim -> whether the attention runs its vector loops for it (memoised: a build's fact).
+    vector_attention: Callable[[int], bool]
 
 
 def available() -> bool:
@@ -119,6 +122,7 @@ def _build() -> CpuOps | None:
             namespace.rope_write_kv.default,
             namespace.linear_gemv.default,
             namespace.layer_stack.default,
+            functools.cache(namespace.vector_attention.default),
         )
     except Exception as exc:  # any build or load failure means: use the torch paths
         log.warning("pdserve C++ CPU kernels unavailable, using the torch paths: %s", _summary(exc))

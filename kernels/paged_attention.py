@@ -32,8 +32,11 @@ from pdserve.kernels.metadata import AttentionMetadata
 # chunk's gathered keys/values stay in the CPU cache between the gather and the matmuls.
 DEFAULT_DECODE_CHUNK_BLOCKS = 256
 # The C++ path hands a prefill chunk of at least this many query tokens that also reads earlier
-# context to SDPA (one call per chunk): there SDPA's matmuls beat the kernel by ~20%. Decodes,
-# shorter chunks and whole prompts (causal, where the kernel skips masked tiles) stay in C++.
+# context to SDPA (one call per chunk): there SDPA's matmuls beat the kernel by ~20%. Decodes and
+# shorter chunks stay in C++; so do whole prompts (causal, where the kernel skips masked tiles)
+# where the kernel runs its AVX-512 loops for the model's head_dim. Where it runs its portable
+# loops (AVX2), whole prompts go to SDPA too: measured on AVX2, one thread, the demo model, a
+# whole prompt took 1.6x SDPA's time at 256 tokens, 2.3x at 512 and 3.3x at 2048.
 DEFAULT_SDPA_MIN_QUERY_LEN = 64
 # The C++ kernel splits a chunk's query rows into tiles of this many rows (parallel work items).
 CPP_ROW_TILE = 16
@@ -107,17 +110,26 @@ def _cpp_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     )
 
 
-def leaves_chunks_to_sdpa(metadata: AttentionMetadata, sdpa_min_query_len: int = DEFAULT_SDPA_MIN_QUERY_LEN) -> bool:
+def leaves_chunks_to_sdpa(metadata: AttentionMetadata, head_dim: int,
+                          sdpa_min_query_len: int = DEFAULT_SDPA_MIN_QUERY_LEN) -> bool:
     """Whether paged_attention_cpp hands some prefill chunk of this step to SDPA (see below):
     steps where it does not can run their attention wholly in the C++ kernel."""
     first = metadata.num_decodes
     lens = zip(metadata.query_lens_cpu[first:], metadata.seq_lens_cpu[first:])
-    return any(_sdpa_chunk(query_len, seq_len, sdpa_min_query_len) for query_len, seq_len in lens)
+    whole_prompts = whole_prompts_to_sdpa(head_dim)
+    return any(_sdpa_chunk(query_len, seq_len, sdpa_min_query_len, whole_prompts) for query_len, seq_len in lens)
 
 
-def _sdpa_chunk(query_len: int, seq_len: int, sdpa_min_query_len: int) -> bool:
+def whole_prompts_to_sdpa(head_dim: int) -> bool:
+    """Whether SDPA also takes whole prompts (no earlier context): where the C++ kernel has no
+    vector loops for `head_dim` (see DEFAULT_SDPA_MIN_QUERY_LEN)."""
+    ops = cpu_ext.ops()
+    return ops is None or not ops.vector_attention(head_dim)
+
+
+def _sdpa_chunk(query_len: int, seq_len: int, sdpa_min_query_len: int, whole_prompts: bool) -> bool:
     # The rule `left_to_caller` in kernels/csrc/paged_attention.cpp applies too.
-    return query_len >= sdpa_min_query_len and seq_len > query_len
+    return query_len >= sdpa_min_query_len and (seq_len > query_len or whole_prompts)
 
 
 def paged_attention_cpp(
@@ -128,10 +140,12 @@ def paged_attention_cpp(
     scale: float,
     *,
     sdpa_min_query_len: int = DEFAULT_SDPA_MIN_QUERY_LEN,
+    whole_prompts: bool | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
     """C++ kernel reading K/V in place through the block tables, for decodes and most chunks;
-    one SDPA call per chunk of at least sdpa_min_query_len tokens that reads earlier context
-    (the rule `left_to_caller` in kernels/csrc/paged_attention.cpp applies too)."""
+    one SDPA call per chunk of at least sdpa_min_query_len tokens that reads earlier context, or
+    any such chunk with `whole_prompts` (None: as `whole_prompts_to_sdpa` says for this head_dim;
+    the rule `left_to_caller` in kernels/csrc/paged_attention.cpp applies too)."""
     ops = cpu_ext.ops()
     if ops is None:
         raise RuntimeError("the C++ CPU kernels are not available (see pdserve.kernels.cpu_ext)")
@@ -140,10 +154,12 @@ def paged_attention_cpp(
     assert sdpa_min_query_len >= 2, "decodes always stay in the kernel"
     if query.stride(-1) != 1:
         query = query.contiguous()
+    if whole_prompts is None:
+        whole_prompts = whole_prompts_to_sdpa(query.shape[-1])
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     ops.paged_attention(
         query, k_cache, v_cache, metadata.block_tables.contiguous(), metadata.seq_lens.contiguous(),
-        metadata.query_start_loc.contiguous(), out, scale, sdpa_min_query_len, CPP_ROW_TILE,
+        metadata.query_start_loc.contiguous(), out, scale, sdpa_min_query_len, whole_prompts, CPP_ROW_TILE,
     )  # fmt: skip
     # Decodes (one query token each, first in the batch) are never left to SDPA: skip them here,
     # where a Python loop over a large decode batch would cost more than their attention.
@@ -151,7 +167,7 @@ def paged_attention_cpp(
     for seq_idx in range(metadata.num_decodes, metadata.num_seqs):
         query_len, seq_len = metadata.query_lens_cpu[seq_idx], metadata.seq_lens_cpu[seq_idx]
         end = start + query_len
-        if _sdpa_chunk(query_len, seq_len, sdpa_min_query_len):
+        if _sdpa_chunk(query_len, seq_len, sdpa_min_query_len, whole_prompts):
             block_table = metadata.block_tables[seq_idx]
             out[start:end] = _prefill_attention(query[start:end], k_cache, v_cache, block_table, seq_len, scale)
         start = end

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import os
 import shutil
+from pathlib import Path
 
 from dataclasses import dataclass
 
@@ -26,6 +27,7 @@ from pdserve.kernels import (
     write_kv_cache,
     write_kv_cache_torch,
 )
+from pdserve.kernels.paged_attention import leaves_chunks_to_sdpa, whole_prompts_to_sdpa
 
 HEAD_DIM = 16
 IMPLS = {"torch": paged_attention_torch, "cpp": paged_attention_cpp, "reference": paged_attention_reference}
@@ -295,13 +297,29 @@ def test_cpp_head_dims_and_groups(request, dtype, head_dim, num_heads, num_kv_he
     assert_matches(run("cpp", batch), batch)
 
 
+@pytest.mark.parametrize("whole_prompts", [False, True])
 @pytest.mark.parametrize("sdpa_min_query_len", [2, 17, 64, 10_000])
-def test_cpp_sdpa_split_does_not_change_result(request, sdpa_min_query_len):
-    # Chunks longer than a row tile (16), split across tiles, or handed to SDPA.
+def test_cpp_sdpa_split_does_not_change_result(request, sdpa_min_query_len, whole_prompts):
+    # Chunks longer than a row tile (16), split across tiles, or handed to SDPA; whole prompts
+    # (48 and 100 tokens without context) too when asked.
     skip_without_cpp(request, "cpp")
-    seqs = [(40, 1), (300, 1), (200, 63), (48, 48), (70, 17), (90, 2), (130, 100)]
+    seqs = [(40, 1), (300, 1), (200, 63), (48, 48), (70, 17), (90, 2), (130, 100), (100, 100)]
     batch = make_batch(seqs, 9, 3, 16, seed=9)
-    assert_matches(run("cpp", batch, sdpa_min_query_len=sdpa_min_query_len), batch)
+    assert_matches(run("cpp", batch, sdpa_min_query_len=sdpa_min_query_len, whole_prompts=whole_prompts), batch)
+
+
+def test_whole_prompts_go_to_sdpa_only_where_the_kernel_has_no_vector_loops(request):
+    skip_without_cpp(request, "cpp")
+    avx512 = "avx512f" in Path("/proc/cpuinfo").read_text().split()
+    assert cpu_ext.ops().vector_attention(64) is avx512  # built with -march=native
+    assert cpu_ext.ops().vector_attention(24) is False  # no vector loops for this head_dim anywhere
+    assert whole_prompts_to_sdpa(64) is not avx512
+    prompt = make_batch([(100, 100)], 4, 2, 16, seed=1).metadata
+    chunk = make_batch([(100, 64)], 4, 2, 16, seed=1).metadata
+    assert leaves_chunks_to_sdpa(prompt, 64) is not avx512
+    assert leaves_chunks_to_sdpa(prompt, 24) is True
+    assert leaves_chunks_to_sdpa(chunk, 64) is True
+    assert leaves_chunks_to_sdpa(make_batch([(63, 63)], 4, 2, 16, seed=1).metadata, 24) is False
 
 
 def test_paged_attention_uses_cpp_unless_disabled(request, monkeypatch):
