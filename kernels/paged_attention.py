@@ -22,6 +22,8 @@ and written only by write_kv_cache.
 
 from __future__ import annotations
 
+from dataclasses import dataclass
+
 import torch
 import torch.nn.functional as F
 
@@ -31,13 +33,39 @@ from pdserve.kernels.metadata import AttentionMetadata
 # Decodes are attended in chunks of at most this many (padded) cache blocks, so that a
 # chunk's gathered keys/values stay in the CPU cache between the gather and the matmuls.
 DEFAULT_DECODE_CHUNK_BLOCKS = 256
-# The C++ path hands a prefill chunk of at least this many query tokens that also reads earlier
-# context to SDPA (one call per chunk): there SDPA's matmuls beat the kernel by ~20%. Decodes and
-# shorter chunks stay in C++; so do whole prompts (causal, where the kernel skips masked tiles)
-# where the kernel runs its AVX-512 loops for the model's head_dim. Where it runs its portable
-# loops (AVX2), whole prompts go to SDPA too: measured on AVX2, one thread, the demo model, a
-# whole prompt took 1.6x SDPA's time at 256 tokens, 2.3x at 512 and 3.3x at 2048.
-DEFAULT_SDPA_MIN_QUERY_LEN = 64
+@dataclass(frozen=True, slots=True)
+class SdpaSplit:
+    """Which prefill chunks the C++ path hands to SDPA (one call per chunk): a chunk of at least
+    `min_chunk` tokens that also reads earlier context, a whole prompt (no earlier context) of
+    at least `min_prompt`. Decodes and shorter chunks stay in the kernel. The rule
+    `left_to_caller` in kernels/csrc/paged_attention.cpp is the same."""
+
+    min_chunk: int
+    min_prompt: int
+
+    def __post_init__(self) -> None:
+        assert min(self.min_chunk, self.min_prompt) >= 2, "decodes always stay in the kernel"
+
+    def takes(self, query_len: int, seq_len: int) -> bool:
+        return query_len >= (self.min_chunk if seq_len > query_len else self.min_prompt)
+
+    @classmethod
+    def for_head_dim(cls, head_dim: int) -> SdpaSplit:
+        """The split for this build of the kernel: it runs AVX-512 loops for some head dims and
+        portable loops for the rest (`vector_attention`)."""
+        ops = cpu_ext.ops()
+        return VECTOR_SPLIT if ops is not None and ops.vector_attention(head_dim) else PORTABLE_SPLIT
+
+
+NEVER = 1 << 62
+# With its AVX-512 loops the kernel wins on whole prompts (causal: it skips masked tiles) and on
+# chunks up to 64 tokens; past that SDPA's matmuls beat it by ~20% where a chunk reads earlier context.
+VECTOR_SPLIT = SdpaSplit(min_chunk=64, min_prompt=NEVER)
+# With its portable loops (AVX2) it wins only on the shortest. Measured on AVX2, one thread, the
+# demo model's prefill step (head_dim 64, float32), kernel / SDPA: a chunk after 1024 tokens of
+# context 9.3 / 8.3 ms at 4 tokens, 29.5 / 13.5 at 16, 56.1 / 21.1 at 32; a whole prompt 12.5 /
+# 14.9 ms at 48 tokens, 103.9 / 58.5 at 256, 4166 / 824 at 2048 (docs/benchmarks.md).
+PORTABLE_SPLIT = SdpaSplit(min_chunk=4, min_prompt=64)
 # The C++ kernel splits a chunk's query rows into tiles of this many rows (parallel work items).
 CPP_ROW_TILE = 16
 CPP_DTYPES = (torch.float32, torch.bfloat16)
@@ -110,26 +138,12 @@ def _cpp_applies(query: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tens
     )
 
 
-def leaves_chunks_to_sdpa(metadata: AttentionMetadata, head_dim: int,
-                          sdpa_min_query_len: int = DEFAULT_SDPA_MIN_QUERY_LEN) -> bool:
-    """Whether paged_attention_cpp hands some prefill chunk of this step to SDPA (see below):
+def leaves_chunks_to_sdpa(metadata: AttentionMetadata, split: SdpaSplit) -> bool:
+    """Whether paged_attention_cpp hands some prefill chunk of this step to SDPA (`split`):
     steps where it does not can run their attention wholly in the C++ kernel."""
     first = metadata.num_decodes
     lens = zip(metadata.query_lens_cpu[first:], metadata.seq_lens_cpu[first:])
-    whole_prompts = whole_prompts_to_sdpa(head_dim)
-    return any(_sdpa_chunk(query_len, seq_len, sdpa_min_query_len, whole_prompts) for query_len, seq_len in lens)
-
-
-def whole_prompts_to_sdpa(head_dim: int) -> bool:
-    """Whether SDPA also takes whole prompts (no earlier context): where the C++ kernel has no
-    vector loops for `head_dim` (see DEFAULT_SDPA_MIN_QUERY_LEN)."""
-    ops = cpu_ext.ops()
-    return ops is None or not ops.vector_attention(head_dim)
-
-
-def _sdpa_chunk(query_len: int, seq_len: int, sdpa_min_query_len: int, whole_prompts: bool) -> bool:
-    # The rule `left_to_caller` in kernels/csrc/paged_attention.cpp applies too.
-    return query_len >= sdpa_min_query_len and (seq_len > query_len or whole_prompts)
+    return any(split.takes(query_len, seq_len) for query_len, seq_len in lens)
 
 
 def paged_attention_cpp(
@@ -139,27 +153,23 @@ def paged_attention_cpp(
     metadata: AttentionMetadata,
     scale: float,
     *,
-    sdpa_min_query_len: int = DEFAULT_SDPA_MIN_QUERY_LEN,
-    whole_prompts: bool | None = None,
+    split: SdpaSplit | None = None,
 ) -> torch.Tensor:  # [num_tokens, num_heads, head_dim]
-    """C++ kernel reading K/V in place through the block tables, for decodes and most chunks;
-    one SDPA call per chunk of at least sdpa_min_query_len tokens that reads earlier context, or
-    any such chunk with `whole_prompts` (None: as `whole_prompts_to_sdpa` says for this head_dim;
-    the rule `left_to_caller` in kernels/csrc/paged_attention.cpp applies too)."""
+    """C++ kernel reading K/V in place through the block tables, for decodes and short chunks;
+    one SDPA call per chunk `split` hands to it (None: this build's split for the head_dim)."""
     ops = cpu_ext.ops()
     if ops is None:
         raise RuntimeError("the C++ CPU kernels are not available (see pdserve.kernels.cpu_ext)")
     _check_shapes(query, k_cache, v_cache, metadata)
     assert _cpp_applies(query, k_cache, v_cache), (query.device, query.dtype, k_cache.dtype, v_cache.dtype)
-    assert sdpa_min_query_len >= 2, "decodes always stay in the kernel"
     if query.stride(-1) != 1:
         query = query.contiguous()
-    if whole_prompts is None:
-        whole_prompts = whole_prompts_to_sdpa(query.shape[-1])
+    if split is None:
+        split = SdpaSplit.for_head_dim(query.shape[-1])
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     ops.paged_attention(
         query, k_cache, v_cache, metadata.block_tables.contiguous(), metadata.seq_lens.contiguous(),
-        metadata.query_start_loc.contiguous(), out, scale, sdpa_min_query_len, whole_prompts, CPP_ROW_TILE,
+        metadata.query_start_loc.contiguous(), out, scale, split.min_chunk, split.min_prompt, CPP_ROW_TILE,
     )  # fmt: skip
     # Decodes (one query token each, first in the batch) are never left to SDPA: skip them here,
     # where a Python loop over a large decode batch would cost more than their attention.
@@ -167,7 +177,7 @@ def paged_attention_cpp(
     for seq_idx in range(metadata.num_decodes, metadata.num_seqs):
         query_len, seq_len = metadata.query_lens_cpu[seq_idx], metadata.seq_lens_cpu[seq_idx]
         end = start + query_len
-        if _sdpa_chunk(query_len, seq_len, sdpa_min_query_len, whole_prompts):
+        if split.takes(query_len, seq_len):
             block_table = metadata.block_tables[seq_idx]
             out[start:end] = _prefill_attention(query[start:end], k_cache, v_cache, block_table, seq_len, scale)
         start = end

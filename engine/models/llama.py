@@ -31,7 +31,7 @@ from pdserve.engine.models.rope import STATIC_ROPE_TYPES, RotaryAngles, rope_typ
 from pdserve.engine.parallel import TPShard
 from pdserve.kernels import cpu_ext
 from pdserve.kernels.layer_ops import LayerOps
-from pdserve.kernels.paged_attention import leaves_chunks_to_sdpa, paged_attention
+from pdserve.kernels.paged_attention import SdpaSplit, leaves_chunks_to_sdpa, paged_attention
 
 ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 SINGLE_FILE = "model.safetensors"
@@ -160,7 +160,7 @@ class NativeLlama(torch.nn.Module):
         # steps, short chunks) on a single rank; the Python loop otherwise (tensor-parallel ranks
         # sum their partial outputs between the ops), and wherever the C++ ops are not built.
         if (ops.cpp is not None and self.shard.is_single and ctx.backend is paged_attention
-                and not leaves_chunks_to_sdpa(ctx.metadata, self.shape.head_dim)):
+                and not leaves_chunks_to_sdpa(ctx.metadata, SdpaSplit.for_head_dim(self.shape.head_dim))):
             hidden = self._layers_cpp(ops, hidden, residual, cos, sin, ctx)
         else:
             hidden = self._layers_python(ops, hidden, residual, cos, sin, ctx)

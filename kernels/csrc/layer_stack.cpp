@@ -27,7 +27,7 @@ at::Tensor linear_gemv(const at::Tensor& x, const at::Tensor& weight, const c10:
                        bool gated);
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     const at::Tensor& out, double scale, int64_t sdpa_min_query_len, bool whole_prompts,
+                     const at::Tensor& out, double scale, int64_t sdpa_min_chunk, int64_t sdpa_min_prompt,
                      int64_t row_tile);
 
 namespace {
@@ -82,7 +82,7 @@ at::Tensor layer_stack(const at::Tensor& hidden_in, const at::Tensor& residual, 
                                        slot_mapping, num_heads);
     const at::Tensor attn = at::empty(q.sizes(), q.options());
     paged_attention(q, k_caches[l], v_caches[l], block_tables, seq_lens, query_start_loc, attn, scale,
-                    std::numeric_limits<int64_t>::max(), false, kRowTile);
+                    std::numeric_limits<int64_t>::max(), std::numeric_limits<int64_t>::max(), kRowTile);
     const at::Tensor o = linear(step, attn.view({num_tokens, -1}), o_proj[l], o_bias.get(l));
     hidden = add_rms_norm(o, residual, post_norms[l], eps);
     hidden = gated_linear(step, linear(step, hidden, gate_up[l], c10::nullopt), down_proj[l]);

@@ -321,21 +321,21 @@ void run_item(const WorkItem& item, const T* query, const T* k_cache, const T* v
 }
 
 // Whether the caller attends this sequence itself (with SDPA): a chunk of at least
-// sdpa_min_query_len tokens that also reads earlier context, or, with whole_prompts, any such
-// chunk. The Python side applies the same rule.
-inline bool left_to_caller(int64_t query_len, int64_t seq_len, int64_t sdpa_min_query_len, bool whole_prompts) {
-  return query_len >= sdpa_min_query_len && (seq_len > query_len || whole_prompts);
+// sdpa_min_chunk tokens that also reads earlier context, or a whole prompt (no earlier context)
+// of at least sdpa_min_prompt tokens. The Python side applies the same rule (SdpaSplit).
+inline bool left_to_caller(int64_t query_len, int64_t seq_len, int64_t sdpa_min_chunk, int64_t sdpa_min_prompt) {
+  return query_len >= (seq_len > query_len ? sdpa_min_chunk : sdpa_min_prompt);
 }
 
 // Work items for every sequence not left to the caller; the rows of a sequence are split into
 // tiles of at most row_tile rows.
 std::vector<WorkItem> make_work(const int32_t* seq_lens, const int32_t* query_start_loc, int64_t num_seqs,
-                                int64_t num_kv_heads, int64_t sdpa_min_query_len, bool whole_prompts,
+                                int64_t num_kv_heads, int64_t sdpa_min_chunk, int64_t sdpa_min_prompt,
                                 int64_t row_tile) {
   std::vector<WorkItem> items;
   for (int64_t seq = 0; seq < num_seqs; ++seq) {
     const int64_t query_len = query_start_loc[seq + 1] - query_start_loc[seq];
-    if (query_len == 0 || left_to_caller(query_len, seq_lens[seq], sdpa_min_query_len, whole_prompts)) continue;
+    if (query_len == 0 || left_to_caller(query_len, seq_lens[seq], sdpa_min_chunk, sdpa_min_prompt)) continue;
     const int64_t row0_pos = seq_lens[seq] - query_len;
     for (int64_t row = 0; row < query_len; row += row_tile) {
       const int64_t row_end = std::min(query_len, row + row_tile);
@@ -387,7 +387,7 @@ void check_metadata(const Pointers& ptr, int64_t num_seqs, int64_t num_tokens, i
 // (allocated by the caller [num_tokens, num_heads, head_dim], contiguous); other rows are untouched.
 void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const at::Tensor& v_cache,
                      const at::Tensor& block_tables, const at::Tensor& seq_lens, const at::Tensor& query_start_loc,
-                     const at::Tensor& out, double scale, int64_t sdpa_min_query_len, bool whole_prompts,
+                     const at::Tensor& out, double scale, int64_t sdpa_min_chunk, int64_t sdpa_min_prompt,
                      int64_t row_tile) {
   TORCH_CHECK(query.dim() == 3 && k_cache.dim() == 4 && k_cache.sizes() == v_cache.sizes());
   TORCH_CHECK(query.scalar_type() == k_cache.scalar_type() && k_cache.scalar_type() == v_cache.scalar_type());
@@ -406,8 +406,8 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
                      query_start_loc.const_data_ptr<int32_t>()};
   check_metadata(ptr, seq_lens.size(0), query.size(0), k_cache.size(0), sh);
   const auto items =
-      make_work(ptr.seq_lens, ptr.query_start_loc, seq_lens.size(0), sh.num_kv_heads, sdpa_min_query_len,
-                whole_prompts, row_tile);
+      make_work(ptr.seq_lens, ptr.query_start_loc, seq_lens.size(0), sh.num_kv_heads, sdpa_min_chunk,
+                sdpa_min_prompt, row_tile);
   const float fscale = static_cast<float>(scale);
   if (query.scalar_type() == at::kFloat) {
     attend_all<float>(items, query, k_cache, v_cache, out, ptr, sh, fscale);
@@ -418,14 +418,14 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
 }
 
 // Whether this build attends rows of head_dim with its vector loops (AVX-512); otherwise the
-// portable loops run, which lose to SDPA's flash kernel on long whole prompts too.
+// portable loops run, which lose to SDPA on all but the shortest chunks (kernels/paged_attention.py).
 bool vector_attention(int64_t head_dim) { return pick_attend<float>(head_dim) != attend_portable<float>; }
 
 // The library's one TORCH_LIBRARY block; cache_write.cpp adds its op as a fragment.
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
-      "Tensor query_start_loc, Tensor(a!) out, float scale, int sdpa_min_query_len, bool whole_prompts, "
+      "Tensor query_start_loc, Tensor(a!) out, float scale, int sdpa_min_chunk, int sdpa_min_prompt, "
       "int row_tile) -> ()");
   m.def("vector_attention(int head_dim) -> bool", &vector_attention);
 }

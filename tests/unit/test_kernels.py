@@ -27,7 +27,13 @@ from pdserve.kernels import (
     write_kv_cache,
     write_kv_cache_torch,
 )
-from pdserve.kernels.paged_attention import leaves_chunks_to_sdpa, whole_prompts_to_sdpa
+from pdserve.kernels.paged_attention import (
+    NEVER,
+    PORTABLE_SPLIT,
+    VECTOR_SPLIT,
+    SdpaSplit,
+    leaves_chunks_to_sdpa,
+)
 
 HEAD_DIM = 16
 IMPLS = {"torch": paged_attention_torch, "cpp": paged_attention_cpp, "reference": paged_attention_reference}
@@ -297,29 +303,38 @@ def test_cpp_head_dims_and_groups(request, dtype, head_dim, num_heads, num_kv_he
     assert_matches(run("cpp", batch), batch)
 
 
-@pytest.mark.parametrize("whole_prompts", [False, True])
-@pytest.mark.parametrize("sdpa_min_query_len", [2, 17, 64, 10_000])
-def test_cpp_sdpa_split_does_not_change_result(request, sdpa_min_query_len, whole_prompts):
+@pytest.mark.parametrize("split", [SdpaSplit(2, NEVER), SdpaSplit(17, NEVER), VECTOR_SPLIT, SdpaSplit(NEVER, NEVER),
+                                   PORTABLE_SPLIT, SdpaSplit(NEVER, 2), SdpaSplit(4, 100)])
+def test_cpp_sdpa_split_does_not_change_result(request, split):
     # Chunks longer than a row tile (16), split across tiles, or handed to SDPA; whole prompts
-    # (48 and 100 tokens without context) too when asked.
+    # (48 and 100 tokens) too where the split says so.
     skip_without_cpp(request, "cpp")
     seqs = [(40, 1), (300, 1), (200, 63), (48, 48), (70, 17), (90, 2), (130, 100), (100, 100)]
     batch = make_batch(seqs, 9, 3, 16, seed=9)
-    assert_matches(run("cpp", batch, sdpa_min_query_len=sdpa_min_query_len, whole_prompts=whole_prompts), batch)
+    assert_matches(run("cpp", batch, split=split), batch)
 
 
-def test_whole_prompts_go_to_sdpa_only_where_the_kernel_has_no_vector_loops(request):
+def test_sdpa_split_rule():
+    split = SdpaSplit(min_chunk=4, min_prompt=64)
+    assert [split.takes(n, 100 + n) for n in (1, 3, 4, 50)] == [False, False, True, True]  # after context
+    assert [split.takes(n, n) for n in (4, 63, 64, 500)] == [False, False, True, True]  # whole prompts
+    with pytest.raises(AssertionError):
+        SdpaSplit(min_chunk=1, min_prompt=64)  # a decode would leave the kernel
+
+
+def test_the_split_follows_the_kernels_vector_loops(request):
     skip_without_cpp(request, "cpp")
     avx512 = "avx512f" in Path("/proc/cpuinfo").read_text().split()
     assert cpu_ext.ops().vector_attention(64) is avx512  # built with -march=native
     assert cpu_ext.ops().vector_attention(24) is False  # no vector loops for this head_dim anywhere
-    assert whole_prompts_to_sdpa(64) is not avx512
+    assert SdpaSplit.for_head_dim(64) == (VECTOR_SPLIT if avx512 else PORTABLE_SPLIT)
+    assert SdpaSplit.for_head_dim(24) == PORTABLE_SPLIT
     prompt = make_batch([(100, 100)], 4, 2, 16, seed=1).metadata
-    chunk = make_batch([(100, 64)], 4, 2, 16, seed=1).metadata
-    assert leaves_chunks_to_sdpa(prompt, 64) is not avx512
-    assert leaves_chunks_to_sdpa(prompt, 24) is True
-    assert leaves_chunks_to_sdpa(chunk, 64) is True
-    assert leaves_chunks_to_sdpa(make_batch([(63, 63)], 4, 2, 16, seed=1).metadata, 24) is False
+    short_chunk = make_batch([(100, 8)], 4, 2, 16, seed=1).metadata
+    assert leaves_chunks_to_sdpa(prompt, VECTOR_SPLIT) is False
+    assert leaves_chunks_to_sdpa(prompt, PORTABLE_SPLIT) is True
+    assert leaves_chunks_to_sdpa(short_chunk, VECTOR_SPLIT) is False
+    assert leaves_chunks_to_sdpa(short_chunk, PORTABLE_SPLIT) is True
 
 
 def test_paged_attention_uses_cpp_unless_disabled(request, monkeypatch):
