@@ -33,6 +33,8 @@ from pdserve.kernels.metadata import AttentionMetadata
 # Decodes are attended in chunks of at most this many (padded) cache blocks, so that a
 # chunk's gathered keys/values stay in the CPU cache between the gather and the matmuls.
 DEFAULT_DECODE_CHUNK_BLOCKS = 256
+
+
 @dataclass(frozen=True, slots=True)
 class SdpaSplit:
     """Which prefill chunks the C++ path hands to SDPA (one call per chunk): a chunk of at least
@@ -66,6 +68,7 @@ VECTOR_SPLIT = SdpaSplit(min_chunk=64, min_prompt=NEVER)
 # context 9.3 / 8.3 ms at 4 tokens, 29.5 / 13.5 at 16, 56.1 / 21.1 at 32; a whole prompt 12.5 /
 # 14.9 ms at 48 tokens, 103.9 / 58.5 at 256, 4166 / 824 at 2048 (docs/benchmarks.md).
 PORTABLE_SPLIT = SdpaSplit(min_chunk=4, min_prompt=64)
+
 # The C++ kernel splits a chunk's query rows into tiles of this many rows (parallel work items).
 CPP_ROW_TILE = 16
 CPP_DTYPES = (torch.float32, torch.bfloat16)
