@@ -25,7 +25,8 @@ that cannot keep up delays every stream. On one machine the serving stack's CPU 
 of the cores the nodes run on: the router's, the node fronts' and (when the plan says the load
 generator runs here) the client's CPU is charged as each request arrives and each token streams
 (the profile's `ServingCosts`), a front's to its own node's cores, the router's and the client's
-to all of them, and a step takes longer while that load is high (planner/stack_load.py). Not
+to the nodes with idle cores, and a step takes longer while that load is high
+(planner/stack_load.py). Not
 simulated: the network between client and router, queue bounds, failures.
 
 Each request's trace is the serving bench's `RequestTrace` (one chunk per token), so the bench's
@@ -46,7 +47,7 @@ from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.request import Request
 from pdserve.planner.profile import Profile, ServingCosts
 from pdserve.planner.sim_node import PLACEHOLDER_TOKEN, Sampled, SimClock, SimNode
-from pdserve.planner.stack_load import CpuLoad, stretch
+from pdserve.planner.stack_load import UTILISATION_WINDOW_S, CpuLoad, idle_weighted, stretch
 from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.router.cluster.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
 from pdserve.router.cluster.prefix_affinity import PrefixAffinity
@@ -141,15 +142,17 @@ class ClusterSim:
         self._router = spec.costs.router
         self._router_free_s = 0.0  # when the router has done all the work handed to it so far
         # The serving stack's CPU on the nodes' cores (planner/stack_load.py): the router and the
-        # client float over all of them; each node's front is pinned with it, to its cores.
+        # client float to the idle ones; each node's front is pinned with it, to its cores.
         costs = spec.costs
         self._floating = CpuLoad(spec.node_cores)
         self._floating_per_request_s = costs.router.per_request_s + costs.client.per_request_s
         self._floating_per_token_s = costs.router.per_token_s + costs.client.per_token_s
         self._front = costs.fronts
-        self._front_loads = {node: CpuLoad(pool.cores_per_node)
-                             for pool, nodes in ((spec.colocated, self.colocated), (spec.prefill, self.prefill),
-                                                 (spec.decode, self.decode)) for node in nodes}
+        self._cores = {node: pool.cores_per_node
+                       for pool, nodes in ((spec.colocated, self.colocated), (spec.prefill, self.prefill),
+                                           (spec.decode, self.decode)) for node in nodes}
+        self._front_loads = {node: CpuLoad(cores) for node, cores in self._cores.items()}
+        self._engine_loads = {node: CpuLoad(cores, UTILISATION_WINDOW_S) for node, cores in self._cores.items()}
 
     def _nodes(self, kind: str, pool: Pool | None, policy, max_model_len: int) -> list[SimNode]:
         if pool is None:
@@ -259,12 +262,22 @@ class ClusterSim:
         if node.busy:
             return
         now = self.clock.t
-        duration = node.start_step(stretch(self._floating.share(now), self._front_loads[node].share(now)))
+        duration = node.start_step(stretch(self._floating_share(node, now), self._front_loads[node].share(now)))
         if duration is not None:
-            self._at(now + duration, lambda: self._step_done(node))
+            self._at(now + duration, lambda: self._step_done(node, duration))
 
-    def _step_done(self, node: SimNode) -> None:
+    def _floating_share(self, node: SimNode, now: float) -> float:
+        """`node`'s part of the router's and client's CPU, over its cores: by the idle cores of
+        each node (its cores less its engine's and its front's share; `idle_weighted`)."""
+        nodes = list(self._cores)
+        idle = [self._cores[n] * max(0.0, 1.0 - self._engine_loads[n].share(now) - self._front_loads[n].share(now))
+                for n in nodes]
+        shares = idle_weighted(self._floating.rate(now), idle, [self._cores[n] for n in nodes])
+        return shares[nodes.index(node)]
+
+    def _step_done(self, node: SimNode, duration: float) -> None:
         now = self.clock.t
+        self._engine_loads[node].charge(now, duration * self._cores[node])  # a step runs on all its cores
         for sampled in node.finish_step():
             if sampled.handoff_blocks is not None:
                 self._hand_off(node, sampled, now)

@@ -9,10 +9,16 @@ weighted rate of it over about `WINDOW_S`. Where that CPU lands follows the laun
 - a node's front is pinned with its engine core (`--<kind>-cores`): its CPU is that node's
   cores' alone, so a decode node that relays every token carries all of that work, and the
   prefill node beside it only its per-request part;
-- the router and the client are not pinned: the OS spreads them over all the nodes' cores.
+- the router and the client are not pinned: the OS runs them where a core is idle. Each node
+  takes a part of their CPU in proportion to its idle cores (its cores less its engine's and its
+  front's share, `idle_weighted`). Measured on a hybrid 1P1D pair (one core each, uniform
+  128–512-token prompts, 5 requests/s): the router and the client ran on the prefill node's core
+  in 85% of samples, the decode node's core being the busy one (its engine 0.75 of a core, its
+  front 0.15; the prefill node's engine 0.39). Spread evenly, the prefill steps were
+  under-stretched and the decode steps over-stretched.
 
 A step that starts at t on a node takes 1 / (1 − u) of its profiled time, u the node's front's
-share of its cores plus the router's and client's share of all of them (`stretch`).
+share of its cores plus its part of the router's and client's CPU over its cores (`stretch`).
 
 Why charged as it happens, not at the arrival rate × the mean output (the steady state): a
 sweep's probe of a few hundred requests with long outputs never reaches that state. Its tokens
@@ -33,6 +39,12 @@ import math
 # enough that one request's burst of per-request work does not stall a step, short enough to
 # follow a probe's ramp up and its drain.
 WINDOW_S = 0.5
+
+# Over about this long a node's own engine utilisation is averaged, for where the floating work
+# goes: long enough that two nodes equally loaded look equally idle between their steps (with the
+# 0.5 s window the floating work fell into each step's gaps, and symmetric layouts were predicted
+# up to 12% higher), short enough to follow a probe.
+UTILISATION_WINDOW_S = 5.0
 
 # A serving stack that would need more than this share of the nodes' cores is a bottleneck the
 # router's queue already shows; the steps are not slowed without bound for it.
@@ -67,3 +79,13 @@ def stretch(*shares: float) -> float:
     """How much longer a step takes than its profiled time on cores that the stack takes
     `shares` of."""
     return 1.0 / (1.0 - min(sum(shares), MAX_STACK_SHARE))
+
+
+def idle_weighted(floating: float, idle_cores: list[float], cores: list[int]) -> list[float]:
+    """The part of `floating` cores of unpinned work each node takes, as a share of its own
+    cores: in proportion to its idle cores (`idle_cores`), or evenly over all cores when no node
+    has any idle."""
+    total_idle = sum(idle_cores)
+    if total_idle <= 0:
+        return [floating / sum(cores)] * len(cores)
+    return [floating * idle / total_idle / n for idle, n in zip(idle_cores, cores)]

@@ -172,6 +172,24 @@ def test_a_front_loads_its_own_nodes_cores_alone():
     assert m.itl_s == pytest.approx((0.011, 0.011 * stretch_after(0.01, 0.0, cores=1)))
 
 
+def test_the_router_and_client_cpu_goes_to_the_idler_node():
+    """A pair, one core each. The first request's decode keeps the decode node's core busy for
+    half a minute; the second request's 50 ms of router work, charged as it arrives 20 s in, then
+    lands nearly all on the idle prefill node's core and stretches its prefill as if that core
+    alone had taken it (an even split over both cores would stretch it half as much)."""
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    one_core = Pool(1, config(num_threads=1), profile)
+    spec = ClusterSpec(prefill=one_core, decode=one_core, costs=ServingCosts(RouterCost(0.05, 0.0, "synthetic")))
+    first, second = ClusterSim(spec, 4096).run([SimRequest(0.0, prompt(0, 100), 3000),
+                                                SimRequest(20.0, prompt(1, 100), 1)])
+    assert first.status == second.status == "OK"
+    prefill_s = request_metrics(second).ttft_s - 0.05  # after the router's own 50 ms
+    even = 0.11 * stretch_after(0.05, 0.05, cores=2)
+    all_on_prefill_core = 0.11 * stretch_after(0.05, 0.05, cores=1)
+    assert prefill_s == pytest.approx(all_on_prefill_core, rel=0.01)  # the decode core was ~98% busy
+    assert prefill_s > even
+
+
 def test_the_client_is_charged_only_when_its_costs_are_given():
     profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
     client = ClientCost(0.05, 0.0, "synthetic")

@@ -7,7 +7,7 @@ import math
 
 import pytest
 
-from pdserve.planner.stack_load import MAX_STACK_SHARE, CpuLoad, stretch
+from pdserve.planner.stack_load import MAX_STACK_SHARE, CpuLoad, idle_weighted, stretch
 
 
 def test_nothing_charged_takes_no_share():
@@ -43,3 +43,14 @@ def test_no_cores_no_share():
     load = CpuLoad(cores=0)
     load.charge(0.0, 1.0)
     assert load.share(0.0) == 0.0
+
+
+def test_floating_work_goes_to_the_idle_cores():
+    # One idle core of two (the other node's engine busy): it takes all of the floating work.
+    assert idle_weighted(0.3, [1.0, 0.0], [1, 1]) == [0.3, 0.0]
+    # Idle 0.6 and 0.1 of a core: six parts to one, each as a share of its own cores.
+    shares = idle_weighted(0.7, [0.6, 0.1], [1, 1])
+    assert shares == pytest.approx([0.6, 0.1])
+    assert idle_weighted(0.4, [1.0, 1.0], [2, 2]) == pytest.approx([0.1, 0.1])  # 0.2 of a core on each of 2
+    # No idle core anywhere: spread evenly over all cores.
+    assert idle_weighted(0.4, [0.0, 0.0], [1, 3]) == pytest.approx([0.1, 0.1])
