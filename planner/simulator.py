@@ -151,6 +151,7 @@ class ClusterSim:
         self._cores = {node: pool.cores_per_node
                        for pool, nodes in ((spec.colocated, self.colocated), (spec.prefill, self.prefill),
                                            (spec.decode, self.decode)) for node in nodes}
+        self._position = {node: i for i, node in enumerate(self._cores)}  # in idle_weighted's lists
         self._front_loads = {node: CpuLoad(cores) for node, cores in self._cores.items()}
         self._engine_loads = {node: CpuLoad(cores, UTILISATION_WINDOW_S) for node, cores in self._cores.items()}
 
@@ -269,11 +270,10 @@ class ClusterSim:
     def _floating_share(self, node: SimNode, now: float) -> float:
         """`node`'s part of the router's and client's CPU, over its cores: by the idle cores of
         each node (its cores less its engine's and its front's share; `idle_weighted`)."""
-        nodes = list(self._cores)
-        idle = [self._cores[n] * max(0.0, 1.0 - self._engine_loads[n].share(now) - self._front_loads[n].share(now))
-                for n in nodes]
-        shares = idle_weighted(self._floating.rate(now), idle, [self._cores[n] for n in nodes])
-        return shares[nodes.index(node)]
+        idle = [cores * max(0.0, 1.0 - self._engine_loads[n].share(now) - self._front_loads[n].share(now))
+                for n, cores in self._cores.items()]
+        shares = idle_weighted(self._floating.rate(now), idle, list(self._cores.values()))
+        return shares[self._position[node]]
 
     def _step_done(self, node: SimNode, duration: float) -> None:
         now = self.clock.t
