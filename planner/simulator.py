@@ -5,7 +5,8 @@ Lifecycle of a request (as in docs/architecture.md §6 and the colocated route):
   colocated      arrival → the router ranks colocated nodes (`ColocatedPlacement`) → the first
                  that can ever hold it takes it → its steps stream tokens 1..n
   disaggregated  arrival → the router ranks decode nodes (`DecodePlacement`); the first with
-                 room reserves the prompt's blocks → the router picks a prefill node
+                 room reserves the prompt's blocks, between two of its steps (its core loop reads
+                 messages only there) → the router picks a prefill node
                  (`PrefillPlacement`) → chunked prefill; token 1 reaches the client when sampled
                  → the KV tail (the last chunk's blocks: earlier full blocks were pushed while
                  later chunks computed) moves in the profile's transfer time → the prefill node
@@ -49,7 +50,7 @@ from pdserve.planner.profile import Profile, ServingCosts
 from pdserve.planner.sim_node import PLACEHOLDER_TOKEN, Sampled, SimClock, SimNode
 from pdserve.planner.stack_load import UTILISATION_WINDOW_S, CpuLoad, idle_weighted, stretch
 from pdserve.prefill_node.policy import PrefillPolicy
-from pdserve.router.cluster.placement import ColocatedPlacement, DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
 from pdserve.router.cluster.prefix_affinity import PrefixAffinity
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch.hybrid import Loads, PrefillChoice, local_loads
@@ -117,6 +118,17 @@ class _Flight:
     decode_request: Request | None = None
 
 
+@dataclass(frozen=True, slots=True)
+class _PairAsk:
+    """A request of a pair looking for its decode reservation."""
+
+    req_id: str
+    prompt: list[int]
+    hashes: tuple[BlockHash, ...]
+    out_len: int
+    trace: RequestTrace
+
+
 class ClusterSim:
     def __init__(self, spec: ClusterSpec, max_model_len: int) -> None:
         self.clock = SimClock()
@@ -139,6 +151,7 @@ class ClusterSim:
         self.decode = self._nodes("decode", spec.decode, ColocatedPolicy(), max_model_len)
         self._prefill_profile = spec.prefill.profile if spec.prefill is not None else None
         self._flights: dict[str, _Flight] = {}
+        self._waiting_for_step_end: dict[SimNode, list[Callable[[], None]]] = {}
         self._router = spec.costs.router
         self._router_free_s = 0.0  # when the router has done all the work handed to it so far
         # The serving stack's CPU on the nodes' cores (planner/stack_load.py): the router and the
@@ -230,18 +243,39 @@ class ClusterSim:
     def _place_pair(self, req_id: str, prompt: list[int], hashes: tuple[BlockHash, ...], out_len: int,
                     trace: RequestTrace) -> None:
         by_id = {n.node_id: n for n in self.decode}
-        for c in self._decode_placement.rank([n.candidate(next(self._stats_seq)) for n in self.decode]):
-            node = by_id[c.node_id]
-            request = node.new_request(req_id, prompt, out_len)
-            if node.can_ever_hold(len(prompt), out_len) and node.reserve(request):
-                self._decode_placement.reserve(c, node.kv.blocks_needed(len(prompt)))
-                if self._prefill_choice is not None:  # as DisaggregatedRoute.claim: the node caches the prompt
-                    self._local_placement.affinity.remember(c.node_id, hashes)
-                self._flights[req_id] = _Flight(trace, node, request)
-                self._front_takes(node)
-                self._prefill(req_id, prompt, trace)
+        ranked = [(c, by_id[c.node_id])
+                  for c in self._decode_placement.rank([n.candidate(next(self._stats_seq)) for n in self.decode])]
+        self._ask_to_reserve(_PairAsk(req_id, prompt, hashes, out_len, trace), ranked)
+
+    def _ask_to_reserve(self, ask: _PairAsk, ranked: list[tuple[Candidate, SimNode]]) -> None:
+        """Ask the first of `ranked` that could ever hold the request; it answers between two of its
+        steps, as a decode node's core loop reads its front's messages only then
+        (node/core/core_loop.py): a decode node in a long step (a hybrid one computing a prompt)
+        holds up the prefill, which the router sends only once the node has reserved."""
+        for position, (c, node) in enumerate(ranked):
+            if node.can_ever_hold(len(ask.prompt), ask.out_len):
+                self._between_steps(node, lambda: self._reserve(ask, c, node, ranked[position + 1:]))
                 return
-        self._fail(trace, EXHAUSTED)
+        self._fail(ask.trace, EXHAUSTED)
+
+    def _reserve(self, ask: _PairAsk, c: Candidate, node: SimNode, rest: list[tuple[Candidate, SimNode]]) -> None:
+        request = node.new_request(ask.req_id, ask.prompt, ask.out_len)
+        if not node.reserve(request):  # no room now: the router asks the next node
+            self._ask_to_reserve(ask, rest)
+            return
+        self._decode_placement.reserve(c, node.kv.blocks_needed(len(ask.prompt)))
+        if self._prefill_choice is not None:  # as DisaggregatedRoute.claim: the node caches the prompt
+            self._local_placement.affinity.remember(c.node_id, ask.hashes)
+        self._flights[ask.req_id] = _Flight(ask.trace, node, request)
+        self._front_takes(node)
+        self._prefill(ask.req_id, ask.prompt, ask.trace)
+
+    def _between_steps(self, node: SimNode, action: Callable[[], None]) -> None:
+        """Run `action` at once if `node` is between steps, else when its step in progress ends."""
+        if node.busy:
+            self._waiting_for_step_end.setdefault(node, []).append(action)
+        else:
+            action()
 
     def _prefill(self, req_id: str, prompt: list[int], trace: RequestTrace) -> None:
         able = [n for n in self.prefill if n.can_ever_hold(len(prompt), 1)]
@@ -286,6 +320,8 @@ class ClusterSim:
             self._token(node, flight.trace, now, sampled.finished)
             if sampled.finished:
                 del self._flights[sampled.request.req_id]
+        for action in self._waiting_for_step_end.pop(node, ()):
+            action()
         self._kick(node)
 
     def _hand_off(self, node: SimNode, sampled: Sampled, now: float) -> None:

@@ -183,7 +183,11 @@ def test_the_router_and_client_cpu_goes_to_the_idler_node():
     first, second = ClusterSim(spec, 4096).run([SimRequest(0.0, prompt(0, 100), 3000),
                                                 SimRequest(20.0, prompt(1, 100), 1)])
     assert first.status == second.status == "OK"
-    prefill_s = request_metrics(second).ttft_s - 0.05  # after the router's own 50 ms
+    # After the router's own 50 ms, the decode node reserves at the end of the step it is in, the
+    # first request's next token after 20.05 (the tokens of the steps that ended while the router
+    # worked reach the client at 20.05 exactly), and the prefill starts.
+    reserved_s = min(t for t, _ in first.chunks if t > 20.05)
+    prefill_s = second.chunks[0][0] - reserved_s
     even = 0.11 * stretch_after(0.05, 0.05, cores=2)
     all_on_prefill_core = 0.11 * stretch_after(0.05, 0.05, cores=1)
     assert prefill_s == pytest.approx(all_on_prefill_core, rel=0.01)  # the decode core was ~98% busy
@@ -230,11 +234,26 @@ def test_hybrid_a_prompt_over_the_bound_goes_through_the_prefill_pool():
 
 def test_hybrid_the_decode_nodes_queue_counts_against_the_bound():
     """Two 100-token prompts at once: the first is local (100 <= 150); the second would wait
-    behind it (100 + 100 > 150) and the prefill pool is empty, so it goes there."""
+    behind it (100 + 100 > 150) and the prefill pool is empty, so it goes there, but only once
+    the decode node, in the step that computes the first, has reserved its blocks."""
     spec, _ = hybrid_pair(bound=150)
     sim = ClusterSim(spec, 4096)
     traces = sim.run([SimRequest(0.0, prompt(0, 100), 1), SimRequest(0.0, prompt(1, 100), 1)])
-    assert [request_metrics(t).ttft_s for t in traces] == pytest.approx([0.22, 0.11])
+    assert [request_metrics(t).ttft_s for t in traces] == pytest.approx([0.22, 0.22 + 0.11])
+
+
+def test_a_decode_node_reserves_between_its_steps_so_the_prefill_waits_for_the_step_in_progress():
+    """A second request arrives 5 ms into the first one's decode step (20 ms): its prefill starts
+    only when that step ends and the decode node has read the reservation."""
+    prefill = synthetic_profile(base_s=0.01, per_token_s=0.001, transfer=TransferCost(0.0, 0.0, "synthetic"))
+    decode = synthetic_profile(base_s=0.02)
+    spec = ClusterSpec(prefill=Pool(1, config(), prefill), decode=Pool(1, config(), decode))
+    sim = ClusterSim(spec, 4096)
+    first_decode_starts = 0.01 + 0.1  # the first request's token 1; its KV follows at no cost
+    traces = sim.run([SimRequest(0.0, prompt(0, 100), 3), SimRequest(first_decode_starts + 0.005, prompt(1, 100), 1)])
+    second = request_metrics(traces[1])
+    assert second.ttft_s == pytest.approx(0.015 + 0.11)  # the 15 ms left of the step, then its prefill
+    assert sim.decode[0].kv.num_used_blocks == 0 and sim.prefill[0].kv.num_used_blocks == 0
 
 
 def test_local_prefill_is_for_a_pair_of_pools():
