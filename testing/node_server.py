@@ -94,6 +94,12 @@ class FakeNode:
             if self.heartbeats:
                 await self._beat(registry)
 
+    async def report(self) -> None:
+        """Send `servicer.stats` now, out of the heartbeat's turn: placement ranks from them once
+        this returns."""
+        async with grpc.aio.insecure_channel(self.router_address) as channel:
+            await self._beat(node_pb2_grpc.RegistryStub(channel))
+
     async def _beat(self, registry: node_pb2_grpc.RegistryStub) -> None:
         beat = node_pb2.HeartbeatRequest(node_id=self.node_id, stats=self.servicer.stats)
         if not (await registry.Heartbeat(beat, timeout=5)).known:

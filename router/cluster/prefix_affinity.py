@@ -3,6 +3,11 @@ sent them: the chained block hashes of every prompt it placed (`hash_block_token
 nodes' block size — the keys every node's prefix cache uses), each mapped to the node that got
 it last (LRU, at most `max_entries`).
 
+A sample that ends adds the blocks of what its node generated (`remember_generated`): a node
+caches the tokens it decodes as it caches a prompt's, so a conversation's next turn, which
+carries the answer, finds the node holding it even where the prompts share a prefix that was
+last sent elsewhere (a common system prompt).
+
 A placement asks it two things: which candidate holds the longest known prefix of a prompt
 (`holder`: that node wins while its queue is within `slack_tokens` of the shortest, since it
 serves those blocks from its cache instead of computing them), and how many of a prompt's
@@ -25,11 +30,13 @@ if TYPE_CHECKING:
     from pdserve.router.config import RouterConfig
 
 
-def prefix_hashes(token_ids: Sequence[int], block_size: int) -> tuple[BlockHash, ...]:
-    """Chained hashes of the full blocks of `token_ids`, as every node's prefix cache keys them."""
-    hashes: list[BlockHash] = []
-    parent: BlockHash | None = None
-    for start in range(0, len(token_ids) - block_size + 1, block_size):
+def prefix_hashes(token_ids: Sequence[int], block_size: int,
+                  known: Sequence[BlockHash] = ()) -> tuple[BlockHash, ...]:
+    """Chained hashes of the full blocks of `token_ids`, as every node's prefix cache keys them;
+    `known`: those of its leading blocks, already hashed (only the blocks after them are)."""
+    hashes: list[BlockHash] = list(known)
+    parent: BlockHash | None = known[-1] if known else None
+    for start in range(len(known) * block_size, len(token_ids) - block_size + 1, block_size):
         parent = hash_block_tokens(parent, token_ids[start : start + block_size])
         hashes.append(parent)
     return tuple(hashes)
@@ -46,8 +53,8 @@ class PrefixAffinity:
     def for_router(cls, config: RouterConfig) -> PrefixAffinity:
         return cls(config.block_size, config.affinity_slack_tokens, config.max_affinity_entries)
 
-    def hashes(self, token_ids: Sequence[int]) -> tuple[BlockHash, ...]:
-        return prefix_hashes(token_ids, self.block_size)
+    def hashes(self, token_ids: Sequence[int], known: Sequence[BlockHash] = ()) -> tuple[BlockHash, ...]:
+        return prefix_hashes(token_ids, self.block_size, known)
 
     def holder(self, candidates: Sequence[Candidate], hashes: Sequence[BlockHash],
                load: Callable[[Candidate], int]) -> Candidate | None:
@@ -69,6 +76,12 @@ class PrefixAffinity:
             if self._node_of.get(hashes[length - 1]) == node_id:
                 return length * self.block_size
         return 0
+
+    def remember_generated(self, node_id: str, prefix: Sequence[BlockHash], token_ids: Sequence[int]) -> None:
+        """A sample ended on `node_id`, whose KV now holds `token_ids` (its prompt, then every
+        output token but the last, which no step computed); `prefix`: the hashes of its leading
+        blocks remembered when it was placed."""
+        self.remember(node_id, self.hashes(token_ids, prefix)[len(prefix):])
 
     def remember(self, node_id: str, hashes: Sequence[BlockHash]) -> None:
         for block_hash in hashes:

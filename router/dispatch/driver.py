@@ -179,7 +179,7 @@ class SampleDriver:
             route.withdraw(candidate, load)
             raise
         route.opened(candidate, load)
-        return Leg(req_id, resumed, call, entry, first)
+        return Leg(req_id, resumed, call, entry, first, prefix=load.prefix)
 
     async def _opening_event(self, call: grpc.aio.UnaryStreamCall, entry: NodeEntry) -> node_pb2.DecodeEvent:
         opening, node = self._route.opening, f"{self._route.kind.value} node {entry.address}"
@@ -214,6 +214,8 @@ class SampleDriver:
                 if event.WhichOneof("event") != sink.event:
                     raise NodeFailed(f"{node} sent {event.WhichOneof('event')}, not {sink.event}")
                 if sink.push(event):
+                    # Its node cached what it computed: the prompt and every token but the last.
+                    self._route.ended(leg, [*self.spec.request.prompt_token_ids, *sink.streamed_token_ids[:-1]])
                     await self._await_end(leg.call)
                     return
                 if sink.finished:

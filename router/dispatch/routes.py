@@ -81,6 +81,7 @@ class Leg:
     # Nodes still feeding the stream's node (a prefill node whose KV may still be on its
     # way after token 1): the stream waits on them too, until its first tokens event.
     feeders: list[NodeEntry] = field(default_factory=list)
+    prefix: tuple[BlockHash, ...] = ()  # the opening's `Load.prefix`
 
 
 class Sink(Protocol):
@@ -162,6 +163,10 @@ class Route(ABC):
     def stream_lost(self, leg: Leg, error: RouterError, decoding: bool) -> NodeLost:
         """The loss to raise when `leg`'s stream fails the way a lost node's does."""
 
+    def ended(self, leg: Leg, computed_token_ids: Sequence[int]) -> None:
+        """The sample ended on `leg`'s node, whose KV holds `computed_token_ids` (nothing to
+        remember by default)."""
+
 
 class ColocatedRoute(Route):
     kind = NodeKind.COLOCATED
@@ -198,6 +203,10 @@ class ColocatedRoute(Route):
 
     def stream_lost(self, leg: Leg, error: RouterError, decoding: bool) -> NodeLost:
         return NodeLost(error, probe=[leg.entry], decoding=decoding, exclude=[leg.entry])
+
+    def ended(self, leg: Leg, computed_token_ids: Sequence[int]) -> None:
+        if self._placement.affinity is not None:
+            self._placement.affinity.remember_generated(leg.entry.node_id, leg.prefix, computed_token_ids)
 
 
 class LocalPrefillRoute(ColocatedRoute):
@@ -252,6 +261,10 @@ class DisaggregatedRoute(Route):
     def stream_lost(self, leg: Leg, error: RouterError, decoding: bool) -> NodeLost:
         # A decode node that still answers may serve the resume: only its probe excludes it.
         return NodeLost(error, probe=[leg.entry], decoding=decoding)
+
+    def ended(self, leg: Leg, computed_token_ids: Sequence[int]) -> None:
+        if self._local_affinity is not None and leg.prefix:  # `prefix`: decode nodes here compute prompts
+            self._local_affinity.remember_generated(leg.entry.node_id, leg.prefix, computed_token_ids)
 
     async def lead_in(self, sample: SampleView, leg: Leg) -> bool:
         """The prefill leg: the prompt into the decode node's blocks, its answer to the sink at

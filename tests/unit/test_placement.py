@@ -10,7 +10,7 @@ from pdserve.engine.kv_cache_manager import KVCacheManager
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.router.cluster.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
-from pdserve.router.cluster.prefix_affinity import PrefixAffinity
+from pdserve.router.cluster.prefix_affinity import PrefixAffinity, prefix_hashes
 
 BLOCK = 4
 
@@ -94,6 +94,13 @@ def test_prefix_hashes_match_the_engines_prefix_cache():
     request.num_computed_tokens = len(prompt)
     kv.cache_computed_blocks(request)
     assert [b.block_id for b in kv.pool.lookup(hashes)] == kv.block_ids("r")[:2]
+
+
+def test_prefix_hashes_continue_from_the_known_leading_blocks():
+    tokens = list(range(1, 19))
+    known = prefix_hashes(tokens[:9], BLOCK)  # 2 full blocks; the 9th token starts the third
+    assert prefix_hashes(tokens, BLOCK, known) == prefix_hashes(tokens, BLOCK)
+    assert len(prefix_hashes(tokens, BLOCK, known)) == 4
 
 
 def test_prefill_picks_the_shortest_queue_and_counts_what_it_sent():

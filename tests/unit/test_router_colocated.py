@@ -19,6 +19,7 @@ from pdserve.testing.fake_colocated import FakeColocated
 from pdserve.testing.node_server import colocated_nodes
 from pdserve.testing.router import generate, run
 from pdserve.testing.router import running_router as router
+from pdserve.engine.config import DEFAULT_BLOCK_SIZE
 from pdserve.testing.waiting import until
 
 LENGTH = pdserve_pb2.FINISH_REASON_LENGTH
@@ -208,3 +209,32 @@ def test_a_beam_search_fails_unavailable_once_every_node_is_lost(router_model, o
     assert error.details().startswith("no colocated node is available: colocated node 127.0.0.1:")
     assert error.details().count("UNAVAILABLE: fake colocated: node went away") == 2
     assert [len(n.requests) for n in nodes] == [1, 1]
+
+
+def test_a_turn_carrying_its_answer_goes_to_the_node_that_generated_it(router_model):
+    """Two conversations share a system prompt. The first was answered on c0; the second, sent
+    while c0 was busy, on c1, where the shared prompt was last sent. The first conversation's next
+    turn (the prompt, its answer, a new message) goes back to c0, which cached the answer as it
+    generated it, though both nodes are idle again and the shared prompt was last seen on c1."""
+    block = DEFAULT_BLOCK_SIZE
+    shared = list(range(10, 10 + 2 * block))
+    answer_0, answer_1 = list(range(100, 100 + 2 * block)), list(range(200, 200 + 2 * block))
+    c0, c1 = FakeColocated(answer_0), FakeColocated(answer_1)
+
+    def prompt(token_ids: list[int]) -> pdserve_pb2.GenerateRequest:
+        params = pdserve_pb2.SamplingParams(max_tokens=2 * block, temperature=0.0)
+        return pdserve_pb2.GenerateRequest(token_ids=pdserve_pb2.TokenIds(ids=token_ids), sampling_params=params)
+
+    async def scenario():
+        async with router(router_model) as address, colocated_nodes(address, c0, c1) as nodes:
+            await generate(address, prompt(shared))  # both idle: c0, the lower id
+            c0.queued_tokens = 1 << 20  # far beyond the affinity's slack
+            await nodes[0].report()
+            await generate(address, prompt(shared))
+            c0.queued_tokens = 0
+            await nodes[0].report()
+            await generate(address, prompt([*shared, *answer_0, 7, 8, 9]))
+
+    run(scenario())
+    assert [len(c0.requests), len(c1.requests)] == [2, 1]
+    assert list(c0.requests[-1].prompt_token_ids) == [*shared, *answer_0, 7, 8, 9]
