@@ -52,10 +52,12 @@ def test_plan_prints_the_ranking_and_writes_the_recommendation(planned, tmp_path
     assert best["command"][:2] == ["pdserve", "cluster"] and best["mode"] in ("colocated", "disaggregated", "hybrid")
     assert best["predicted_goodput_rps"] > 0
     assert set(best["predicted"]) == {"ttft_p90_s", "tpot_p90_s"}
-    assert best["predicted"]["ttft_p90_s"] <= 2 and best["predicted"]["tpot_p90_s"] <= 0.5
     # colocated x1, colocated x2, 1P1D and its hybrid at the router's bound; one knob setting
     assert [c["mode"] for c in report["candidates"]].count("hybrid") == 1 and len(report["candidates"]) == 4
     assert report["candidates"][0]["command"] == best["command"]
+    # At its goodput rate at least 90% of requests meet both SLOs. (Its P90s may lie a little above
+    # them: a percentile interpolates between the last request that met the SLO and the next.)
+    assert report["candidates"][0]["predicted"]["attainment"] >= 0.9
     assert lines[-1] == shlex.join(best["command"])
     assert report["traffic"] == {"num_requests": 40, "min_duration_s": 0.0}  # what a re-prediction must send
 
