@@ -27,8 +27,8 @@ of the cores the nodes run on: the router's, the node fronts' and (when the plan
 generator runs here) the client's CPU is charged as each request arrives and each token streams
 (the profile's `ServingCosts`), a front's to its own node's cores, the router's and the client's
 to the nodes with idle cores, and a step takes longer while that load is high
-(planner/stack_load.py). Not
-simulated: the network between client and router, queue bounds, failures.
+(planner/stack_load.py). Not simulated: the network between client and router, queue bounds,
+failures.
 
 Each request's trace is the serving bench's `RequestTrace` (one chunk per token), so the bench's
 metrics apply unchanged. Must never: read a wall clock or load torch.

@@ -263,7 +263,7 @@ class DisaggregatedRoute(Route):
         return NodeLost(error, probe=[leg.entry], decoding=decoding)
 
     def ended(self, leg: Leg, computed_token_ids: Sequence[int]) -> None:
-        if self._local_affinity is not None and leg.prefix:  # `prefix`: decode nodes here compute prompts
+        if self._local_affinity is not None and leg.entry.local_prefill:  # only those compute prompts
             self._local_affinity.remember_generated(leg.entry.node_id, leg.prefix, computed_token_ids)
 
     async def lead_in(self, sample: SampleView, leg: Leg) -> bool:
