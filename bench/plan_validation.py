@@ -1,7 +1,8 @@
 """`pdserve plan --validate` over several workloads and SLO pairs: the planner's published error.
 
     pdserve bench plan-validation [--model DIR] [--devices 2] [--validate 1] [--validate-others 2]
-                                  [--validate-probes 6] [--slos 1.0,0.05 0.3,0.2] [--workloads ...]
+                                  [--validate-probes 6] [--validate-repeats 1] [--slos 1.0,0.05 0.3,0.2]
+                                  [--workloads ...]
                                   [--profile-dir DIR] [--out-dir results/plan_validation] [--rescore]
 
 For each workload (a fixed, a uniform and a chat mix) and each SLO pair (TTFT,TPOT seconds), one
@@ -49,6 +50,8 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--num-requests", type=int, default=60)
     p.add_argument("--min-duration-s", type=float, default=15.0)
     p.add_argument("--validate-probes", type=int, default=6, help="real runs per candidate's sweep at most")
+    p.add_argument("--validate-repeats", type=int, default=1,
+                   help="rounds: each candidate measured this many times (the median is compared, the spread shown)")
     p.add_argument("--profile-dir", type=Path,
                    help="where the plans' profile is cached (an empty one: profiled afresh, under this run's conditions)")
     p.add_argument("--out-dir", type=Path, default=Path("results/plan_validation"))
@@ -61,7 +64,8 @@ def _parser() -> argparse.ArgumentParser:
 def _plan(args: argparse.Namespace, workload: str, slo: str, out: Path, validate: bool = True) -> dict | None:
     ttft, tpot = slo.split(",")
     checks = (["--validate", str(args.validate), "--validate-others", str(args.validate_others),
-               "--validate-probes", str(args.validate_probes)] if validate else ["--client-here"])
+               "--validate-probes", str(args.validate_probes), "--validate-repeats", str(args.validate_repeats)]
+              if validate else ["--client-here"])
     argv = [sys.executable, "-m", "pdserve", "plan", "--devices", str(args.devices), "--ttft-slo", ttft,
             "--tpot-slo", tpot, "--num-requests", str(args.num_requests), "--min-duration-s", str(args.min_duration_s),
             *checks, "--no-progress", "--output-json", str(out),
@@ -83,6 +87,11 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:+.0%}"
 
 
+def _by_round(row: dict) -> str:
+    goodputs = ", ".join(f"{r['measured_goodput_rps']:.3g}" for r in row["rounds"])
+    return goodputs if row["measured_spread"] is None else f"{goodputs} ({row['measured_spread']:.0%})"
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -100,18 +109,22 @@ def main(argv: list[str] | None = None) -> int:
             if report is not None:
                 rows += _rows(workload, slo, report)
                 shares.append(report["validation"]["recommended_share_of_best_measured"])
-    print("\n| workload | SLO TTFT,TPOT s | layout | goodput pred/meas req/s | error | TTFT p90 pred/meas ms | "
-          "TPOT p90 pred/meas ms |\n| --- | --- | --- | --- | --- | --- | --- |")
+    print("\n| workload | SLO TTFT,TPOT s | layout | goodput pred/meas req/s | error | measured by round (spread) | "
+          "TTFT p90 pred/meas ms | TPOT p90 pred/meas ms |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         at = r["at_predicted_rate"]
         p90 = {k: "/".join("-" if v is None else f"{v * 1e3:.0f}" for v in (at[k]["predicted"], at[k]["measured"]))
                for k in ("ttft_p90_s", "tpot_p90_s")}
         print(f"| {r['workload']} | {r['slo']} | {r['layout']} | {r['predicted_goodput_rps']:.3g}/"
-              f"{r['measured_goodput_rps']:.3g} | {_pct(r['goodput_error'])} | {p90['ttft_p90_s']} | {p90['tpot_p90_s']} |")
+              f"{r['measured_goodput_rps']:.3g} | {_pct(r['goodput_error'])} | {_by_round(r)} | {p90['ttft_p90_s']} | "
+              f"{p90['tpot_p90_s']} |")
     errors = [abs(r["goodput_error"]) for r in rows if r["goodput_error"] is not None]
     median = statistics.median(errors) if errors else None
     print(f"\nmedian |goodput error| over {len(errors)} measured candidates: "
           + ("-" if median is None else f"{median:.0%} (goal <= 10%)"))
+    spreads = [r["measured_spread"] for r in rows if r["measured_spread"] is not None]
+    if spreads:
+        print(f"median spread of a candidate's measured goodput over its rounds: {statistics.median(spreads):.0%}")
     print("recommended / best measured per plan: " + ", ".join("-" if s is None else f"{s:.0%}" for s in shares)
           + " (goal >= 90% each)")
     (args.out_dir / "summary.json").write_text(json.dumps({"rows": rows, "median_abs_goodput_error": median,

@@ -88,6 +88,9 @@ def _parser() -> argparse.ArgumentParser:
                        help="with --validate: the best-ranked candidates of M more layouts")
     check.add_argument("--validate-probes", type=int, default=6,
                        help="with --validate: real runs per candidate's sweep at most")
+    check.add_argument("--validate-repeats", type=int, default=1, metavar="R",
+                       help="with --validate: measure every chosen candidate R times, in rounds, and compare "
+                            "the prediction with the median; the report gives the rounds' spread")
     check.add_argument("--client-here", action="store_true",
                        help="predict for a load generator on this machine: its CPU (measured by `pdserve profile`) "
                             "comes out of the nodes' cores, as the router's and the node fronts' does. "
@@ -122,6 +125,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Knobs]:
         p.error("--validate and --validate-others must be >= 0")
     if args.validate_probes < 2:
         p.error("--validate-probes must be >= 2")
+    if args.validate_repeats < 1:
+        p.error(f"--validate-repeats must be >= 1, got {args.validate_repeats}")
     schedules = [s.strip() for s in args.chunk_schedules.split(",") if s.strip()]
     bad = [s for s in schedules if s not in ("fixed", "staged", "target-step")] or ([] if schedules else ["(none)"])
     if bad:
@@ -251,7 +256,8 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
         # What every simulated run sent (a prediction is only comparable under the same run length).
         "traffic": {"num_requests": traffic.num_requests, "min_duration_s": traffic.min_duration_s}}
     checks = ValidationPlan(traffic, lambda limits: build_workload(args, limits), slo,
-                            replace(sweep, max_probes=args.validate_probes), first.setup.dtype, args.block_size)
+                            replace(sweep, max_probes=args.validate_probes), first.setup.dtype, args.block_size,
+                            args.validate_repeats)
     return results, report, checks
 
 

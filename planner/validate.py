@@ -7,6 +7,13 @@ and swept with `pdserve bench serve`'s own machinery: the same workload, arrival
 (planner/goodput.py's `Traffic`), SLOs, attainment target and bisection the prediction used.
 A prediction and its measurement therefore differ only in what produced the traces.
 
+A measurement has its own spread: on a shared machine the same layout's goodput moves from one
+run to the next (measured here: 8.65 req/s, then no rate passing down to 5.2, an hour apart).
+`repeats` measures every chosen candidate that many times, in rounds — each candidate once,
+then each again — so a slow spell falls on every layout, not on one. A candidate's measured
+goodput is the median of its rounds, and the report gives their spread beside the error: an
+error smaller than the spread is not one the runs can show.
+
 The sweep starts at the predicted goodput, so its first probe also measures the P90s at the
 predicted rate: the latency error is read there, at the same rate on both sides. It moves from
 there by a quarter (`GROWTH`), not by doubling: a prediction within 25% of the truth is
@@ -55,15 +62,41 @@ def chosen(results: list[Evaluated], top: int, others: int) -> list[Evaluated]:
 
 
 @dataclass(frozen=True)
-class Validation:
-    evaluated: Evaluated
-    measured_goodput_rps: float  # 0 when no probed rate met the target
+class Measurement:
+    """One round's sweep of one candidate."""
+
+    goodput_rps: float  # 0 when no probed rate met the target
     at_predicted_rate: Summary | None  # the real run at the predicted goodput (None: nothing was predicted)
     sweep: SweepResult[Run]
+
+
+@dataclass(frozen=True)
+class Validation:
+    evaluated: Evaluated
+    rounds: tuple[Measurement, ...]  # in the order they ran; at least one
 
     @property
     def predicted_goodput_rps(self) -> float:
         return self.evaluated.prediction.goodput_rps
+
+    @property
+    def measured_goodput_rps(self) -> float:
+        """The median over the rounds (0 when none passed a rate)."""
+        return statistics.median(m.goodput_rps for m in self.rounds)
+
+    @property
+    def spread(self) -> float | None:
+        """(highest - lowest) / median of the rounds' goodputs; None with one round or a zero median."""
+        goodputs = [m.goodput_rps for m in self.rounds]
+        median = self.measured_goodput_rps
+        if len(goodputs) < 2 or median <= 0:
+            return None
+        return (max(goodputs) - min(goodputs)) / median
+
+    @property
+    def at_predicted_rate(self) -> Summary | None:
+        """The first round's run at the predicted rate: where the P90s are compared."""
+        return self.rounds[0].at_predicted_rate
 
     @property
     def goodput_error(self) -> float | None:
@@ -83,14 +116,20 @@ class ValidationPlan:
     sweep: SweepConfig  # the prediction's own target, tolerance and probe budget
     dtype: str  # the plan's, resolved: the command line names it
     block_size: int
+    repeats: int = 1  # rounds: each candidate measured this many times, one round after the other
     timeout_s: float = 600.0
 
 
 def validate(candidates: list[Evaluated], model: str, plan: ValidationPlan, log=print) -> list[Validation]:
-    return [_measure(e, model, plan, log) for e in candidates]
+    rounds: list[list[Measurement]] = []
+    for number in range(1, plan.repeats + 1):
+        if plan.repeats > 1:
+            log(f"validate: round {number} of {plan.repeats}")
+        rounds.append([_measure(e, model, plan, log) for e in candidates])
+    return [Validation(e, tuple(r[i] for r in rounds)) for i, e in enumerate(candidates)]
 
 
-def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Validation:
+def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Measurement:
     command = e.candidate.command(model, plan.dtype, plan.block_size)
     log(f"validate: starting {e.candidate.layout.describe()}: {' '.join(command)}")
     with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as workdir:
@@ -116,7 +155,7 @@ def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Validation:
                                                       tolerance=plan.sweep.tolerance,
                                                       max_probes=plan.sweep.max_probes, growth=GROWTH))
     at_predicted = runs[predicted].summary if predicted > 0 else None
-    return Validation(e, sweep.best_rate or 0.0, at_predicted, sweep)
+    return Measurement(sweep.best_rate or 0.0, at_predicted, sweep)
 
 
 # -- the report ---------------------------------------------------------------------------------
@@ -136,6 +175,12 @@ def median_abs_goodput_error(validations: list[Validation]) -> float | None:
     return statistics.median(errors) if errors else None
 
 
+def median_spread(validations: list[Validation]) -> float | None:
+    """The median of the candidates' spreads over their rounds (None with one round)."""
+    spreads = [v.spread for v in validations if v.spread is not None]
+    return statistics.median(spreads) if spreads else None
+
+
 def recommended_share_of_best(validations: list[Validation]) -> float | None:
     """The recommended (first-ranked) candidate's measured goodput over the best measured one's."""
     best = max((v.measured_goodput_rps / v.evaluated.candidate.layout.devices for v in validations), default=0.0)
@@ -152,20 +197,27 @@ def validation_record(v: Validation) -> dict:
         "predicted_goodput_rps": v.predicted_goodput_rps,
         "measured_goodput_rps": v.measured_goodput_rps,
         "goodput_error": v.goodput_error,
-        "measured_converged": v.sweep.converged,
+        "measured_spread": v.spread,
+        "measured_converged": v.rounds[0].sweep.converged,
         "at_predicted_rate": {
             "ttft_p90_s": {"predicted": _p90(predicted, "ttft_s"), "measured": _p90(v.at_predicted_rate, "ttft_s")},
             "tpot_p90_s": {"predicted": _p90(predicted, "tpot_s"), "measured": _p90(v.at_predicted_rate, "tpot_s")},
             "attainment": {"predicted": predicted.attainment,
                            "measured": None if v.at_predicted_rate is None else v.at_predicted_rate.attainment},
         },
-        "probes": [{"rate": p.rate, "attainment": p.result.attainment, "passed": p.passed} for p in v.sweep.probes],
+        "probes": _probes(v.rounds[0]),  # the first round's (what `bench plan-validation --rescore` brackets)
+        "rounds": [{"measured_goodput_rps": m.goodput_rps, "probes": _probes(m)} for m in v.rounds],
     }
+
+
+def _probes(m: Measurement) -> list[dict]:
+    return [{"rate": p.rate, "attainment": p.result.attainment, "passed": p.passed} for p in m.sweep.probes]
 
 
 def report_record(validations: list[Validation]) -> dict:
     return {"candidates": [validation_record(v) for v in validations],
             "median_abs_goodput_error": median_abs_goodput_error(validations),
+            "median_measured_spread": median_spread(validations),
             "recommended_share_of_best_measured": recommended_share_of_best(validations)}
 
 
@@ -178,20 +230,28 @@ def _ms(value: float | None) -> str:
 
 
 def format_validation(validations: list[Validation]) -> str:
-    rows = [("layout", "goodput pred/meas", "error", "TTFT p90 ms pred/meas", "TPOT p90 ms pred/meas")]
+    repeated = any(len(v.rounds) > 1 for v in validations)
+    rows = [("layout", "goodput pred/meas", "error", "TTFT p90 ms pred/meas", "TPOT p90 ms pred/meas",
+             *(("measured by round (spread)",) if repeated else ()))]
     for v in validations:
         predicted = v.evaluated.prediction.run.summary
         ttft = (_p90(predicted, "ttft_s"), _p90(v.at_predicted_rate, "ttft_s"))
         tpot = (_p90(predicted, "tpot_s"), _p90(v.at_predicted_rate, "tpot_s"))
+        by_round = (", ".join(f"{m.goodput_rps:.3g}" for m in v.rounds) + f" ({_pct(v.spread).lstrip('+')})",)
         rows.append((v.evaluated.candidate.layout.describe(),
                      f"{v.predicted_goodput_rps:.3g}/{v.measured_goodput_rps:.3g}", _pct(v.goodput_error),
                      f"{_ms(ttft[0])}/{_ms(ttft[1])} ({_pct(_error(*ttft))})",
-                     f"{_ms(tpot[0])}/{_ms(tpot[1])} ({_pct(_error(*tpot))})"))
+                     f"{_ms(tpot[0])}/{_ms(tpot[1])} ({_pct(_error(*tpot))})", *(by_round if repeated else ())))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     median, share = median_abs_goodput_error(validations), recommended_share_of_best(validations)
     lines.append("median |goodput error|: " + ("-" if median is None else f"{median:.0%}") +
                  "; the recommended configuration measured " +
                  ("-" if share is None else f"{share:.0%}") + " of the best measured goodput per device")
-    lines.append("(error = (predicted - measured) / measured; P90s at the predicted goodput rate)")
+    spread = median_spread(validations)
+    if spread is not None:
+        lines.append(f"median spread of the measured goodput over its rounds: {spread:.0%} "
+                     "(an error under it is within the runs' own variation)")
+    lines.append("(error = (predicted - measured) / measured, measured = the median of the rounds; "
+                 "P90s at the predicted goodput rate, in the first round)")
     return "\n".join(lines)

@@ -153,6 +153,7 @@ def test_the_command_line_of_each_mode():
     (["--devices", "2", "--tpot-slo", "0.1", "--workload", "uniform"], "--workload uniform"),
     (["--devices", "2", "--tpot-slo", "0.1", "--batched-tokens", "0"], "--batched-tokens"),
     (["--devices", "2", "--tpot-slo", "0.1", "--local-prefill-max-tokens", "x"], "--local-prefill-max-tokens"),
+    (["--devices", "2", "--tpot-slo", "0.1", "--validate", "1", "--validate-repeats", "0"], "--validate-repeats"),
 ])
 def test_bad_flags_name_the_flag(argv, flag, capsys):
     with pytest.raises(SystemExit) as exit_:

@@ -8,7 +8,8 @@ from pdserve.bench.serve.sweep import SweepResult
 from pdserve.planner.goodput import Prediction, SimRun
 from pdserve.planner.search import Candidate, Evaluated, Knobs, Layout, layouts
 from pdserve.planner.validate import (
-    Validation, chosen, format_validation, median_abs_goodput_error, recommended_share_of_best, report_record,
+    Measurement, Validation, chosen, format_validation, median_abs_goodput_error, median_spread,
+    recommended_share_of_best, report_record,
 )
 
 EMPTY = summarize([], Slo(), 1.0)
@@ -18,8 +19,9 @@ def evaluated(layout: Layout, goodput: float, tokens: int = 256) -> Evaluated:
     return Evaluated(Candidate(layout, Knobs(tokens, 64)), Prediction(goodput, SimRun(goodput, EMPTY), 3, True))
 
 
-def validation(e: Evaluated, measured: float) -> Validation:
-    return Validation(e, measured, None, SweepResult(best_rate=measured or None))
+def validation(e: Evaluated, *measured: float) -> Validation:
+    """`e` measured once per goodput given, one round each."""
+    return Validation(e, tuple(Measurement(m, None, SweepResult(best_rate=m or None)) for m in measured))
 
 
 ONE_NODE_2_CORES, TWO_NODES_1_CORE, ONE_P_ONE_D = list(layouts(2))
@@ -60,3 +62,24 @@ def test_the_report_names_each_layout_with_its_predicted_and_measured_goodput():
     lines = format_validation(vals).splitlines()
     assert lines[1].split("  ")[0] == "1P (1 core) + 1D (1 core)" and "3/2" in lines[1] and "+50%" in lines[1]
     assert lines[2].startswith("median |goodput error|: 50%; the recommended configuration measured 100%")
+
+
+def test_repeated_rounds_compare_the_prediction_with_their_median_and_report_their_spread():
+    repeated = validation(evaluated(TWO_NODES_1_CORE, 12), 8, 10, 9)
+    once = validation(evaluated(ONE_NODE_2_CORES, 6), 8)
+    none_passed = validation(evaluated(ONE_P_ONE_D, 3), 0, 4, 0)
+    assert repeated.measured_goodput_rps == 9 and repeated.goodput_error == (12 - 9) / 9
+    assert repeated.spread == (10 - 8) / 9
+    assert once.spread is None  # one round: no spread to speak of
+    assert none_passed.measured_goodput_rps == 0 and none_passed.spread is None and none_passed.goodput_error is None
+    assert median_spread([repeated, once, none_passed]) == (10 - 8) / 9
+    assert median_spread([once]) is None
+
+    record = report_record([repeated, once])
+    assert [r["measured_goodput_rps"] for r in record["candidates"][0]["rounds"]] == [8, 10, 9]
+    assert record["candidates"][0]["measured_spread"] == (10 - 8) / 9
+    assert record["median_measured_spread"] == (10 - 8) / 9
+    lines = format_validation([repeated, once]).splitlines()
+    assert lines[0].endswith("measured by round (spread)")
+    assert lines[1].endswith("8, 10, 9 (22%)") and lines[2].endswith("8 (-)")
+    assert "median spread of the measured goodput over its rounds: 22%" in lines[4]
