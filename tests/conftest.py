@@ -2,6 +2,9 @@
 real processes), so `python -m pytest -m "not slow"` is the quick loop; the plain command
 runs everything.
 
+A failed test's report carries the log tails of every cluster among its fixtures (anything with
+`log_tails()`: tests/e2e/cluster.py's), whose logs are gone once the cluster stops.
+
 And the shared model fixtures, each built once per session: a test reads them, never changes them
 (a test that needs a changed folder copies one first).
 """
@@ -19,6 +22,18 @@ def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
     for item in items:
         if Path(str(item.path)).parent.name in SLOW_FOLDERS:
             item.add_marker(pytest.mark.slow)
+
+
+@pytest.hookimpl(hookwrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo):
+    outcome = yield
+    report = outcome.get_result()
+    if not report.failed:
+        return
+    for name, value in getattr(item, "funcargs", {}).items():
+        tails = getattr(value, "log_tails", None)
+        if callable(tails):
+            report.sections.append((f"cluster logs ({name})", tails()))
 
 
 def _tiny_llama(folder: Path) -> Path:

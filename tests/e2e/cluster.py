@@ -12,6 +12,7 @@ from __future__ import annotations
 import os
 import shlex
 import signal
+import sys
 import tempfile
 import urllib.request
 from collections.abc import Iterator
@@ -20,6 +21,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster_process import ClusterProcess
@@ -29,6 +31,9 @@ from pdserve.proto import node_pb2
 
 HOST = "127.0.0.1"
 START_TIMEOUT_S = 300.0  # five processes importing torch on a shared 2-core box
+# Per process, in a failed test's report: enough for the lines around a failed call, short
+# enough to read in a CI log.
+LOG_TAIL_LINES = 30
 
 
 def free_port() -> int:
@@ -112,6 +117,16 @@ class Cluster(ClusterProcess):
         super().wait_all_blocks_free(timeout_s)
         return self.stats()
 
+    def log_tails(self) -> str:
+        """The last lines of the launcher's log and of every child's: what a failed test shows
+        of its cluster, whose logs are in a folder removed when it stops (tests/conftest.py)."""
+        paths = [self.workdir / "launcher.log", *sorted((self.workdir / "logs").glob("*.log"))]
+        parts = []
+        for path in (p for p in paths if p.exists()):
+            lines = path.read_text(errors="replace").splitlines()[-LOG_TAIL_LINES:]
+            parts.append(f"--- {path.name}, last {len(lines)} lines ---\n" + "\n".join(lines))
+        return "\n".join(parts)
+
 
 @contextmanager
 def running_cluster(model_dir: str, num_prefill: int, num_decode: int, node: NodeSettings = NodeSettings(),
@@ -124,7 +139,11 @@ def running_cluster(model_dir: str, num_prefill: int, num_decode: int, node: Nod
     with tempfile.TemporaryDirectory(prefix="pdserve-cluster-") as workdir:
         with Cluster([*flags, "--model", model_dir], workdir, auth_token=auth_token,
                          ready_timeout_s=START_TIMEOUT_S) as cluster:
-            yield cluster
+            try:
+                yield cluster
+            except (Exception, pytest.fail.Exception):  # a test failing inside `with running_cluster(...)`
+                print(cluster.log_tails(), file=sys.stderr)  # shown with the failure; the folder goes
+                raise
 
 
 @dataclass(frozen=True)
@@ -178,6 +197,9 @@ class FaultCluster:
     @property
     def router(self) -> str:
         return self._process.router
+
+    def log_tails(self) -> str:
+        return self._process.log_tails()
 
     def count(self, kind: str) -> int:
         return len(self._process.names(kind))
