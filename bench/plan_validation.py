@@ -16,8 +16,9 @@ Long: every candidate of every plan is started and swept for real. Prints the CP
 report recorded it, no --validate, `--client-here`: the measurements had their client on this
 machine) on the cached profile (`--profile-dir`, the run's)
 and prints each candidate an earlier run in `--out-dir` measured with its prediction then and now
-beside that measurement, and where the measurement lies: the highest rate that passed and the
-lowest above it that failed bracket the true goodput (a sweep of a few probes rarely closes it).
+beside that measurement (the median of its rounds), and where the measurement lies: in each
+round the highest rate that passed and the lowest above it that failed bracket the goodput (a
+sweep of a few probes rarely closes it); the column spans the rounds' brackets.
 """
 
 from __future__ import annotations
@@ -157,15 +158,16 @@ def _rescore(args: argparse.Namespace, workloads: list[str]) -> int:
                 again = next((c for c in (new or {}).get("candidates", [])
                               if c["layout"] == measured["layout"] and c["knobs"] == knobs), None)
                 predicted = again["predicted_goodput_rps"] if again else 0.0
-                low, high = _bracket(measured["probes"])
-                if low <= 0:  # no probe passed: no goodput to compare with
+                goodput = measured["measured_goodput_rps"]  # the median of its rounds
+                if goodput <= 0:  # no probe passed: no goodput to compare with
                     continue
+                low, high = _bracket_over_rounds(measured)
                 then.append(abs(measured["goodput_error"]))
-                now.append(abs(predicted / low - 1))
+                now.append(abs(predicted / goodput - 1))
                 outside.append(0.0 if low <= predicted <= high else min(abs(predicted / e - 1) for e in (low, high)))
-                print(f"| {workload} | {slo} | {measured['layout']} | {low:.3g} ({low:.3g}-{high:.3g}) | "
+                print(f"| {workload} | {slo} | {measured['layout']} | {goodput:.3g} ({low:.3g}-{high:.3g}) | "
                       f"{measured['predicted_goodput_rps']:.3g} -> {predicted:.3g} | {_pct(measured['goodput_error'])} -> "
-                      f"{_pct(predicted / low - 1)} | {outside[-1]:.0%} |")
+                      f"{_pct(predicted / goodput - 1)} | {outside[-1]:.0%} |")
     if then:
         print(f"\nmedian |goodput error| over {len(then)} candidates: {statistics.median(then):.0%} then, "
               f"{statistics.median(now):.0%} now (goal <= 10%); outside the measured bracket now: "
@@ -181,6 +183,13 @@ def _recommended_share(old: dict, new: dict | None) -> float | None:
     if not new or not new["candidates"] or new["candidates"][0]["layout"] not in measured:
         return None
     return measured[new["candidates"][0]["layout"]] / max(measured.values())
+
+
+def _bracket_over_rounds(measured: dict) -> tuple[float, float]:
+    """From the lowest round's bracket to the highest's: where the goodput lay over the rounds
+    (a report from before rounds has its one sweep's probes only)."""
+    brackets = [_bracket(r["probes"]) for r in measured.get("rounds") or [{"probes": measured["probes"]}]]
+    return min(low for low, _ in brackets), max(high for _, high in brackets)
 
 
 def _bracket(probes: list[dict]) -> tuple[float, float]:
