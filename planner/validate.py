@@ -205,7 +205,7 @@ def validation_record(v: Validation) -> dict:
             "attainment": {"predicted": predicted.attainment,
                            "measured": None if v.at_predicted_rate is None else v.at_predicted_rate.attainment},
         },
-        "probes": _probes(v.rounds[0]),  # the first round's (what `bench plan-validation --rescore` brackets)
+        "probes": _probes(v.rounds[0]),  # the first round's: the one sweep of reports from before rounds
         "rounds": [{"measured_goodput_rps": m.goodput_rps, "probes": _probes(m)} for m in v.rounds],
     }
 
