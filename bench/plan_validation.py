@@ -32,6 +32,8 @@ from pathlib import Path
 
 import torch
 
+from pdserve.planner.validate import rounds_text
+
 WORKLOADS = {
     "fixed-256-64": ["--workload", "fixed", "--input-len", "256", "--output-len", "64"],
     "uniform-128:512-32:128": ["--workload", "uniform", "--input-len-range", "128:512", "--output-len-range", "32:128"],
@@ -88,11 +90,6 @@ def _pct(value: float | None) -> str:
     return "-" if value is None else f"{value:+.0%}"
 
 
-def _by_round(row: dict) -> str:
-    goodputs = ", ".join(f"{r['measured_goodput_rps']:.3g}" for r in row["rounds"])
-    return goodputs if row["measured_spread"] is None else f"{goodputs} ({row['measured_spread']:.0%})"
-
-
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     workloads = [w.strip() for w in args.workloads.split(",") if w.strip()]
@@ -116,8 +113,9 @@ def main(argv: list[str] | None = None) -> int:
         at = r["at_predicted_rate"]
         p90 = {k: "/".join("-" if v is None else f"{v * 1e3:.0f}" for v in (at[k]["predicted"], at[k]["measured"]))
                for k in ("ttft_p90_s", "tpot_p90_s")}
+        by_round = rounds_text([x["measured_goodput_rps"] for x in r["rounds"]], r["measured_spread"])
         print(f"| {r['workload']} | {r['slo']} | {r['layout']} | {r['predicted_goodput_rps']:.3g}/"
-              f"{r['measured_goodput_rps']:.3g} | {_pct(r['goodput_error'])} | {_by_round(r)} | {p90['ttft_p90_s']} | "
+              f"{r['measured_goodput_rps']:.3g} | {_pct(r['goodput_error'])} | {by_round} | {p90['ttft_p90_s']} | "
               f"{p90['tpot_p90_s']} |")
     errors = [abs(r["goodput_error"]) for r in rows if r["goodput_error"] is not None]
     median = statistics.median(errors) if errors else None

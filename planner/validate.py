@@ -229,6 +229,11 @@ def _ms(value: float | None) -> str:
     return "-" if value is None else f"{value * 1e3:.0f}"
 
 
+def rounds_text(goodputs: list[float], spread: float | None) -> str:
+    """A candidate's measured goodput by round and their spread, as the reports print them."""
+    return ", ".join(f"{g:.3g}" for g in goodputs) + (" (-)" if spread is None else f" ({spread:.0%})")
+
+
 def format_validation(validations: list[Validation]) -> str:
     repeated = any(len(v.rounds) > 1 for v in validations)
     rows = [("layout", "goodput pred/meas", "error", "TTFT p90 ms pred/meas", "TPOT p90 ms pred/meas",
@@ -237,11 +242,11 @@ def format_validation(validations: list[Validation]) -> str:
         predicted = v.evaluated.prediction.run.summary
         ttft = (_p90(predicted, "ttft_s"), _p90(v.at_predicted_rate, "ttft_s"))
         tpot = (_p90(predicted, "tpot_s"), _p90(v.at_predicted_rate, "tpot_s"))
-        by_round = (", ".join(f"{m.goodput_rps:.3g}" for m in v.rounds) + f" ({_pct(v.spread).lstrip('+')})",)
-        rows.append((v.evaluated.candidate.layout.describe(),
-                     f"{v.predicted_goodput_rps:.3g}/{v.measured_goodput_rps:.3g}", _pct(v.goodput_error),
-                     f"{_ms(ttft[0])}/{_ms(ttft[1])} ({_pct(_error(*ttft))})",
-                     f"{_ms(tpot[0])}/{_ms(tpot[1])} ({_pct(_error(*tpot))})", *(by_round if repeated else ())))
+        row = (v.evaluated.candidate.layout.describe(),
+               f"{v.predicted_goodput_rps:.3g}/{v.measured_goodput_rps:.3g}", _pct(v.goodput_error),
+               f"{_ms(ttft[0])}/{_ms(ttft[1])} ({_pct(_error(*ttft))})",
+               f"{_ms(tpot[0])}/{_ms(tpot[1])} ({_pct(_error(*tpot))})")
+        rows.append((*row, rounds_text([m.goodput_rps for m in v.rounds], v.spread)) if repeated else row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
     median, share = median_abs_goodput_error(validations), recommended_share_of_best(validations)
