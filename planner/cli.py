@@ -35,7 +35,7 @@ from pdserve.planner.goodput import Traffic
 from pdserve.planner.profile import ClientCost, Profile, ProfileCache
 from pdserve.planner.profile_cli import default_model, int_list, profiles_for, serving_costs_for
 from pdserve.planner.search import (
-    DEFAULT_LOCAL_PREFILL_MAX_TOKENS, Candidate, Evaluated, Knobs, evaluate, layouts, ranked,
+    DEFAULT_LOCAL_PREFILL_MAX_TOKENS, Candidate, Evaluated, Knobs, evaluate, layouts, ranked, with_prompt_budgets,
 )
 from pdserve.planner.validate import ValidationPlan, chosen, format_validation, report_record, validate
 
@@ -227,12 +227,13 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
     model = default_model(args.model)
     bounds = () if args.no_hybrid else tuple(args.local_prefill_max_tokens)
     tp_sizes = _tp_sizes(model, args.tp, log)
-    candidates = [Candidate(lay, k) for lay in layouts(args.devices, bounds, tp_sizes) for k in knobs]
-    if not candidates:
+    spread = list(layouts(args.devices, bounds, tp_sizes))
+    if not spread:
         raise ValueError(f"--tp: no size the model can run divides the cores of any node on {args.devices} devices")
-    setups = sorted({s for c in candidates for s in c.layout.setups})
+    setups = sorted({s for lay in spread for s in lay.setups})
     cache = ProfileCache(args.profile_dir)
     profiles = profiles_for(model, setups, args.dtype, args.block_size, cache, not args.no_progress, log=log)
+    candidates = [Candidate(lay, k) for lay in with_prompt_budgets(spread, profiles, args.tpot_slo) for k in knobs]
     costs = serving_costs_for(model, cache, log=log)
     if not (args.client_here or args.validate):
         costs = replace(costs, client=ClientCost.free())  # the clients run elsewhere

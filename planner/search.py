@@ -25,6 +25,7 @@ from pdserve.bench.serve.sweep import SweepConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.goodput import Prediction, Traffic, predict_goodput, start_rate
 from pdserve.planner.profile import Profile, ServingCosts
+from pdserve.planner.step_cost import StepShape
 from pdserve.planner.simulator import ClusterSpec, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
@@ -44,6 +45,9 @@ class Layout:
     # A hybrid split: decode nodes prefill prompts the router's `auto` rule sends them, within
     # this bound (`--local-prefill-max-tokens`); None: every request goes through the prefill pool.
     local_prefill_max_tokens: int | None = None
+    # A hybrid's prompt budget (`--local-prefill-tokens-per-s`): prompt tokens a second each decode
+    # node may compute for itself; None: no such bound.
+    local_prefill_tokens_per_s: float | None = None
     # Each pool's tensor-parallel size (`--tensor-parallel-size`): a node's cores split among its ranks.
     colocated_tp: int = 1
     prefill_tp: int = 1
@@ -72,7 +76,10 @@ class Layout:
             return f"colocated x{self.colocated} ({node})"
         split = (f"{self.prefill}P ({_per_node(self.prefill, self.prefill_cores, self.prefill_tp)}) + "
                  f"{self.decode}D ({_per_node(self.decode, self.decode_cores, self.decode_tp)})")
-        return split if self.local_prefill_max_tokens is None else f"{split} hybrid<={self.local_prefill_max_tokens}"
+        if self.local_prefill_max_tokens is None:
+            return split
+        budget = "" if self.local_prefill_tokens_per_s is None else f" {self.local_prefill_tokens_per_s:.0f} tok/s"
+        return f"{split} hybrid<={self.local_prefill_max_tokens}{budget}"
 
 
 def _per_node(nodes: int, cores: int, tp: int = 1) -> str:
@@ -150,7 +157,7 @@ class Candidate:
             return Pool(count, replace(config, num_threads=cores, tensor_parallel_size=tp), profiles[(cores, tp)])
 
         choice = (None if lay.local_prefill_max_tokens is None
-                  else PrefillChoice(Disaggregation.AUTO, lay.local_prefill_max_tokens))
+                  else PrefillChoice(Disaggregation.AUTO, lay.local_prefill_max_tokens, lay.local_prefill_tokens_per_s))
         return ClusterSpec(pool(lay.colocated, lay.colocated_cores, lay.colocated_tp),
                            pool(lay.prefill, lay.prefill_cores, lay.prefill_tp),
                            pool(lay.decode, lay.decode_cores, lay.decode_tp), costs, choice)
@@ -171,7 +178,49 @@ class Candidate:
             return argv + ["--decode-args", decode_args]
         router_args = ["--disaggregation", Disaggregation.AUTO.value,
                        "--local-prefill-max-tokens", str(lay.local_prefill_max_tokens)]
+        if lay.local_prefill_tokens_per_s is not None:
+            router_args += ["--local-prefill-tokens-per-s", f"{lay.local_prefill_tokens_per_s:.0f}"]
         return argv + ["--decode-args", f"{decode_args} --local-prefill", "--router-args", shlex.join(router_args)]
+
+
+# The prompt chunk a decode node's prefill speed is read at, for its TPOT budget.
+BUDGET_CHUNK_TOKENS = 256
+
+
+def tpot_prompt_budget(profile: Profile, tpot_slo: float | None) -> float | None:
+    """Prompt tokens a second a decode node of `profile` can compute for itself and still stream
+    at `tpot_slo`: a node that spends a share F of its time on prompts stretches its decode steps'
+    spacing by 1/(1-F), so F = 1 - step/TPOT, with the step of one decode over a chunk's context;
+    times its prefill speed on `BUDGET_CHUNK_TOKENS`-token chunks. None: no TPOT target, or one
+    step alone takes all of it (the node has no time to give)."""
+    if tpot_slo is None:
+        return None
+    chunk = BUDGET_CHUNK_TOKENS
+    step = profile.step.time(StepShape.of([(chunk, 1)]))
+    share = 1.0 - step / tpot_slo
+    if share <= 0:
+        return None
+    return share * chunk / profile.step.time(StepShape.of([(0, chunk)]))
+
+
+# The shares of `tpot_prompt_budget` a plan tries: all of it keeps the mean TPOT at the target,
+# the tail needs less (how much less depends on the workload, so the simulator decides).
+BUDGET_FRACTIONS = (1.0, 0.5, 0.25)
+
+
+def with_prompt_budgets(layouts: list[Layout], profiles: dict[tuple[int, int], Profile],
+                        tpot_slo: float | None) -> list[Layout]:
+    """Every layout, each hybrid followed by its copies bounded by `BUDGET_FRACTIONS` of the TPOT
+    budget of its decode nodes (`tpot_prompt_budget`) when there is one."""
+    out = []
+    for lay in layouts:
+        out.append(lay)
+        if lay.mode == "hybrid" and lay.local_prefill_tokens_per_s is None:
+            rate = tpot_prompt_budget(profiles[(lay.decode_cores, lay.decode_tp)], tpot_slo)
+            if rate is not None:
+                out += [replace(lay, local_prefill_tokens_per_s=round(rate * f)) for f in BUDGET_FRACTIONS
+                        if round(rate * f) > 0]
+    return out
 
 
 def _cores(start: int, end: int) -> str:

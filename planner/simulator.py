@@ -13,7 +13,7 @@ Lifecycle of a request (as in docs/architecture.md §6 and the colocated route):
                  frees its blocks, the decode node admits the request with token 1 and streams
                  tokens 2..n
   hybrid         a disaggregated cluster whose decode nodes also prefill (`--local-prefill`): the
-                 router's `PrefillChoice` (router/dispatch/hybrid.py), fed the `Loads` the
+                 router's `HybridRouting` (router/dispatch/hybrid.py), fed the `Loads` the
                  orchestrator computes, picks per request; local: the decode nodes ranked by a
                  `ColocatedPlacement` over the decode pool's blocks (`LocalPrefillRoute`), the
                  request runs there as a colocated one (no KV moves); else disaggregated as above
@@ -53,7 +53,7 @@ from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.router.cluster.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
 from pdserve.router.cluster.prefix_affinity import PrefixAffinity
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch.hybrid import Loads, PrefillChoice, local_loads
+from pdserve.router.dispatch.hybrid import HybridRouting, Loads, PrefillChoice, local_loads
 
 EXHAUSTED = "RESOURCE_EXHAUSTED"
 UNFINISHED = "UNFINISHED"  # still running when no event was left (a scheduler that can make no progress)
@@ -145,7 +145,8 @@ class ClusterSim:
         # As the orchestrator builds it: decode nodes that prefill, their blocks in the decode pool's.
         self._local_placement = ColocatedPlacement(router.exhausted_cooldown_s, self.clock.now,
                                                    blocks=self._decode_placement, affinity=PrefixAffinity.for_router(router))
-        self._prefill_choice = spec.local_prefill
+        # The router's choice with its own prompt budget, on this run's clock.
+        self._hybrid = None if spec.local_prefill is None else HybridRouting(spec.local_prefill, self.clock.now)
         self.colocated = self._nodes("colocated", spec.colocated, ColocatedPolicy(), max_model_len)
         self.prefill = self._nodes("prefill", spec.prefill, PrefillPolicy(), max_model_len)
         self.decode = self._nodes("decode", spec.decode, ColocatedPolicy(), max_model_len)
@@ -211,7 +212,7 @@ class ClusterSim:
         hashes = self._local_placement.affinity.hashes(prompt)
         if self.colocated:
             self._place_colocated(self.colocated, self._colocated_placement, req_id, prompt, hashes, out_len, trace)
-        elif self._prefill_choice is not None and self._prefill_choice.local(self._loads(prompt, hashes)):
+        elif self._hybrid is not None and self._hybrid.local(self._loads(prompt, hashes)):
             self._place_colocated(self.decode, self._local_placement, req_id, prompt, hashes, out_len, trace)
         else:
             self._place_pair(req_id, prompt, hashes, out_len, trace)
@@ -264,7 +265,7 @@ class ClusterSim:
             self._ask_to_reserve(ask, rest)
             return
         self._decode_placement.reserve(c, node.kv.blocks_needed(len(ask.prompt)))
-        if self._prefill_choice is not None:  # as DisaggregatedRoute.claim: the node caches the prompt
+        if self._hybrid is not None:  # as DisaggregatedRoute.claim: the node caches the prompt
             self._local_placement.affinity.remember(c.node_id, ask.hashes)
         self._flights[ask.req_id] = _Flight(ask.trace, node, request)
         self._front_takes(node)

@@ -121,6 +121,9 @@ class RouterConfig:
     local_prefill_max_tokens: int = field(default=256, metadata={
         "help": "--disaggregation auto: prompt tokens a decode node may have to compute before a request's "
                 "first token (its queue and the prompt) for the request to be prefilled there"})
+    local_prefill_tokens_per_s: float | None = field(default=None, metadata={
+        "help": "--disaggregation auto: prompt tokens a second each decode node may compute for itself, over "
+                "any few seconds (what a TPOT target leaves it: pdserve plan derives it); unset: no such bound"})
     # A query of death: a request whose node attempts failed this many times in all (nodes lost,
     # or a node's step raising on it) ends INTERNAL instead of going to the next node.
     max_node_failures_per_request: int = field(default=3, metadata={
@@ -171,6 +174,8 @@ class RouterConfig:
              self.disaggregation),
             (self.local_prefill_max_tokens >= 0, "local_prefill_max_tokens", "must be >= 0",
              self.local_prefill_max_tokens),
+            (self.local_prefill_tokens_per_s is None or self.local_prefill_tokens_per_s > 0,
+             "local_prefill_tokens_per_s", "must be > 0", self.local_prefill_tokens_per_s),
             (self.max_node_failures_per_request >= 1, "max_node_failures_per_request", "must be >= 1",
              self.max_node_failures_per_request),
             (self.drain_timeout_s >= 0, "drain_timeout_s", "must be >= 0", self.drain_timeout_s),

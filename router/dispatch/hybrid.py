@@ -14,13 +14,25 @@ and registers saying so. `--disaggregation` picks, per request:
   pool would only delay the first token; the prefill pool otherwise, which keeps long prompts
   off the nodes that stream tokens.
 
-Pure: decides from token counts it is given (`Loads`, which `local_loads` gathers the same way
-for the router and the planner's simulator), never calls a node or reads a clock.
+`--local-prefill-tokens-per-s R` bounds `auto` by time as well: the decode nodes may compute at
+most R prompt tokens a second each for themselves, over and above one bound's worth at once (a
+token bucket, `PromptBudget`, as deep as `--local-prefill-max-tokens`; a longer prompt the pool's
+queue sends there goes only when the bucket is full). The token bound limits
+how long one prompt stalls a node's streams; the budget limits how often, which is what a TPOT
+target needs: a decode node that spends a share F of its time on prompts stretches its streams'
+time per token by about 1/(1-F), so F = 1 - (decode step / TPOT target) is the most it could
+give, and less is needed for the slow tail. `pdserve plan` tries rates from that share and the
+node's measured prefill speed; unset, there is no such bound.
+
+`PrefillChoice` is pure: it decides from the token counts it is given (`Loads`, which
+`local_loads` gathers the same way for the router and the planner's simulator) and the budget's
+level. `HybridRouting` is the one stateful part: the budget, on the clock it is given (the
+router's, or the simulator's).
 """
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -44,29 +56,87 @@ class Loads:
     # token 1: its queue (None: no such node live), and the tokens of this prompt it holds already.
     local_queue: int | None
     local_cached_tokens: int = 0
+    local_nodes: int = 1  # live decode nodes that can prefill (the budget is per node)
+
+    @property
+    def local_new_tokens(self) -> int:
+        """Tokens of this prompt that decode node would compute: the part it does not hold."""
+        return max(0, self.prompt_tokens - self.local_cached_tokens)
 
     @property
     def local_wait(self) -> int:
         """Prompt tokens that decode node computes before this request's token 1."""
-        return (self.local_queue or 0) + max(0, self.prompt_tokens - self.local_cached_tokens)
+        return (self.local_queue or 0) + self.local_new_tokens
 
 
 @dataclass(frozen=True, slots=True)
 class PrefillChoice:
     mode: Disaggregation
     max_local_tokens: int
+    # `auto`: prompt tokens a second each decode node may compute for itself; None: no such bound.
+    local_tokens_per_s: float | None = None
 
-    def local(self, loads: Loads) -> bool:
+    def local(self, loads: Loads, within_budget: bool = True) -> bool:
         """True: compute the prompt on a decode node; False: on the prefill pool. Either may be
-        impossible (no such node live): the caller then takes the other, or refuses."""
+        impossible (no such node live): the caller then takes the other, or refuses. `auto` sends
+        none beyond the prompt budget (`within_budget`: what `PromptBudget.allows` says)."""
         if loads.local_queue is None:
             return False
         if self.mode is Disaggregation.NEVER or loads.prefill_queue is None:
             return True
-        if self.mode is Disaggregation.ALWAYS:
+        if self.mode is Disaggregation.ALWAYS or not within_budget:
             return False
         local = loads.local_wait
         return local <= self.max_local_tokens or loads.prefill_queue > local
+
+
+class PromptBudget:
+    """A token bucket of the prompt tokens decode nodes compute for themselves: it fills at
+    `tokens_per_s` per live node up to `depth` tokens per node (the token bound), and each local
+    prompt takes its new tokens out. A prompt longer than what is left goes only when the bucket
+    is full, and leaves it in debt that the rate pays back before the next. None: unbounded."""
+
+    def __init__(self, tokens_per_s: float | None, depth: int, clock: Callable[[], float]) -> None:
+        self._rate = tokens_per_s
+        self._depth = depth
+        self._clock = clock
+        self._level: float | None = None  # full at the first look
+        self._at = 0.0
+
+    def allows(self, tokens: int, nodes: int) -> bool:
+        """May `nodes` decode nodes that prefill compute `tokens` more prompt tokens now?"""
+        if self._rate is None:
+            return True
+        now, nodes = self._clock(), max(nodes, 1)
+        capacity = self._depth * nodes
+        if self._level is None:
+            self._level = capacity
+        else:
+            self._level = min(capacity, self._level + (now - self._at) * self._rate * nodes)
+        self._at = now
+        return tokens <= self._level or self._level >= capacity
+
+    def take(self, tokens: int) -> None:
+        if self._rate is not None and self._level is not None:
+            self._level -= tokens
+
+
+class HybridRouting:
+    """The router's choice with its budget: one per router (or simulated run), on its clock."""
+
+    def __init__(self, choice: PrefillChoice, clock: Callable[[], float]) -> None:
+        self.choice = choice
+        self._budget = PromptBudget(choice.local_tokens_per_s, choice.max_local_tokens, clock)
+
+    def local(self, loads: Loads) -> bool:
+        """`PrefillChoice.local` within the budget; a prompt sent to a decode node is charged to
+        it whatever the mode, so the budget counts all the prompt work the decode nodes do."""
+        if loads.local_queue is None:
+            return False
+        if not self.choice.local(loads, self._budget.allows(loads.local_new_tokens, loads.local_nodes)):
+            return False
+        self._budget.take(loads.local_new_tokens)
+        return True
 
 
 def local_loads(placement: ColocatedPlacement, prompt_tokens: int, hashes: Sequence[BlockHash],
@@ -79,4 +149,4 @@ def local_loads(placement: ColocatedPlacement, prompt_tokens: int, hashes: Seque
         return Loads(prompt_tokens, prefill_queue, None)
     cached = {c.node_id: min(prompt_tokens, placement.cached_tokens(c, hashes)) for c in local}
     best = min(local, key=lambda c: (placement.load(c) - cached[c.node_id], c.node_id))
-    return Loads(prompt_tokens, prefill_queue, placement.load(best), cached[best.node_id])
+    return Loads(prompt_tokens, prefill_queue, placement.load(best), cached[best.node_id], len(local))

@@ -33,7 +33,7 @@ from functools import partial
 from pdserve.proto import pdserve_pb2
 from pdserve.router.dispatch.asks import NodeAsks
 from pdserve.router.dispatch.driver import SampleDriver
-from pdserve.router.dispatch.hybrid import Disaggregation, Loads, PrefillChoice, local_loads
+from pdserve.router.dispatch.hybrid import Disaggregation, HybridRouting, Loads, PrefillChoice, local_loads
 from pdserve.router.errors import NeedsNodes, NoNodeAvailable
 from pdserve.router.requests.beam_results import BeamResults
 from pdserve.router.requests.merge import Put, merged
@@ -61,7 +61,8 @@ class Orchestrator:
         self._local_placement = ColocatedPlacement(config.exhausted_cooldown_s, state.clock,
                                                    blocks=state.decode_placement, affinity=PrefixAffinity.for_router(config))
         self._local = LocalPrefillRoute(self._local_placement)
-        self._prefill_choice = PrefillChoice(Disaggregation(config.disaggregation), config.local_prefill_max_tokens)
+        self._hybrid = HybridRouting(PrefillChoice(Disaggregation(config.disaggregation), config.local_prefill_max_tokens,
+                                                   config.local_prefill_tokens_per_s), state.clock)
         self._disaggregated = DisaggregatedRoute(state.decode_placement, state.prefill_placement,
                                                  config.ready_timeout_s, config.prefill_timeout_s,
                                                  local_affinity=self._local_placement.affinity)
@@ -89,9 +90,9 @@ class Orchestrator:
         registry = self.state.registry
         if registry.live(NodeKind.COLOCATED):
             return self._colocated
-        if self._prefill_choice.local(self._loads(prompt_token_ids)):
+        if self._hybrid.local(self._loads(prompt_token_ids)):
             return self._local
-        if self._prefill_choice.mode is Disaggregation.NEVER:
+        if self._hybrid.choice.mode is Disaggregation.NEVER:
             raise NoNodeAvailable("no decode node started with --local-prefill is live, and no colocated node "
                                   "(--disaggregation never computes no prompt on the prefill pool)")
         missing = [kind.value for kind in (NodeKind.PREFILL, NodeKind.DECODE) if not registry.live(kind)]

@@ -14,7 +14,7 @@ import pytest
 from pdserve.router.config import RouterConfig
 from pdserve.router.cluster.placement import DecodePlacement, PrefillPlacement
 from pdserve.router.cluster.registry import NodeKind, NodeRegistry
-from pdserve.router.dispatch.hybrid import Disaggregation, Loads, PrefillChoice
+from pdserve.router.dispatch.hybrid import Disaggregation, HybridRouting, Loads, PrefillChoice, PromptBudget
 from pdserve.router.dispatch.orchestrator import Orchestrator
 from pdserve.router.dispatch.routes import DisaggregatedRoute, Load, LocalPrefillRoute
 from pdserve.router.dispatch.state import RouterState
@@ -54,7 +54,7 @@ def stats(queued: int) -> node_pb2.NodeStats:
 @pytest.fixture
 def cluster(tiny_llama):
     """An orchestrator over a registry with one prefill node and two decode nodes, one that can prefill."""
-    def make(mode: str, local_queue: int = 0, prefill_queue: int = 0):
+    def make(mode: str, local_queue: int = 0, prefill_queue: int = 0, tokens_per_s: float | None = None):
         registry = NodeRegistry(heartbeat_timeout_s=3.0, channel_close_grace_s=0.1, channel_factory=lambda _: None)
         registry.register(NodeKind.PREFILL, "127.0.0.1:7001", "p0")
         registry.register(NodeKind.DECODE, "127.0.0.1:7002", "d0")
@@ -62,7 +62,7 @@ def cluster(tiny_llama):
         registry.heartbeat("p0", stats(prefill_queue))
         registry.heartbeat("d1", stats(local_queue))
         config = dataclasses.replace(RouterConfig(model=str(tiny_llama)), disaggregation=mode,
-                                     local_prefill_max_tokens=64)
+                                     local_prefill_max_tokens=64, local_prefill_tokens_per_s=tokens_per_s)
         state = RouterState(config, load_router_model(tiny_llama), registry, DecodePlacement(1.0),
                             PrefillPlacement(8, 0, 16))
         return registry, Orchestrator(state)
@@ -94,6 +94,8 @@ def test_a_bad_disaggregation_mode_or_bound_names_the_flag():
         RouterConfig(model="m", disaggregation="sometimes")
     with pytest.raises(ValueError, match="^local_prefill_max_tokens must be >= 0, got -1$"):
         RouterConfig(model="m", local_prefill_max_tokens=-1)
+    with pytest.raises(ValueError, match="^local_prefill_tokens_per_s must be > 0, got 0$"):
+        RouterConfig(model="m", local_prefill_tokens_per_s=0)
 
 
 def test_a_prompt_whose_prefix_a_decode_node_imported_is_prefilled_there(cluster):
@@ -109,3 +111,60 @@ def test_a_prompt_whose_prefix_a_decode_node_imported_is_prefilled_there(cluster
     second = first + list(range(100, 120))  # 68 tokens, 20 of them new: 30 + 20 <= 64
     assert isinstance(router.choose_route(second), LocalPrefillRoute)
     assert isinstance(router.choose_route(list(range(200, 268))), DisaggregatedRoute)  # 68 new ones
+
+
+class Clock:
+    def __init__(self) -> None:
+        self.t = 0.0
+
+    def __call__(self) -> float:
+        return self.t
+
+
+def test_the_prompt_budget_fills_at_its_rate_per_node_up_to_its_depth():
+    clock = Clock()
+    budget = PromptBudget(100.0, depth=200, clock=clock)
+    assert budget.allows(200, nodes=1)  # full at the first look
+    budget.take(150)
+    assert budget.allows(50, nodes=1) and not budget.allows(51, nodes=1)
+    clock.t = 0.5
+    assert budget.allows(100, nodes=1) and not budget.allows(101, nodes=1)  # + 0.5 s x 100 tokens/s
+    clock.t = 10.0
+    assert budget.allows(201, nodes=1)  # full (200): any prompt
+    budget.take(500)  # a long prompt taken when full: 300 tokens of debt
+    clock.t = 13.0
+    assert not budget.allows(1, nodes=1)  # 3 s repaid 300, nothing more
+    clock.t = 13.5
+    assert budget.allows(100, nodes=2) and not budget.allows(101, nodes=2)  # two nodes: twice the rate
+    assert PromptBudget(None, depth=200, clock=clock).allows(10**6, nodes=1)  # unset: no bound
+
+
+def test_auto_keeps_its_decode_nodes_within_the_prompt_budget_and_charges_what_it_sends():
+    """A budget of 100 tokens a second, as deep as the 200-token bound: short prompts go to the idle
+    decode node until the budget is spent, then to the prefill pool, until it refills."""
+    clock = Clock()
+    hybrid = HybridRouting(PrefillChoice(Disaggregation.AUTO, max_local_tokens=200, local_tokens_per_s=100.0), clock)
+    loads = Loads(80, prefill_queue=0, local_queue=0)
+    assert [hybrid.local(loads) for _ in range(3)] == [True, True, False]  # 80 + 80; 40 left < 80
+    clock.t = 0.4  # + 40 tokens: 80
+    assert hybrid.local(loads)
+    assert not hybrid.local(Loads(10, prefill_queue=0, local_queue=0))  # nothing left
+    # Only the tokens the node lacks are charged, and a pool further behind does not lift the budget.
+    clock.t = 2.4  # full again: 200
+    assert hybrid.local(Loads(300, prefill_queue=0, local_queue=0, local_cached_tokens=120))  # 180 new
+    assert not hybrid.local(Loads(30, prefill_queue=10_000, local_queue=0))  # 20 left
+    # A prompt longer than the depth goes when the bucket is full (the pool further behind), once.
+    clock.t = 10.0
+    assert hybrid.local(Loads(500, prefill_queue=10_000, local_queue=0))
+    clock.t = 12.0  # 300 of debt less 200 repaid
+    assert not hybrid.local(Loads(1, prefill_queue=10_000, local_queue=0))
+    # `never` and a cluster without a prefill node send the prompt to the decode node regardless.
+    never = HybridRouting(PrefillChoice(Disaggregation.NEVER, 200, local_tokens_per_s=1.0), clock)
+    assert all(never.local(Loads(500, prefill_queue=0, local_queue=0)) for _ in range(3))
+    assert hybrid.local(Loads(500, prefill_queue=None, local_queue=0))
+
+
+def test_the_router_reads_its_prompt_budget_from_its_config(cluster):
+    registry, router = cluster("auto", local_queue=0, tokens_per_s=10.0)  # as deep as the 64-token bound
+    assert isinstance(router.choose_route([1] * 40), LocalPrefillRoute)
+    assert isinstance(router.choose_route([1] * 40), DisaggregatedRoute)  # 24 left; the router's clock barely moved

@@ -52,8 +52,14 @@ def test_plan_prints_the_ranking_and_writes_the_recommendation(planned, tmp_path
     assert best["command"][:2] == ["pdserve", "cluster"] and best["mode"] in ("colocated", "disaggregated", "hybrid")
     assert best["predicted_goodput_rps"] > 0
     assert set(best["predicted"]) == {"ttft_p90_s", "tpot_p90_s"}
-    # colocated x1, colocated x2, 1P1D and its hybrid at the router's bound; one knob setting
-    assert [c["mode"] for c in report["candidates"]].count("hybrid") == 1 and len(report["candidates"]) == 4
+    # colocated x1, colocated x2, 1P1D and its hybrid at the router's bound, without a prompt budget
+    # and with 1, 1/2 and 1/4 of what the 0.5 s TPOT leaves its decode node; one knob setting
+    hybrids = [c for c in report["candidates"] if c["mode"] == "hybrid"]
+    assert len(hybrids) == 4 and len(report["candidates"]) == 7
+    budgets = sorted((c["command"][c["command"].index("--router-args") + 1] for c in hybrids), key=len)
+    assert budgets[0] == "--disaggregation auto --local-prefill-max-tokens 256"
+    rates = sorted(float(b.split()[-1]) for b in budgets[1:])
+    assert rates[0] > 0 and rates[2] == pytest.approx(4 * rates[0], abs=2)  # rounded to whole tokens
     assert report["candidates"][0]["command"] == best["command"]
     # At its goodput rate at least 90% of requests meet both SLOs. (Its P90s may lie a little above
     # them: a percentile interpolates between the last request that met the SLO and the next.)

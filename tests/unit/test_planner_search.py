@@ -12,7 +12,9 @@ from pdserve.bench.serve.sweep import SweepConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.cli import main, unattainable
 from pdserve.planner.goodput import Traffic
-from pdserve.planner.search import Candidate, Knobs, Layout, evaluate, layouts, ranked
+from pdserve.planner.search import (
+    Candidate, Knobs, Layout, evaluate, layouts, ranked, tpot_prompt_budget, with_prompt_budgets,
+)
 from tests.unit.planner_profiles import synthetic_profile
 
 BASE = EngineConfig(model="synthetic", dtype="float32", num_blocks=4096)
@@ -169,3 +171,34 @@ def test_every_probe_is_a_sustained_load_with_the_same_requests_at_every_rate():
     assert [(r.prompt_token_ids, r.output_len) for r in high[:10]] == [(r.prompt_token_ids, r.output_len) for r in low]
     # The bench's arrival pattern: the same intervals scaled by 1/rate.
     assert [r.arrival_s for r in high[:10]] == pytest.approx([r.arrival_s / 4 for r in low])
+
+
+def test_the_tpot_budget_is_the_share_of_its_time_a_decode_node_can_give_times_its_prefill_speed():
+    """One decode step over a 256-token context: 5 ms + 1 ms = 6 ms; a 256-token chunk: 0.261 s.
+    Under a 30 ms TPOT the node can give 1 - 6/30 = 80% of its time: 0.8 x 256 / 0.261 tokens/s."""
+    per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
+    assert tpot_prompt_budget(per_core, 0.03) == pytest.approx(0.8 * 256 / 0.261)
+    assert tpot_prompt_budget(per_core, 0.006) is None  # one step takes the whole target
+    assert tpot_prompt_budget(per_core, None) is None
+    hybrid = Layout(prefill=1, prefill_cores=1, decode=1, decode_cores=1, local_prefill_max_tokens=256)
+    tried = with_prompt_budgets(list(layouts(2, (256,))), {(1, 1): per_core, (2, 1): per_core}, 0.03)
+    assert [lay.local_prefill_tokens_per_s for lay in tried if lay.mode == "hybrid"] == [None, 785, 392, 196]
+    assert tried[-1].describe() == "1P (1 core) + 1D (1 core) hybrid<=256 196 tok/s"
+    assert with_prompt_budgets([hybrid], {(1, 1): per_core}, None) == [hybrid]
+    argv = Candidate(tried[-1], Knobs(512, 64)).command("/m", "float32", 16)
+    assert argv[argv.index("--router-args") + 1] == ("--disaggregation auto --local-prefill-max-tokens 256 "
+                                                     "--local-prefill-tokens-per-s 196")
+
+
+def test_under_a_tight_tpot_the_budgeted_hybrid_serves_more_than_the_unbounded_one():
+    """Prompts of 64 and 256 tokens under a 20 ms TPOT (a decode step is 6 ms): the unbounded hybrid's
+    decode node computes every short prompt it can, each a stall of 70 ms or more, and its streams
+    miss the TPOT; a quarter of the TPOT budget keeps them within it."""
+    per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
+    profiles = {(1, 1): per_core, (2, 1): per_core}
+    hybrids = [lay for lay in with_prompt_budgets(list(layouts(2, (256,))), profiles, 0.02) if lay.mode == "hybrid"]
+    unbounded, quarter = hybrids[0], hybrids[-1]
+    goodput = {lay: evaluate(Candidate(lay, Knobs(512, 64)), BASE, profiles, mix(64, 256, 64),
+                             Slo(ttft_s=1.0, tpot_s=0.02), SWEEP, 4096).prediction.goodput_rps
+               for lay in (unbounded, quarter)}
+    assert goodput[quarter] > 1.5 * goodput[unbounded] > 0
