@@ -15,9 +15,9 @@ and registers saying so. `--disaggregation` picks, per request:
   off the nodes that stream tokens.
 
 `--local-prefill-tokens-per-s R` bounds `auto` by time as well: the decode nodes may compute at
-most R prompt tokens a second each for themselves, over and above one bound's worth at once (a
-token bucket, `PromptBudget`, as deep as `--local-prefill-max-tokens`; a longer prompt the pool's
-queue sends there goes only when the bucket is full). The token bound limits
+most R prompt tokens a second each for themselves, and one bound's worth at once (a token
+bucket, `PromptBudget`, as deep as `--local-prefill-max-tokens`; so with a budget no prompt
+longer than the bound goes there, even when the prefill pool is further behind). The token bound limits
 how long one prompt stalls a node's streams; the budget limits how often, which is what a TPOT
 target needs: a decode node that spends a share F of its time on prompts stretches its streams'
 time per token by about 1/(1-F), so F = 1 - (decode step / TPOT target) is the most it could
@@ -93,8 +93,9 @@ class PrefillChoice:
 class PromptBudget:
     """A token bucket of the prompt tokens decode nodes compute for themselves: it fills at
     `tokens_per_s` per live node up to `depth` tokens per node (the token bound), and each local
-    prompt takes its new tokens out. A prompt longer than what is left goes only when the bucket
-    is full, and leaves it in debt that the rate pays back before the next. None: unbounded."""
+    prompt takes its new tokens out; a prompt goes only if they are left. So no prompt longer than
+    the bound reaches a decode node, not even when the prefill pool is further behind: under a
+    TPOT target that one stall would cost more than the pool's wait. None: unbounded."""
 
     def __init__(self, tokens_per_s: float | None, depth: int, clock: Callable[[], float]) -> None:
         self._rate = tokens_per_s
@@ -114,7 +115,7 @@ class PromptBudget:
         else:
             self._level = min(capacity, self._level + (now - self._at) * self._rate * nodes)
         self._at = now
-        return tokens <= self._level or self._level >= capacity
+        return tokens <= self._level
 
     def take(self, tokens: int) -> None:
         if self._rate is not None and self._level is not None:

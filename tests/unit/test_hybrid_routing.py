@@ -130,11 +130,9 @@ def test_the_prompt_budget_fills_at_its_rate_per_node_up_to_its_depth():
     clock.t = 0.5
     assert budget.allows(100, nodes=1) and not budget.allows(101, nodes=1)  # + 0.5 s x 100 tokens/s
     clock.t = 10.0
-    assert budget.allows(201, nodes=1)  # full (200): any prompt
-    budget.take(500)  # a long prompt taken when full: 300 tokens of debt
-    clock.t = 13.0
-    assert not budget.allows(1, nodes=1)  # 3 s repaid 300, nothing more
-    clock.t = 13.5
+    assert budget.allows(200, nodes=1) and not budget.allows(201, nodes=1)  # capped at the depth
+    budget.take(200)
+    clock.t = 10.5
     assert budget.allows(100, nodes=2) and not budget.allows(101, nodes=2)  # two nodes: twice the rate
     assert PromptBudget(None, depth=200, clock=clock).allows(10**6, nodes=1)  # unset: no bound
 
@@ -153,11 +151,9 @@ def test_auto_keeps_its_decode_nodes_within_the_prompt_budget_and_charges_what_i
     clock.t = 2.4  # full again: 200
     assert hybrid.local(Loads(300, prefill_queue=0, local_queue=0, local_cached_tokens=120))  # 180 new
     assert not hybrid.local(Loads(30, prefill_queue=10_000, local_queue=0))  # 20 left
-    # A prompt longer than the depth goes when the bucket is full (the pool further behind), once.
+    # With a budget no prompt longer than the bound goes, however far behind the pool is.
     clock.t = 10.0
-    assert hybrid.local(Loads(500, prefill_queue=10_000, local_queue=0))
-    clock.t = 12.0  # 300 of debt less 200 repaid
-    assert not hybrid.local(Loads(1, prefill_queue=10_000, local_queue=0))
+    assert not hybrid.local(Loads(201, prefill_queue=10_000, local_queue=0))
     # `never` and a cluster without a prefill node send the prompt to the decode node regardless.
     never = HybridRouting(PrefillChoice(Disaggregation.NEVER, 200, local_tokens_per_s=1.0), clock)
     assert all(never.local(Loads(500, prefill_queue=0, local_queue=0)) for _ in range(3))
