@@ -127,8 +127,8 @@ def _budget_args(args: argparse.Namespace, model_dir: str, slo: Slo) -> tuple[st
     return ("--disaggregation", "auto", "--local-prefill-tokens-per-s", str(round(rate * args.budget_fraction)))
 
 
-def _kv_share(router: str, rng: random.Random, prompt_len: int, repeats: int = 3) -> dict:
-    prompts = [[rng.randrange(1, 1700) for _ in range(prompt_len)] for _ in range(repeats)]
+def _kv_share(router: str, rng: random.Random, prompt_len: int, vocab_size: int, repeats: int = 3) -> dict:
+    prompts = [[rng.randrange(1, vocab_size) for _ in range(prompt_len)] for _ in range(repeats)]
     runs = [one_request(router, prompt, 4, None) for prompt in prompts]
     ttft = statistics.median(r["client_ttft_s"] for r in runs)
     transfer = statistics.median(r["kv_transfer_after_token1_s"] for r in runs)
@@ -176,7 +176,7 @@ def _measure_on(cluster: ClusterProcess, arch: Architecture, args: argparse.Name
     print(f"{arch.name}: unloaded TTFT p50 {unloaded.summary.ttft_s.p50 * 1e3:.0f} ms, "
           f"TPOT p50 {unloaded.summary.tpot_s.p50 * 1e3:.0f} ms", flush=True)
     if arch.key == "disaggregated":  # the KV transfer share of the pair that always moves it
-        result["kv_share"] = _kv_share(cluster.router, random.Random(args.seed), high)
+        result["kv_share"] = _kv_share(cluster.router, random.Random(args.seed), high, limits.vocab_size)
     result["sweeps"] = {}
     for phase, (slo_name, slo) in enumerate(slos.items(), start=first_phase):
         bench = ServeBench(backend, workload(phase), RunLength(num_requests=args.num_requests), 1.0,
