@@ -107,7 +107,8 @@ def _slo(text: str) -> Slo:
 
 
 @contextmanager
-def _cluster(arch: Architecture, model_dir: str, chunk: int, router_args: tuple[str, ...] = ()) -> Iterator[ClusterProcess]:
+def _cluster(arch: Architecture, model_dir: str, chunk: int,
+             router_args: tuple[str, ...] = ()) -> Iterator[ClusterProcess]:
     node_args = ("--num-blocks", "4096", "--max-num-batched-tokens", str(chunk), "--max-num-seqs", "64")
     extra = ("--router-args", shlex.join(router_args)) if router_args else ()
     with local_cluster(model_dir, arch.pools, node_args, extra, kind_args=dict(arch.kind_args)) as cluster:

@@ -17,17 +17,17 @@ and registers saying so. `--disaggregation` picks, per request:
 `--local-prefill-tokens-per-s R` bounds `auto` by time as well: the decode nodes may compute at
 most R prompt tokens a second each for themselves, and one bound's worth at once (a token
 bucket, `PromptBudget`, as deep as `--local-prefill-max-tokens`; so with a budget no prompt
-longer than the bound goes there, even when the prefill pool is further behind). The token bound limits
-how long one prompt stalls a node's streams; the budget limits how often, which is what a TPOT
-target needs: a decode node that spends a share F of its time on prompts stretches its streams'
-time per token by about 1/(1-F), so F = 1 - (decode step / TPOT target) is the most it could
-give, and less is needed for the slow tail. `pdserve plan` tries rates from that share and the
-node's measured prefill speed; unset, there is no such bound.
+longer than the bound goes there, even when the prefill pool is further behind). The bound
+limits how long one prompt stalls a node's streams; the budget limits how often, which is what
+a TPOT target needs: a decode node that spends a share F of its time on prompts stretches its
+streams' time per token by about 1/(1-F), so F = 1 - (decode step / TPOT target) is the most it
+could give, and less is needed for the slow tail. `pdserve plan` tries rates from that share
+and the node's measured prefill speed; unset, there is no such bound.
 
 `PrefillChoice` is pure: it decides from the token counts it is given (`Loads`, which
-`local_loads` gathers the same way for the router and the planner's simulator) and the budget's
-level. `HybridRouting` is the one stateful part: the budget, on the clock it is given (the
-router's, or the simulator's).
+`local_loads` gathers the same way for the router and the planner's simulator) and whether the
+budget allows the prompt. `HybridRouting` is the one stateful part: the budget, on the clock it
+is given (the router's, or the simulator's).
 """
 
 from __future__ import annotations

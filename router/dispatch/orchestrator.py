@@ -61,8 +61,9 @@ class Orchestrator:
         self._local_placement = ColocatedPlacement(config.exhausted_cooldown_s, state.clock,
                                                    blocks=state.decode_placement, affinity=PrefixAffinity.for_router(config))
         self._local = LocalPrefillRoute(self._local_placement)
-        self._hybrid = HybridRouting(PrefillChoice(Disaggregation(config.disaggregation), config.local_prefill_max_tokens,
-                                                   config.local_prefill_tokens_per_s), state.clock)
+        choice = PrefillChoice(Disaggregation(config.disaggregation), config.local_prefill_max_tokens,
+                               config.local_prefill_tokens_per_s)
+        self._hybrid = HybridRouting(choice, state.clock)
         self._disaggregated = DisaggregatedRoute(state.decode_placement, state.prefill_placement,
                                                  config.ready_timeout_s, config.prefill_timeout_s,
                                                  local_affinity=self._local_placement.affinity)

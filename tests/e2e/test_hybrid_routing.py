@@ -43,7 +43,8 @@ def test_auto_prefills_short_prompts_on_the_decode_node_within_its_budget_and_lo
     prompts.append(prompts[1] + [rng.randrange(1, 900) for _ in range(NEXT_TURN)])
     prompts.append([rng.randrange(1, 900) for _ in range(SHORT)])
     refs = greedy_references(str(tiny_llama), prompts, [NEW_TOKENS] * 4)
-    router_args = ("--disaggregation", "auto", "--local-prefill-max-tokens", "48", "--local-prefill-tokens-per-s", "0.001")
+    router_args = ("--disaggregation", "auto", "--local-prefill-max-tokens", "48",
+                   "--local-prefill-tokens-per-s", "0.001")
     with running_cluster(str(tiny_llama), 1, 1, NodeSettings(), router_args=router_args,
                          decode_args=("--local-prefill",), metrics=True) as cluster:
         short, long = (asyncio.run(generate(cluster.router, p)) for p in prompts[:2])

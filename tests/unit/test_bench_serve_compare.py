@@ -18,8 +18,9 @@ def test_each_hybrid_is_set_against_the_better_pure_mode():
                "hybrid": result(**{"tpot-tight": 2.0, "ttft-tight": None}),
                "hybrid-budget": result(**{"tpot-tight": 5.0, "ttft-tight": 4.0})}
     lines = _summary_lines(results, slos, 0.9)
-    assert lines[1] == ("  tpot-tight (TTFT 4 s, TPOT 0.035 s): disaggregated 4 (1.33x), colocated 3, hybrid 2 (0.67x), "
-                        "hybrid-budget 5 (1.67x); hybrid/best pure 0.50x; hybrid-budget/best pure 1.25x")
+    assert lines[1] == ("  tpot-tight (TTFT 4 s, TPOT 0.035 s): disaggregated 4 (1.33x), colocated 3, "
+                        "hybrid 2 (0.67x), hybrid-budget 5 (1.67x); hybrid/best pure 0.50x; "
+                        "hybrid-budget/best pure 1.25x")
     assert lines[2].endswith("; hybrid/best pure 0.00x; hybrid-budget/best pure 0.80x")
 
 
