@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import shlex
+import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -232,8 +233,23 @@ def cluster_parser() -> argparse.ArgumentParser:
     return p
 
 
+# The flags whose value is other processes' flags, one quoted string.
+PASS_THROUGH_FLAGS = ("--router-args", "--prefill-args", "--decode-args", "--colocated-args")
+
+
+def _attach_pass_through_values(argv: Sequence[str]) -> list[str]:
+    """`--decode-args --local-prefill` as `--decode-args=--local-prefill`: argparse takes a lone
+    value that starts with `--` for a flag of its own and refuses the line ("expected one
+    argument"), though it is what the user meant."""
+    out, items = [], iter(argv)
+    for arg in items:
+        value = next(items, None) if arg in PASS_THROUGH_FLAGS else None
+        out.append(arg if value is None else f"{arg}={value}")
+    return out
+
+
 def config_from_args(argv: Sequence[str] | None) -> ClusterConfig:
-    args = cluster_parser().parse_args(argv)
+    args = cluster_parser().parse_args(_attach_pass_through_values(sys.argv[1:] if argv is None else argv))
     default_pool_size = 0 if args.colocated else 1
     return ClusterConfig(
         model=args.model, host=args.host, port=args.port, dtype=args.dtype, block_size=args.block_size,

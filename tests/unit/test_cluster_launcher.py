@@ -183,6 +183,17 @@ def test_pool_args_are_one_quoted_string_each():
     assert config.decode_args == ("--max-num-seqs", "128", "--num-blocks", "4096")
 
 
+def test_a_pool_arg_of_one_flag_is_taken_as_that_pools_flag():
+    """The README's `--decode-args "--local-prefill"`: argparse alone reads the lone `--local-prefill`
+    as a flag of the launcher's and refuses the line."""
+    config = config_from_args(["--decode-args", "--local-prefill", "--router-args", "--disaggregation=never",
+                               "--prefill-args=--max-num-seqs 8", "--colocated-args", ""])
+    assert config.decode_args == ("--local-prefill",)
+    assert config.router_args == ("--disaggregation=never",)
+    assert config.prefill_args == ("--max-num-seqs", "8")
+    assert config.colocated_args == ()
+
+
 def test_threads_split_the_cores_unless_the_pool_sets_them(monkeypatch):
     monkeypatch.setattr("os.cpu_count", lambda: 8)
     plan = build_plan(ClusterConfig(num_prefill=1, num_decode=3, decode_args=("--threads=2",)), "/m", 1)
