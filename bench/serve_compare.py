@@ -32,6 +32,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import uvloop
 
@@ -46,6 +47,9 @@ from pdserve.bench.serve.runner import RunLength, ServeBench
 from pdserve.bench.serve.sweep import SweepConfig, find_max_rate
 from pdserve.bench.serve.workloads import SyntheticWorkload, UniformLengths
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE
+
+if TYPE_CHECKING:
+    from pdserve.planner.profile import Profile
 
 NUM_DEVICES = 2  # cores 0 and 1: the same two "devices" for both architectures
 UNLOADED_RATE = 0.1  # requests/s: one at a time, nearly always
@@ -115,17 +119,22 @@ def _cluster(arch: Architecture, model_dir: str, chunk: int,
         yield cluster
 
 
-def _budget_args(args: argparse.Namespace, model_dir: str, slo: Slo) -> tuple[str, ...]:
-    """The budgeted hybrid's router flags under `slo`: `pdserve plan`'s rate for its decode node."""
+def _decode_profile(args: argparse.Namespace, model_dir: str) -> Profile:
+    """The decode node's profile (one core), from `pdserve profile`'s cache or measured now."""
     from pdserve.planner.profile import ProfileCache
     from pdserve.planner.profile_cli import profiles_for
-    from pdserve.planner.search import tpot_prompt_budget
 
-    profile = profiles_for(model_dir, [(1, 1)], "auto", DEFAULT_BLOCK_SIZE, ProfileCache(args.profile_dir))[(1, 1)]
-    rate = tpot_prompt_budget(profile, slo.tpot_s)
-    if rate is None or round(rate * args.budget_fraction) < 1:
+    return profiles_for(model_dir, [(1, 1)], "auto", DEFAULT_BLOCK_SIZE, ProfileCache(args.profile_dir))[(1, 1)]
+
+
+def _budget_args(profile: Profile, fraction: float, slo: Slo) -> tuple[str, ...]:
+    """The budgeted hybrid's router flags under `slo`: `pdserve plan`'s rate for its decode node."""
+    from pdserve.planner.search import budget_rates
+
+    rates = budget_rates(profile, slo.tpot_s, (fraction,))
+    if not rates:
         return ("--disaggregation", "always")  # no time to give: every prompt on the prefill pool
-    return ("--disaggregation", "auto", "--local-prefill-tokens-per-s", str(round(rate * args.budget_fraction)))
+    return ("--disaggregation", "auto", "--local-prefill-tokens-per-s", str(rates[0]))
 
 
 def _kv_share(router: str, rng: random.Random, prompt_len: int, vocab_size: int, repeats: int = 3) -> dict:
@@ -144,8 +153,9 @@ def _measure(arch: Architecture, args: argparse.Namespace, model_dir: str, slos:
         with _cluster(arch, model_dir, args.chunk) as cluster:
             return _measure_on(cluster, arch, args, slos)
     result: dict = {"architecture": arch.name, "sweeps": {}, "router_args": {}}
+    profile = _decode_profile(args, model_dir)
     for slo_name, slo in slos.items():
-        router_args = _budget_args(args, model_dir, slo)
+        router_args = _budget_args(profile, args.budget_fraction, slo)
         print(f"{arch.name} / {slo_name}: router {shlex.join(router_args)}", flush=True)
         with _cluster(arch, model_dir, args.chunk, router_args) as cluster:
             one = _measure_on(cluster, arch, args, {slo_name: slo}, first_phase=3 + list(slos).index(slo_name))
@@ -225,10 +235,9 @@ def _summary_lines(results: dict[str, dict], slos: dict[str, Slo], attainment: f
                  for key, value in goodput.items()]
         line = f"  {slo_name:10s} (TTFT {slo.ttft_s:g} s, TPOT {slo.tpot_s:g} s): " + ", ".join(cells)
         pure = [v for k, v in goodput.items() if k in ("colocated", "disaggregated")]
-        for hybrid in (k for k in goodput if k.startswith("hybrid")):
-            if pure:
-                best = max(pure)
-                line += f"; {hybrid}/best pure {goodput[hybrid] / best:.2f}x" if best else "; no pure mode met the SLOs"
+        best = max(pure, default=None)
+        for hybrid in (k for k in goodput if k.startswith("hybrid") and best is not None):
+            line += f"; {hybrid}/best pure {goodput[hybrid] / best:.2f}x" if best else "; no pure mode met the SLOs"
         lines.append(line)
     return lines
 

@@ -208,18 +208,25 @@ def tpot_prompt_budget(profile: Profile, tpot_slo: float | None) -> float | None
 BUDGET_FRACTIONS = (1.0, 0.5, 0.25)
 
 
+def budget_rates(profile: Profile, tpot_slo: float | None, fractions: tuple[float, ...]) -> list[int]:
+    """`--local-prefill-tokens-per-s` values: each of `fractions` of `tpot_prompt_budget`, in whole
+    tokens, those of at least one."""
+    rate = tpot_prompt_budget(profile, tpot_slo)
+    if rate is None:
+        return []
+    return [r for r in (round(rate * f) for f in fractions) if r > 0]
+
+
 def with_prompt_budgets(layouts: list[Layout], profiles: dict[tuple[int, int], Profile],
                         tpot_slo: float | None) -> list[Layout]:
     """Every layout, each hybrid followed by its copies bounded by `BUDGET_FRACTIONS` of the TPOT
-    budget of its decode nodes (`tpot_prompt_budget`) when there is one."""
+    budget of its decode nodes (`budget_rates`) when there is one."""
     out = []
     for lay in layouts:
         out.append(lay)
         if lay.mode == "hybrid" and lay.local_prefill_tokens_per_s is None:
-            rate = tpot_prompt_budget(profiles[(lay.decode_cores, lay.decode_tp)], tpot_slo)
-            if rate is not None:
-                out += [replace(lay, local_prefill_tokens_per_s=round(rate * f)) for f in BUDGET_FRACTIONS
-                        if round(rate * f) > 0]
+            rates = budget_rates(profiles[(lay.decode_cores, lay.decode_tp)], tpot_slo, BUDGET_FRACTIONS)
+            out += [replace(lay, local_prefill_tokens_per_s=rate) for rate in rates]
     return out
 
 

@@ -132,8 +132,6 @@ class HybridRouting:
     def local(self, loads: Loads) -> bool:
         """`PrefillChoice.local` within the budget; a prompt sent to a decode node is charged to
         it whatever the mode, so the budget counts all the prompt work the decode nodes do."""
-        if loads.local_queue is None:
-            return False
         if not self.choice.local(loads, self._budget.allows(loads.local_new_tokens, loads.local_nodes)):
             return False
         self._budget.take(loads.local_new_tokens)

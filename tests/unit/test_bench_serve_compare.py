@@ -4,7 +4,8 @@ against the better pure mode under every SLO."""
 from __future__ import annotations
 
 from pdserve.bench.serve.metrics import Slo
-from pdserve.bench.serve_compare import _parser, _summary_lines
+from pdserve.bench.serve_compare import _budget_args, _parser, _summary_lines
+from tests.unit.planner_profiles import synthetic_profile
 
 
 def result(**goodput_by_slo: float | None) -> dict:
@@ -26,3 +27,12 @@ def test_each_hybrid_is_set_against_the_better_pure_mode():
 
 def test_the_budgeted_hybrid_runs_only_when_asked_for():
     assert _parser().parse_args([]).architectures == "disaggregated,colocated,hybrid"
+
+
+def test_the_budgeted_hybrids_router_flags_are_the_planners_rate_for_each_slo():
+    """A 6 ms decode step under a 30 ms TPOT: 0.8 x 256 / 0.261 s = 785 tokens/s, a quarter 196;
+    a TPOT one step fills leaves nothing, and every prompt goes to the prefill pool."""
+    profile = synthetic_profile(base_s=0.005, per_token_s=0.001)
+    assert _budget_args(profile, 0.25, Slo(4.0, 0.03)) == (
+        "--disaggregation", "auto", "--local-prefill-tokens-per-s", "196")
+    assert _budget_args(profile, 0.25, Slo(4.0, 0.006)) == ("--disaggregation", "always")
