@@ -1,7 +1,7 @@
 """Disaggregated 1P1D (one core each), colocated, and hybrid on the same two cores: goodput per SLO.
 
     pdserve bench serve-compare [--model-dir DIR] [--num-requests 24] [--out-dir results/serve_compare]
-                                [--architectures disaggregated,colocated,hybrid,hybrid-budget]
+                                [--architectures disaggregated,colocated,hybrid,hybrid-budget,hybrid-pool]
 
 One run, one workload, one client: for each architecture, start it on cores 0 and 1
 (the router shares core 1), warm it up, measure the unloaded TTFT/TPOT, then bisect for
@@ -12,7 +12,10 @@ the router choosing per request (`--disaggregation auto`, router/dispatch/hybrid
 budgeted hybrid (`hybrid-budget`, not run unless asked for) adds the router's prompt budget,
 `--local-prefill-tokens-per-s`, set for each SLO as `pdserve plan` sets it:
 `--budget-fraction` of what the TPOT target leaves the decode node by its profile (measured
-once and cached, as `pdserve profile` does); so it runs one cluster per SLO.
+once and cached, as `pdserve profile` does); so it runs one cluster per SLO. The hybrid pool
+(`hybrid-pool`, not run unless asked for) is two decode nodes that are prefill nodes too
+(`--serve-prefill`, one core each): colocated, and moving a prompt's KV when another node has
+more room to decode it.
 On the disaggregated cluster it also measures the KV transfer's share of TTFT (the
 transfer time left after token 1, one request at a time). Prints a table of goodputs,
 each architecture's over colocated's, and whether the hybrid reached the better of the
@@ -72,6 +75,9 @@ ARCHITECTURES = {a.key: a for a in (
                  (("decode", ("--local-prefill",)),)),
     Architecture("hybrid-budget", "hybrid 1P1D auto, TPOT budget", PAIR, (("decode", ("--local-prefill",)),),
                  tpot_budget=True),
+    Architecture("hybrid-pool", "2 decode nodes that serve prefill, auto",
+                 ("--prefill", "0", "--decode", "2", "--decode-cores", "0-1", "--router-cores", "1",
+                  "--router-args", "--disaggregation auto"), (("decode", ("--serve-prefill",)),)),
 )}
 DEFAULT_ARCHITECTURES = "disaggregated,colocated,hybrid"
 

@@ -7,7 +7,8 @@ detokenizes, which then calls `abort`.
 
 Every sampled token becomes one `EngineCoreOutput`. A request leaves the engine through
 one of them — finished (`finish_reason`, and `stop_token_id` when a stop token ended it)
-or, under a policy that hands requests off (a prefill node), at its first token with
+or, when it hands off (`Request.hands_off`: every request under a prefill node's policy, and a
+prompt a decode node with --serve-prefill computes for another), at its first token with
 its blocks still held (`handoff_blocks`) — or through `abort` (blocks freed) or
 `detach` (blocks returned to the caller, still held).
 
@@ -177,11 +178,14 @@ class EngineCore:
 
     def add_request(
         self, req_id: str, prompt_token_ids: list[int], params: SamplingParams, sample_index: int = 0,
-        resumed_token_ids: Sequence[int] = (), forks: Sequence[PendingFork] = (),
+        resumed_token_ids: Sequence[int] = (), forks: Sequence[PendingFork] = (), hands_off: bool | None = None,
     ) -> Request:
         """`forks`: further samples of the same prompt, drawn from this request's first logits
-        and forked off it then, sharing the prompt's blocks (each output under its own req_id)."""
+        and forked off it then, sharing the prompt's blocks (each output under its own req_id).
+        `hands_off`: does it leave at its first token, its KV held (None: as the policy says)?"""
         request = self.new_request(req_id, prompt_token_ids, params, sample_index, resumed_token_ids)
+        if hands_off is not None:
+            request.hands_off = hands_off
         ids = [req_id, *(f.req_id for f in forks)]
         taken = next((i for i in ids[1:] if self._is_taken(i) or ids.count(i) > 1), None)
         if taken is not None:
@@ -224,7 +228,7 @@ class EngineCore:
         for fork in parent.pending_forks:
             del self._fork_parents[fork.req_id]
             child = Request(fork.req_id, parent.prompt_token_ids, params, self._arrivals, parent.seed,
-                            fork.sample_index)
+                            fork.sample_index, hands_off=parent.hands_off)
             self._arrivals += 1
             self._requests[fork.req_id] = child
             self._schedule(child)
@@ -250,7 +254,8 @@ class EngineCore:
         child = Request(child_id, parent.prompt_token_ids, parent.params, self._arrivals, parent.seed,
                         parent.sample_index if sample_index is None else sample_index, token_ids=list(computed),
                         output_token_ids=computed[parent.num_prompt_tokens:],
-                        num_computed_tokens=parent.num_computed_tokens, num_cached_tokens=parent.num_cached_tokens)
+                        num_computed_tokens=parent.num_computed_tokens, num_cached_tokens=parent.num_cached_tokens,
+                        hands_off=parent.hands_off)
         child.prompt_logprobs = None  # a prompt is scored once, by the request that computed it
         if parent.grammar is not None:
             child.grammar = RequestGrammar.start(parent.grammar.compiled, child.output_token_ids)
@@ -298,7 +303,8 @@ class EngineCore:
         seed = params.seed if params.seed is not None else self._seeds.getrandbits(63)
         request = Request(req_id, list(prompt_token_ids), params, self._arrivals, seed, sample_index,
                           token_ids=[*prompt_token_ids, *resumed_token_ids],
-                          output_token_ids=list(resumed_token_ids))
+                          output_token_ids=list(resumed_token_ids),
+                          hands_off=self.policy.hands_off_after_first_token())
         self._arrivals += 1
         self._requests[req_id] = request
         self.grammars.start(request)  # compiles while the request waits (a decode node: for its KV)
@@ -418,7 +424,7 @@ class EngineCore:
                                request.num_cached_tokens, prompt_logprobs=request.prompt_logprobs)
         # Handed out once, with the first token: a recompute after a preemption scores nothing again.
         request.prompt_logprobs = None
-        if self.policy.hands_off_after_first_token():
+        if request.hands_off:
             # Whether this token stops the request is for the engine that continues it to say.
             request.hand_off()
             out.handoff_blocks = self._leave(request)

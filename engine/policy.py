@@ -3,7 +3,9 @@
 The loop is the same everywhere (running requests first, then waiting ones, inside one
 token budget; schedule → run → update). A policy answers the few questions where node
 kinds differ, so adding a node kind never adds an `if` to the loop. Today there is one:
-does a request leave this engine once it has sampled its first token?
+does a request leave this engine once it has sampled its first token? (The default for each
+request: `EngineCore.add_request(hands_off=...)` overrides it, as a decode node that also prefills
+for others does for the prompts it exports.)
 
 Must never: import torch or hold request state (a node's front names its kind's policy
 class without loading the engine).

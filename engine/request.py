@@ -68,6 +68,9 @@ class Request:
     # The matcher of a constrained request (params.structured_output), attached once its grammar is
     # compiled; it is scheduled only then (engine/grammar.py's GrammarGate).
     grammar: RequestGrammar | None = None
+    # Does it leave this engine at its first sampled token, its KV held for a decode node (a
+    # prompt exported by a prefill node, or by a decode node started with --serve-prefill)?
+    hands_off: bool = False
 
     def __post_init__(self) -> None:
         if not self.token_ids:

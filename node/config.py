@@ -51,6 +51,11 @@ class NodeConfig:
     local_prefill: bool = field(default=False, metadata={
         "help": "decode nodes: also compute whole requests sent to this node's Generate (ColocatedNode) "
                 "service, beside the requests whose KV a prefill node sends"})
+    # A decode node that is also a prefill node for the others (the PrefillNode service too).
+    serve_prefill: bool = field(default=False, metadata={
+        "help": "decode nodes: also compute prompts for other decode nodes (the PrefillNode service) and "
+                "send them their KV; implies --local-prefill. A pool of such nodes is colocated and "
+                "disaggregated at once: the router picks per request (--disaggregation)"})
     transfer: KVTransferConfig = field(default_factory=KVTransferConfig)
     # Cores as devices: the front and the engine core pin themselves to these (None: no pinning).
     cpus: tuple[int, ...] | None = field(default=None, metadata={
@@ -126,8 +131,9 @@ class NodeConfig:
 
     def __post_init__(self) -> None:
         _require(self.kind in NODE_KINDS, "kind", f"must be one of {NODE_KINDS}, got {self.kind!r}")
-        _require(not self.local_prefill or self.kind == "decode", "local_prefill",
-                 f"is for decode nodes (a {self.kind} node's own prompts are its kind's to say)")
+        for name in ("local_prefill", "serve_prefill"):
+            _require(not getattr(self, name) or self.kind == "decode", name,
+                     f"is for decode nodes (a {self.kind} node's own prompts are its kind's to say)")
         _require(bool(self.host), "host", "must be non-empty")
         _require(0 <= self.port <= 65535, "port", "out of range")
         _require(self.metrics_port is None or 0 <= self.metrics_port <= 65535, "metrics_port", "out of range")

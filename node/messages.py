@@ -234,6 +234,7 @@ class StatsData:
     preemptions: int = 0  # recomputed and swapped out alike
     forked_samples: int = 0  # samples forked off a sibling sample's first logits (node/core/sibling_forks.py)
     failed_requests: int = 0  # failed because a step they were in raised (engine StepFailed)
+    kv_transfer_sent: TransferStats = field(default_factory=TransferStats)  # whatever the kind
 
 
 @dataclass(slots=True)

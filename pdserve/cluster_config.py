@@ -99,8 +99,9 @@ class ClusterConfig:
         if self.num_colocated and (self.num_prefill or self.num_decode):
             raise ValueError("--colocated runs both phases on every node; do not combine it with "
                              "prefill or decode nodes")
-        if not self.num_colocated and (self.num_prefill < 1 or self.num_decode < 1):
-            raise ValueError("a cluster needs at least 1 prefill and 1 decode node (or --colocated N)")
+        if not self.num_colocated and (self.num_prefill < self.min_prefill or self.num_decode < 1):
+            raise ValueError("a cluster needs at least 1 prefill and 1 decode node (or --colocated N; or "
+                             "--prefill 0 with --decode-args --serve-prefill: decode nodes that also prefill)")
         if not 0 <= self.port <= 65535:
             raise ValueError(f"port out of range: {self.port}")
         if self.http_port is not None and not 0 <= self.http_port <= 65535:
@@ -133,6 +134,11 @@ class ClusterConfig:
                 raise ValueError(f"{pool.cores_flag} given, but the cluster has no {pool.kind} nodes")
             if pool.cores is not None:
                 split_cpus(pool.cores, pool.count, pool.cores_flag)  # raises when too few
+
+    @property
+    def min_prefill(self) -> int:
+        """Decode nodes started with --serve-prefill are the prefill pool too: it may be empty."""
+        return 0 if any(arg.split("=", 1)[0] == "--serve-prefill" for arg in self.decode_args) else 1
 
     @property
     def num_nodes(self) -> int:

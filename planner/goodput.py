@@ -109,10 +109,11 @@ def start_rate(spec: ClusterSpec, traffic: Traffic) -> float:
     beats. The doubling takes it from there."""
     pool = spec.colocated or spec.decode
     cost = pool.profile.step
-    first = (spec.colocated or spec.prefill).profile.step
+    first = (spec.colocated or spec.prefill or spec.decode).profile.step  # decode nodes that serve prefill
     requests = [traffic.request(i) for i in range(traffic.num_requests)]
     service = [first.time(StepShape.of([(0, len(p))])) + (out - 1) * cost.time(StepShape.of([(len(p), 1)]))
                for p, out in requests]
-    nodes = spec.colocated.count if spec.colocated else min(spec.prefill.count, spec.decode.count)
+    nodes = (spec.colocated or spec.decode).count if spec.colocated or spec.serve_prefill else min(
+        spec.prefill.count, spec.decode.count)
     mean = sum(service) / len(service)
     return nodes / mean if mean > 0 and math.isfinite(mean) else 1.0

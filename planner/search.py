@@ -48,6 +48,8 @@ class Layout:
     # A hybrid's prompt budget (`--local-prefill-tokens-per-s`): prompt tokens a second each decode
     # node may compute for itself; None: no such bound.
     local_prefill_tokens_per_s: float | None = None
+    # Decode nodes that are the prefill pool too (`--serve-prefill`, no prefill nodes): a hybrid pool.
+    serve_prefill: bool = False
     # Each pool's tensor-parallel size (`--tensor-parallel-size`): a node's cores split among its ranks.
     colocated_tp: int = 1
     prefill_tp: int = 1
@@ -57,7 +59,7 @@ class Layout:
     def mode(self) -> str:
         if self.colocated:
             return "colocated"
-        return "disaggregated" if self.local_prefill_max_tokens is None else "hybrid"
+        return "disaggregated" if self.local_prefill_max_tokens is None and not self.serve_prefill else "hybrid"
 
     @property
     def devices(self) -> int:
@@ -74,6 +76,8 @@ class Layout:
         if self.colocated:
             node = _per_node(self.colocated, self.colocated_cores, self.colocated_tp)
             return f"colocated x{self.colocated} ({node})"
+        if self.serve_prefill:
+            return f"{self.decode}D serving prefill ({_per_node(self.decode, self.decode_cores, self.decode_tp)})"
         split = (f"{self.prefill}P ({_per_node(self.prefill, self.prefill_cores, self.prefill_tp)}) + "
                  f"{self.decode}D ({_per_node(self.decode, self.decode_cores, self.decode_tp)})")
         if self.local_prefill_max_tokens is None:
@@ -94,8 +98,9 @@ def layouts(devices: int, local_prefill_max_tokens: tuple[int, ...] = (),
             tp_sizes: tuple[int, ...] = (1,)) -> Iterator[Layout]:
     """Colocated × k for every k dividing N, then every split of the N cores between a prefill and
     a decode pool with every node count dividing each pool's cores, each split followed by its
-    hybrid at every bound in `local_prefill_max_tokens`; each of these at every pool's TP size in
-    `tp_sizes` that divides its nodes' cores."""
+    hybrid at every bound in `local_prefill_max_tokens`; with those hybrids, k decode nodes that
+    serve prefill for every k > 1 dividing N; each of these at every pool's TP size in `tp_sizes`
+    that divides its nodes' cores."""
     for base in _base_layouts(devices, local_prefill_max_tokens):
         yield from _with_tp(base, tp_sizes)
 
@@ -108,6 +113,10 @@ def _with_tp(layout: Layout, tp_sizes: tuple[int, ...]) -> Iterator[Layout]:
         for tp in sizes(layout.colocated_cores):
             yield replace(layout, colocated_tp=tp)
         return
+    if layout.serve_prefill:
+        for tp in sizes(layout.decode_cores):
+            yield replace(layout, decode_tp=tp)
+        return
     for p_tp in sizes(layout.prefill_cores):
         for d_tp in sizes(layout.decode_cores):
             yield replace(layout, prefill_tp=p_tp, decode_tp=d_tp)
@@ -116,6 +125,9 @@ def _with_tp(layout: Layout, tp_sizes: tuple[int, ...]) -> Iterator[Layout]:
 def _base_layouts(devices: int, local_prefill_max_tokens: tuple[int, ...]) -> Iterator[Layout]:
     for k in _divisors(devices):
         yield Layout(colocated=k, colocated_cores=devices // k)
+    if local_prefill_max_tokens:  # hybrids asked for: the pools of decode nodes that serve prefill too
+        for k in _divisors(devices)[1:]:
+            yield Layout(decode=k, decode_cores=devices // k, serve_prefill=True)
     for prefill_cores in range(1, devices):
         decode_cores = devices - prefill_cores
         for p in _divisors(prefill_cores):
@@ -156,11 +168,11 @@ class Candidate:
                 return None
             return Pool(count, replace(config, num_threads=cores, tensor_parallel_size=tp), profiles[(cores, tp)])
 
-        choice = (None if lay.local_prefill_max_tokens is None
-                  else PrefillChoice(Disaggregation.AUTO, lay.local_prefill_max_tokens, lay.local_prefill_tokens_per_s))
+        bound = DEFAULT_LOCAL_PREFILL_MAX_TOKENS if lay.serve_prefill else lay.local_prefill_max_tokens
+        choice = None if bound is None else PrefillChoice(Disaggregation.AUTO, bound, lay.local_prefill_tokens_per_s)
         return ClusterSpec(pool(lay.colocated, lay.colocated_cores, lay.colocated_tp),
                            pool(lay.prefill, lay.prefill_cores, lay.prefill_tp),
-                           pool(lay.decode, lay.decode_cores, lay.decode_tp), costs, choice)
+                           pool(lay.decode, lay.decode_cores, lay.decode_tp), costs, choice, lay.serve_prefill)
 
     def command(self, model: str, dtype: str, block_size: int) -> list[str]:
         """The `pdserve cluster` argv that runs this candidate on cores 0..N-1."""
@@ -169,6 +181,10 @@ class Candidate:
         if lay.colocated:
             return argv + ["--colocated", str(lay.colocated), "--colocated-cores", _cores(0, lay.devices),
                            "--colocated-args", shlex.join(self.knobs.node_args(lay.colocated_tp))]
+        if lay.serve_prefill:
+            return argv + ["--prefill", "0", "--decode", str(lay.decode), "--decode-cores", _cores(0, lay.devices),
+                           "--decode-args", f"{shlex.join(self.knobs.node_args(lay.decode_tp))} --serve-prefill",
+                           "--router-args", shlex.join(["--disaggregation", Disaggregation.AUTO.value])]
         split = lay.prefill * lay.prefill_cores
         argv += ["--prefill", str(lay.prefill), "--decode", str(lay.decode),
                  "--prefill-cores", _cores(0, split), "--decode-cores", _cores(split, lay.devices),
@@ -224,7 +240,7 @@ def with_prompt_budgets(layouts: list[Layout], profiles: dict[tuple[int, int], P
     out = []
     for lay in layouts:
         out.append(lay)
-        if lay.mode == "hybrid" and lay.local_prefill_tokens_per_s is None:
+        if lay.mode == "hybrid" and not lay.serve_prefill and lay.local_prefill_tokens_per_s is None:
             rates = budget_rates(profiles[(lay.decode_cores, lay.decode_tp)], tpot_slo, BUDGET_FRACTIONS)
             out += [replace(lay, local_prefill_tokens_per_s=rate) for rate in rates]
     return out

@@ -8,7 +8,8 @@ real scheduler produced, and its sampled token is a placeholder. So preemption, 
 watermark, the KV budget and the hand-off at token 1 behave as the engine's do, and change when
 they change. What it does after a step mirrors `EngineCore.step` / `_accept_token`: tokens counted
 in (`update_after_step`), the stop rule (`token_finish_reason`), a finished request freed, a
-prefill node's request handed off with its blocks still held; `admit_prefilled` mirrors
+request that hands off (a prefill node's, or one a decode node with --serve-prefill computes
+for another) handed off with its blocks still held; `admit_prefilled` mirrors
 `EngineCore.add_prefilled` on a decode node.
 
 Must never: read a wall clock, sleep or load torch.
@@ -105,9 +106,12 @@ class SimNode:
         """The engine's one capacity rule (`EngineCore._check_kv_fits`)."""
         return self.kv.blocks_needed(min(num_prompt_tokens + max_tokens, self.max_model_len)) <= self.num_blocks
 
-    def new_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int) -> Request:
+    def new_request(self, req_id: str, prompt_token_ids: list[int], max_tokens: int,
+                    hands_off: bool | None = None) -> Request:
+        """`hands_off`: leaves at token 1, its KV held (None: as the node's policy says)."""
         params = SamplingParams(max_tokens=max_tokens, ignore_eos=True)
-        request = Request(req_id, list(prompt_token_ids), params, self._arrivals, seed=0)
+        leaves = self.policy.hands_off_after_first_token() if hands_off is None else hands_off
+        request = Request(req_id, list(prompt_token_ids), params, self._arrivals, seed=0, hands_off=leaves)
         self._arrivals += 1
         return request
 
@@ -151,7 +155,7 @@ class SimNode:
         return [self._sampled(request, before) for request, before in sampling]
 
     def _sampled(self, request: Request, computed_before: int) -> Sampled:
-        if self.policy.hands_off_after_first_token():
+        if request.hands_off:
             request.append_output_token(PLACEHOLDER_TOKEN)
             request.hand_off()
             self.scheduler.remove(request)

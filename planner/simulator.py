@@ -17,6 +17,9 @@ Lifecycle of a request (as in docs/architecture.md §6 and the colocated route):
                  orchestrator computes, picks per request; local: the decode nodes ranked by a
                  `ColocatedPlacement` over the decode pool's blocks (`LocalPrefillRoute`), the
                  request runs there as a colocated one (no KV moves); else disaggregated as above
+  hybrid pool    decode nodes that are the prefill pool too (`--serve-prefill`): the same choice
+                 (`Loads.pool_decodes`), and a disaggregated request's prompt computed on a node
+                 other than its decode node, handed off at token 1 (`Request.hands_off`)
 A request no node can take ends RESOURCE_EXHAUSTED, as the router answers it. The placement
 policies are the router's own objects, given fresh stats at every decision (a real router sees
 stats up to a heartbeat old plus what it sent since). The router itself, one process on one event
@@ -53,7 +56,7 @@ from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.router.cluster.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
 from pdserve.router.cluster.prefix_affinity import PrefixAffinity
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch.hybrid import HybridRouting, Loads, PrefillChoice, local_loads
+from pdserve.router.dispatch.hybrid import HybridRouting, Loads, PoolNode, PrefillChoice, local_loads
 
 EXHAUSTED = "RESOURCE_EXHAUSTED"
 UNFINISHED = "UNFINISHED"  # still running when no event was left (a scheduler that can make no progress)
@@ -82,12 +85,19 @@ class ClusterSpec:
     # Decode nodes started with `--local-prefill`, and the router's `--disaggregation` choice
     # between them and the prefill pool; None: every request of a pair is disaggregated.
     local_prefill: PrefillChoice | None = None
+    # Decode nodes started with `--serve-prefill`: they are the prefill pool (no prefill pool of
+    # its own), and local_prefill is the router's choice.
+    serve_prefill: bool = False
 
     def __post_init__(self) -> None:
-        if (self.colocated is None) == (self.prefill is None or self.decode is None):
+        prefill_pool = self.decode if self.serve_prefill else self.prefill
+        if (self.colocated is None) == (prefill_pool is None or self.decode is None):
             raise ValueError("a cluster is a colocated pool, or a prefill and a decode pool")
         if self.local_prefill is not None and self.colocated is not None:
             raise ValueError("local_prefill is for a cluster of a prefill and a decode pool")
+        if self.serve_prefill and (self.prefill is not None or self.local_prefill is None):
+            raise ValueError("serve_prefill: the decode nodes are the prefill pool (no prefill pool), "
+                             "and local_prefill is the router's choice")
 
     @property
     def node_cores(self) -> int:
@@ -136,7 +146,7 @@ class ClusterSim:
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._stats_seq = itertools.count()
-        router = RouterConfig(model="", block_size=(spec.colocated or spec.prefill).config.block_size)
+        router = RouterConfig(model="", block_size=(spec.colocated or spec.decode).config.block_size)
         self._colocated_placement = ColocatedPlacement(router.exhausted_cooldown_s, self.clock.now,
                                                        affinity=PrefixAffinity.for_router(router))
         self._decode_placement = DecodePlacement(router.exhausted_cooldown_s, self.clock.now)
@@ -150,7 +160,11 @@ class ClusterSim:
         self.colocated = self._nodes("colocated", spec.colocated, ColocatedPolicy(), max_model_len)
         self.prefill = self._nodes("prefill", spec.prefill, PrefillPolicy(), max_model_len)
         self.decode = self._nodes("decode", spec.decode, ColocatedPolicy(), max_model_len)
-        self._prefill_profile = spec.prefill.profile if spec.prefill is not None else None
+        # The nodes that compute prompts for a decode node: the prefill pool, or the decode nodes
+        # themselves (--serve-prefill: each for the others, its prompts handed off at token 1).
+        self._prefill_nodes = self.decode if spec.serve_prefill else self.prefill
+        exporters = spec.decode if spec.serve_prefill else spec.prefill
+        self._prefill_profile = exporters.profile if exporters is not None else None
         self._flights: dict[str, _Flight] = {}
         self._waiting_for_step_end: dict[SimNode, list[Callable[[], None]]] = {}
         self._router = spec.costs.router
@@ -212,17 +226,23 @@ class ClusterSim:
         hashes = self._local_placement.affinity.hashes(prompt)
         if self.colocated:
             self._place_colocated(self.colocated, self._colocated_placement, req_id, prompt, hashes, out_len, trace)
-        elif self._hybrid is not None and self._hybrid.local(self._loads(prompt, hashes)):
+        elif self._hybrid is not None and self._hybrid.local(self._loads(prompt, hashes, out_len)):
             self._place_colocated(self.decode, self._local_placement, req_id, prompt, hashes, out_len, trace)
         else:
             self._place_pair(req_id, prompt, hashes, out_len, trace)
 
-    def _loads(self, prompt: list[int], hashes: tuple[BlockHash, ...]) -> Loads:
+    def _loads(self, prompt: list[int], hashes: tuple[BlockHash, ...], out_len: int) -> Loads:
         """The orchestrator's `_loads`: the shortest prompt queue of each place this prompt could be
         computed, as each pool's placement counts it, and what the best decode node holds of it."""
-        prefill = [self._prefill_placement.load(n.candidate(next(self._stats_seq))) for n in self.prefill]
+        serve_prefill = self._spec.serve_prefill
+        prefill = [PoolNode(n.node_id, self._prefill_placement.load(n.candidate(next(self._stats_seq))), serve_prefill)
+                   for n in self._prefill_nodes]
         local = [n.candidate(next(self._stats_seq)) for n in self.decode]
-        return local_loads(self._local_placement, len(prompt), hashes, min(prefill, default=None), local)
+        free = {c.node_id: self._decode_placement.free_after_reservations(c) for c in local}
+        most = max(free.values(), default=0)
+        blocks = self.decode[0].kv.blocks_needed(len(prompt) + out_len) if self.decode else 0
+        return local_loads(self._local_placement, len(prompt), hashes, prefill, local,
+                           lambda c: most - blocks > free[c.node_id])
 
     def _place_colocated(self, nodes: list[SimNode], placement: ColocatedPlacement, req_id: str, prompt: list[int],
                          hashes: tuple[BlockHash, ...], out_len: int, trace: RequestTrace) -> None:
@@ -279,7 +299,8 @@ class ClusterSim:
             action()
 
     def _prefill(self, req_id: str, prompt: list[int], trace: RequestTrace) -> None:
-        able = [n for n in self.prefill if n.can_ever_hold(len(prompt), 1)]
+        decode_node = self._flights[req_id].decode_node  # never computes its own prompt here
+        able = [n for n in self._prefill_nodes if n is not decode_node and n.can_ever_hold(len(prompt), 1)]
         if not able:
             flight = self._flights.pop(req_id)
             flight.decode_node.kv.free(flight.decode_request)
@@ -289,7 +310,7 @@ class ClusterSim:
         chosen = self._prefill_placement.choose([n.candidate(next(self._stats_seq)) for n in able], prompt)
         node = by_id[chosen.node_id]
         self._front_takes(node)
-        node.add(node.new_request(req_id, prompt, 1))
+        node.add(node.new_request(req_id, prompt, 1, hands_off=True))
         self._kick(node)
 
     # ------------------------------------------------------------------ steps

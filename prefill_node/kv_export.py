@@ -1,13 +1,15 @@
 """The prefill node's KV export stage: admit prefills, export their KV.
 
 A stage of the node core (node/core/node_core.py); `make_stage` builds it in the engine-core process
-(the kind's row, pdserve/node_kinds.py, names it). It takes every `PrefillSubmit`: finds the decode
+(the kind's row, pdserve/node_kinds.py, names it: a prefill node's, and a decode node's with
+--serve-prefill, beside its import stage). It takes every `PrefillSubmit`: finds the decode
 node's layout its `kv_layout_id` names (prefill_node/decode_layouts.py: parsed once per decode node
 run), checks the request against it (its block ids must name exactly one reserved block per
 prompt block, inside its cache: INVALID_ARGUMENT otherwise) and against the queue bounds
-(RESOURCE_EXHAUSTED at once when full), adds the request to the engine (prefill-only policy:
-RESOURCE_EXHAUSTED if its KV can never fit here; a sibling sample of a request still in its
-prefill is forked off it, node/core/sibling_forks.py) and hands it to the exporter; everything after
+(RESOURCE_EXHAUSTED at once when full), adds the request to the engine to leave at token 1
+(`hands_off`, whatever the engine's policy; RESOURCE_EXHAUSTED if its KV can never fit here; a
+sibling sample of a request still in its prefill is forked off it, node/core/sibling_forks.py)
+and hands it to the exporter; everything after
 that, the hand-off of its KV to the decode node at token 1, is the exporter's
 (prefill_node/exporter.py). The step outputs it takes are those hand-offs.
 
@@ -73,8 +75,8 @@ class KVExportStage:
         _check_dst_blocks(msg, descriptor, self.engine.kv.blocks_needed(num_tokens))
         self.bounds.check(len(self.engine.scheduler.waiting), queued_tokens(self.engine), num_tokens)
         try:
-            add_sample(self.engine, msg.req_id, msg.prompt_token_ids,
-                       prefill_params(msg.params, len(msg.resumed_token_ids)), msg.sample_index, msg.resumed_token_ids)
+            add_sample(self.engine, msg.req_id, msg.prompt_token_ids, prefill_params(msg.params, len(msg.resumed_token_ids)),
+                       msg.sample_index, msg.resumed_token_ids, hands_off=True)  # the exporter takes it at token 1
         except RequestRejected as exc:
             raise rejection_error(exc) from exc
         self.exporter.track(msg.req_id, descriptor, msg.dst_block_ids, time.monotonic())
@@ -119,8 +121,6 @@ def _check_dst_blocks(msg: PrefillSubmit, descriptor: NodeKVDescriptor, num_need
 
 def make_stage(config: NodeConfig, core: NodeCore, transport: RankedTransport,
                descriptor: NodeKVDescriptor) -> KVExportStage:
-    if not core.engine.policy.hands_off_after_first_token():  # the exporter takes requests at token 1
-        raise TypeError(f"a prefill node needs a hand-off policy, got {type(core.engine.policy).__name__}")
     # One worker: connecting to a new decode node never stalls the step loop.
     peers = PeerConnections(transport, ThreadPoolExecutor(max_workers=1, thread_name_prefix="pdserve-kv-connect"))
     exporter = KVExporter(core.engine, transport, peers, config.lease_s, core.to_front)

@@ -28,27 +28,31 @@ from pdserve.engine.sampling_params import SamplingParams
 
 
 def add_sample(engine: EngineCore, req_id: str, prompt_token_ids: list[int], params: SamplingParams,
-               sample_index: int, resumed_token_ids: Sequence[int] = ()) -> bool:
+               sample_index: int, resumed_token_ids: Sequence[int] = (), hands_off: bool | None = None) -> bool:
     """Add one sample to the engine; True when it was attached as a fork of a sibling.
+    `hands_off`: `EngineCore.add_request`'s; a sibling matches only if it leaves the same way.
 
     Raises what `EngineCore.add_request` raises (`RequestRejected`, `KVCapacityExceeded`).
     """
     if not resumed_token_ids:
-        sibling = find_sibling(engine, prompt_token_ids, params)
+        leaves = engine.policy.hands_off_after_first_token() if hands_off is None else hands_off
+        sibling = find_sibling(engine, prompt_token_ids, params, leaves)
         if sibling is not None and engine.add_fork(sibling.req_id, PendingFork(req_id, sample_index)):
             return True
-    engine.add_request(req_id, prompt_token_ids, params, sample_index, resumed_token_ids)
+    engine.add_request(req_id, prompt_token_ids, params, sample_index, resumed_token_ids, hands_off=hands_off)
     return False
 
 
-def find_sibling(engine: EngineCore, prompt_token_ids: list[int], params: SamplingParams) -> Request | None:
-    """A scheduled request that has not sampled yet, of the same prompt and params."""
+def find_sibling(engine: EngineCore, prompt_token_ids: list[int], params: SamplingParams,
+                 hands_off: bool = False) -> Request | None:
+    """A scheduled request that has not sampled yet, of the same prompt and params, that leaves
+    this engine the same way (a fork inherits its parent's hand-off)."""
     if params.seed is None or params.prompt_logprobs is not None:
         return None
     scheduler = engine.scheduler
     for request in (*scheduler.waiting, *scheduler.running, *scheduler.swapped):
-        if (not request.num_output_tokens and request.prompt_token_ids == prompt_token_ids
-                and same_draws(request.params, params)):
+        if (not request.num_output_tokens and request.hands_off == hands_off
+                and request.prompt_token_ids == prompt_token_ids and same_draws(request.params, params)):
             return request
     return None
 

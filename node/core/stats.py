@@ -36,16 +36,16 @@ def queued_tokens(engine: EngineCore) -> int:
 def build_stats(kind: str, engine: EngineCore, transport: RankedTransport | None,
                 num_blocks_outside_scheduler: int) -> StatsData:
     """A prefill node counts what it sent, a decode node what it received, a node without a
-    transport (colocated) nothing. Queued prefill tokens are the prompt tokens a new prompt waits
+    transport (colocated) nothing; and every node what it sent (`kv_transfer_sent`: a decode node
+    with --serve-prefill exports too). Queued prefill tokens are the prompt tokens a new prompt waits
     behind (none on a decode node, unless it computes prompts of its own: `--local-prefill`). Blocks held
     outside the scheduler (a decode node's reservations, a prefill node's blocks awaiting
     push acknowledgements) are reported as `reserved_blocks`; blocks are counted once per node (rank 0's
     block pool is every rank's), transfers per rank and in sum."""
     scheduler = engine.scheduler
-    if transport is None:
-        ranks = []
-    else:
-        ranks = transport.rank_stats() if kind == "prefill" else transport.rank_recv_stats()
+    sent = [] if transport is None else transport.rank_stats()
+    received = [] if transport is None else transport.rank_recv_stats()
+    ranks = sent if kind == "prefill" else received
     pool = engine.kv.pool
     return StatsData(
         kind=kind,
@@ -68,6 +68,7 @@ def build_stats(kind: str, engine: EngineCore, transport: RankedTransport | None
         preemptions=scheduler.num_preemptions,
         forked_samples=engine.num_forked_samples,
         failed_requests=engine.num_failed_requests,
+        kv_transfer_sent=sum_stats(sent),
     )
 
 

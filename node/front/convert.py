@@ -57,4 +57,5 @@ def stats_to_proto(stats: StatsData) -> node_pb2.NodeStats:
         swaps_in=stats.swaps_in,
         forked_samples=stats.forked_samples,
         failed_requests=stats.failed_requests,
+        kv_transfer_sent=_counters(stats.kv_transfer_sent),
     )

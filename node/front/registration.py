@@ -88,7 +88,9 @@ class _Registration:
 
     async def _register(self, timeout: float) -> node_pb2.RegisterResponse:
         request = node_pb2.RegisterRequest(kind=self.config.kind, address=self.address, node_id=self.node_id,
-                                           fingerprint=self.fingerprint, local_prefill=self.config.local_prefill)
+                                           fingerprint=self.fingerprint,
+                                           local_prefill=self.config.local_prefill or self.config.serve_prefill,
+                                           serve_prefill=self.config.serve_prefill)
         try:
             return await self.stub.Register(request, timeout=timeout)
         except grpc.aio.AioRpcError as exc:

@@ -28,7 +28,7 @@ import os
 import sys
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import grpc
@@ -49,7 +49,6 @@ from pdserve.node.errors import NodeError
 from pdserve.node.front.drain import drain
 from pdserve.node.front.metrics import NodeHealth, serve_node_metrics
 from pdserve.node.front.registration import RouterLink
-from pdserve.node.front.servicers import StreamServicer
 from pdserve.proto import node_pb2, node_pb2_grpc
 
 if TYPE_CHECKING:
@@ -61,27 +60,43 @@ Servicer = Callable[[CoreClient], object]  # a servicer class of node/front/serv
 
 
 @dataclass(frozen=True)
+class NodeOption:
+    """What a node flag adds to its kind: KV stages, gRPC services, prompts of its own."""
+
+    flag: str  # the NodeConfig field (a bool) that turns it on
+    stages: tuple[str, ...] = ()
+    services: dict[str, Servicer] = field(default_factory=dict)
+    own_prompts: bool = False
+
+    def on(self, config: NodeConfig) -> bool:
+        return bool(getattr(config, self.flag))
+
+
+@dataclass(frozen=True)
 class NodeKind:
-    """A kind of node: its engine's policy, its node core's KV stages, and its gRPC services."""
+    """A kind of node: its engine's policy, its node core's KV stages, and its gRPC services,
+    each with what the options its flags turn on add."""
 
     name: str
     policy: type[SchedulingPolicy]
     stages: tuple[str, ...]  # CorePart.stages: "module:function" factories
-    own_prompts: bool | None  # does its node core compute prompts of its own? None: --local-prefill says
+    own_prompts: bool  # does its node core compute prompts of its own (without options)?
     services: dict[str, Servicer]  # node.proto service name -> servicer
-    own_prompt_service: str | None = None  # served too when it computes its own prompts
-
-    def computes_own_prompts(self, config: NodeConfig) -> bool:
-        return config.local_prefill if self.own_prompts is None else self.own_prompts
+    options: tuple[NodeOption, ...] = ()
 
     def core_part(self, config: NodeConfig) -> CorePart:
-        return CorePart(self.policy, self.stages, self.computes_own_prompts(config))
+        on = self._options_on(config)
+        stages = (*self.stages, *(stage for option in on for stage in option.stages))
+        return CorePart(self.policy, stages, self.own_prompts or any(option.own_prompts for option in on))
 
     def services_for(self, config: NodeConfig) -> dict[str, Servicer]:
         services = dict(self.services)
-        if self.own_prompt_service is not None and self.computes_own_prompts(config):
-            services[self.own_prompt_service] = StreamServicer
+        for option in self._options_on(config):
+            services.update(option.services)
         return services
+
+    def _options_on(self, config: NodeConfig) -> list[NodeOption]:
+        return [option for option in self.options if option.on(config)]
 
 
 def run_node(argv: list[str] | None, kind: NodeKind) -> int:

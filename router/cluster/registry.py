@@ -76,12 +76,17 @@ class NodeEntry:
     suspect: bool = False  # failed a call and a probe; cleared by its next stats
     fingerprint: node_pb2.NodeFingerprint | None = None  # what it runs; None for a static node
     local_prefill: bool = False  # a decode node that also computes prompts itself (`--local-prefill`)
+    serve_prefill: bool = False  # a decode node that is a prefill node too (`--serve-prefill`)
     draining: bool = False  # it is leaving: nothing new is placed on it (a drain, not a failure)
     # Set when this entry stops standing for a serving process: dropped (silent past the
     # heartbeat timeout), replaced by a new registration, or a static node gone silent.
     # Every call in flight on it moves elsewhere (router/cluster/liveness.py).
     gone: asyncio.Event = field(default_factory=asyncio.Event)
     gone_reason: str = ""
+
+    def serves(self, kind: NodeKind) -> bool:
+        """Is this node in `kind`'s pool? (A decode node with --serve-prefill is in two.)"""
+        return self.kind is kind or (kind is NodeKind.PREFILL and self.serve_prefill)
 
     def candidate(self) -> Candidate:
         stats = self.stats or node_pb2.NodeStats()
@@ -111,7 +116,7 @@ class NodeRegistry:
         return entry
 
     def admit(self, kind: NodeKind, address: str, node_id: str, fingerprint: node_pb2.NodeFingerprint,
-              router: RouterFacts, local_prefill: bool = False) -> NodeEntry:
+              router: RouterFacts, local_prefill: bool = False, serve_prefill: bool = False) -> NodeEntry:
         """`register`, once the node's fingerprint agrees with the router's facts and with every
         other registered node's (the entries it replaces excepted); `NodeRefused` otherwise."""
         node_id = node_id or f"{kind.value}-{address}"
@@ -121,10 +126,11 @@ class NodeRegistry:
         if lines:
             log.warning("refused %s node %s at %s: %s", kind.value, node_id, address, "; ".join(lines))
             raise NodeRefused("; ".join(lines))
-        return self.register(kind, address, node_id, fingerprint, local_prefill)
+        return self.register(kind, address, node_id, fingerprint, local_prefill, serve_prefill)
 
     def register(self, kind: NodeKind, address: str, node_id: str,
-                 fingerprint: node_pb2.NodeFingerprint | None = None, local_prefill: bool = False) -> NodeEntry:
+                 fingerprint: node_pb2.NodeFingerprint | None = None, local_prefill: bool = False,
+                 serve_prefill: bool = False) -> NodeEntry:
         """A node announced itself; it replaces any entry with its id or its address. Unchecked:
         the Registry service goes through `admit`."""
         node_id = node_id or f"{kind.value}-{address}"
@@ -134,7 +140,7 @@ class NodeRegistry:
             _mark_gone(other, f"{other.address} registered again (a new process)")
         static = any(e.static and e.address == address for e in replaced)  # keep polling it if it goes quiet
         entry = NodeEntry(node_id, kind, address, static, last_seen=self._clock(), fingerprint=fingerprint,
-                          local_prefill=local_prefill)
+                          local_prefill=local_prefill or serve_prefill, serve_prefill=serve_prefill)
         # A fresh stats number, so placement forgets what it counted against the old entry.
         entry.stats_seq = max((e.stats_seq + 1 for e in replaced), default=0)
         self._nodes[node_id] = entry
@@ -174,11 +180,11 @@ class NodeRegistry:
     def live(self, kind: NodeKind) -> list[NodeEntry]:
         now = self._clock()
         return [e for e in self._nodes.values()
-                if e.kind is kind and not e.suspect and not e.draining and now - e.last_seen <= self._timeout_s]
+                if e.serves(kind) and not e.suspect and not e.draining and now - e.last_seen <= self._timeout_s]
 
     def draining(self, kind: NodeKind) -> list[NodeEntry]:
         """Nodes of `kind` that are leaving and still finish what they hold."""
-        return [e for e in self._nodes.values() if e.kind is kind and e.draining]
+        return [e for e in self._nodes.values() if e.serves(kind) and e.draining]
 
     def mark_suspect(self, entry: NodeEntry, reason: str) -> None:
         """Skip `entry` until its next stats: a call to it failed the way a dead node's does."""

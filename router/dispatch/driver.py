@@ -116,7 +116,7 @@ class SampleDriver:
         return [e for e in self.state.registry.live(kind) if e.node_id not in self._excluded]
 
     def none_left(self, kind: NodeKind) -> NoNodeAvailable:
-        reasons = [reason for entry, reason in self._excluded.values() if entry.kind is kind]
+        reasons = [reason for entry, reason in self._excluded.values() if entry.serves(kind)]
         detail = f": {'; '.join(reasons)}" if reasons else ""
         return NoNodeAvailable(f"no {kind.value} node is available{detail}")
 

@@ -24,6 +24,15 @@ streams' time per token by about 1/(1-F), so F = 1 - (decode step / TPOT target)
 could give, and less is needed for the slow tail. `pdserve plan` tries rates from that share
 and the node's measured prefill speed; unset, there is no such bound.
 
+A decode node started with `--serve-prefill` is a prefill node too, so a pool of such nodes is
+colocated and disaggregated at once. There every node streams tokens, so keeping prompts off
+"the decode nodes" means nothing; what moving a prompt's KV buys is to compute the prompt where
+its token 1 comes soonest (the node with the least to compute, its prefix cache counted) and
+decode it where there is room. `auto` then computes a prompt on that node and decodes it there
+too, unless another node has more free KV blocks even after taking the request (`roomier_elsewhere`):
+then that node decodes it and the prompt's KV moves to it (the budget does not apply: every node
+computes prompts).
+
 `PrefillChoice` is pure: it decides from the token counts it is given (`Loads`, which
 `local_loads` gathers the same way for the router and the planner's simulator) and whether the
 budget allows the prompt. `HybridRouting` is the one stateful part: the budget, on the clock it
@@ -57,6 +66,10 @@ class Loads:
     local_queue: int | None
     local_cached_tokens: int = 0
     local_nodes: int = 1  # live decode nodes that can prefill (the budget is per node)
+    # The nearest prefill node is a decode node too (--serve-prefill), and whether some decode node
+    # other than the local one has more free KV blocks even after taking this request.
+    pool_decodes: bool = False
+    roomier_elsewhere: bool = False
 
     @property
     def local_new_tokens(self) -> int:
@@ -84,7 +97,11 @@ class PrefillChoice:
             return False
         if self.mode is Disaggregation.NEVER or loads.prefill_queue is None:
             return True
-        if self.mode is Disaggregation.ALWAYS or not within_budget:
+        if self.mode is Disaggregation.ALWAYS:
+            return False
+        if loads.pool_decodes:  # every node streams tokens: the KV moves only to where there is room
+            return not loads.roomier_elsewhere
+        if not within_budget:
             return False
         local = loads.local_wait
         return local <= self.max_local_tokens or loads.prefill_queue > local
@@ -138,14 +155,31 @@ class HybridRouting:
         return True
 
 
+@dataclass(frozen=True, slots=True)
+class PoolNode:
+    """A prefill node as `auto` weighs it."""
+
+    node_id: str
+    queue: int  # prompt tokens it has to compute, as the prefill placement counts them
+    decodes: bool = False  # a decode node with --serve-prefill
+
+
 def local_loads(placement: ColocatedPlacement, prompt_tokens: int, hashes: Sequence[BlockHash],
-                prefill_queue: int | None, local: Sequence[Candidate]) -> Loads:
+                prefill: Sequence[PoolNode], local: Sequence[Candidate],
+                roomier_than: Callable[[Candidate], bool] = lambda c: False) -> Loads:
     """`Loads` for a prompt of `prompt_tokens` whose leading blocks are `hashes`, given the prefill
-    pool's shortest queue and the `local` candidates (decode nodes that prefill): their queues as
+    pool's nodes and the `local` candidates (decode nodes that prefill): their queues as
     `placement` (the local route's) counts them, and what each holds of the prompt as its prefix
-    affinity forecasts it."""
+    affinity forecasts it. The pool is weighed without the local node itself (it may be in both:
+    the pool route never computes a prompt on its own decode node). `roomier_than(c)`: does some
+    other decode node have more room than `c`, even after taking this request?"""
     if not local:
-        return Loads(prompt_tokens, prefill_queue, None)
+        return Loads(prompt_tokens, min((p.queue for p in prefill), default=None), None)
     cached = {c.node_id: min(prompt_tokens, placement.cached_tokens(c, hashes)) for c in local}
     best = min(local, key=lambda c: (placement.load(c) - cached[c.node_id], c.node_id))
-    return Loads(prompt_tokens, prefill_queue, placement.load(best), cached[best.node_id], len(local))
+    nearest = min((p for p in prefill if p.node_id != best.node_id), key=lambda p: (p.queue, p.node_id),
+                  default=None)
+    if nearest is None:
+        return Loads(prompt_tokens, None, placement.load(best), cached[best.node_id], len(local))
+    return Loads(prompt_tokens, nearest.queue, placement.load(best), cached[best.node_id], len(local),
+                 pool_decodes=nearest.decodes, roomier_elsewhere=nearest.decodes and roomier_than(best))

@@ -33,7 +33,7 @@ from functools import partial
 from pdserve.proto import pdserve_pb2
 from pdserve.router.dispatch.asks import NodeAsks
 from pdserve.router.dispatch.driver import SampleDriver
-from pdserve.router.dispatch.hybrid import Disaggregation, HybridRouting, Loads, PrefillChoice, local_loads
+from pdserve.router.dispatch.hybrid import Disaggregation, HybridRouting, Loads, PoolNode, PrefillChoice, local_loads
 from pdserve.router.errors import NeedsNodes, NoNodeAvailable
 from pdserve.router.requests.beam_results import BeamResults
 from pdserve.router.requests.merge import Put, merged
@@ -72,7 +72,9 @@ class Orchestrator:
                  timeout_s: float | None) -> AsyncIterator[pdserve_pb2.GenerateResponse]:
         """Every sample's responses, as they come (the merged stream itself: no layer per response);
         raises the first sample's `RouterError`, a refusal of the route at once."""
-        route = self.choose_route(request.prompt_token_ids, beam_search=request.beam is not None)
+        route = self.choose_route(request.prompt_token_ids, beam_search=request.beam is not None,
+                                  num_blocks=request.max_kv_blocks(self.state.config.block_size,
+                                                                   self.state.model.max_model_len))
         self.state.routes.count(route.name)
         received_at = self.state.clock()
         deadline = received_at + timeout_s if timeout_s is not None else None
@@ -85,13 +87,14 @@ class Orchestrator:
                                 received_at, deadline) for index in range(request.params.n)]
         return merged([partial(self._run_sample, route, spec) for spec in specs])
 
-    def choose_route(self, prompt_token_ids: Sequence[int], beam_search: bool = False) -> Route:
+    def choose_route(self, prompt_token_ids: Sequence[int], beam_search: bool = False, num_blocks: int = 0) -> Route:
         """Colocated nodes when any is live, else the disaggregated pools; refuse at once
-        (UNAVAILABLE) when neither can serve, naming the kinds that are missing."""
+        (UNAVAILABLE) when neither can serve, naming the kinds that are missing. `num_blocks`: the
+        most KV blocks one sample may hold (what decoding it elsewhere would move)."""
         registry = self.state.registry
         if registry.live(NodeKind.COLOCATED):
             return self._colocated
-        if self._hybrid.local(self._loads(prompt_token_ids)):
+        if self._hybrid.local(self._loads(prompt_token_ids, num_blocks)):
             return self._local
         if self._hybrid.choice.mode is Disaggregation.NEVER:
             raise NoNodeAvailable("no decode node started with --local-prefill is live, and no colocated node "
@@ -106,15 +109,22 @@ class Orchestrator:
                                   "the cluster cannot serve")
         return self._disaggregated
 
-    def _loads(self, prompt_token_ids: Sequence[int]) -> Loads:
-        """The shortest prompt queue of each place this request's prompt could be computed, and
-        what the decode node with the least to compute holds of it already."""
+    def _loads(self, prompt_token_ids: Sequence[int], num_blocks: int) -> Loads:
+        """The shortest prompt queue of each place this request's prompt could be computed, what
+        the decode node with the least to compute holds of it already, and whether another decode
+        node has more room than that one even after taking the request's `num_blocks`."""
         registry, state = self.state.registry, self.state
-        prefill = [state.prefill_placement.load(e.candidate()) for e in registry.live(NodeKind.PREFILL)]
-        local = [e.candidate() for e in registry.live(NodeKind.DECODE) if e.local_prefill]
+        prefill = [PoolNode(e.node_id, state.prefill_placement.load(e.candidate()), e.kind is NodeKind.DECODE)
+                   for e in registry.live(NodeKind.PREFILL)]
+        decode_nodes = registry.live(NodeKind.DECODE)
+        decode = [e.candidate() for e in decode_nodes]
+        local = [c for c, e in zip(decode, decode_nodes) if e.local_prefill]
         affinity = self._local_placement.affinity
         hashes = affinity.hashes(prompt_token_ids) if local and affinity is not None else ()
-        return local_loads(self._local_placement, len(prompt_token_ids), hashes, min(prefill, default=None), local)
+        free = {c.node_id: state.decode_placement.free_after_reservations(c) for c in decode}
+        most = max(free.values(), default=0)
+        return local_loads(self._local_placement, len(prompt_token_ids), hashes, prefill, local,
+                           lambda c: most - num_blocks > free[c.node_id])
 
     async def _run_sample(self, route: Route, spec: SampleSpec, put: Put) -> None:
         request, state = spec.request, self.state

@@ -276,7 +276,10 @@ class DisaggregatedRoute(Route):
         full: dict[str, str] = {}  # node id -> address: refused RESOURCE_EXHAUSTED, touched nothing
         tokens = [*sample.spec.request.prompt_token_ids, *leg.resumed]
         while True:
-            live = [e for e in sample.usable(NodeKind.PREFILL) if e.node_id not in full]
+            # Never the decode node itself (a decode node with --serve-prefill is in both pools):
+            # the local route computes a prompt there, without moving its KV.
+            live = [e for e in sample.usable(NodeKind.PREFILL)
+                    if e.node_id not in full and e.node_id != leg.entry.node_id]
             if not live and full:
                 raise Overloaded(f"every prefill node's queue is full: {', '.join(full.values())}")
             if not live:

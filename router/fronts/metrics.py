@@ -201,7 +201,8 @@ class NodeStatsCollector(Collector):
         # node; a node table that changed size mid-read is simply read again.
         for _ in range(_SNAPSHOT_ATTEMPTS):
             try:
-                return [entry for kind in NodeKind for entry in self._nodes.live(kind)]
+                # Each node once, under its own kind (a decode node with --serve-prefill is in two pools).
+                return [entry for kind in NodeKind for entry in self._nodes.live(kind) if entry.kind is kind]
             except RuntimeError:
                 continue
         return []

@@ -174,11 +174,11 @@ class RegistryServicer(node_pb2_grpc.RegistryServicer):
             if not request.HasField("fingerprint"):
                 raise InvalidRequest("fingerprint", "fingerprint is required: the model, dtype, block size and "
                                                     "KV layout the node runs")
-            if request.local_prefill and kind is not NodeKind.DECODE:
-                raise InvalidRequest("local_prefill", f"local_prefill is a decode node's option, not a {kind.value} "
-                                                      "node's")
+            for option in ("local_prefill", "serve_prefill"):
+                if getattr(request, option) and kind is not NodeKind.DECODE:
+                    raise InvalidRequest(option, f"{option} is a decode node's option, not a {kind.value} node's")
             self._state.registry.admit(kind, request.address, request.node_id, request.fingerprint, self._facts,
-                                       request.local_prefill)
+                                       request.local_prefill, request.serve_prefill)
         except RouterError as exc:
             await _abort(context, exc)
         await self._on_nodes_changed()

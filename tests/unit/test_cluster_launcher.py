@@ -207,11 +207,20 @@ def test_threads_split_the_cores_unless_the_pool_sets_them(monkeypatch):
     (dict(router_args=("--model", "x")), "--router-args must not set --model"),
     (dict(host="0.0.0.0"), "concrete host"),
     (dict(num_decode=0), "at least 1 prefill and 1 decode"),
+    (dict(num_prefill=0), "or --prefill 0 with --decode-args --serve-prefill"),
     (dict(ready_timeout_s=0), "ready_timeout_s must be > 0"),
 ])
 def test_config_rejects_what_would_break_the_cluster(kwargs, message):
     with pytest.raises(ValueError, match=message):
         ClusterConfig(**kwargs)
+
+
+def test_decode_nodes_that_serve_prefill_are_the_prefill_pool_too():
+    config = config_from_args(["--prefill", "0", "--decode", "2", "--decode-args", "--serve-prefill"])
+    assert (config.num_prefill, config.num_decode, config.min_prefill) == (0, 2, 0)
+    assert config.node_counts == "2 decode"
+    plan = build_plan(config, "/m", 50999, python="py", pick_port=lambda: 6001)
+    assert [n.name for n in plan.nodes] == ["decode-0", "decode-1"] and plan.nodes[0].argv[-1] == "--serve-prefill"
 
 
 def _flags(argv: tuple[str, ...]) -> dict[str, str]:

@@ -6,6 +6,8 @@ step; every test ends with every block accounted for.
 
 from __future__ import annotations
 
+import dataclasses
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from pdserve.engine.admission import KVCapacityExceeded, RequestRejected
 from pdserve.engine.engine_core import EngineCore, EngineCoreOutput, StepFailed
 from pdserve.engine.model_loader import load_model
 from pdserve.engine.policy import ColocatedPolicy, SchedulingPolicy
-from pdserve.engine.request import FinishReason, RequestStatus
+from pdserve.engine.request import FinishReason, PendingFork, RequestStatus
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.node.errors import ErrorCode, rejection_error
 
@@ -45,9 +47,9 @@ def run(core: EngineCore) -> list[EngineCoreOutput]:
     return outputs
 
 
-def greedy_tokens(model, max_tokens: int) -> list[int]:
+def greedy_tokens(model, max_tokens: int, prompt: list[int] = PROMPT) -> list[int]:
     core = engine(model, ColocatedPolicy())
-    core.add_request("probe", PROMPT, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
+    core.add_request("probe", prompt, SamplingParams(temperature=0.0, max_tokens=max_tokens, ignore_eos=True))
     return [out.new_token_id for out in run(core)]
 
 
@@ -64,6 +66,24 @@ def test_a_hand_off_policy_ends_a_request_at_token_one_with_its_blocks_and_no_fi
     # Still held: the engine let go of them, the receiver frees them.
     assert [b.ref_count for b in out.handoff_blocks] == [1, 1, 1] and core.kv.num_used_blocks == 3
     core.kv.pool.free(reversed(out.handoff_blocks))
+    assert core.kv.num_used_blocks == 0 and not core.has_unfinished()
+
+
+def test_a_request_hands_off_by_its_own_flag_beside_requests_that_finish_here(model):
+    """A decode node with --serve-prefill: a colocated policy, and the prompts it computes for other
+    nodes marked to leave at token 1 (`hands_off`), a fork of one with them."""
+    core = engine(model, ColocatedPolicy())
+    params = SamplingParams(temperature=0.0, max_tokens=3, ignore_eos=True)
+    exported = core.add_request("exported", PROMPT, dataclasses.replace(params, n=2),
+                                forks=[PendingFork("exported-sibling", 1)], hands_off=True)
+    own = core.add_request("own", PROMPT[:6], params)
+    outputs = run(core)
+    handed_off = {out.req_id: out for out in outputs if out.handoff_blocks is not None}
+    assert sorted(handed_off) == ["exported", "exported-sibling"] and exported.status is RequestStatus.HANDED_OFF
+    assert [out.new_token_id for out in outputs if out.req_id == "own"] == greedy_tokens(model, 3, PROMPT[:6])
+    assert own.finish_reason is FinishReason.LENGTH
+    for out in handed_off.values():
+        core.kv.pool.free(reversed(out.handoff_blocks))
     assert core.kv.num_used_blocks == 0 and not core.has_unfinished()
 
 

@@ -164,3 +164,47 @@ def test_the_router_reads_its_prompt_budget_from_its_config(cluster):
     registry, router = cluster("auto", local_queue=0, tokens_per_s=10.0)  # as deep as the 64-token bound
     assert isinstance(router.choose_route([1] * 40), LocalPrefillRoute)
     assert isinstance(router.choose_route([1] * 40), DisaggregatedRoute)  # 24 left; the router's clock barely moved
+
+
+# -- decode nodes that prefill for the others (--serve-prefill) --------------------------------
+
+
+@pytest.mark.parametrize("loads,local", [
+    (Loads(500, prefill_queue=0, local_queue=0, pool_decodes=True), True),  # room here: no KV moves
+    (Loads(10, prefill_queue=0, local_queue=900, pool_decodes=True), True),  # however long the queue
+    (Loads(500, prefill_queue=0, local_queue=0, pool_decodes=True, roomier_elsewhere=True), False),
+], ids=["room-here", "queue-does-not-move-it", "roomier-elsewhere"])
+def test_auto_over_decode_nodes_that_prefill_moves_a_prompt_only_to_decode_where_there_is_room(loads, local):
+    assert AUTO.local(loads) is local
+    budgeted = dataclasses.replace(AUTO, local_tokens_per_s=1.0)
+    assert budgeted.local(loads, within_budget=False) is local  # every node computes prompts: no budget
+
+
+@pytest.fixture
+def serve_prefill_pool(tiny_llama):
+    """An orchestrator over two decode nodes started with --serve-prefill, `auto`."""
+    registry = NodeRegistry(heartbeat_timeout_s=3.0, channel_close_grace_s=0.1, channel_factory=lambda _: None)
+    for node_id, port in (("d0", 7002), ("d1", 7003)):
+        registry.register(NodeKind.DECODE, f"127.0.0.1:{port}", node_id, serve_prefill=True)
+    config = dataclasses.replace(RouterConfig(model=str(tiny_llama)), disaggregation="auto", block_size=8)
+    state = RouterState(config, load_router_model(tiny_llama), registry, DecodePlacement(1.0), PrefillPlacement(8, 0, 16))
+    return registry, Orchestrator(state)
+
+
+def test_a_decode_node_that_serves_prefill_is_in_both_pools_once_each(serve_prefill_pool):
+    registry, _ = serve_prefill_pool
+    assert [e.node_id for e in registry.live(NodeKind.PREFILL)] == ["d0", "d1"]
+    assert [e.node_id for e in registry.live(NodeKind.DECODE)] == ["d0", "d1"]
+    assert all(e.local_prefill and e.kind is NodeKind.DECODE for e in registry.live(NodeKind.DECODE))
+
+
+def test_auto_decodes_on_the_node_that_computes_the_prompt_unless_another_has_room_after_the_request(
+        serve_prefill_pool):
+    registry, router = serve_prefill_pool
+    registry.heartbeat("d0", node_pb2.NodeStats(num_blocks=256, used_blocks=20))
+    registry.heartbeat("d1", node_pb2.NodeStats(num_blocks=256, used_blocks=0, queued_prefill_tokens=1))
+    # d0 computes the prompt soonest (queue 0 against 1); d1 has 20 more free blocks.
+    assert isinstance(router.choose_route([1] * 40, num_blocks=19), DisaggregatedRoute)  # 256 - 19 > 236
+    assert isinstance(router.choose_route([1] * 40, num_blocks=20), LocalPrefillRoute)  # 236: level
+    registry.heartbeat("d0", node_pb2.NodeStats(num_blocks=256, used_blocks=0))
+    assert isinstance(router.choose_route([1] * 40, num_blocks=1), LocalPrefillRoute)  # d0 is the roomiest

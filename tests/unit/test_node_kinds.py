@@ -27,8 +27,11 @@ def config(kind: str, **flags) -> NodeConfig:
     ("decode", {}, ColocatedPolicy, False, ["pdserve.decode_node.kv_import"], False, {"DecodeNode": StreamServicer}),
     ("decode", {"local_prefill": True}, ColocatedPolicy, False, ["pdserve.decode_node.kv_import"], True,
      {"DecodeNode": StreamServicer, "ColocatedNode": StreamServicer}),
+    ("decode", {"serve_prefill": True}, ColocatedPolicy, False,
+     ["pdserve.decode_node.kv_import", "pdserve.prefill_node.kv_export"], True,
+     {"DecodeNode": StreamServicer, "ColocatedNode": StreamServicer, "PrefillNode": PrefillServicer}),
     ("colocated", {}, ColocatedPolicy, False, [], True, {"ColocatedNode": StreamServicer}),
-], ids=["prefill", "decode", "hybrid-decode", "colocated"])
+], ids=["prefill", "decode", "hybrid-decode", "serve-prefill-decode", "colocated"])
 def test_each_kind_is_a_row(kind, flags, policy, hands_off, stages, own_prompts, services):
     row = KINDS[kind]
     part = row.core_part(config(kind, **flags))
@@ -39,9 +42,11 @@ def test_each_kind_is_a_row(kind, flags, policy, hands_off, stages, own_prompts,
     assert row.services_for(config(kind, **flags)) == services
 
 
-def test_only_a_decode_node_takes_local_prefill():
-    with pytest.raises(ValueError, match="local_prefill"):
-        config("prefill", local_prefill=True)
+@pytest.mark.parametrize("flag", ["local_prefill", "serve_prefill"])
+@pytest.mark.parametrize("kind", ["prefill", "colocated"])
+def test_only_a_decode_node_takes_its_prompt_options(kind, flag):
+    with pytest.raises(ValueError, match=flag):
+        config(kind, **{flag: True})
 
 
 def test_a_malformed_core_part_is_refused():

@@ -52,10 +52,14 @@ def test_plan_prints_the_ranking_and_writes_the_recommendation(planned, tmp_path
     assert best["command"][:2] == ["pdserve", "cluster"] and best["mode"] in ("colocated", "disaggregated", "hybrid")
     assert best["predicted_goodput_rps"] > 0
     assert set(best["predicted"]) == {"ttft_p90_s", "tpot_p90_s"}
-    # colocated x1, colocated x2, 1P1D and its hybrid at the router's bound, without a prompt budget
-    # and with 1, 1/2 and 1/4 of what the 0.5 s TPOT leaves its decode node; one knob setting
+    # colocated x1, colocated x2, the two decode nodes serving prefill, 1P1D and its hybrid at the
+    # router's bound, without a prompt budget and with 1, 1/2 and 1/4 of what the 0.5 s TPOT leaves
+    # its decode node; one knob setting
     hybrids = [c for c in report["candidates"] if c["mode"] == "hybrid"]
-    assert len(hybrids) == 4 and len(report["candidates"]) == 7
+    assert len(hybrids) == 5 and len(report["candidates"]) == 8
+    pools = [c for c in hybrids if "--serve-prefill" in c["command"][c["command"].index("--decode-args") + 1]]
+    assert len(pools) == 1 and pools[0]["command"][pools[0]["command"].index("--prefill") + 1] == "0"
+    hybrids = [c for c in hybrids if c not in pools]
     budgets = sorted((c["command"][c["command"].index("--router-args") + 1] for c in hybrids), key=len)
     assert budgets[0] == "--disaggregation auto --local-prefill-max-tokens 256"
     rates = sorted(float(b.split()[-1]) for b in budgets[1:])

@@ -12,9 +12,11 @@ from pdserve.bench.serve.sweep import SweepConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.cli import main, unattainable
 from pdserve.planner.goodput import Traffic
+from pdserve.planner.profile import ServingCosts
 from pdserve.planner.search import (
     Candidate, Knobs, Layout, evaluate, layouts, ranked, tpot_prompt_budget, with_prompt_budgets,
 )
+from pdserve.router.dispatch.hybrid import Disaggregation
 from tests.unit.planner_profiles import synthetic_profile
 
 BASE = EngineConfig(model="synthetic", dtype="float32", num_blocks=4096)
@@ -40,13 +42,30 @@ def test_layouts_on_two_and_four_devices():
     assert Layout(prefill=2, prefill_cores=1, decode=1, decode_cores=2) in four
 
 
-def test_every_split_is_also_tried_as_the_hybrid_at_each_bound():
+def test_every_split_is_also_tried_as_the_hybrid_at_each_bound_and_the_nodes_as_a_serve_prefill_pool():
     assert [(lay.mode, lay.describe()) for lay in layouts(2, (64, 256))] == [
         ("colocated", "colocated x1 (2 cores)"), ("colocated", "colocated x2 (1 core each)"),
+        ("hybrid", "2D serving prefill (1 core each)"),
         ("disaggregated", "1P (1 core) + 1D (1 core)"), ("hybrid", "1P (1 core) + 1D (1 core) hybrid<=64"),
         ("hybrid", "1P (1 core) + 1D (1 core) hybrid<=256")]
-    assert sum(lay.mode == "hybrid" for lay in layouts(4, (256,))) == sum(lay.mode == "disaggregated"
-                                                                         for lay in layouts(4, (256,)))
+    four = list(layouts(4, (256,)))
+    pools = [lay.describe() for lay in four if lay.serve_prefill]
+    assert pools == ["2D serving prefill (2 cores each)", "4D serving prefill (1 core each)"]
+    assert sum(lay.mode == "hybrid" for lay in four) - len(pools) == sum(lay.mode == "disaggregated" for lay in four)
+    assert not any(lay.serve_prefill for lay in layouts(4))  # no hybrids asked for
+
+
+def test_a_serve_prefill_pool_runs_its_decode_nodes_with_the_flag_and_the_router_on_auto():
+    candidate = Candidate(Layout(decode=2, decode_cores=1, serve_prefill=True), Knobs(256, 32))
+    assert candidate.command("/m", "float32", 16) == [
+        "pdserve", "cluster", "--model", "/m", "--dtype", "float32", "--block-size", "16",
+        "--prefill", "0", "--decode", "2", "--decode-cores", "0-1",
+        "--decode-args", "--max-num-batched-tokens 256 --max-num-seqs 32 --serve-prefill",
+        "--router-args", "--disaggregation auto"]
+    spec = candidate.spec(EngineConfig(model="m", dtype="float32"), {(1, 1): synthetic_profile(base_s=0.01)},
+                          ServingCosts())
+    assert spec.serve_prefill and spec.prefill is None and spec.decode.count == 2 and spec.mode == "hybrid"
+    assert spec.local_prefill.mode is Disaggregation.AUTO
 
 
 def test_each_pool_is_tried_at_every_tp_size_that_divides_its_nodes_cores():
@@ -182,7 +201,8 @@ def test_the_tpot_budget_is_the_share_of_its_time_a_decode_node_can_give_times_i
     assert tpot_prompt_budget(per_core, None) is None
     hybrid = Layout(prefill=1, prefill_cores=1, decode=1, decode_cores=1, local_prefill_max_tokens=256)
     tried = with_prompt_budgets(list(layouts(2, (256,))), {(1, 1): per_core, (2, 1): per_core}, 0.03)
-    assert [lay.local_prefill_tokens_per_s for lay in tried if lay.mode == "hybrid"] == [None, 785, 392, 196]
+    hybrids = [lay for lay in tried if lay.mode == "hybrid" and not lay.serve_prefill]  # a pool has no budget
+    assert [lay.local_prefill_tokens_per_s for lay in hybrids] == [None, 785, 392, 196]
     assert tried[-1].describe() == "1P (1 core) + 1D (1 core) hybrid<=256 196 tok/s"
     assert with_prompt_budgets([hybrid], {(1, 1): per_core}, None) == [hybrid]
     argv = Candidate(tried[-1], Knobs(512, 64)).command("/m", "float32", 16)
@@ -196,7 +216,8 @@ def test_under_a_tight_tpot_the_budgeted_hybrid_serves_more_than_the_unbounded_o
     miss the TPOT; a quarter of the TPOT budget keeps them within it."""
     per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
     profiles = {(1, 1): per_core, (2, 1): per_core}
-    hybrids = [lay for lay in with_prompt_budgets(list(layouts(2, (256,))), profiles, 0.02) if lay.mode == "hybrid"]
+    hybrids = [lay for lay in with_prompt_budgets(list(layouts(2, (256,))), profiles, 0.02)
+               if lay.mode == "hybrid" and not lay.serve_prefill]
     unbounded, quarter = hybrids[0], hybrids[-1]
     goodput = {lay: evaluate(Candidate(lay, Knobs(512, 64)), BASE, profiles, mix(64, 256, 64),
                              Slo(ttft_s=1.0, tpot_s=0.02), SWEEP, 4096).prediction.goodput_rps

@@ -260,3 +260,34 @@ def test_local_prefill_is_for_a_pair_of_pools():
     profile = synthetic_profile(base_s=0.01)
     with pytest.raises(ValueError, match="local_prefill"):
         ClusterSpec(colocated=Pool(1, config(), profile), local_prefill=PrefillChoice(Disaggregation.AUTO, 256))
+
+
+def test_a_serve_prefill_pool_computes_a_prompt_where_it_is_soonest_and_decodes_it_where_there_is_room():
+    """Two decode nodes that are the prefill pool too. The first request is computed and decoded on
+    decode-0. The second arrives 300 ms in: decode-0 is still the place to compute it (both queues
+    are empty; the tie goes to decode-0), but it holds the first request's blocks, so decode-1
+    decodes it: its prompt joins decode-0's next step beside the first request's decode, is handed
+    off at token 1, and its KV moves to decode-1."""
+    transfer = TransferCost(0.005, 1e-6, "synthetic")
+    profile = synthetic_profile(base_s=0.02, per_token_s=0.002, transfer=transfer)
+    spec = ClusterSpec(decode=Pool(2, config(), profile), serve_prefill=True,
+                       local_prefill=PrefillChoice(Disaggregation.AUTO, 256))
+    assert spec.mode == "hybrid"
+    sim = ClusterSim(spec, 4096)
+    first, second = sim.run([SimRequest(0.0, prompt(0, 100), 50), SimRequest(0.3, prompt(1, 20), 3)])
+    first_m, second_m = request_metrics(first), request_metrics(second)
+    assert first_m.ttft_s == pytest.approx(0.02 + 100 * 0.002)  # decode-0's prefill step
+    step_in_progress_ends = 0.22 + 4 * 0.022  # decode-0's 4th decode step of the first request
+    assert second_m.ttft_s == pytest.approx(step_in_progress_ends + 0.02 + 21 * 0.002 - 0.3)
+    tail = 0.005 + sim.decode[1].kv.blocks_needed(20) * BLOCK_BYTES * 1e-6
+    assert second_m.itl_s == pytest.approx((tail + 0.022, 0.022))  # decode-1 alone, after the KV
+    assert [n.kv.num_used_blocks for n in sim.decode] == [0, 0]
+
+
+def test_serve_prefill_needs_the_routers_choice_and_no_prefill_pool():
+    profile = synthetic_profile(base_s=0.01)
+    with pytest.raises(ValueError, match="serve_prefill"):
+        ClusterSpec(decode=Pool(2, config(), profile), serve_prefill=True)
+    with pytest.raises(ValueError, match="serve_prefill"):
+        ClusterSpec(prefill=Pool(1, config(), profile), decode=Pool(1, config(), profile), serve_prefill=True,
+                    local_prefill=PrefillChoice(Disaggregation.AUTO, 256))

@@ -82,6 +82,25 @@ def test_forked_samples_draw_exactly_the_independent_samples_tokens(model):
     assert core.num_forked_samples == 2 and core.kv.num_used_blocks == 0
 
 
+def test_a_sample_forks_only_off_a_sibling_that_leaves_the_engine_the_same_way(model):
+    """A decode node with --serve-prefill holds prompts it decodes and prompts it exports at token 1:
+    a sample of one is never forked off the other (a fork leaves as its parent does)."""
+    core = engine(model)
+    assert add_sample(core, "own", PROMPT, SEEDED, 0) is False
+    assert add_sample(core, "exported", PROMPT, SEEDED, 1, hands_off=True) is False  # not off "own"
+    assert add_sample(core, "exported-2", PROMPT, SEEDED, 2, hands_off=True) is True  # off "exported"
+    assert add_sample(core, "own-2", PROMPT, SEEDED, 3) is True  # off "own"
+    outputs = []
+    while core.has_unfinished():
+        outputs.extend(core.step())
+    handed_off = sorted(out.req_id for out in outputs if out.handoff_blocks is not None)
+    assert handed_off == ["exported", "exported-2"]
+    for out in outputs:
+        if out.handoff_blocks is not None:
+            core.kv.pool.free(reversed(out.handoff_blocks))
+    assert core.kv.num_used_blocks == 0
+
+
 def test_add_fork_is_too_late_once_the_parent_has_sampled(model):
     core = engine(model)
     core.add_request("s0", PROMPT, SEEDED, 0)
