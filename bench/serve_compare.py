@@ -14,8 +14,8 @@ budgeted hybrid (`hybrid-budget`, not run unless asked for) adds the router's pr
 `--budget-fraction` of what the TPOT target leaves the decode node by its profile (measured
 once and cached, as `pdserve profile` does); so it runs one cluster per SLO. The hybrid pool
 (`hybrid-pool`, not run unless asked for) is two decode nodes that are prefill nodes too
-(`--serve-prefill`, one core each): colocated, and moving a prompt's KV when another node has
-more room to decode it.
+(`--serve-prefill`, one core each): colocated, and moving a prompt's KV to another node when its
+own is short of KV blocks.
 On the disaggregated cluster it also measures the KV transfer's share of TTFT (the
 transfer time left after token 1, one request at a time). Prints a table of goodputs,
 each architecture's over colocated's, and whether the hybrid reached the better of the

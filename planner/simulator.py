@@ -56,7 +56,7 @@ from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.router.cluster.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
 from pdserve.router.cluster.prefix_affinity import PrefixAffinity
 from pdserve.router.config import RouterConfig
-from pdserve.router.dispatch.hybrid import HybridRouting, Loads, PoolNode, PrefillChoice, local_loads
+from pdserve.router.dispatch.hybrid import HybridRouting, Loads, PoolNode, PrefillChoice, local_loads, short_of_kv
 
 EXHAUSTED = "RESOURCE_EXHAUSTED"
 UNFINISHED = "UNFINISHED"  # still running when no event was left (a scheduler that can make no progress)
@@ -239,10 +239,8 @@ class ClusterSim:
                    for n in self._prefill_nodes]
         local = [n.candidate(next(self._stats_seq)) for n in self.decode]
         free = {c.node_id: self._decode_placement.free_after_reservations(c) for c in local}
-        most = max(free.values(), default=0)
         blocks = self.decode[0].kv.blocks_needed(len(prompt) + out_len) if self.decode else 0
-        return local_loads(self._local_placement, len(prompt), hashes, prefill, local,
-                           lambda c: most - blocks > free[c.node_id])
+        return local_loads(self._local_placement, len(prompt), hashes, prefill, local, short_of_kv(free, blocks))
 
     def _place_colocated(self, nodes: list[SimNode], placement: ColocatedPlacement, req_id: str, prompt: list[int],
                          hashes: tuple[BlockHash, ...], out_len: int, trace: RequestTrace) -> None:

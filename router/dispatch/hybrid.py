@@ -26,12 +26,15 @@ and the node's measured prefill speed; unset, there is no such bound.
 
 A decode node started with `--serve-prefill` is a prefill node too, so a pool of such nodes is
 colocated and disaggregated at once. There every node streams tokens, so keeping prompts off
-"the decode nodes" means nothing; what moving a prompt's KV buys is to compute the prompt where
-its token 1 comes soonest (the node with the least to compute, its prefix cache counted) and
-decode it where there is room. `auto` then computes a prompt on that node and decodes it there
-too, unless another node has more free KV blocks even after taking the request (`roomier_elsewhere`):
-then that node decodes it and the prompt's KV moves to it (the budget does not apply: every node
-computes prompts).
+"the decode nodes" means nothing; what moving a prompt's KV buys is room: the prompt is computed
+where its token 1 comes soonest (the node with the least to compute, its prefix cache counted)
+and decoded there, unless that node is short of KV for it — it could not hold the request with
+as many blocks again to spare — while another decode node could (`kv_short`, `short_of_kv`):
+then that node decodes it and the prompt's KV moves to it. Moving it on a milder imbalance (any
+node with more free blocks after taking the request) was measured: it moved a quarter to a third
+of the requests, cost TTFT attainment (the reservation waits for the decode node's step, the KV
+for its transfer) and did not raise TPOT attainment (docs/benchmarks.md). The prompt budget
+does not apply: every node computes prompts.
 
 `PrefillChoice` is pure: it decides from the token counts it is given (`Loads`, which
 `local_loads` gathers the same way for the router and the planner's simulator) and whether the
@@ -41,7 +44,7 @@ is given (the router's, or the simulator's).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import Enum
 
@@ -66,10 +69,10 @@ class Loads:
     local_queue: int | None
     local_cached_tokens: int = 0
     local_nodes: int = 1  # live decode nodes that can prefill (the budget is per node)
-    # The nearest prefill node is a decode node too (--serve-prefill), and whether some decode node
-    # other than the local one has more free KV blocks even after taking this request.
+    # The nearest prefill node is a decode node too (--serve-prefill), and whether the local one is
+    # short of KV for this request while another decode node is not (`short_of_kv`).
     pool_decodes: bool = False
-    roomier_elsewhere: bool = False
+    kv_short: bool = False
 
     @property
     def local_new_tokens(self) -> int:
@@ -99,8 +102,8 @@ class PrefillChoice:
             return True
         if self.mode is Disaggregation.ALWAYS:
             return False
-        if loads.pool_decodes:  # every node streams tokens: the KV moves only to where there is room
-            return not loads.roomier_elsewhere
+        if loads.pool_decodes:  # every node streams tokens: the KV moves only for room
+            return not loads.kv_short
         if not within_budget:
             return False
         local = loads.local_wait
@@ -166,13 +169,13 @@ class PoolNode:
 
 def local_loads(placement: ColocatedPlacement, prompt_tokens: int, hashes: Sequence[BlockHash],
                 prefill: Sequence[PoolNode], local: Sequence[Candidate],
-                roomier_than: Callable[[Candidate], bool] = lambda c: False) -> Loads:
+                short_of_room: Callable[[Candidate], bool] = lambda c: False) -> Loads:
     """`Loads` for a prompt of `prompt_tokens` whose leading blocks are `hashes`, given the prefill
     pool's nodes and the `local` candidates (decode nodes that prefill): their queues as
     `placement` (the local route's) counts them, and what each holds of the prompt as its prefix
     affinity forecasts it. The pool is weighed without the local node itself (it may be in both:
-    the pool route never computes a prompt on its own decode node). `roomier_than(c)`: does some
-    other decode node have more room than `c`, even after taking this request?"""
+    the pool route never computes a prompt on its own decode node). `short_of_room(c)`: is `c`
+    short of KV for this request while another decode node is not (`short_of_kv`)?"""
     if not local:
         return Loads(prompt_tokens, min((p.queue for p in prefill), default=None), None)
     cached = {c.node_id: min(prompt_tokens, placement.cached_tokens(c, hashes)) for c in local}
@@ -182,4 +185,12 @@ def local_loads(placement: ColocatedPlacement, prompt_tokens: int, hashes: Seque
     if nearest is None:
         return Loads(prompt_tokens, None, placement.load(best), cached[best.node_id], len(local))
     return Loads(prompt_tokens, nearest.queue, placement.load(best), cached[best.node_id], len(local),
-                 pool_decodes=nearest.decodes, roomier_elsewhere=nearest.decodes and roomier_than(best))
+                 pool_decodes=nearest.decodes, kv_short=nearest.decodes and short_of_room(best))
+
+
+def short_of_kv(free_blocks: Mapping[str, int], num_blocks: int) -> Callable[[Candidate], bool]:
+    """For `local_loads`, from each decode node's free KV blocks (as the decode placement counts
+    them) and the request's most blocks: could candidate `c` not hold the request with as many
+    blocks again to spare, while another decode node could?"""
+    most = max(free_blocks.values(), default=0)
+    return lambda c: free_blocks[c.node_id] < 2 * num_blocks <= most

@@ -33,7 +33,9 @@ from functools import partial
 from pdserve.proto import pdserve_pb2
 from pdserve.router.dispatch.asks import NodeAsks
 from pdserve.router.dispatch.driver import SampleDriver
-from pdserve.router.dispatch.hybrid import Disaggregation, HybridRouting, Loads, PoolNode, PrefillChoice, local_loads
+from pdserve.router.dispatch.hybrid import (
+    Disaggregation, HybridRouting, Loads, PoolNode, PrefillChoice, local_loads, short_of_kv,
+)
 from pdserve.router.errors import NeedsNodes, NoNodeAvailable
 from pdserve.router.requests.beam_results import BeamResults
 from pdserve.router.requests.merge import Put, merged
@@ -111,8 +113,8 @@ class Orchestrator:
 
     def _loads(self, prompt_token_ids: Sequence[int], num_blocks: int) -> Loads:
         """The shortest prompt queue of each place this request's prompt could be computed, what
-        the decode node with the least to compute holds of it already, and whether another decode
-        node has more room than that one even after taking the request's `num_blocks`."""
+        the decode node with the least to compute holds of it already, and whether that one is short
+        of KV for the request's `num_blocks` while another decode node is not."""
         registry, state = self.state.registry, self.state
         prefill = [PoolNode(e.node_id, state.prefill_placement.load(e.candidate()), e.kind is NodeKind.DECODE)
                    for e in registry.live(NodeKind.PREFILL)]
@@ -122,9 +124,8 @@ class Orchestrator:
         affinity = self._local_placement.affinity
         hashes = affinity.hashes(prompt_token_ids) if local and affinity is not None else ()
         free = {c.node_id: state.decode_placement.free_after_reservations(c) for c in decode}
-        most = max(free.values(), default=0)
         return local_loads(self._local_placement, len(prompt_token_ids), hashes, prefill, local,
-                           lambda c: most - num_blocks > free[c.node_id])
+                           short_of_kv(free, num_blocks))
 
     async def _run_sample(self, route: Route, spec: SampleSpec, put: Put) -> None:
         request, state = spec.request, self.state

@@ -172,9 +172,9 @@ def test_the_router_reads_its_prompt_budget_from_its_config(cluster):
 @pytest.mark.parametrize("loads,local", [
     (Loads(500, prefill_queue=0, local_queue=0, pool_decodes=True), True),  # room here: no KV moves
     (Loads(10, prefill_queue=0, local_queue=900, pool_decodes=True), True),  # however long the queue
-    (Loads(500, prefill_queue=0, local_queue=0, pool_decodes=True, roomier_elsewhere=True), False),
-], ids=["room-here", "queue-does-not-move-it", "roomier-elsewhere"])
-def test_auto_over_decode_nodes_that_prefill_moves_a_prompt_only_to_decode_where_there_is_room(loads, local):
+    (Loads(500, prefill_queue=0, local_queue=0, pool_decodes=True, kv_short=True), False),
+], ids=["room-here", "queue-does-not-move-it", "short-of-kv-here"])
+def test_auto_over_decode_nodes_that_prefill_moves_a_prompt_only_for_kv_room(loads, local):
     assert AUTO.local(loads) is local
     budgeted = dataclasses.replace(AUTO, local_tokens_per_s=1.0)
     assert budgeted.local(loads, within_budget=False) is local  # every node computes prompts: no budget
@@ -198,13 +198,12 @@ def test_a_decode_node_that_serves_prefill_is_in_both_pools_once_each(serve_pref
     assert all(e.local_prefill and e.kind is NodeKind.DECODE for e in registry.live(NodeKind.DECODE))
 
 
-def test_auto_decodes_on_the_node_that_computes_the_prompt_unless_another_has_room_after_the_request(
+def test_auto_decodes_on_the_node_that_computes_the_prompt_unless_it_is_short_of_kv_and_another_is_not(
         serve_prefill_pool):
     registry, router = serve_prefill_pool
-    registry.heartbeat("d0", node_pb2.NodeStats(num_blocks=256, used_blocks=20))
-    registry.heartbeat("d1", node_pb2.NodeStats(num_blocks=256, used_blocks=0, queued_prefill_tokens=1))
-    # d0 computes the prompt soonest (queue 0 against 1); d1 has 20 more free blocks.
-    assert isinstance(router.choose_route([1] * 40, num_blocks=19), DisaggregatedRoute)  # 256 - 19 > 236
-    assert isinstance(router.choose_route([1] * 40, num_blocks=20), LocalPrefillRoute)  # 236: level
-    registry.heartbeat("d0", node_pb2.NodeStats(num_blocks=256, used_blocks=0))
-    assert isinstance(router.choose_route([1] * 40, num_blocks=1), LocalPrefillRoute)  # d0 is the roomiest
+    registry.heartbeat("d0", node_pb2.NodeStats(num_blocks=64, used_blocks=40))
+    registry.heartbeat("d1", node_pb2.NodeStats(num_blocks=64, used_blocks=0, queued_prefill_tokens=1))
+    # d0 computes the prompt soonest (queue 0 against 1) and has 24 blocks free, d1 64.
+    assert isinstance(router.choose_route([1] * 40, num_blocks=12), LocalPrefillRoute)  # 24 = twice 12
+    assert isinstance(router.choose_route([1] * 40, num_blocks=13), DisaggregatedRoute)  # 24 < 26 <= 64
+    assert isinstance(router.choose_route([1] * 40, num_blocks=33), LocalPrefillRoute)  # d1 is short too

@@ -263,14 +263,15 @@ def test_local_prefill_is_for_a_pair_of_pools():
 
 
 def test_a_serve_prefill_pool_computes_a_prompt_where_it_is_soonest_and_decodes_it_where_there_is_room():
-    """Two decode nodes that are the prefill pool too. The first request is computed and decoded on
-    decode-0. The second arrives 300 ms in: decode-0 is still the place to compute it (both queues
-    are empty; the tie goes to decode-0), but it holds the first request's blocks, so decode-1
+    """Two decode nodes of 10 blocks of 16 tokens that are the prefill pool too. The first request
+    is computed and decoded on decode-0. The second (2 blocks at most) arrives 300 ms in: decode-0
+    is still the place to compute it (both queues are empty; the tie goes to decode-0), but the
+    first request's 7 blocks leave it 3, short of twice 2, where decode-1 has 10. So decode-1
     decodes it: its prompt joins decode-0's next step beside the first request's decode, is handed
     off at token 1, and its KV moves to decode-1."""
     transfer = TransferCost(0.005, 1e-6, "synthetic")
     profile = synthetic_profile(base_s=0.02, per_token_s=0.002, transfer=transfer)
-    spec = ClusterSpec(decode=Pool(2, config(), profile), serve_prefill=True,
+    spec = ClusterSpec(decode=Pool(2, config(num_blocks=10), profile), serve_prefill=True,
                        local_prefill=PrefillChoice(Disaggregation.AUTO, 256))
     assert spec.mode == "hybrid"
     sim = ClusterSim(spec, 4096)
@@ -282,6 +283,13 @@ def test_a_serve_prefill_pool_computes_a_prompt_where_it_is_soonest_and_decodes_
     tail = 0.005 + sim.decode[1].kv.blocks_needed(20) * BLOCK_BYTES * 1e-6
     assert second_m.itl_s == pytest.approx((tail + 0.022, 0.022))  # decode-1 alone, after the KV
     assert [n.kv.num_used_blocks for n in sim.decode] == [0, 0]
+    roomy = ClusterSim(ClusterSpec(decode=Pool(2, config(), profile), serve_prefill=True,
+                                   local_prefill=PrefillChoice(Disaggregation.AUTO, 256)), 4096)
+    _, second = roomy.run([SimRequest(0.0, prompt(0, 100), 50), SimRequest(0.3, prompt(1, 20), 3)])
+    # With room everywhere nothing moves: the local route's placement (queue, then free blocks)
+    # computes and decodes it on the idle decode-1, no KV tail before token 2.
+    assert request_metrics(second).ttft_s == pytest.approx(0.02 + 20 * 0.002)
+    assert request_metrics(second).itl_s == pytest.approx((0.022, 0.022))
 
 
 def test_serve_prefill_needs_the_routers_choice_and_no_prefill_pool():
