@@ -126,6 +126,9 @@ class ClusterConfig:
             if self.num_colocated or self.num_prefill + self.num_decode < 3:
                 raise ValueError("--rebalance moves nodes between the prefill and decode pools: it needs both "
                                  "pools and at least 3 nodes (with 2, 1 prefill + 1 decode is the only split)")
+            if not self.min_prefill:  # its decode nodes prefill as well: there is no split to move
+                raise ValueError("--rebalance moves nodes between the prefill and decode pools: decode nodes "
+                                 "started with --serve-prefill are both already")
             if self.metrics_port is None:  # the load mode reads the router's /metrics: on, on a free port
                 object.__setattr__(self, "metrics_port", 0)
         for pool in self.pools:

@@ -30,6 +30,7 @@ from pdserve.cluster import (
     resolve_port,
     run_cluster,
 )
+from pdserve.cluster_load_mode import LoadModeSettings
 from pdserve.cluster_plan import PICK_LOW, NodeSite, node_spec
 from pdserve.cluster_state import read_state
 from pdserve.cluster_supervisor import ChildExited, ChildSpec, ClusterSupervisor, RestartPolicy
@@ -208,6 +209,8 @@ def test_threads_split_the_cores_unless_the_pool_sets_them(monkeypatch):
     (dict(host="0.0.0.0"), "concrete host"),
     (dict(num_decode=0), "at least 1 prefill and 1 decode"),
     (dict(num_prefill=0), "or --prefill 0 with --decode-args --serve-prefill"),
+    (dict(num_prefill=1, num_decode=2, decode_args=("--serve-prefill",), rebalance=LoadModeSettings(ttft_slo=1.0)),
+     "are both already"),
     (dict(ready_timeout_s=0), "ready_timeout_s must be > 0"),
 ])
 def test_config_rejects_what_would_break_the_cluster(kwargs, message):
