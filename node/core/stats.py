@@ -44,8 +44,7 @@ def build_stats(kind: str, engine: EngineCore, transport: RankedTransport | None
     block pool is every rank's), transfers per rank and in sum."""
     scheduler = engine.scheduler
     sent = [] if transport is None else transport.rank_stats()
-    received = [] if transport is None else transport.rank_recv_stats()
-    ranks = sent if kind == "prefill" else received
+    ranks = sent if kind == "prefill" or transport is None else transport.rank_recv_stats()
     pool = engine.kv.pool
     return StatsData(
         kind=kind,
