@@ -26,7 +26,10 @@ client already has (`sink.streamed_token_ids`; a beam search streams none, so it
 and goes on from there. The same `TokenRelay` (same detokenizer, same stop-string
 state) carries on, so the client sees no gap and no duplicate. Attempts are bounded by
 `RecoveryBudget` (resumes while decoding, retries before the next token) and by the
-client's deadline, which every node call carries.
+client's deadline, which every node call carries. A new attempt keeps the sample's route
+while the route can serve it with the nodes left (`Route.fed`); a disaggregated sample whose pools
+can no longer feed any decode node it may use (decode nodes that serve prefill, one left) moves to
+its fallback, the local route, for good.
 
 Owns the order of node calls and the mapping of node call failures to router errors;
 what the client sees (text, stop strings, responses, usage, timings) is the sample's
@@ -58,12 +61,15 @@ log = logging.getLogger(__name__)
 class SampleDriver:
     """Drives one sample along its route until it ends; raises a `RouterError` if it cannot."""
 
-    def __init__(self, state: RouterState, route: Route, spec: SampleSpec, sink: Sink, asks: NodeAsks) -> None:
+    def __init__(self, state: RouterState, route: Route, spec: SampleSpec, sink: Sink, asks: NodeAsks,
+                 fallback: Route | None = None) -> None:
         self.state = state
         self.spec = spec
         self.sink = sink
         self.asks = asks
         self._route = route
+        # Where the sample goes once its route cannot serve it with the nodes it may still use.
+        self._fallback = fallback
         config = state.config
         self._budget = RecoveryBudget(config.max_resumes, config.max_prefill_retries, config.max_node_failures_per_request)
         self._excluded: dict[str, tuple[NodeEntry, str]] = {}  # by node id: lost during this sample, and why
@@ -134,10 +140,12 @@ class SampleDriver:
     async def _open(self, req_id: str, resumed: list[int]) -> Leg:
         """The best ranked node that answers with its opening event; a refusal or a lost node
         before that moves on to the next one."""
-        route, kind = self._route, self._route.kind
+        route = self._route_for_attempt()
+        kind = route.kind
         live = [e for e in self.usable(kind) if route.takes(e)]
         if not live:
             raise self.none_left(kind)
+        live = [e for e in live if route.fed(self, e)] or live  # none fed: the lead-in says what is missing
         request, model = self.spec.request, self.state.model
         load = Load(len(request.prompt_token_ids) + len(resumed),
                     self.asks.num_blocks(self.state.config.block_size, model.max_model_len),
@@ -165,6 +173,21 @@ class SampleDriver:
         # The rest refused, now or moments ago (placement skips those until their next stats).
         nodes = ", ".join(refused) or f"every {kind.value} node refused moments ago"
         raise Overloaded(f"no {kind.value} node can take the request ({load.num_blocks} KV blocks): {nodes}")
+
+    def _route_for_attempt(self) -> Route:
+        """The sample's route, or from now on its fallback when the route can feed none of the
+        nodes the sample may still use and the fallback has one: in a pool of decode nodes that
+        serve prefill, the one left after a loss computes the resumed prompt itself."""
+        route, fallback = self._route, self._fallback
+        if fallback is None or fallback is route:
+            return route
+        if any(route.fed(self, e) for e in self.usable(route.kind) if route.takes(e)):
+            return route
+        if any(fallback.takes(e) for e in self.usable(fallback.kind)):
+            log.info("sample %s: no node left to compute its prompt on the %s route; on the %s route from here",
+                     self.spec.node_req_id, route.name.value, fallback.name.value)
+            self._route = fallback
+        return self._route
 
     async def _ask(self, entry: NodeEntry, candidate: Candidate, load: Load, req_id: str, resumed: list[int]) -> Leg:
         """Open the route's call and wait for its opening event (a refusal comes at once, as an error)."""

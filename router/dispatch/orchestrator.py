@@ -135,7 +135,10 @@ class Orchestrator:
             sink = TokenRelay(request, spec.index, state.model, spec.received_at, state.clock, put)
             asks = NodeAsks.for_sample(request, spec.index)
         try:
-            await SampleDriver(state, route, spec, sink, asks).run()
+            # A disaggregated sample whose pools run dry falls back to a decode node computing its
+            # prompt itself, as choose_route would send a new request then.
+            fallback = self._local if route is self._disaggregated else None
+            await SampleDriver(state, route, spec, sink, asks, fallback).run()
         except Exception as exc:  # the stream's reader raises it (router/requests/merge.py)
             log.debug("sample %s failed: %r", spec.node_req_id, exc)
             raise

@@ -126,6 +126,11 @@ class Route(ABC):
         """Can this node of the route's kind open its streams? (All can, but for the local route.)"""
         return True
 
+    def fed(self, sample: SampleView, entry: NodeEntry) -> bool:
+        """Can a stream opened on `entry` get its prompt computed, with the nodes `sample` may
+        still use? (Always, but on the disaggregated route.)"""
+        return True
+
     def prefix(self, token_ids: Sequence[int], live: Sequence[NodeEntry]) -> tuple[BlockHash, ...]:
         """The leading-block hashes `rank` and `claim` weigh, given the `live` nodes the route
         may ask (none: the route keeps no affinity)."""
@@ -239,6 +244,10 @@ class DisaggregatedRoute(Route):
         if self._local_affinity is None or not any(e.local_prefill for e in live):
             return ()  # no decode node here computes prompts: nothing to remember
         return self._local_affinity.hashes(token_ids)
+
+    def fed(self, sample: SampleView, entry: NodeEntry) -> bool:
+        # A decode node with --serve-prefill is in the prefill pool, but never feeds itself.
+        return any(p.node_id != entry.node_id for p in sample.usable(NodeKind.PREFILL))
 
     def rank(self, candidates: Sequence[Candidate], load: Load) -> list[Candidate]:
         return self._decode.rank(candidates)

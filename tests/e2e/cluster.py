@@ -258,6 +258,16 @@ class FaultCluster:
         return _poll_held(self, timeout_s)
 
 
+def busy_node(cluster: FaultCluster, kind: str) -> str:
+    """The node of `kind` that is running a request right now."""
+    names = [n for n in cluster.live_nodes() if n.startswith(kind)]
+    for name in names:
+        stats = cluster.stats(name)
+        if stats.num_running or stats.num_waiting:
+            return name
+    raise AssertionError(f"no {kind} node is busy: {[cluster.stats(n) for n in names]}")
+
+
 def _poll_held(cluster: FaultCluster, timeout_s: float) -> dict[str, tuple[int, int] | None]:
     """(used, reserved) of every live node once none holds a block; None for a node that does not
     answer its stats yet (one the launcher just started again: its core may still be loading),

@@ -26,7 +26,7 @@ from pdserve.proto import pdserve_pb2
 from pdserve.proto.convert import structured_to_proto
 from pdserve.testing.waiting import until
 
-from tests.e2e.cluster import FaultCluster, FaultSettings
+from tests.e2e.cluster import FaultCluster, FaultSettings, busy_node
 from tests.e2e.streams import Stream, greedy, prompt
 from tests.integration.reference import assert_matches, constrained_references, greedy_references
 
@@ -50,16 +50,6 @@ def model_dir(tiny_llama) -> str:
 def cluster(model_dir, tmp_path_factory):
     with FaultCluster(model_dir, tmp_path_factory.mktemp("logs"), 2, 2, SETTINGS) as running:
         yield running
-
-
-def busy_node(cluster: FaultCluster, kind: str) -> str:
-    """The node of `kind` that is running a request right now."""
-    names = [n for n in cluster.live_nodes() if n.startswith(kind)]
-    for name in names:
-        stats = cluster.stats(name)
-        if stats.num_running or stats.num_waiting:
-            return name
-    raise AssertionError(f"no {kind} node is busy: {[cluster.stats(n) for n in names]}")
 
 
 def mid_prefill(cluster: FaultCluster, num_chunks_done: int) -> str | None:

@@ -29,8 +29,8 @@ import grpc
 import pytest
 
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
-from tests.e2e.cluster import FaultCluster, FaultSettings, NodeSettings, free_port, running_cluster
-from tests.e2e.test_node_failure import Stream, busy_node, greedy
+from tests.e2e.cluster import FaultCluster, FaultSettings, NodeSettings, busy_node, free_port, running_cluster
+from tests.e2e.streams import Stream, greedy
 from tests.integration.reference import assert_matches, greedy_references
 from pdserve.testing.waiting import wait_until
 

@@ -207,3 +207,26 @@ def test_auto_decodes_on_the_node_that_computes_the_prompt_unless_it_is_short_of
     assert isinstance(router.choose_route([1] * 40, num_blocks=12), LocalPrefillRoute)  # 24 = twice 12
     assert isinstance(router.choose_route([1] * 40, num_blocks=13), DisaggregatedRoute)  # 24 < 26 <= 64
     assert isinstance(router.choose_route([1] * 40, num_blocks=33), LocalPrefillRoute)  # d1 is short too
+
+
+class UsableNodes:
+    """The one thing `DisaggregatedRoute.fed` asks of a sample: the nodes it may still use."""
+
+    def __init__(self, registry: NodeRegistry, excluded: set[str]) -> None:
+        self._registry, self._excluded = registry, excluded
+
+    def usable(self, kind: NodeKind) -> list:
+        return [e for e in self._registry.live(kind) if e.node_id not in self._excluded]
+
+
+def test_a_serve_prefill_node_alone_is_never_fed_by_the_pool_route_so_a_resume_falls_back(serve_prefill_pool):
+    registry, router = serve_prefill_pool
+    registry.heartbeat("d0", node_pb2.NodeStats(num_blocks=64, used_blocks=40))
+    registry.heartbeat("d1", node_pb2.NodeStats(num_blocks=64, used_blocks=0, queued_prefill_tokens=1))
+    route = router.choose_route([1] * 40, num_blocks=13)  # d0 is short of KV: the pool route
+    assert isinstance(route, DisaggregatedRoute)
+    d0, d1 = registry.live(NodeKind.DECODE)
+    both = UsableNodes(registry, excluded=set())
+    assert route.fed(both, d0) and route.fed(both, d1)  # each feeds the other
+    alone = UsableNodes(registry, excluded={"d0"})  # d0 lost during the sample
+    assert not route.fed(alone, d1)  # d1 never feeds itself: the driver takes the local route
