@@ -1,10 +1,16 @@
 """Channels to a peer that may restart on its old address: a node's to the router, the
-router's to each node.
+router's to each node, and the one-shot probes that watch a process come up.
 
 Owns the reconnect options those channels share. gRPC's default reconnect backoff grows
 to two minutes, so a router that comes up late, or a node restarted on its address,
 would stay unreachable through a cached channel long after it is back; these channels
-retry within about a second instead. Must never cache channels or pick a peer: callers
+retry within about a second instead.
+
+A probe (the launcher's readiness check, a health check, a stats poll) opens a new channel
+each time, but gRPC keeps connection state per address for all of a process's channels: a
+probe that found nothing listening leaves the next one waiting out that shared backoff, and
+it saw a started cluster seconds late. `FRESH_CONNECTION` gives a probe its own connection
+state: every probe tries the address now. Must never cache channels or pick a peer: callers
 own their channels' lifetimes.
 """
 
@@ -13,16 +19,27 @@ from __future__ import annotations
 import grpc
 
 from pdserve.common.auth import ChannelOptions, open_channel
-from pdserve.common.tls import TlsConfig
+from pdserve.common.tls import TlsConfig, sync_channel
 
 RECONNECT_WITHIN_A_SECOND: ChannelOptions = (
     ("grpc.initial_reconnect_backoff_ms", 100),
     ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
 )
+FRESH_CONNECTION: ChannelOptions = (("grpc.use_local_subchannel_pool", 1),)
 
 
 def reconnecting_channel(address: str, token: str | None = None, tls: TlsConfig | None = None) -> grpc.aio.Channel:
     """A channel to `address` that reconnects within about a second, its calls carrying the
     auth token when one is given (common/auth.py), over mutual TLS when `tls` is (common/tls.py)."""
     return open_channel(address, token, options=RECONNECT_WITHIN_A_SECOND, tls=tls)
+
+
+def probe_channel(address: str, token: str | None = None, tls: TlsConfig | None = None) -> grpc.aio.Channel:
+    """A channel for one probe of `address`, which tries it now whatever earlier probes found."""
+    return open_channel(address, token, options=FRESH_CONNECTION, tls=tls)
+
+
+def sync_probe_channel(address: str, tls: TlsConfig | None = None) -> grpc.Channel:
+    """`probe_channel`, blocking (no token: callers send their own metadata)."""
+    return sync_channel(address, tls, options=FRESH_CONNECTION)

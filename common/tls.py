@@ -154,10 +154,10 @@ def aio_channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[str
     return grpc.aio.secure_channel(address, tls.channel_credentials(), options=options, interceptors=interceptors)
 
 
-def sync_channel(address: str, tls: TlsConfig | None) -> grpc.Channel:
+def sync_channel(address: str, tls: TlsConfig | None, options: Sequence[tuple[str, Any]] | None = None) -> grpc.Channel:
     if tls is None:
-        return grpc.insecure_channel(address)
-    return grpc.secure_channel(address, tls.channel_credentials())
+        return grpc.insecure_channel(address, options=options)
+    return grpc.secure_channel(address, tls.channel_credentials(), options=options)
 
 
 def http_scheme(tls: TlsConfig | None) -> str:

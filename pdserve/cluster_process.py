@@ -27,7 +27,7 @@ import grpc
 from pdserve.cluster_state import ClusterState, read_state
 from pdserve.common.auth import TOKEN_ENV, call_metadata, read_token_file
 from pdserve.common.lifecycle import PARENT_PID_ENV
-from pdserve.common.tls import sync_channel
+from pdserve.common.channels import sync_probe_channel
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
 T = TypeVar("T")
@@ -128,13 +128,13 @@ class ClusterProcess:
     # -- talking to the cluster -----------------------------------------------------------
 
     def health(self, timeout_s: float = 5.0) -> pdserve_pb2.HealthResponse:
-        with sync_channel(self.router, self.state.tls()) as channel:
+        with sync_probe_channel(self.router, self.state.tls()) as channel:
             return pdserve_pb2_grpc.GenerationStub(channel).Health(
                 pdserve_pb2.HealthRequest(), timeout=timeout_s, metadata=call_metadata(self.token))
 
     def stats(self, name: str, timeout_s: float = 10.0) -> node_pb2.NodeStats:
         child = self.state.children[name]
-        with sync_channel(child.address, self.state.tls()) as channel:
+        with sync_probe_channel(child.address, self.state.tls()) as channel:
             return _NODE_STUBS[child.kind](channel).GetStats(node_pb2.StatsRequest(), timeout=timeout_s,
                                                              metadata=call_metadata(self.token))
 

@@ -25,7 +25,8 @@ import grpc
 import uvloop
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from pdserve.common.auth import add_auth_args, open_channel, token_or_usage_error
+from pdserve.common.auth import add_auth_args, token_or_usage_error
+from pdserve.common.channels import probe_channel
 from pdserve.common.tls import TlsConfig, add_tls_args, tls_or_usage_error
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 
@@ -68,14 +69,14 @@ class Verdict:
 
 async def _router_health(addr: str, timeout_s: float, token: str | None,
                          tls: TlsConfig | None) -> pdserve_pb2.HealthResponse:
-    async with open_channel(addr, token, tls=tls) as channel:
+    async with probe_channel(addr, token, tls) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         return await stub.Health(pdserve_pb2.HealthRequest(), timeout=timeout_s)
 
 
 async def _node_stats(addr: str, kind: str, timeout_s: float, token: str | None,
                       tls: TlsConfig | None) -> node_pb2.NodeStats:
-    async with open_channel(addr, token, tls=tls) as channel:
+    async with probe_channel(addr, token, tls) as channel:
         return await _NODE_STUBS[kind](channel).GetStats(node_pb2.StatsRequest(), timeout=timeout_s)
 
 
@@ -101,7 +102,7 @@ def node_stats(addr: str, kind: str, timeout_s: float = HealthcheckConfig.timeou
 
 async def _standard_status(addr: str, service: str, timeout_s: float, token: str | None,
                            tls: TlsConfig | None) -> int:
-    async with open_channel(addr, token, tls=tls) as channel:
+    async with probe_channel(addr, token, tls) as channel:
         request = health_pb2.HealthCheckRequest(service=service)
         return (await health_pb2_grpc.HealthStub(channel).Check(request, timeout=timeout_s)).status
 
