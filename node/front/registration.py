@@ -41,6 +41,7 @@ from pdserve.node.messages import StatsData
 from pdserve.proto import node_pb2, node_pb2_grpc
 
 logger = logging.getLogger(__name__)
+FIRST_SNAPSHOT_POLL_S = 0.02  # how soon a node with no stats yet looks again
 
 LatestStats = Callable[[], StatsData | None]
 
@@ -85,6 +86,11 @@ class _Registration:
         if not reply.known:
             logger.info("the router forgot node %s; registering again", self.node_id)
             self.registered = False
+
+    def next_beat_in(self) -> float:
+        """The heartbeat interval; shorter while the core's first snapshot is still to come, so a
+        node registers as soon as it has one (it comes moments after the core starts)."""
+        return self.interval_s if self.latest_stats() is not None else FIRST_SNAPSHOT_POLL_S
 
     async def _register(self, timeout: float) -> node_pb2.RegisterResponse:
         request = node_pb2.RegisterRequest(kind=self.config.kind, address=self.address, node_id=self.node_id,
@@ -153,7 +159,7 @@ class RouterLink:
                 await registration.beat()
             except grpc.aio.AioRpcError as exc:
                 registration.failed(exc)
-            await asyncio.sleep(registration.interval_s)
+            await asyncio.sleep(registration.next_beat_in())
 
     async def drain(self) -> None:
         await self._registration.drain()
