@@ -23,8 +23,13 @@ from pdserve.common.tls import TlsConfig, sync_channel
 
 RECONNECT_WITHIN_A_SECOND: ChannelOptions = (
     ("grpc.initial_reconnect_backoff_ms", 100),
-    ("grpc.min_reconnect_backoff_ms", 100),
     ("grpc.max_reconnect_backoff_ms", 1000),
+    # Despite its name, how long one connection attempt may take to its HTTP/2 handshake, not a
+    # wait between attempts (those follow the two above). At 100 ms, a router's first connection
+    # to a node that had just started, on two busy cores, timed out before the node's SETTINGS
+    # frame, and the router took a healthy node for a lost one. A node that refuses fails at once
+    # whatever this is; a frozen one costs each call its own deadline, as before.
+    ("grpc.min_reconnect_backoff_ms", 2000),
 )
 FRESH_CONNECTION: ChannelOptions = (("grpc.use_local_subchannel_pool", 1),)
 
