@@ -114,12 +114,14 @@ def main(argv: list[str] | None = None) -> int:
         p90 = {k: "/".join("-" if v is None else f"{v * 1e3:.0f}" for v in (at[k]["predicted"], at[k]["measured"]))
                for k in ("ttft_p90_s", "tpot_p90_s")}
         by_round = rounds_text([x["measured_goodput_rps"] for x in r["rounds"]], r["measured_spread"])
-        print(f"| {r['workload']} | {r['slo']} | {r['layout']} | {r['predicted_goodput_rps']:.3g}/"
-              f"{r['measured_goodput_rps']:.3g} | {_pct(r['goodput_error'])} | {by_round} | {p90['ttft_p90_s']} | "
+        bound = r.get("goodput_error_is_a_lower_bound", False)  # no rate passed: below the lowest that failed
+        measured = f"<{r['measured_below_rps']:.3g}" if bound else f"{r['measured_goodput_rps']:.3g}"
+        print(f"| {r['workload']} | {r['slo']} | {r['layout']} | {r['predicted_goodput_rps']:.3g}/{measured} | "
+              f"{'≥' if bound else ''}{_pct(r['goodput_error'])} | {by_round} | {p90['ttft_p90_s']} | "
               f"{p90['tpot_p90_s']} |")
     errors = [abs(r["goodput_error"]) for r in rows if r["goodput_error"] is not None]
     median = statistics.median(errors) if errors else None
-    print(f"\nmedian |goodput error| over {len(errors)} measured candidates: "
+    print(f"\nmedian |goodput error| over {len(errors)} measured candidates (a bound where no rate passed): "
           + ("-" if median is None else f"{median:.0%} (goal <= 10%)"))
     spreads = [r["measured_spread"] for r in rows if r["measured_spread"] is not None]
     if spreads:

@@ -99,11 +99,27 @@ class Validation:
         return self.rounds[0].at_predicted_rate
 
     @property
-    def goodput_error(self) -> float | None:
-        """(predicted - measured) / measured; None when nothing was measured to divide by."""
-        if self.measured_goodput_rps <= 0:
+    def measured_below_rps(self) -> float | None:
+        """Where no rate passed (a zero median): the goodput lies below the lowest rate that failed
+        in those rounds (the highest such, when several did); None otherwise."""
+        if self.measured_goodput_rps > 0:
             return None
-        return (self.predicted_goodput_rps - self.measured_goodput_rps) / self.measured_goodput_rps
+        failed = [m.sweep.failed_rate for m in self.rounds if m.goodput_rps <= 0 and m.sweep.failed_rate]
+        return max(failed) if failed else None
+
+    @property
+    def goodput_error(self) -> float | None:
+        """(predicted - measured) / measured. Where no rate passed, the least it can be, against
+        `measured_below_rps` (`error_is_a_bound`): such a candidate counts in the median error,
+        never out of it. None when nothing was measured at all."""
+        measured = self.measured_goodput_rps or self.measured_below_rps
+        if not measured:
+            return None
+        return (self.predicted_goodput_rps - measured) / measured
+
+    @property
+    def error_is_a_bound(self) -> bool:
+        return self.measured_goodput_rps <= 0 and self.measured_below_rps is not None
 
 
 @dataclass(frozen=True)
@@ -196,7 +212,9 @@ def validation_record(v: Validation) -> dict:
         "layout": v.evaluated.candidate.layout.describe(),
         "predicted_goodput_rps": v.predicted_goodput_rps,
         "measured_goodput_rps": v.measured_goodput_rps,
+        "measured_below_rps": v.measured_below_rps,
         "goodput_error": v.goodput_error,
+        "goodput_error_is_a_lower_bound": v.error_is_a_bound,
         "measured_spread": v.spread,
         "measured_converged": v.rounds[0].sweep.converged,
         "at_predicted_rate": {
@@ -242,8 +260,9 @@ def format_validation(validations: list[Validation]) -> str:
         predicted = v.evaluated.prediction.run.summary
         ttft = (_p90(predicted, "ttft_s"), _p90(v.at_predicted_rate, "ttft_s"))
         tpot = (_p90(predicted, "tpot_s"), _p90(v.at_predicted_rate, "tpot_s"))
-        row = (v.evaluated.candidate.layout.describe(),
-               f"{v.predicted_goodput_rps:.3g}/{v.measured_goodput_rps:.3g}", _pct(v.goodput_error),
+        measured = f"<{v.measured_below_rps:.3g}" if v.error_is_a_bound else f"{v.measured_goodput_rps:.3g}"
+        row = (v.evaluated.candidate.layout.describe(), f"{v.predicted_goodput_rps:.3g}/{measured}",
+               ("≥" if v.error_is_a_bound else "") + _pct(v.goodput_error),
                f"{_ms(ttft[0])}/{_ms(ttft[1])} ({_pct(_error(*ttft))})",
                f"{_ms(tpot[0])}/{_ms(tpot[1])} ({_pct(_error(*tpot))})")
         rows.append((*row, rounds_text([m.goodput_rps for m in v.rounds], v.spread)) if repeated else row)
@@ -257,6 +276,9 @@ def format_validation(validations: list[Validation]) -> str:
     if spread is not None:
         lines.append(f"median spread of the measured goodput over its rounds: {spread:.0%} "
                      "(an error under it is within the runs' own variation)")
+    if any(v.error_is_a_bound for v in validations):
+        lines.append("(<R: no probed rate met the target, the lowest to fail was R; the error shown, and counted "
+                     "in the median, is the least it can be)")
     lines.append("(error = (predicted - measured) / measured, measured = the median of the rounds; "
                  "P90s at the predicted goodput rate, in the first round)")
     return "\n".join(lines)

@@ -83,3 +83,18 @@ def test_repeated_rounds_compare_the_prediction_with_their_median_and_report_the
     assert lines[0].endswith("measured by round (spread)")
     assert lines[1].endswith("8, 10, 9 (22%)") and lines[2].endswith("8 (-)")
     assert "median spread of the measured goodput over its rounds: 22%" in lines[4]
+
+
+def test_a_candidate_that_passed_no_rate_counts_in_the_median_with_the_least_error_it_can_have():
+    # Predicted 7.11; every probe from there down to 3.64 missed: the goodput is below 3.64.
+    failed = Validation(evaluated(ONE_P_ONE_D, 7.11), (Measurement(0.0, None, SweepResult(failed_rate=3.64)),))
+    measured = validation(evaluated(TWO_NODES_1_CORE, 8.8), 8.36)
+    assert failed.measured_goodput_rps == 0 and failed.measured_below_rps == 3.64 and failed.error_is_a_bound
+    assert failed.goodput_error == (7.11 - 3.64) / 3.64
+    assert not measured.error_is_a_bound and measured.measured_below_rps is None
+    assert median_abs_goodput_error([measured, failed]) == ((8.8 - 8.36) / 8.36 + (7.11 - 3.64) / 3.64) / 2
+    row = report_record([failed])["candidates"][0]
+    assert (row["measured_below_rps"], row["goodput_error_is_a_lower_bound"]) == (3.64, True)
+    lines = format_validation([measured, failed]).splitlines()
+    assert "7.11/<3.64" in lines[2] and "≥+95%" in lines[2]
+    assert lines[4].startswith("(<R: no probed rate met the target")
