@@ -268,6 +268,12 @@ def busy_node(cluster: FaultCluster, kind: str) -> str:
     raise AssertionError(f"no {kind} node is busy: {[cluster.stats(n) for n in names]}")
 
 
+def assert_no_blocks_held(cluster: FaultCluster, timeout_s: float) -> None:
+    """No live node of `cluster` holds a block, used or reserved (polled up to `timeout_s`)."""
+    held = cluster.wait_no_blocks(timeout_s)
+    assert all(h == (0, 0) for h in held.values()), f"blocks still held (used, reserved): {held}"
+
+
 def _poll_held(cluster: FaultCluster, timeout_s: float) -> dict[str, tuple[int, int] | None]:
     """(used, reserved) of every live node once none holds a block; None for a node that does not
     answer its stats yet (one the launcher just started again: its core may still be loading),

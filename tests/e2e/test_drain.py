@@ -22,7 +22,7 @@ import pytest
 
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing.waiting import until, wait_until
-from tests.e2e.cluster import FaultCluster, FaultSettings, counter
+from tests.e2e.cluster import FaultCluster, FaultSettings, assert_no_blocks_held, counter
 from tests.e2e.streams import Stream, greedy, prompt
 from tests.integration.reference import assert_matches, greedy_references
 
@@ -31,6 +31,7 @@ pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason
 NUM_STREAMS = 4
 STREAM_TOKENS = 60  # ~3 s at the decode step delay: time to drain mid-stream
 PROMPT_TOKENS = 96  # 6 chunks of 16 at the prefill step delay: a queue to drain mid-prefill
+BLOCKS_FREED_S = 15.0  # bounds the poll for the last frees
 SETTINGS = FaultSettings(max_num_batched_tokens=16, lease_s=20.0, heartbeat_timeout_s=5.0,
                          prefill_step_delay_s=0.1, decode_step_delay_s=0.05, metrics=True)
 LEFT_S = 60.0  # bounds the wait for a drained node's exit (its drain timeout is 25 s)
@@ -72,11 +73,6 @@ def wait_left(cluster: FaultCluster, name: str) -> None:
     assert name not in cluster.live_nodes()
 
 
-def assert_no_blocks_held(cluster: FaultCluster) -> None:
-    held = cluster.wait_no_blocks(15.0)
-    assert all(h == (0, 0) for h in held.values()), f"blocks still held (used, reserved): {held}"
-
-
 async def run_streams(cluster: FaultCluster, prompts: list[list[int]], max_tokens: int, drain) -> list[Stream]:
     """Start one stream per prompt, call `drain()` once it returns a node name (polled), and
     return the finished streams."""
@@ -107,7 +103,7 @@ def test_a_decode_node_drains_its_streams_and_leaves(cluster, model_dir):
     after = asyncio.run(_served(cluster.router, greedy(prompt(20, seed=99), STREAM_TOKENS)))
     assert after.code is grpc.StatusCode.OK
     assert_matches([after.tokens], refs[NUM_STREAMS:])
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)
 
 
 def test_a_prefill_node_drains_its_queue_and_leaves(cluster, model_dir):
@@ -130,7 +126,7 @@ def test_a_prefill_node_drains_its_queue_and_leaves(cluster, model_dir):
     wait_left(cluster, drained[0])
     assert resumes(cluster) == before
     cluster.wait_serving(1, 1, timeout_s=30.0)
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)
 
 
 def test_the_router_drains_its_streams_refusing_new_ones_and_the_cluster_stops(cluster, model_dir):

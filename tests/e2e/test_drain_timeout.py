@@ -15,8 +15,8 @@ import grpc
 import pytest
 
 from pdserve.testing.waiting import until
-from tests.e2e.cluster import FaultCluster, FaultSettings
-from tests.e2e.test_drain import Stream, assert_no_blocks_held, busy, greedy, prompt, resumes, wait_left
+from tests.e2e.cluster import FaultCluster, FaultSettings, assert_no_blocks_held
+from tests.e2e.test_drain import BLOCKS_FREED_S, Stream, busy, greedy, prompt, resumes, wait_left
 from tests.integration.reference import assert_matches, greedy_references
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
@@ -45,7 +45,7 @@ def test_what_outlives_the_drain_timeout_resumes_on_another_node(model_dir_llama
         assert_matches([stream.tokens], [ref])
         wait_left(cluster, drained[0])
         assert resumes(cluster) == {"node_failed": 0.0, "node_gone": 0.0, "kv_lost": 0.0, "drain_timeout": 1.0}
-        assert_no_blocks_held(cluster)
+        assert_no_blocks_held(cluster, BLOCKS_FREED_S)
 
 
 @pytest.fixture

@@ -22,10 +22,11 @@ import pytest
 
 from pdserve.proto import pdserve_pb2
 
-from tests.e2e.cluster import FaultCluster, FaultSettings, NodeSettings, assert_every_block_free, running_cluster
+from tests.e2e.cluster import (FaultCluster, FaultSettings, NodeSettings, assert_every_block_free, assert_no_blocks_held,
+                               running_cluster)
 from tests.e2e.test_kv_integrity import MAX_TOKENS as DRILL_TOKENS, PROMPT as DRILL_PROMPT, generate
 from tests.e2e.test_cluster import BLOCK_SIZE, kv_bytes_per_block, run_concurrently
-from tests.e2e.test_node_failure import LONG_PROMPT, SETTINGS, Stream, assert_no_blocks_held, greedy, mid_prefill, prompt
+from tests.e2e.test_node_failure import BLOCKS_FREED_S, LONG_PROMPT, SETTINGS, Stream, greedy, mid_prefill, prompt
 from tests.integration.reference import assert_matches, greedy_references
 
 TORCH = ("--kv-transport", "torch")
@@ -90,7 +91,7 @@ def test_a_peer_killed_mid_transfer_is_retried_elsewhere_exactly_and_leaks_nothi
             assert stream.error is None, stream.error
             assert_matches([stream.tokens], [ref])
             assert stream.responses[-1].finish_reason == pdserve_pb2.FINISH_REASON_LENGTH
-            assert_no_blocks_held(cluster)
+            assert_no_blocks_held(cluster, BLOCKS_FREED_S)
 
 
 @pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")

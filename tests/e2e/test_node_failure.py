@@ -26,7 +26,7 @@ from pdserve.proto import pdserve_pb2
 from pdserve.proto.convert import structured_to_proto
 from pdserve.testing.waiting import until
 
-from tests.e2e.cluster import FaultCluster, FaultSettings, busy_node
+from tests.e2e.cluster import FaultCluster, FaultSettings, assert_no_blocks_held, busy_node
 from tests.e2e.streams import Stream, greedy, prompt
 from tests.integration.reference import assert_matches, constrained_references, greedy_references
 
@@ -63,11 +63,6 @@ def mid_prefill(cluster: FaultCluster, num_chunks_done: int) -> str | None:
     return None
 
 
-def assert_no_blocks_held(cluster: FaultCluster) -> None:
-    held = cluster.wait_no_blocks(BLOCKS_FREED_S)
-    assert all(h == (0, 0) for h in held.values()), f"blocks still held (used, reserved): {held}"
-
-
 def test_decode_node_killed_mid_stream_resumes_on_the_other(cluster, model_dir):
     ids = prompt(40, seed=1)
     ref = greedy_references(model_dir, [ids], [LONG_STREAM])
@@ -86,7 +81,7 @@ def test_decode_node_killed_mid_stream_resumes_on_the_other(cluster, model_dir):
     assert_matches([stream.tokens], ref)  # the whole stream: no gap, no duplicate
     assert stream.responses[-1].usage.completion_tokens == LONG_STREAM
     assert stream.responses[-1].finish_reason == pdserve_pb2.FINISH_REASON_LENGTH
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)
 
     cluster.restart(victim)
     cluster.wait_serving(2, 2, timeout_s=240)
@@ -102,7 +97,7 @@ def test_decode_node_killed_mid_stream_resumes_on_the_other(cluster, model_dir):
     assert [s.error for s in streams] == [None] * 4
     assert_matches([s.tokens for s in streams], refs)
     assert cluster.stats(victim).kv_transfer.transfers > before, "the restarted decode node took traffic"
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)
 
 
 def test_constrained_stream_survives_its_decode_node_killed(cluster, model_dir):
@@ -128,7 +123,7 @@ def test_constrained_stream_survives_its_decode_node_killed(cluster, model_dir):
     assert before < LONG_STREAM
     assert stream.tokens == expected
     assert stream.responses[-1].finish_reason == pdserve_pb2.FINISH_REASON_LENGTH
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)
     cluster.restart(victim)
     cluster.wait_serving(2, 2, timeout_s=240)
 
@@ -154,7 +149,7 @@ def test_prefill_node_killed_mid_prefill_is_retried_on_the_other(cluster, model_
     stream, victim = asyncio.run(scenario())
     assert stream.error is None, stream.error
     assert_matches([stream.tokens], ref)
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)
     cluster.restart(victim)
     cluster.wait_serving(2, 2, timeout_s=240)
 
@@ -179,7 +174,7 @@ def test_no_decode_node_left_is_unavailable_promptly_and_a_restart_serves(cluste
     assert late is not None and late.code() is grpc.StatusCode.UNAVAILABLE
     assert "no decode node is available" in late.details(), late.details()
     print(f"in flight: UNAVAILABLE {in_flight_s:.2f}s after the kill; new request: {new_s:.2f}s")
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)
 
     for name in ("decode-0", "decode-1"):
         cluster.restart(name)
@@ -188,7 +183,7 @@ def test_no_decode_node_left_is_unavailable_promptly_and_a_restart_serves(cluste
     stream = asyncio.run(_one(cluster.router, greedy(ids, 10)))
     assert stream.error is None, stream.error
     assert_matches([stream.tokens], ref)
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)
 
 
 def test_a_frozen_decode_node_moves_its_streams_and_rejoins_when_it_wakes(cluster, model_dir):
@@ -211,7 +206,7 @@ def test_a_frozen_decode_node_moves_its_streams_and_rejoins_when_it_wakes(cluste
     assert [s.error for s in streams] == [None] * 4
     assert_matches([s.tokens for s in streams], refs)  # moved: no gap, no duplicate
     cluster.wait_serving(2, 2, timeout_s=120)  # awake: it registered again
-    assert_no_blocks_held(cluster)  # and freed what its cancelled streams held
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)  # and freed what its cancelled streams held
 
 
 def test_a_frozen_prefill_node_moves_its_prefills(cluster, model_dir):
@@ -231,7 +226,7 @@ def test_a_frozen_prefill_node_moves_its_prefills(cluster, model_dir):
     assert stream.error is None, stream.error
     assert_matches([stream.tokens], ref)
     cluster.wait_serving(2, 2, timeout_s=120)
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)
 
 
 async def _prefilling_node(cluster: FaultCluster) -> str:

@@ -24,7 +24,7 @@ import grpc
 import pytest
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2_grpc
 
-from tests.e2e.cluster import FaultCluster, FaultSettings
+from tests.e2e.cluster import FaultCluster, FaultSettings, assert_no_blocks_held
 from tests.e2e.outcomes import decode_request, greedy_request, outcome_of, prefill_request, random_prompt
 from tests.integration.reference import assert_matches, greedy_references
 from pdserve.testing.waiting import wait_until
@@ -54,11 +54,6 @@ def cluster(model_dir, tmp_path_factory):
 
 def held(stats: node_pb2.NodeStats) -> tuple[int, int]:
     return stats.used_blocks, stats.reserved_blocks
-
-
-def assert_no_blocks_held(cluster: FaultCluster) -> None:
-    blocks = cluster.wait_no_blocks(FREED_S)
-    assert all(h == (0, 0) for h in blocks.values()), f"blocks still held (used, reserved): {blocks}"
 
 
 def prefill_load(cluster: FaultCluster) -> int:
@@ -97,7 +92,7 @@ def test_a_reservation_cancelled_before_any_prefill_is_freed_at_once(cluster, mo
     assert_matches([[late.first_token_id]], greedy_references(model_dir, [tokens], [1]))
     assert after.kv_transfer.transfers == placed and held(after) == (0, 0)
     assert reuse is grpc.StatusCode.INVALID_ARGUMENT  # the id is retired, not reusable
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, FREED_S)
 
 
 def test_a_request_every_prefill_node_refuses_leaves_no_reservation_behind(cluster, model_dir):
@@ -122,7 +117,7 @@ def test_a_request_every_prefill_node_refuses_leaves_no_reservation_behind(clust
     assert "every prefill node's queue is full" in refused.details, refused.details
     assert [o.code for o in admitted] == [grpc.StatusCode.OK] * 4, [(o.code, o.details) for o in admitted]
     assert_matches([o.token_ids for o in admitted], greedy_references(model_dir, admitted_prompts, [4] * 4))
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, FREED_S)
 
 
 def test_a_prefill_node_killed_mid_transfer_is_retried_and_its_reservation_freed_at_once(cluster, model_dir):
@@ -144,4 +139,4 @@ def test_a_prefill_node_killed_mid_transfer_is_retried_and_its_reservation_freed
     assert outcome.code is grpc.StatusCode.OK, (outcome.code, outcome.details)
     assert_matches([outcome.token_ids], ref)
     assert victim not in cluster.live_nodes()
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, FREED_S)

@@ -24,7 +24,7 @@ import pytest
 
 from pdserve.proto.node_pb2 import NodeStats
 from pdserve.testing.waiting import until
-from tests.e2e.cluster import FaultCluster, FaultSettings, busy_node
+from tests.e2e.cluster import FaultCluster, FaultSettings, assert_no_blocks_held, busy_node
 from tests.e2e.streams import Stream, greedy, prompt
 from tests.integration.reference import assert_matches, greedy_references
 
@@ -46,11 +46,6 @@ def model_dir(tiny_llama) -> str:
 def cluster(model_dir, tmp_path_factory):
     with FaultCluster(model_dir, tmp_path_factory.mktemp("logs"), 0, 2, SETTINGS) as running:
         yield running
-
-
-def assert_no_blocks_held(cluster: FaultCluster) -> None:
-    held = cluster.wait_no_blocks(BLOCKS_FREED_S)
-    assert all(h == (0, 0) for h in held.values()), f"blocks still held (used, reserved): {held}"
 
 
 def computing_a_prompt(cluster: FaultCluster) -> str | None:
@@ -84,7 +79,7 @@ def test_the_survivor_computes_a_resumed_stream_itself_when_its_decoding_node_is
     # It computed the resumed prompt itself: no KV moved either way.
     assert after.kv_transfer_sent.transfers == before.kv_transfer_sent.transfers
     assert after.kv_transfer.transfers == before.kv_transfer.transfers
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)
     cluster.restart(victim)
     cluster.wait_serving(2, 2, timeout_s=240)
 
@@ -102,7 +97,7 @@ def test_the_decode_node_computes_a_prompt_whose_computing_node_is_killed(cluste
     stream, victim = asyncio.run(scenario())
     assert stream.error is None, stream.error
     assert_matches([stream.tokens], ref)
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)
     cluster.restart(victim)
     cluster.wait_serving(2, 2, timeout_s=240)
 
@@ -127,4 +122,4 @@ def test_a_frozen_decoding_node_moves_its_streams_to_the_other_and_rejoins_when_
     assert [s.error for s in streams] == [None, None]
     assert_matches([s.tokens for s in streams], refs)  # moved: no gap, no duplicate
     cluster.wait_serving(2, 2, timeout_s=120)  # awake: it registered again
-    assert_no_blocks_held(cluster)
+    assert_no_blocks_held(cluster, BLOCKS_FREED_S)
