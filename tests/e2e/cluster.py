@@ -43,11 +43,20 @@ def free_port() -> int:
 
 
 def counter(metrics_url: str, family: str, label: str) -> dict[str, float]:
-    """A counter family served at `metrics_url` (e.g. `pdserve_resumes`), by its one label."""
+    """A counter family served at `metrics_url` (e.g. `pdserve_resumes`), by one of its labels."""
+    return _samples(metrics_url, family, f"{family}_total", label)
+
+
+def gauge(metrics_url: str, family: str, label: str) -> dict[str, float]:
+    """A gauge family served at `metrics_url` (e.g. `pdserve_node_kv_blocks_used`), by one of its labels."""
+    return _samples(metrics_url, family, family, label)
+
+
+def _samples(metrics_url: str, family: str, sample: str, label: str) -> dict[str, float]:
     with urllib.request.urlopen(metrics_url, timeout=10) as response:
         text = response.read().decode()
     [found] = [f for f in text_string_to_metric_families(text) if f.name == family]
-    return {s.labels[label]: s.value for s in found.samples if s.name == f"{family}_total"}
+    return {s.labels[label]: s.value for s in found.samples if s.name == sample}
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.e2e.cluster import HOST, NodeSettings, free_port, running_cluster
+from tests.e2e.cluster import HOST, NodeSettings, free_port, gauge, running_cluster
 from pdserve.cluster_supervisor import ChildSpec, ClusterSupervisor
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing.waiting import wait_until
@@ -31,6 +31,7 @@ BLOCK_SIZE = 8
 NUM_BLOCKS = 256
 PROMPT_LENS = [1, 9, 17, 30, 47, 64, 90, 150, 33, 120]
 NEW_TOKENS = [12, 20, 8, 16, 24, 5, 20, 12, 16, 1]
+HELD_TOKENS = 1500  # a stream that runs seconds, held open while the router's view catches up (196 of 256 blocks)
 
 
 @pytest.fixture(scope="module")
@@ -48,7 +49,7 @@ def workload(model_dir):
 @pytest.fixture(scope="module")
 def cluster(model_dir):
     settings = NodeSettings(block_size=BLOCK_SIZE, num_blocks=NUM_BLOCKS)
-    with running_cluster(model_dir, 0, 0, settings, num_colocated=2) as running:
+    with running_cluster(model_dir, 0, 0, settings, num_colocated=2, metrics=True) as running:
         yield running
 
 
@@ -186,16 +187,30 @@ def test_a_node_pinned_to_one_core_runs_there_with_one_torch_thread(model_dir):
         assert {pid: cpus_allowed(pid) for pid in children} == {pid: "0" for pid in children}
 
 
-def open_on_both_nodes(cluster, rng: random.Random, attempts: int = 5) -> list[list[int]]:
-    """Two conversations' first turns, sent at once until they land on different nodes. By load
-    they do, unless the first is computed and its node reports an empty queue before the second
-    arrives (a loaded machine); then both land on the lowest node id and the pair is sent again,
-    with fresh histories that nothing holds."""
-    for _ in range(attempts):
-        histories = [[rng.randrange(1, 900) for _ in range(8 * BLOCK_SIZE)] for _ in range(2)]
-        before = cluster.stats()
-        asyncio.run(run_concurrently(cluster.router, histories, [1, 1]))
-        opened = [s.prefix_cache_queries - b.prefix_cache_queries for s, b in zip(cluster.stats(), before)]
-        if all(q > 0 for q in opened):
-            return histories
-    raise AssertionError(f"{attempts} pairs of conversations sent at once all started on one node")
+def open_on_both_nodes(cluster, rng: random.Random) -> list[list[int]]:
+    """Two conversations' first turns, one on each node. The first is held open (a long stream,
+    cancelled once the second is done) until the router's view of the nodes (their stats, as its
+    metrics show them) has its blocks in use; placement, which prefers the node with the most
+    free blocks, then sends the second to the other node."""
+    histories = [[rng.randrange(1, 900) for _ in range(8 * BLOCK_SIZE)] for _ in range(2)]
+    before = cluster.stats()
+    asyncio.run(_second_while_first_streams(cluster, histories))
+    opened = [s.prefix_cache_queries - b.prefix_cache_queries for s, b in zip(cluster.stats(), before)]
+    assert all(q > 0 for q in opened), f"both conversations started on one node: {opened}"
+    cluster.wait_all_blocks_free(timeout_s=5)  # the cancelled stream's blocks are back
+    return histories
+
+
+async def _second_while_first_streams(cluster, histories: list[list[int]]) -> None:
+    first, second = histories
+
+    def router_sees_blocks_in_use() -> bool:
+        return any(gauge(cluster.metrics["router"], "pdserve_node_kv_blocks_used", "node").values())
+
+    async with grpc.aio.insecure_channel(cluster.router) as channel:
+        stub = pdserve_pb2_grpc.GenerationStub(channel)
+        held = stub.Generate(greedy(first, HELD_TOKENS), timeout=120)
+        await held.read()  # token 1: the first conversation's prompt is computed and holds its blocks
+        await asyncio.to_thread(wait_until, router_sees_blocks_in_use, "the router's stats show blocks in use", 30)
+        _ = [r async for r in stub.Generate(greedy(second, 1), timeout=120)]
+        held.cancel()
