@@ -14,8 +14,9 @@ affinity beyond what its caller asked for.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import os
-from collections.abc import Collection, Iterable, Sequence
+from collections.abc import Collection, Iterable, Iterator, Sequence
 
 
 def parse_cpu_list(text: str, flag: str = "--cpus") -> tuple[int, ...]:
@@ -89,6 +90,29 @@ def pin_to_cpus(cpus: Collection[int] | None, flag: str = "--cpus") -> None:
         return
     check_available(cpus, flag, available_cpus())
     os.sched_setaffinity(0, set(cpus))
+
+
+@contextlib.contextmanager
+def threads_pinned_to(cpus: Collection[int] | None) -> Iterator[None]:
+    """Every thread of this process (those running already: gRPC's and torch's included, and those
+    started inside) pinned to `cpus` until the block ends, then back to the process's mask; None:
+    leave them. `os.sched_setaffinity(0, ...)` alone would move only the calling thread."""
+    if cpus is None:
+        yield
+        return
+    check_available(cpus, "cpus", available_cpus())
+    before = available_cpus()
+    _set_every_thread(set(cpus))
+    try:
+        yield
+    finally:
+        _set_every_thread(set(before))
+
+
+def _set_every_thread(cpus: set[int]) -> None:
+    for task in os.listdir("/proc/self/task"):
+        with contextlib.suppress(ProcessLookupError):  # a thread that ended meanwhile
+            os.sched_setaffinity(int(task), cpus)
 
 
 def split_cpus(cpus: Sequence[int], num_nodes: int, flag: str) -> list[tuple[int, ...]]:

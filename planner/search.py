@@ -2,7 +2,8 @@
 
 A `Candidate` is a `Layout` — colocated × k with N/k cores each, or p prefill nodes and d decode
 nodes splitting the cores (each pool's cores evenly across its nodes, as `pdserve cluster
---*-cores` pins them; a node runs one torch thread per core), each split also as the hybrid
+--*-cores` pins them; a node runs one torch thread per core; the router pinned to either pool's
+cores, `ROUTER_POOLS`), each split also as the hybrid
 (decode nodes started `--local-prefill`, the router at `--disaggregation auto` with each
 `--local-prefill-max-tokens` bound asked for) — and the engine `Knobs` both pools
 run (`--max-num-batched-tokens`, `--max-num-seqs`, `--chunk-schedule`), each pool at each
@@ -33,6 +34,12 @@ from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
 # The router's own default bound, the hybrid variant a plan tries unless told otherwise.
 DEFAULT_LOCAL_PREFILL_MAX_TOKENS = RouterConfig(model="").local_prefill_max_tokens
 
+# Where a split's router is pinned, each tried. Never unpinned: the OS then runs it (and a client on
+# the same machine) on whichever core it finds idle, and which that is flips with the load — on a
+# 1P1D pair, the prefill core 85% of the time at 5 req/s, the decode core at 10.7 req/s, where it
+# stretched the decode steps 3-4x. A pinned router runs where the simulator puts it.
+ROUTER_POOLS = ("prefill", "decode")
+
 
 @dataclass(frozen=True)
 class Layout:
@@ -54,6 +61,13 @@ class Layout:
     colocated_tp: int = 1
     prefill_tp: int = 1
     decode_tp: int = 1
+    # A split's router, pinned to this pool's cores (`--router-cores`): "prefill" or "decode".
+    # None (colocated, and a serve-prefill pool: every core alike): unpinned.
+    router_on: str | None = None
+
+    def __post_init__(self) -> None:
+        if self.router_on is not None and (self.colocated or self.serve_prefill or self.router_on not in ROUTER_POOLS):
+            raise ValueError(f"router_on: {self.router_on!r} is not a pool of this split ({', '.join(ROUTER_POOLS)})")
 
     @property
     def mode(self) -> str:
@@ -64,6 +78,23 @@ class Layout:
     @property
     def devices(self) -> int:
         return self.colocated * self.colocated_cores + self.prefill * self.prefill_cores + self.decode * self.decode_cores
+
+    @property
+    def prefill_span(self) -> tuple[int, int]:
+        """The prefill pool's cores, [start, end): the first ones."""
+        return 0, self.prefill * self.prefill_cores
+
+    @property
+    def decode_span(self) -> tuple[int, int]:
+        """The decode pool's cores, [start, end): those after the prefill pool's."""
+        return self.prefill * self.prefill_cores, self.devices
+
+    @property
+    def router_cores(self) -> tuple[int, ...] | None:
+        """The cores the router is pinned to; None: unpinned."""
+        if self.router_on is None:
+            return None
+        return tuple(range(*(self.prefill_span if self.router_on == "prefill" else self.decode_span)))
 
     @property
     def setups(self) -> set[tuple[int, int]]:
@@ -80,10 +111,10 @@ class Layout:
             return f"{self.decode}D serving prefill ({_per_node(self.decode, self.decode_cores, self.decode_tp)})"
         split = (f"{self.prefill}P ({_per_node(self.prefill, self.prefill_cores, self.prefill_tp)}) + "
                  f"{self.decode}D ({_per_node(self.decode, self.decode_cores, self.decode_tp)})")
-        if self.local_prefill_max_tokens is None:
-            return split
-        budget = "" if self.local_prefill_tokens_per_s is None else f" {self.local_prefill_tokens_per_s:.0f} tok/s"
-        return f"{split} hybrid<={self.local_prefill_max_tokens}{budget}"
+        if self.local_prefill_max_tokens is not None:
+            budget = "" if self.local_prefill_tokens_per_s is None else f" {self.local_prefill_tokens_per_s:.0f} tok/s"
+            split += f" hybrid<={self.local_prefill_max_tokens}{budget}"
+        return split if self.router_on is None else f"{split}, router on {self.router_on[0].upper()}"
 
 
 def _per_node(nodes: int, cores: int, tp: int = 1) -> str:
@@ -132,9 +163,11 @@ def _base_layouts(devices: int, local_prefill_max_tokens: tuple[int, ...]) -> It
         decode_cores = devices - prefill_cores
         for p in _divisors(prefill_cores):
             for d in _divisors(decode_cores):
-                split = Layout(prefill=p, prefill_cores=prefill_cores // p, decode=d, decode_cores=decode_cores // d)
-                yield split
-                yield from (replace(split, local_prefill_max_tokens=bound) for bound in local_prefill_max_tokens)
+                for router_on in ROUTER_POOLS:
+                    split = Layout(prefill=p, prefill_cores=prefill_cores // p, decode=d,
+                                   decode_cores=decode_cores // d, router_on=router_on)
+                    yield split
+                    yield from (replace(split, local_prefill_max_tokens=bound) for bound in local_prefill_max_tokens)
 
 
 @dataclass(frozen=True)
@@ -172,7 +205,8 @@ class Candidate:
         choice = None if bound is None else PrefillChoice(Disaggregation.AUTO, bound, lay.local_prefill_tokens_per_s)
         return ClusterSpec(pool(lay.colocated, lay.colocated_cores, lay.colocated_tp),
                            pool(lay.prefill, lay.prefill_cores, lay.prefill_tp),
-                           pool(lay.decode, lay.decode_cores, lay.decode_tp), costs, choice, lay.serve_prefill)
+                           pool(lay.decode, lay.decode_cores, lay.decode_tp), costs, choice, lay.serve_prefill,
+                           stack_on=lay.router_on)
 
     def command(self, model: str, dtype: str, block_size: int) -> list[str]:
         """The `pdserve cluster` argv that runs this candidate on cores 0..N-1."""
@@ -185,10 +219,11 @@ class Candidate:
             return argv + ["--prefill", "0", "--decode", str(lay.decode), "--decode-cores", _cores(0, lay.devices),
                            "--decode-args", f"{shlex.join(self.knobs.node_args(lay.decode_tp))} --serve-prefill",
                            "--router-args", shlex.join(["--disaggregation", Disaggregation.AUTO.value])]
-        split = lay.prefill * lay.prefill_cores
         argv += ["--prefill", str(lay.prefill), "--decode", str(lay.decode),
-                 "--prefill-cores", _cores(0, split), "--decode-cores", _cores(split, lay.devices),
-                 "--prefill-args", shlex.join(self.knobs.node_args(lay.prefill_tp))]
+                 "--prefill-cores", _cores(*lay.prefill_span), "--decode-cores", _cores(*lay.decode_span)]
+        if lay.router_cores is not None:
+            argv += ["--router-cores", _cores(lay.router_cores[0], lay.router_cores[-1] + 1)]
+        argv += ["--prefill-args", shlex.join(self.knobs.node_args(lay.prefill_tp))]
         decode_args = shlex.join(self.knobs.node_args(lay.decode_tp))
         if lay.local_prefill_max_tokens is None:
             return argv + ["--decode-args", decode_args]

@@ -29,7 +29,8 @@ that cannot keep up delays every stream. On one machine the serving stack's CPU 
 of the cores the nodes run on: the router's, the node fronts' and (when the plan says the load
 generator runs here) the client's CPU is charged as each request arrives and each token streams
 (the profile's `ServingCosts`), a front's to its own node's cores, the router's and the client's
-to the nodes with idle cores, and a step takes longer while that load is high
+to the nodes with idle cores (of the pool they are pinned to, `ClusterSpec.stack_on`), and a step
+takes longer while that load is high
 (planner/stack_load.py). Not simulated: the network between client and router, queue bounds,
 failures.
 
@@ -88,6 +89,9 @@ class ClusterSpec:
     # Decode nodes started with `--serve-prefill`: they are the prefill pool (no prefill pool of
     # its own), and local_prefill is the router's choice.
     serve_prefill: bool = False
+    # The pool whose cores the router (and a client on this machine) is pinned to: "prefill" or
+    # "decode"; None: unpinned, it runs where the OS finds an idle core.
+    stack_on: str | None = None
 
     def __post_init__(self) -> None:
         prefill_pool = self.decode if self.serve_prefill else self.prefill
@@ -98,6 +102,8 @@ class ClusterSpec:
         if self.serve_prefill and (self.prefill is not None or self.local_prefill is None):
             raise ValueError("serve_prefill: the decode nodes are the prefill pool (no prefill pool), "
                              "and local_prefill is the router's choice")
+        if self.stack_on is not None and getattr(self, self.stack_on, None) is None:
+            raise ValueError(f"stack_on: {self.stack_on!r} is not a pool of this cluster")
 
     @property
     def node_cores(self) -> int:
@@ -179,7 +185,9 @@ class ClusterSim:
         self._cores = {node: pool.cores_per_node
                        for pool, nodes in ((spec.colocated, self.colocated), (spec.prefill, self.prefill),
                                            (spec.decode, self.decode)) for node in nodes}
-        self._position = {node: i for i, node in enumerate(self._cores)}  # in idle_weighted's lists
+        # The nodes whose cores the router and the client run on: all, or the pool they are pinned to.
+        hosts = list(self._cores) if spec.stack_on is None else getattr(self, spec.stack_on)
+        self._stack_hosts = {node: i for i, node in enumerate(hosts)}  # node -> its place in idle_weighted's lists
         self._front_loads = {node: CpuLoad(cores) for node, cores in self._cores.items()}
         self._engine_loads = {node: CpuLoad(cores, UTILISATION_WINDOW_S) for node, cores in self._cores.items()}
 
@@ -322,12 +330,15 @@ class ClusterSim:
             self._at(now + duration, lambda: self._step_done(node, duration))
 
     def _floating_share(self, node: SimNode, now: float) -> float:
-        """`node`'s part of the router's and client's CPU, over its cores: by the idle cores of
-        each node (its cores less its engine's and its front's share; `idle_weighted`)."""
-        idle = [cores * max(0.0, 1.0 - self._engine_loads[n].share(now) - self._front_loads[n].share(now))
-                for n, cores in self._cores.items()]
-        shares = idle_weighted(self._floating.rate(now), idle, list(self._cores.values()))
-        return shares[self._position[node]]
+        """`node`'s part of the router's and client's CPU, over its cores: none off the nodes they
+        run on; on those, by each one's idle cores (its cores less its engine's and its front's
+        share; `idle_weighted`)."""
+        if node not in self._stack_hosts:
+            return 0.0
+        cores = [self._cores[n] for n in self._stack_hosts]
+        idle = [c * max(0.0, 1.0 - self._engine_loads[n].share(now) - self._front_loads[n].share(now))
+                for n, c in zip(self._stack_hosts, cores)]
+        return idle_weighted(self._floating.rate(now), idle, cores)[self._stack_hosts[node]]
 
     def _step_done(self, node: SimNode, duration: float) -> None:
         now = self.clock.t

@@ -9,13 +9,16 @@ weighted rate of it over about `WINDOW_S`. Where that CPU lands follows the laun
 - a node's front is pinned with its engine core (`--<kind>-cores`): its CPU is that node's
   cores' alone, so a decode node that relays every token carries all of that work, and the
   prefill node beside it only its per-request part;
-- the router and the client are not pinned: the OS runs them where a core is idle. Each node
-  takes a part of their CPU in proportion to its idle cores (its cores less its engine's and its
-  front's share, `idle_weighted`). Measured on a hybrid 1P1D pair (one core each, uniform
-  128–512-token prompts, 5 requests/s): the router and the client ran on the prefill node's core
-  in 85% of samples, the decode node's core being the busy one (its engine 0.75 of a core, its
-  front 0.15; the prefill node's engine 0.39). Spread evenly, the prefill steps were
-  under-stretched and the decode steps over-stretched.
+- the router and the client run on the cores of the pool a plan pins the router to
+  (`--router-cores`, the validation's client with it), or, unpinned, where the OS finds a core
+  idle. Each node they may run on takes a part of their CPU in proportion to its idle cores (its
+  cores less its engine's and its front's share, `idle_weighted`). Measured on a hybrid 1P1D pair
+  (one core each, uniform 128–512-token prompts, 5 requests/s), unpinned: the router and the
+  client ran on the prefill node's core in 85% of samples, the decode node's core being the busy
+  one (its engine 0.75 of a core, its front 0.15; the prefill node's engine 0.39). At 10.7
+  requests/s on a 1P1D pair they ran on the decode core instead, and stretched its steps 3–4×
+  where this model put them on the prefill core: why a plan pins a split's router
+  (planner/search.py `ROUTER_POOLS`).
 
 A step that starts at t on a node takes 1 / (1 − u) of its profiled time, u the node's front's
 share of its cores plus its part of the router's and client's CPU over its cores (`stretch`).

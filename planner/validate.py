@@ -40,6 +40,7 @@ from pdserve.bench.serve.runner import Run, RunLength, ServeBench
 from pdserve.bench.serve.sweep import SweepConfig, SweepResult, find_max_rate
 from pdserve.bench.serve.workloads import ModelLimits, Workload
 from pdserve.cluster_process import ClusterProcess
+from pdserve.common.affinity import threads_pinned_to
 from pdserve.planner.goodput import Traffic
 from pdserve.planner.search import Evaluated
 
@@ -150,7 +151,10 @@ def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Measurement
     log(f"validate: starting {e.candidate.layout.describe()}: {' '.join(command)}")
     with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as workdir:
         # command[:2] is "pdserve cluster"; ClusterProcess runs the same program with its own ports.
-        with ClusterProcess([*command[2:], "--http-port", "0"], workdir) as cluster:
+        # The client runs with the router, on the cores the plan pinned it to: where the simulator
+        # charged their CPU.
+        with (ClusterProcess([*command[2:], "--http-port", "0"], workdir) as cluster,
+              threads_pinned_to(e.candidate.layout.router_cores)):
             backend = GrpcBackend(cluster.router, ClientOptions(timeout_s=plan.timeout_s, progress=False))
             workload = plan.make_workload(uvloop.run(backend.model()).limits)
             traffic = plan.traffic

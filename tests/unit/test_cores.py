@@ -2,10 +2,15 @@
 
 from __future__ import annotations
 
+import os
+import threading
+
 import pytest
 
 from pdserve.engine.config import EngineConfig
-from pdserve.common.affinity import check_available, format_cpu_list, parse_cpu_list, split_cpus
+from pdserve.common.affinity import (
+    available_cpus, check_available, format_cpu_list, parse_cpu_list, split_cpus, threads_pinned_to,
+)
 from pdserve.node.config import NodeConfig, parse_node_args
 
 
@@ -70,3 +75,27 @@ def test_the_node_cli_takes_a_cpu_list_for_every_kind(capsys):
     with pytest.raises(SystemExit):
         parse_node_args(["--model", "m", "--cpus", "3-1"], "colocated", {})
     assert "argument --cpus: '3-1' is not a range" in capsys.readouterr().err
+
+
+def test_every_thread_is_pinned_inside_the_block_and_back_after_it():
+    """A thread running before the block (as gRPC's are) is pinned too, not only the caller."""
+    everything = available_cpus()
+    one = {min(everything)}
+    go, seen, done = threading.Event(), [], threading.Event()
+
+    def worker():
+        go.wait()
+        seen.append(os.sched_getaffinity(0))
+        done.set()
+
+    thread = threading.Thread(target=worker)
+    thread.start()
+    with threads_pinned_to(one):
+        assert os.sched_getaffinity(0) == one
+        go.set()
+        done.wait(10)
+    thread.join(10)
+    assert seen == [one]
+    assert os.sched_getaffinity(0) == everything
+    with threads_pinned_to(None):
+        assert os.sched_getaffinity(0) == everything

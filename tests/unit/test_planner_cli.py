@@ -52,14 +52,15 @@ def test_plan_prints_the_ranking_and_writes_the_recommendation(planned, tmp_path
     assert best["command"][:2] == ["pdserve", "cluster"] and best["mode"] in ("colocated", "disaggregated", "hybrid")
     assert best["predicted_goodput_rps"] > 0
     assert set(best["predicted"]) == {"ttft_p90_s", "tpot_p90_s"}
-    # colocated x1, colocated x2, the two decode nodes serving prefill, 1P1D and its hybrid at the
-    # router's bound, without a prompt budget and with 1, 1/2 and 1/4 of what the 0.5 s TPOT leaves
-    # its decode node; one knob setting
+    # colocated x1, colocated x2, the two decode nodes serving prefill, and with the router on each
+    # pool's core: 1P1D and its hybrid at the router's bound, without a prompt budget and with 1, 1/2
+    # and 1/4 of what the 0.5 s TPOT leaves its decode node; one knob setting
     hybrids = [c for c in report["candidates"] if c["mode"] == "hybrid"]
-    assert len(hybrids) == 5 and len(report["candidates"]) == 8
+    assert len(hybrids) == 9 and len(report["candidates"]) == 13
     pools = [c for c in hybrids if "--serve-prefill" in c["command"][c["command"].index("--decode-args") + 1]]
     assert len(pools) == 1 and pools[0]["command"][pools[0]["command"].index("--prefill") + 1] == "0"
     hybrids = [c for c in hybrids if c not in pools]
+    hybrids = [c for c in hybrids if c["command"][c["command"].index("--router-cores") + 1] == "1"]
     budgets = sorted((c["command"][c["command"].index("--router-args") + 1] for c in hybrids), key=len)
     assert budgets[0] == "--disaggregation auto --local-prefill-max-tokens 256"
     rates = sorted(float(b.split()[-1]) for b in budgets[1:])
@@ -76,7 +77,7 @@ def test_no_hybrid_leaves_the_hybrid_splits_out(planned, tmp_path):
     out_file = tmp_path / "plan.json"
     assert main(plan(planned, "--ttft-slo", "2", "--no-hybrid", "--output-json", str(out_file))) == 0
     modes = [c["mode"] for c in json.loads(out_file.read_text())["candidates"]]
-    assert sorted(modes) == ["colocated", "colocated", "disaggregated"]
+    assert sorted(modes) == ["colocated", "colocated", "disaggregated", "disaggregated"]
 
 
 def test_slos_nothing_meets_are_refused_in_one_line(planned, capsys):
@@ -91,7 +92,8 @@ def test_tp_sizes_are_searched_where_they_divide_a_nodes_cores(planned, tmp_path
     assert main(plan(planned, "--ttft-slo", "2", "--no-hybrid", "--tp", "1,2", "--output-json", str(out_file))) == 0
     candidates = json.loads(out_file.read_text())["candidates"]
     assert sorted(c["layout"] for c in candidates) == [
-        "1P (1 core) + 1D (1 core)", "colocated x1 (2 cores TP 2)", "colocated x1 (2 cores)",
+        "1P (1 core) + 1D (1 core), router on D", "1P (1 core) + 1D (1 core), router on P",
+        "colocated x1 (2 cores TP 2)", "colocated x1 (2 cores)",
         "colocated x2 (1 core each)"]
     tp = next(c for c in candidates if "TP 2" in c["layout"])
     assert tp["command"][-1] == "--max-num-batched-tokens 256 --max-num-seqs 64 --tensor-parallel-size 2"

@@ -4,6 +4,7 @@ and its flag errors."""
 from __future__ import annotations
 
 import shlex
+from dataclasses import replace
 
 import pytest
 
@@ -35,19 +36,42 @@ def best(profiles, work: Traffic, slo: Slo, knobs=Knobs(512, 64), bounds: tuple[
 
 def test_layouts_on_two_and_four_devices():
     assert [lay.describe() for lay in layouts(2)] == [
-        "colocated x1 (2 cores)", "colocated x2 (1 core each)", "1P (1 core) + 1D (1 core)"]
+        "colocated x1 (2 cores)", "colocated x2 (1 core each)",
+        "1P (1 core) + 1D (1 core), router on P", "1P (1 core) + 1D (1 core), router on D"]
     four = list(layouts(4))
     assert all(lay.devices == 4 for lay in four)
-    assert Layout(prefill=1, prefill_cores=1, decode=3, decode_cores=1) in four
-    assert Layout(prefill=2, prefill_cores=1, decode=1, decode_cores=2) in four
+    assert Layout(prefill=1, prefill_cores=1, decode=3, decode_cores=1, router_on="decode") in four
+    assert Layout(prefill=2, prefill_cores=1, decode=1, decode_cores=2, router_on="prefill") in four
+    assert all(lay.router_on for lay in four if lay.prefill)  # a split's router is never left to the OS
+
+
+def test_a_split_pins_its_router_to_the_pool_it_names():
+    lay = Layout(prefill=2, prefill_cores=1, decode=1, decode_cores=2)
+    assert replace(lay, router_on="prefill").router_cores == (0, 1)
+    assert replace(lay, router_on="decode").router_cores == (2, 3)
+    assert lay.router_cores is None
+    argv = Candidate(replace(lay, router_on="decode"), Knobs(512, 64)).command("/m", "float32", 16)
+    assert argv[argv.index("--router-cores") + 1] == "2-3"
+    spec = Candidate(replace(lay, router_on="decode"), Knobs(512, 64)).spec(
+        EngineConfig(model="m", dtype="float32"), {(1, 1): synthetic_profile(base_s=0.01),
+                                                   (2, 1): synthetic_profile(base_s=0.01)}, ServingCosts())
+    assert spec.stack_on == "decode"
+    with pytest.raises(ValueError, match="router_on"):
+        Layout(colocated=2, colocated_cores=1, router_on="decode")
+    with pytest.raises(ValueError, match="router_on"):
+        replace(lay, router_on="router")
 
 
 def test_every_split_is_also_tried_as_the_hybrid_at_each_bound_and_the_nodes_as_a_serve_prefill_pool():
     assert [(lay.mode, lay.describe()) for lay in layouts(2, (64, 256))] == [
         ("colocated", "colocated x1 (2 cores)"), ("colocated", "colocated x2 (1 core each)"),
         ("hybrid", "2D serving prefill (1 core each)"),
-        ("disaggregated", "1P (1 core) + 1D (1 core)"), ("hybrid", "1P (1 core) + 1D (1 core) hybrid<=64"),
-        ("hybrid", "1P (1 core) + 1D (1 core) hybrid<=256")]
+        ("disaggregated", "1P (1 core) + 1D (1 core), router on P"),
+        ("hybrid", "1P (1 core) + 1D (1 core) hybrid<=64, router on P"),
+        ("hybrid", "1P (1 core) + 1D (1 core) hybrid<=256, router on P"),
+        ("disaggregated", "1P (1 core) + 1D (1 core), router on D"),
+        ("hybrid", "1P (1 core) + 1D (1 core) hybrid<=64, router on D"),
+        ("hybrid", "1P (1 core) + 1D (1 core) hybrid<=256, router on D")]
     four = list(layouts(4, (256,)))
     pools = [lay.describe() for lay in four if lay.serve_prefill]
     assert pools == ["2D serving prefill (2 cores each)", "4D serving prefill (1 core each)"]
@@ -71,9 +95,9 @@ def test_a_serve_prefill_pool_runs_its_decode_nodes_with_the_flag_and_the_router
 def test_each_pool_is_tried_at_every_tp_size_that_divides_its_nodes_cores():
     assert [lay.describe() for lay in layouts(2, tp_sizes=(1, 2))] == [
         "colocated x1 (2 cores)", "colocated x1 (2 cores TP 2)", "colocated x2 (1 core each)",
-        "1P (1 core) + 1D (1 core)"]
+        "1P (1 core) + 1D (1 core), router on P", "1P (1 core) + 1D (1 core), router on D"]
     four = [lay for lay in layouts(4, tp_sizes=(1, 2))
-            if lay.prefill == 1 and lay.prefill_cores == 2 and lay.decode == 1]
+            if lay.prefill == 1 and lay.prefill_cores == 2 and lay.decode == 1 and lay.router_on == "prefill"]
     assert [(lay.prefill_tp, lay.decode_tp) for lay in four] == [(1, 1), (1, 2), (2, 1), (2, 2)]
     assert four[-1].setups == {(2, 2)}
 
@@ -106,8 +130,8 @@ def test_short_and_long_prompts_under_a_balanced_slo_go_hybrid():
     by_mode = {}
     for r in results:
         by_mode.setdefault(r.candidate.layout.mode, r.prediction.goodput_rps)
-    assert results[0].candidate.layout == Layout(prefill=1, prefill_cores=1, decode=1, decode_cores=1,
-                                                 local_prefill_max_tokens=256)
+    assert replace(results[0].candidate.layout, router_on=None) == Layout(
+        prefill=1, prefill_cores=1, decode=1, decode_cores=1, local_prefill_max_tokens=256)
     assert by_mode["hybrid"] > by_mode["colocated"] > 0 and by_mode["hybrid"] > by_mode["disaggregated"] > 0
 
 
@@ -202,8 +226,8 @@ def test_the_tpot_budget_is_the_share_of_its_time_a_decode_node_can_give_times_i
     hybrid = Layout(prefill=1, prefill_cores=1, decode=1, decode_cores=1, local_prefill_max_tokens=256)
     tried = with_prompt_budgets(list(layouts(2, (256,))), {(1, 1): per_core, (2, 1): per_core}, 0.03)
     hybrids = [lay for lay in tried if lay.mode == "hybrid" and not lay.serve_prefill]  # a pool has no budget
-    assert [lay.local_prefill_tokens_per_s for lay in hybrids] == [None, 785, 392, 196]
-    assert tried[-1].describe() == "1P (1 core) + 1D (1 core) hybrid<=256 196 tok/s"
+    assert [lay.local_prefill_tokens_per_s for lay in hybrids] == [None, 785, 392, 196] * 2  # router on P, on D
+    assert tried[-1].describe() == "1P (1 core) + 1D (1 core) hybrid<=256 196 tok/s, router on D"
     assert with_prompt_budgets([hybrid], {(1, 1): per_core}, None) == [hybrid]
     argv = Candidate(tried[-1], Knobs(512, 64)).command("/m", "float32", 16)
     assert argv[argv.index("--router-args") + 1] == ("--disaggregation auto --local-prefill-max-tokens 256 "

@@ -194,6 +194,28 @@ def test_the_router_and_client_cpu_goes_to_the_idler_node():
     assert prefill_s > even
 
 
+def test_a_router_pinned_to_a_pool_loads_that_pools_cores_alone():
+    """The case above with the router pinned (`stack_on`): on the busy decode core, the second
+    request's 50 ms of router work (charged as it arrives, 20 s in) stretches no prefill step; on
+    the prefill core, all of it does, decayed over the time until the prefill starts."""
+    profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
+    one_core = Pool(1, config(num_threads=1), profile)
+    for stack_on, on_prefill_core in (("decode", 0.0), ("prefill", 0.05)):
+        spec = ClusterSpec(prefill=one_core, decode=one_core, stack_on=stack_on,
+                           costs=ServingCosts(RouterCost(0.05, 0.0, "synthetic")))
+        first, second = ClusterSim(spec, 4096).run([SimRequest(0.0, prompt(0, 100), 3000),
+                                                    SimRequest(20.0, prompt(1, 100), 1)])
+        reserved_s = min(t for t, _ in first.chunks if t > 20.05)
+        stretched = stretch_after(on_prefill_core, reserved_s - 20.0)
+        assert second.chunks[0][0] - reserved_s == pytest.approx(0.11 * stretched, rel=1e-9), stack_on
+
+
+def test_a_router_is_pinned_to_a_pool_the_cluster_has():
+    one_core = Pool(1, config(num_threads=1), synthetic_profile(base_s=0.01))
+    with pytest.raises(ValueError, match="stack_on: 'prefill' is not a pool"):
+        ClusterSpec(colocated=one_core, stack_on="prefill")
+
+
 def test_the_client_is_charged_only_when_its_costs_are_given():
     profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
     client = ClientCost(0.05, 0.0, "synthetic")

@@ -24,7 +24,7 @@ def validation(e: Evaluated, *measured: float) -> Validation:
     return Validation(e, tuple(Measurement(m, None, SweepResult(best_rate=m or None)) for m in measured))
 
 
-ONE_NODE_2_CORES, TWO_NODES_1_CORE, ONE_P_ONE_D = list(layouts(2))
+ONE_NODE_2_CORES, TWO_NODES_1_CORE, ONE_P_ONE_D, _ROUTER_ON_D = list(layouts(2))
 
 
 def test_the_top_k_then_the_best_of_layouts_not_yet_chosen():
@@ -57,10 +57,10 @@ def test_the_report_names_each_layout_with_its_predicted_and_measured_goodput():
     record = report_record(vals)
     [row] = record["candidates"]
     assert (row["layout"], row["predicted_goodput_rps"], row["measured_goodput_rps"], row["goodput_error"]) == \
-        ("1P (1 core) + 1D (1 core)", 3, 2, 0.5)
+        ("1P (1 core) + 1D (1 core), router on P", 3, 2, 0.5)
     assert record["median_abs_goodput_error"] == 0.5 and record["recommended_share_of_best_measured"] == 1.0
     lines = format_validation(vals).splitlines()
-    assert lines[1].split("  ")[0] == "1P (1 core) + 1D (1 core)" and "3/2" in lines[1] and "+50%" in lines[1]
+    assert lines[1].split("  ")[0] == "1P (1 core) + 1D (1 core), router on P" and "3/2" in lines[1] and "+50%" in lines[1]
     assert lines[2].startswith("median |goodput error|: 50%; the recommended configuration measured 100%")
 
 
