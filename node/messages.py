@@ -102,6 +102,7 @@ class PrefillSubmit:
     resumed_token_ids: list[int] = field(default_factory=list)
     # The layout's JSON, on the first request naming an id the core has not had yet; None after.
     kv_layout: str | None = None
+    placement_stamp: int = 0  # the router's (node.proto PrefillRequest.placement_stamp)
 
 
 @dataclass(slots=True)
@@ -119,6 +120,7 @@ class StreamSubmit:
     # Its KV comes from a prefill node (a decode node's `Decode` call: the KV import stage takes
     # it), or is computed here (`Generate`: a colocated node, a decode node with --local-prefill).
     imports_kv: bool = False
+    placement_stamp: int = 0  # the router's (node.proto SampleRequest.placement_stamp)
 
 
 @dataclass(slots=True)
@@ -235,6 +237,7 @@ class StatsData:
     forked_samples: int = 0  # samples forked off a sibling sample's first logits (node/core/sibling_forks.py)
     failed_requests: int = 0  # failed because a step they were in raised (engine StepFailed)
     kv_transfer_sent: TransferStats = field(default_factory=TransferStats)  # whatever the kind
+    placed_through: int = 0  # the highest placement stamp the core had taken in (NodeStats.placed_through)
 
 
 @dataclass(slots=True)

@@ -152,6 +152,9 @@ class ClusterSim:
         self._events: list[tuple[float, int, Callable[[], None]]] = []
         self._seq = itertools.count()
         self._stats_seq = itertools.count()
+        # Every decision sees fresh stats (a new stats_seq, `placed_through` None: they show all
+        # that was sent), so what the placements count of a stamp is gone by the next one.
+        self._stamps = itertools.count(1)
         router = RouterConfig(model="", block_size=(spec.colocated or spec.decode).config.block_size)
         self._colocated_placement = ColocatedPlacement(router.exhausted_cooldown_s, self.clock.now,
                                                        affinity=PrefixAffinity.for_router(router))
@@ -259,7 +262,7 @@ class ClusterSim:
             if not node.can_ever_hold(len(prompt), out_len):
                 continue
             request = node.new_request(req_id, prompt, out_len)
-            placement.assign(c, len(prompt), node.kv.blocks_needed(len(prompt)), hashes)
+            placement.assign(c, next(self._stamps), len(prompt), node.kv.blocks_needed(len(prompt)), hashes)
             self._flights[req_id] = _Flight(trace)
             self._front_takes(node)
             node.add(request)
@@ -290,7 +293,7 @@ class ClusterSim:
         if not node.reserve(request):  # no room now: the router asks the next node
             self._ask_to_reserve(ask, rest)
             return
-        self._decode_placement.reserve(c, node.kv.blocks_needed(len(ask.prompt)))
+        self._decode_placement.reserve(c, next(self._stamps), node.kv.blocks_needed(len(ask.prompt)))
         if self._hybrid is not None:  # as DisaggregatedRoute.claim: the node caches the prompt
             self._local_placement.affinity.remember(c.node_id, ask.hashes)
         self._flights[ask.req_id] = _Flight(ask.trace, node, request)
@@ -313,7 +316,8 @@ class ClusterSim:
             self._fail(trace, EXHAUSTED)
             return
         by_id = {n.node_id: n for n in able}
-        chosen = self._prefill_placement.choose([n.candidate(next(self._stats_seq)) for n in able], prompt)
+        chosen = self._prefill_placement.choose([n.candidate(next(self._stats_seq)) for n in able], prompt,
+                                                next(self._stamps))
         node = by_id[chosen.node_id]
         self._front_takes(node)
         node.add(node.new_request(req_id, prompt, 1, hands_off=True))

@@ -68,7 +68,8 @@ def _submit(request: node_pb2.PrefillRequest) -> PrefillSubmit:
     return PrefillSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
                          sample_index=request.sample_index, kv_layout_id=request.decode_kv_layout_id,
                          dst_block_ids=list(request.decode_block_ids),
-                         resumed_token_ids=list(request.resumed_token_ids))
+                         resumed_token_ids=list(request.resumed_token_ids),
+                         placement_stamp=request.placement_stamp)
 
 
 def _response(reply: FirstToken) -> node_pb2.PrefillResponse:

@@ -44,7 +44,10 @@ class FakeColocated(node_pb2_grpc.ColocatedNodeServicer):
 
     @property
     def stats(self) -> node_pb2.NodeStats:
-        return node_pb2.NodeStats(kind="colocated", num_blocks=100, queued_prefill_tokens=self.queued_tokens)
+        # As a node's: they show the highest placement stamp it has taken in.
+        placed = max((r.placement_stamp for r in self.requests), default=0)
+        return node_pb2.NodeStats(kind="colocated", num_blocks=100, queued_prefill_tokens=self.queued_tokens,
+                                  placed_through=placed)
 
     async def Generate(self, request, context):
         self.requests.append(request)

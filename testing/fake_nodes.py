@@ -97,6 +97,11 @@ def prefill_stats(queued: int = 0, num_blocks: int = 100) -> node_pb2.NodeStats:
     return node_pb2.NodeStats(kind="prefill", num_blocks=num_blocks, queued_prefill_tokens=queued)
 
 
+def taken_in(stats: node_pb2.NodeStats, request: node_pb2.SampleRequest | node_pb2.PrefillRequest) -> None:
+    """As a node's core: its stats show the highest placement stamp it has taken in."""
+    stats.placed_through = max(stats.placed_through, request.placement_stamp)
+
+
 class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
     def __init__(self, script: Script, calls: Calls, stats: node_pb2.NodeStats) -> None:
         self.script, self.calls, self.stats = script, calls, stats
@@ -109,6 +114,7 @@ class FakeDecode(node_pb2_grpc.DecodeNodeServicer):
     async def Decode(self, request, context):
         self.calls.decode_requests.append(request)
         self.requests.append(request)
+        taken_in(self.stats, request)
         with self.calls.watch("decode", request.request_id):
             if self.refuse:
                 await context.abort(grpc.StatusCode.RESOURCE_EXHAUSTED, "fake decode: no free KV blocks")
@@ -143,6 +149,7 @@ class FakePrefill(node_pb2_grpc.PrefillNodeServicer):
 
     async def Prefill(self, request, context):
         self.calls.prefill_requests.append(request)
+        taken_in(self.stats, request)
         with self.calls.watch("prefill", request.request_id):
             if self.hang or self.script.hang_prefill:
                 await asyncio.Event().wait()

@@ -41,8 +41,8 @@ from pdserve.node.core.spawn import CoreAddresses
 from pdserve.node.core.core_part import CoreHandler, CorePart, ToFront
 from pdserve.node.core.fault_drills import poison_token, slow_every_step
 from pdserve.ranks.kv_ranks import LocalRank, RankedTransport, rank_cache_spec
-from pdserve.node.messages import (CoreFailed, CoreStarted, Message, MessageError, Shutdown, StatsData, StatsPush,
-                                   StatsQuery, StatsReply, decode, encode)
+from pdserve.node.messages import (CoreFailed, CoreStarted, Message, MessageError, PrefillSubmit, Shutdown, StatsData,
+                                   StatsPush, StatsQuery, StatsReply, StreamSubmit, decode, encode)
 from pdserve.node.core.stats import build_stats
 from pdserve.node.core.node_core import make_node_core
 from pdserve.ranks.tp_group import TPGroup, start_engine
@@ -181,6 +181,7 @@ class _CoreLoop:
         self.poller.register(self._wake_r, zmq.POLLIN)
         self._stalled = False
         self._stats_pushed_at = float("-inf")
+        self._placed_through = 0  # the highest placement stamp taken in (StatsData.placed_through)
 
     def run(self) -> None:
         try:
@@ -229,6 +230,8 @@ class _CoreLoop:
             if isinstance(msg, StatsQuery):
                 self.to_front(StatsReply(msg.query_id, self._snapshot()))
                 continue
+            if isinstance(msg, (StreamSubmit, PrefillSubmit)):  # taken in: from now on the stats show it
+                self._placed_through = max(self._placed_through, msg.placement_stamp)
             self.handler.handle(msg)
 
     def _step(self) -> None:
@@ -249,7 +252,9 @@ class _CoreLoop:
         self._stalled = self.engine.has_unfinished() and not self.engine.scheduler.running
 
     def _snapshot(self) -> StatsData:
-        return build_stats(self.config.kind, self.engine, self.transport, self.handler.num_blocks_outside_scheduler())
+        stats = build_stats(self.config.kind, self.engine, self.transport, self.handler.num_blocks_outside_scheduler())
+        stats.placed_through = self._placed_through
+        return stats
 
     def _push_stats(self, now: float) -> None:
         if now - self._stats_pushed_at < self.config.stats_push_interval_s:

@@ -58,4 +58,5 @@ def stats_to_proto(stats: StatsData) -> node_pb2.NodeStats:
         forked_samples=stats.forked_samples,
         failed_requests=stats.failed_requests,
         kv_transfer_sent=_counters(stats.kv_transfer_sent),
+        placed_through=stats.placed_through,
     )

@@ -111,7 +111,7 @@ def stream_submit(request: node_pb2.SampleRequest, imports_kv: bool) -> StreamSu
         beam = BeamOption(option.beam_width, option.length_penalty if option.HasField("length_penalty") else 1.0)
     return StreamSubmit(req_id=request.request_id, prompt_token_ids=list(request.prompt_token_ids), params=params,
                         sample_index=request.sample_index, resumed_token_ids=list(request.resumed_token_ids),
-                        beam=beam, imports_kv=imports_kv)
+                        beam=beam, imports_kv=imports_kv, placement_stamp=request.placement_stamp)
 
 
 async def _stream_events(client: CoreClient, context: grpc.aio.ServicerContext,

@@ -91,7 +91,7 @@ class NodeEntry:
     def candidate(self) -> Candidate:
         stats = self.stats or node_pb2.NodeStats()
         free = max(0, stats.num_blocks - stats.used_blocks)
-        return Candidate(self.node_id, self.stats_seq, free, stats.queued_prefill_tokens)
+        return Candidate(self.node_id, self.stats_seq, free, stats.queued_prefill_tokens, stats.placed_through)
 
 
 class NodeRegistry:

@@ -58,7 +58,8 @@ class NodeAsks:
         prefill = pdserve_pb2.SamplingParams(n=1, temperature=0.0, max_tokens=params.max_tokens, logprobs=keep)
         return cls(request, 0, node_params, node_params, prefill, beam.to_proto(), beam.beam_width)
 
-    def sample_request(self, req_id: str, resumed: list[int]) -> node_pb2.SampleRequest:
+    def sample_request(self, req_id: str, resumed: list[int], stamp: int) -> node_pb2.SampleRequest:
+        """`stamp`: the placement's (router/cluster/placement.py `PlacementStamps`)."""
         request = self.request
         return node_pb2.SampleRequest(
             request_id=req_id,
@@ -68,10 +69,11 @@ class NodeAsks:
             sample_index=self.sample_index,
             resumed_token_ids=resumed,
             beam_search=self.beam_search,
+            placement_stamp=stamp,
         )
 
     def prefill_request(self, req_id: str, resumed: list[int], ready: node_pb2.Ready,
-                        decode_address: str) -> node_pb2.PrefillRequest:
+                        decode_address: str, stamp: int) -> node_pb2.PrefillRequest:
         """The prefill leg's request: the decode node's reserved blocks, and its KV layout by id
         (the prefill node fetches a layout it does not know from `decode_address` once)."""
         request = self.request
@@ -85,6 +87,7 @@ class NodeAsks:
             decode_address=decode_address,
             decode_block_ids=ready.block_ids,
             resumed_token_ids=resumed,
+            placement_stamp=stamp,
         )
 
     def num_blocks(self, block_size: int, max_model_len: int) -> int:

@@ -149,7 +149,7 @@ class SampleDriver:
         request, model = self.spec.request, self.state.model
         load = Load(len(request.prompt_token_ids) + len(resumed),
                     self.asks.num_blocks(self.state.config.block_size, model.max_model_len),
-                    route.prefix([*request.prompt_token_ids, *resumed], live))
+                    route.prefix([*request.prompt_token_ids, *resumed], live), self.state.stamps.next())
         refused: list[str] = []
         for candidate in route.rank([e.candidate() for e in live], load):
             entry = self.state.registry.get(candidate.node_id)
@@ -193,7 +193,7 @@ class SampleDriver:
         """Open the route's call and wait for its opening event (a refusal comes at once, as an error)."""
         route = self._route
         route.claim(candidate, load)
-        call = route.open(self.state.registry.channel(entry), self.asks.sample_request(req_id, resumed),
+        call = route.open(self.state.registry.channel(entry), self.asks.sample_request(req_id, resumed, load.stamp),
                           self.remaining())
         try:
             first = await self._opening_event(call, entry)

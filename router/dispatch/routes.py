@@ -67,6 +67,7 @@ class Load:
     num_tokens: int  # to prefill: prompt + resumed tokens
     num_blocks: int  # to hold: prompt + max_tokens
     prefix: tuple[BlockHash, ...] = ()  # those tokens' leading blocks, where the route keeps prefix affinity
+    stamp: int = 0  # the opening's placement stamp (its SampleRequest.placement_stamp)
 
 
 @dataclass(frozen=True, slots=True)
@@ -194,13 +195,13 @@ class ColocatedRoute(Route):
         self._placement.mark_exhausted(candidate)
 
     def claim(self, candidate: Candidate, load: Load) -> None:
-        self._placement.assign(candidate, load.num_tokens, load.num_blocks, load.prefix)
+        self._placement.assign(candidate, load.stamp, load.num_tokens, load.num_blocks, load.prefix)
 
     def withdraw(self, candidate: Candidate, load: Load) -> None:
-        self._placement.withdraw(candidate, load.num_tokens, load.num_blocks)
+        self._placement.withdraw(candidate, load.stamp, load.num_tokens, load.num_blocks)
 
     def opened(self, candidate: Candidate, load: Load) -> None:
-        self._placement.prefilled(candidate, load.num_tokens)  # token 1 is out: the prompt left its queue
+        self._placement.prefilled(candidate, load.stamp, load.num_tokens)  # token 1 is out: the prompt left its queue
 
     def open(self, channel: grpc.aio.Channel, request: node_pb2.SampleRequest,
              timeout_s: float | None) -> grpc.aio.UnaryStreamCall:
@@ -256,12 +257,12 @@ class DisaggregatedRoute(Route):
         self._decode.mark_exhausted(candidate)
 
     def claim(self, candidate: Candidate, load: Load) -> None:
-        self._decode.reserve(candidate, load.num_blocks)
+        self._decode.reserve(candidate, load.stamp, load.num_blocks)
         if self._local_affinity is not None:
             self._local_affinity.remember(candidate.node_id, load.prefix)
 
     def withdraw(self, candidate: Candidate, load: Load) -> None:
-        self._decode.reserve(candidate, -load.num_blocks)
+        self._decode.reserve(candidate, load.stamp, -load.num_blocks)
 
     def open(self, channel: grpc.aio.Channel, request: node_pb2.SampleRequest,
              timeout_s: float | None) -> grpc.aio.UnaryStreamCall:
@@ -293,10 +294,11 @@ class DisaggregatedRoute(Route):
                 raise Overloaded(f"every prefill node's queue is full: {', '.join(full.values())}")
             if not live:
                 raise sample.none_left(NodeKind.PREFILL)
-            candidate = self._prefill.choose([e.candidate() for e in live], tokens)
+            stamp = sample.state.stamps.next()
+            candidate = self._prefill.choose([e.candidate() for e in live], tokens, stamp)
             entry = next(e for e in live if e.node_id == candidate.node_id)
             try:
-                response = await self._call_prefill(sample, leg, entry, candidate, len(tokens))
+                response = await self._call_prefill(sample, leg, entry, candidate, stamp, len(tokens))
                 leg.feeders.append(entry)
                 return response
             except NodeGone as gone:
@@ -314,13 +316,13 @@ class DisaggregatedRoute(Route):
                 raise NodeLost(failure, probe=[entry, leg.entry], decoding=False) from exc
 
     async def _call_prefill(self, sample: SampleView, leg: Leg, entry: NodeEntry, candidate: Candidate,
-                            num_tokens: int) -> node_pb2.PrefillResponse:
+                            stamp: int, num_tokens: int) -> node_pb2.PrefillResponse:
         stub = node_pb2_grpc.PrefillNodeStub(sample.state.registry.channel(entry))
-        request = sample.asks.prefill_request(leg.req_id, leg.resumed, leg.first.ready, leg.entry.address)
+        request = sample.asks.prefill_request(leg.req_id, leg.resumed, leg.first.ready, leg.entry.address, stamp)
         call = stub.Prefill(request, timeout=sample.bounded(self._prefill_timeout_s))
         try:
             return await unless_gone(call, [entry, leg.entry])
         finally:
             call.cancel()  # no-op once answered
-            self._prefill.finished(candidate, num_tokens)
+            self._prefill.finished(candidate, stamp, num_tokens)
 

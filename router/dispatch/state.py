@@ -16,7 +16,7 @@ from enum import Enum
 from pdserve.common.enum_counts import EnumCounts
 from pdserve.router.config import RouterConfig
 from pdserve.router.model import RouterModel
-from pdserve.router.cluster.placement import DecodePlacement, PrefillPlacement
+from pdserve.router.cluster.placement import DecodePlacement, PlacementStamps, PrefillPlacement
 from pdserve.router.cluster.registry import NodeRegistry
 from pdserve.router.dispatch.recovery import ResumeCounts
 from pdserve.router.requests.validation import ValidatedRequest
@@ -47,6 +47,7 @@ class RouterState:
     registry: NodeRegistry
     decode_placement: DecodePlacement
     prefill_placement: PrefillPlacement
+    stamps: PlacementStamps = field(default_factory=PlacementStamps)  # on every request sent to a node
     resumes: ResumeCounts = field(default_factory=ResumeCounts)
     routes: RouteCounts = field(default_factory=RouteCounts)
     clock: Callable[[], float] = field(default=time.monotonic)

@@ -15,6 +15,7 @@ import io
 import os
 import random
 import sys
+import time
 from pathlib import Path
 
 import grpc
@@ -160,6 +161,7 @@ def test_a_conversation_returns_to_the_node_that_holds_its_prefix(cluster):
     though both nodes are idle and by load alone the same node would take every turn."""
     rng = random.Random(11)
     before = cluster.stats()
+    opened_ns = time.time_ns()
     histories = open_on_both_nodes(cluster, rng)
     for history in histories:  # a conversation's two turns in a row: load alone would alternate them
         for _ in range(2):
@@ -169,6 +171,10 @@ def test_a_conversation_returns_to_the_node_that_holds_its_prefix(cluster):
     assert [s.used_blocks for s in stats] == [0, 0]
     # Every later turn found its whole 8-block history on its node: 2 turns x 8 blocks each.
     assert [s.prefix_cache_hits - b.prefix_cache_hits for s, b in zip(stats, before)] == [16, 16]
+    # Each node's stats name the router's placement stamp of the last request it took in (wall-clock
+    # nanoseconds at the latest, and after the first turns were sent): how the router tells which
+    # stats show what it sent.
+    assert all(opened_ns < s.placed_through <= time.time_ns() for s in stats), [s.placed_through for s in stats]
 
 
 def test_a_node_pinned_to_one_core_runs_there_with_one_torch_thread(model_dir):
