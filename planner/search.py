@@ -90,11 +90,15 @@ class Layout:
         return self.prefill * self.prefill_cores, self.devices
 
     @property
-    def router_cores(self) -> tuple[int, ...] | None:
-        """The cores the router is pinned to; None: unpinned."""
+    def router_span(self) -> tuple[int, int] | None:
+        """The cores the router is pinned to, [start, end): its pool's; None: unpinned."""
         if self.router_on is None:
             return None
-        return tuple(range(*(self.prefill_span if self.router_on == "prefill" else self.decode_span)))
+        return self.prefill_span if self.router_on == "prefill" else self.decode_span
+
+    @property
+    def router_cores(self) -> tuple[int, ...] | None:
+        return None if self.router_span is None else tuple(range(*self.router_span))
 
     @property
     def setups(self) -> set[tuple[int, int]]:
@@ -221,8 +225,8 @@ class Candidate:
                            "--router-args", shlex.join(["--disaggregation", Disaggregation.AUTO.value])]
         argv += ["--prefill", str(lay.prefill), "--decode", str(lay.decode),
                  "--prefill-cores", _cores(*lay.prefill_span), "--decode-cores", _cores(*lay.decode_span)]
-        if lay.router_cores is not None:
-            argv += ["--router-cores", _cores(lay.router_cores[0], lay.router_cores[-1] + 1)]
+        if lay.router_span is not None:
+            argv += ["--router-cores", _cores(*lay.router_span)]
         argv += ["--prefill-args", shlex.join(self.knobs.node_args(lay.prefill_tp))]
         decode_args = shlex.join(self.knobs.node_args(lay.decode_tp))
         if lay.local_prefill_max_tokens is None:
