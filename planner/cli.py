@@ -247,7 +247,7 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
     slo = Slo(args.ttft_slo, args.tpot_slo)
     sweep = SweepConfig(args.attainment, tolerance=args.tolerance, max_probes=args.max_probes)
     results = ranked([evaluate(c, base, profiles, traffic, slo, sweep, first.max_model_len, costs)
-                      for c in tqdm(candidates, desc="simulating", unit="config", disable=args.no_progress)])
+                      for c in tqdm(candidates, desc="simulating", unit="config", disable=args.no_progress)], slo)
     records = [candidate_record(e, model, first.setup.dtype, args.block_size) for e in results]
     best = records[0] if results and results[0].prediction.goodput_rps > 0 else None
     report = {"recommended": None if best is None else {

@@ -8,14 +8,15 @@ from dataclasses import replace
 
 import pytest
 
-from pdserve.bench.serve.metrics import Slo
+from pdserve.bench.serve.metrics import Distribution, Slo, summarize
 from pdserve.bench.serve.sweep import SweepConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.cli import main, unattainable
-from pdserve.planner.goodput import Traffic
+from pdserve.planner.goodput import Prediction, SimRun, Traffic
 from pdserve.planner.profile import ServingCosts
 from pdserve.planner.search import (
-    Candidate, Knobs, Layout, evaluate, layouts, ranked, tpot_prompt_budget, with_prompt_budgets,
+    TIE_BAND, Candidate, Evaluated, Knobs, Layout, evaluate, layouts, ranked, slo_share, tpot_prompt_budget,
+    with_prompt_budgets,
 )
 from pdserve.router.dispatch.hybrid import Disaggregation
 from tests.unit.planner_profiles import synthetic_profile
@@ -31,7 +32,7 @@ def traffic(prompt_len: int, output_len: int, count: int = 60) -> Traffic:
 
 def best(profiles, work: Traffic, slo: Slo, knobs=Knobs(512, 64), bounds: tuple[int, ...] = ()):
     candidates = [Candidate(lay, knobs) for lay in layouts(2, bounds)]
-    return ranked([evaluate(c, BASE, profiles, work, slo, SWEEP, 4096) for c in candidates])
+    return ranked([evaluate(c, BASE, profiles, work, slo, SWEEP, 4096) for c in candidates], slo)
 
 
 def test_layouts_on_two_and_four_devices():
@@ -108,8 +109,9 @@ def test_a_tp_node_whose_profile_is_faster_wins():
     per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
     tp2 = synthetic_profile(base_s=0.002, per_token_s=0.0004, threads=2)
     candidates = [Candidate(lay, Knobs(512, 64)) for lay in layouts(2, tp_sizes=(1, 2))]
+    slo = Slo(ttft_s=0.4, tpot_s=10.0)
     results = ranked([evaluate(c, BASE, {(1, 1): per_core, (2, 1): per_core, (2, 2): tp2}, traffic(256, 16),
-                               Slo(ttft_s=0.4, tpot_s=10.0), SWEEP, 4096) for c in candidates])
+                               slo, SWEEP, 4096) for c in candidates], slo)
     assert results[0].candidate.layout == Layout(colocated=1, colocated_cores=2, colocated_tp=2)
 
 
@@ -247,3 +249,27 @@ def test_under_a_tight_tpot_the_budgeted_hybrid_serves_more_than_the_unbounded_o
                              Slo(ttft_s=1.0, tpot_s=0.02), SWEEP, 4096).prediction.goodput_rps
                for lay in (unbounded, quarter)}
     assert goodput[quarter] > 1.5 * goodput[unbounded] > 0
+
+
+def predicted(layout: Layout, goodput: float, ttft_p90: float, tpot_p90: float) -> Evaluated:
+    def dist(p90: float) -> Distribution:
+        return Distribution(count=1, mean=p90, p50=p90, p90=p90, p99=p90)
+
+    summary = replace(summarize([], Slo(), 1.0), ttft_s=dist(ttft_p90), tpot_s=dist(tpot_p90))
+    return Evaluated(Candidate(layout, Knobs(512, 64)), Prediction(goodput, SimRun(goodput, summary), 3, True))
+
+
+def test_within_the_tie_band_the_candidate_with_the_most_headroom_goes_first():
+    """10.5 and 10.2 req/s are closer than the planner's own error: the one whose P90s sit further
+    under the SLOs (0.80 of the TTFT SLO against 0.98) goes first; 9.9 is outside the band."""
+    slo = Slo(ttft_s=4.0, tpot_s=0.035)
+    split = Layout(prefill=1, prefill_cores=1, decode=1, decode_cores=1, router_on="prefill")
+    tight = predicted(split, 10.5, ttft_p90=3.9, tpot_p90=0.02)
+    roomy = predicted(replace(split, local_prefill_max_tokens=256), 10.2, ttft_p90=3.2, tpot_p90=0.017)
+    outside = predicted(replace(split, router_on="decode"), 9.9, ttft_p90=1.0, tpot_p90=0.01)
+    assert 10.5 * (1 - TIE_BAND) <= 10.2 and 10.5 * (1 - TIE_BAND) > 9.9
+    assert slo_share(tight, slo) == pytest.approx(3.9 / 4.0)
+    assert ranked([tight, outside, roomy], slo) == [roomy, tight, outside]
+    assert ranked([tight, outside], slo) == [tight, outside]
+    nothing = [predicted(split, 0.0, 9.0, 0.1), predicted(replace(split, router_on="decode"), 0.0, 8.0, 0.1)]
+    assert [e.prediction.run.summary.ttft_s.p90 for e in ranked(nothing, slo)] == [8.0, 9.0]  # by rank_key
