@@ -2,7 +2,7 @@
 
     python -m pdserve.bench.http_front [--rounds 3] [--requests 8] [--tokens 32]
                                        [--cost-requests 200] [--cost-tokens 64] [--concurrency 8]
-                                       [--tokens-per-event K ...]
+                                       [--stream-interval K ...]
 
 1. latency: a local 1P1D cluster of the demo-shaped model (`pdserve cluster`, both APIs on one
    router). `--rounds` times, the same seeded requests go through gRPC and then through HTTP
@@ -13,10 +13,10 @@
    (testing/serve_fakes.py), so the router is all the work there is. `--concurrency` closed-loop
    streams of `--cost-tokens` tokens each, first over gRPC, then over HTTP; the router process's
    CPU time (/proc) over the tokens streamed is the cost of one token through each API. The goal
-   is at most 100 µs per token through HTTP. The fake decode node sends one token per event
-   (`--tokens-per-event 1`, the default: a node front that keeps up), or K per event for each K
-   given (a front K tokens behind, which joins what waits: node/front/inbox.py); each K's
-   figures are printed under its own label, the one-token figure first.
+   is at most 100 µs per token through HTTP. One run per `--stream-interval` K given: the router
+   runs with `--stream-interval K` and the fake decode node sends the request's tokens as a real
+   node front does at that interval (node/front/inbox.py: one token per event at 1, the default,
+   about K per event otherwise); each K's figures are printed under its own label, K = 1 first.
 Prints the CPU capability it ran on; absolute numbers depend on this shared, noisy machine,
 the differences and ratios between the two APIs of one run are what to read.
 """
@@ -91,19 +91,19 @@ class Router:
     http_url: str
 
 
-def start_router(model_dir: Path) -> Router:
+def start_router(model_dir: Path, stream_interval: int = 1) -> Router:
     """`pdserve router` on OS-picked ports, read back from the lines it prints when it serves."""
     argv = [sys.executable, "-m", "pdserve", "router", "--model", str(model_dir), "--port", "0",
-            "--http-port", "0", "--log-level", "warning"]
+            "--http-port", "0", "--log-level", "warning", "--stream-interval", str(stream_interval)]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     grpc_address = process.stdout.readline().split()[-1]  # "pdserve router listening on HOST:PORT"
     http_url = process.stdout.readline().split()[-1]  # "... HTTP API on http://HOST:PORT/v1"
     return Router(process, grpc_address, http_url)
 
 
-def start_fake_nodes(router: Router, model_dir: Path, tokens_per_event: int = 1) -> subprocess.Popen:
+def start_fake_nodes(router: Router, model_dir: Path) -> subprocess.Popen:
     argv = [sys.executable, "-m", "pdserve.testing.serve_fakes", "--router", router.grpc_address,
-            "--model", str(model_dir), "--tokens-per-event", str(tokens_per_event)]
+            "--model", str(model_dir)]
     process = subprocess.Popen(argv, stdout=subprocess.PIPE, text=True)
     if process.stdout.readline().strip() != "ready":
         raise RuntimeError("the fake nodes did not start")
@@ -156,10 +156,10 @@ async def _closed_loop(one, requests: int, concurrency: int) -> int:
     return sum(await asyncio.gather(*(worker() for _ in range(concurrency))))
 
 
-def measure_router_cost(args: argparse.Namespace, tokens_per_event: int) -> dict:
+def measure_router_cost(args: argparse.Namespace, stream_interval: int) -> dict:
     model_dir = ensure_model("llama", "small", "float32")
-    router = start_router(model_dir)
-    nodes = start_fake_nodes(router, model_dir, tokens_per_event)
+    router = start_router(model_dir, stream_interval)
+    nodes = start_fake_nodes(router, model_dir)
     result = {}
     try:
         drives = {"grpc": lambda n: grpc_streams(router.grpc_address, n, args.cost_tokens, args.concurrency),
@@ -187,22 +187,22 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cost-requests", type=int, default=200, help="router cost: requests per API")
     p.add_argument("--cost-tokens", type=int, default=64, help="router cost: tokens per request")
     p.add_argument("--concurrency", type=int, default=8, help="router cost: streams at once")
-    p.add_argument("--tokens-per-event", type=int, nargs="+", default=[1], metavar="K",
-                   help="router cost: tokens per fake decode event, one run per K (1: a node front that keeps up)")
+    p.add_argument("--stream-interval", type=int, nargs="+", default=[1], metavar="K",
+                   help="router cost: the router's --stream-interval, one run per K (1: every token streamed)")
     p.add_argument("--skip-latency", action="store_true", help="only the router cost (no model runs)")
     args = p.parse_args(argv)
-    if min(args.tokens_per_event) < 1:
-        p.error(f"--tokens-per-event: every K must be at least 1, got {args.tokens_per_event}")
+    if min(args.stream_interval) < 1:
+        p.error(f"--stream-interval: every K must be at least 1, got {args.stream_interval}")
     print(f"cpu capability: {torch.backends.cpu.get_cpu_capability()}", flush=True)
-    result: dict = {"router_cost_by_tokens_per_event": {}}
-    for k in sorted(set(args.tokens_per_event)):
+    result: dict = {"router_cost_by_stream_interval": {}}
+    for k in sorted(set(args.stream_interval)):
         cost = measure_router_cost(args, k)
-        label = "1 token per node event" if k == 1 else f"{k} tokens per node event, a node front {k} behind"
+        label = f"--stream-interval {k}"
         for api in ("grpc", "http"):
             print(f"router cost {api:4} ({label}): {cost[api]['router_cpu_us_per_token']:6.1f} µs CPU/token "
                   f"({cost[api]['tokens']} tokens, {cost[api]['tokens_per_s']:.0f} tokens/s)")
         print(f"router cost http/grpc ({label}): {cost['http_over_grpc_cpu']:.2f}x", flush=True)
-        result["router_cost_by_tokens_per_event"][k] = cost
+        result["router_cost_by_stream_interval"][k] = cost
         if k == 1:
             result["router_cost"] = cost
     if not args.skip_latency:

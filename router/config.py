@@ -124,6 +124,11 @@ class RouterConfig:
     local_prefill_tokens_per_s: float | None = field(default=None, metadata={
         "help": "--disaggregation auto: prompt tokens a second each decode node may compute for itself, over "
                 "any few seconds (what a TPOT target leaves it: pdserve plan derives it); unset: no such bound"})
+    stream_interval: int = field(default=1, metadata={
+        "help": "tokens per streamed response: a decode or colocated node holds a sample's tokens until this many "
+                "are ready (its first and last go at once), so the router relays one response per this many "
+                "tokens; 1 streams every token. Larger costs the router less CPU per token and gives the client "
+                "its text in bursts"})
     # A query of death: a request whose node attempts failed this many times in all (nodes lost,
     # or a node's step raising on it) ends INTERNAL instead of going to the next node.
     max_node_failures_per_request: int = field(default=3, metadata={
@@ -168,6 +173,7 @@ class RouterConfig:
             (self.block_size >= 1, "block_size", "must be >= 1", self.block_size),
             (self.affinity_slack_tokens >= 0, "affinity_slack_tokens", "must be >= 0", self.affinity_slack_tokens),
             (self.max_n >= 1, "max_n", "must be >= 1", self.max_n),
+            (self.stream_interval >= 1, "stream_interval", "must be >= 1", self.stream_interval),
             (self.max_resumes >= 0, "max_resumes", "must be >= 0", self.max_resumes),
             (self.max_prefill_retries >= 0, "max_prefill_retries", "must be >= 0", self.max_prefill_retries),
             (self.disaggregation in ("always", "never", "auto"), "disaggregation", "must be always, never or auto",

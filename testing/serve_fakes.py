@@ -1,16 +1,15 @@
 """Fake prefill and decode nodes that answer at once: what is left to measure is the router.
 
-    python -m pdserve.testing.serve_fakes --router HOST:PORT --model DIR [--tokens-per-event K]
+    python -m pdserve.testing.serve_fakes --router HOST:PORT --model DIR
 
 One process serves a prefill node and a decode node on 127.0.0.1 (fake_nodes.py's servicers) and
 registers both with the router (node_server.py: the real Registry RPCs, with the fingerprint of a
 float32 node running the router's model), heartbeating like real nodes. A request's token 1 comes
 from the fake prefill node, the rest from the fake decode node with no gap between events, once
-the prefill has "pushed the KV". `--tokens-per-event` 1 (the default) is a node front that keeps
-up: one token per event, as a real one sends while it sends each step's tokens before the next
-step's come. K > 1 is a front K tokens behind: a real one joins the tokens waiting in a request's
-inbox into one event (node/front/inbox.py), so each event carries K (the last one what is left).
-The tokens cycle through a fixed sentence's ids, so the router detokenizes real text. Their pools
+the prefill has "pushed the KV". The decode node sends them as a real node front does at the
+request's `stream_interval` N (node/front/inbox.py): its first event one token, then N to an
+event (the last what is left); at N = 1 (the router's default) one token per event, a front that
+keeps up. The tokens cycle through a fixed sentence's ids, so the router detokenizes real text. Their pools
 never fill: the router is the bottleneck.
 Prints `ready` once both nodes are registered; runs until SIGTERM or SIGINT.
 
@@ -37,27 +36,27 @@ SENTENCE = " the router streams each token to its client as soon as the decode n
 
 
 class AtOnce(Script):
-    """Token 1 is the sentence's first; the decode streams the rest of `max_tokens`, cycling,
-    `tokens_per_event` per event (the last event what is left)."""
+    """Token 1 is the sentence's first; the decode streams the rest of `max_tokens`, cycling, in
+    events as a real front sends them at the request's stream interval."""
 
-    def __init__(self, token_ids: list[int], tokens_per_event: int = 1) -> None:
+    def __init__(self, token_ids: list[int]) -> None:
         super().__init__(first_token=lambda index: token_ids[0], event_gap_s=0.0)
         self.rest = token_ids[1:] + token_ids[:1]
-        self.tokens_per_event = tokens_per_event
 
     def events_for(self, request: node_pb2.SampleRequest) -> list[node_pb2.DecodeTokens]:
         tokens = list(itertools.islice(itertools.cycle(self.rest), request.sampling_params.max_tokens - 1))
-        step = self.tokens_per_event
-        events = [node_pb2.DecodeTokens(token_ids=tokens[i : i + step], stop_token_id=-1)
-                  for i in range(0, len(tokens), step)]
+        interval = max(1, request.stream_interval)
+        starts = [0, *range(1, len(tokens), interval)] if tokens else []
+        events = [node_pb2.DecodeTokens(token_ids=tokens[start:end], stop_token_id=-1)
+                  for start, end in zip(starts, [*starts[1:], len(tokens)])]
         if events:
             events[-1].finish_reason = pdserve_pb2.FINISH_REASON_LENGTH
         return events
 
 
-def at_once_nodes(router: str, model: RouterModel, tokens_per_event: int = 1) -> tuple[Calls, list[FakeNode]]:
+def at_once_nodes(router: str, model: RouterModel) -> tuple[Calls, list[FakeNode]]:
     """The prefill and the decode node, not started; one server each (the registry knows a node by its address)."""
-    script = AtOnce(model.tokenizer.encode(SENTENCE, add_special_tokens=False), tokens_per_event)
+    script = AtOnce(model.tokenizer.encode(SENTENCE, add_special_tokens=False))
     calls = Calls()
     shape = ModelShape(model.num_layers, model.num_kv_heads, model.head_dim)
     return calls, [
@@ -67,8 +66,8 @@ def at_once_nodes(router: str, model: RouterModel, tokens_per_event: int = 1) ->
                  "fast-decode", shape=shape, heartbeat_s=HEARTBEAT_S)]
 
 
-async def serve(router: str, model_dir: str, tokens_per_event: int) -> None:
-    _, nodes = at_once_nodes(router, load_router_model(model_dir), tokens_per_event)
+async def serve(router: str, model_dir: str) -> None:
+    _, nodes = at_once_nodes(router, load_router_model(model_dir))
     async with started(nodes):
         print("ready", flush=True)
         stop = asyncio.Event()
@@ -81,12 +80,8 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(prog="python -m pdserve.testing.serve_fakes", description=__doc__.splitlines()[0])
     p.add_argument("--router", required=True, help="router HOST:PORT to register with")
     p.add_argument("--model", required=True, help="the router's model directory (tokenizer + config)")
-    p.add_argument("--tokens-per-event", type=int, default=1, metavar="K",
-                   help="tokens per decode event: 1, a node front that keeps up; K > 1, one K tokens behind")
     args = p.parse_args(argv)
-    if args.tokens_per_event < 1:
-        p.error(f"--tokens-per-event must be at least 1, got {args.tokens_per_event}")
-    uvloop.run(serve(args.router, args.model, args.tokens_per_event))
+    uvloop.run(serve(args.router, args.model))
     return 0
 
 

@@ -93,12 +93,12 @@ class CoreClient:
         raise NodeError(ErrorCode.INTERNAL, f"engine core did not start in {self.config.core_start_timeout_s}s")
 
     # -- requests ----------------------------------------------------------------------
-    def open_stream(self, req_id: str) -> StreamInbox:
+    def open_stream(self, req_id: str, stream_interval: int = 1) -> StreamInbox:
         if self.dead.is_set():
             raise NodeError(ErrorCode.UNAVAILABLE, "the engine core of this node is down")
         if req_id in self._streams:
             raise NodeError(ErrorCode.INVALID_ARGUMENT, f"request_id {req_id!r} is already in flight here")
-        inbox = self._streams[req_id] = StreamInbox()
+        inbox = self._streams[req_id] = StreamInbox(stream_interval)
         return inbox
 
     def close_stream(self, req_id: str) -> None:

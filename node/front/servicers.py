@@ -10,7 +10,8 @@ KV to receive and streams token 1 too). A request's life through it:
     SampleRequest ─▶ checked (request_id, sampling params: INVALID_ARGUMENT) ─▶ StreamSubmit ─▶ core
     core ─Ready─▶ ready event (block ids, the layout's id);  ─Tokens─▶ tokens event (the last with
         finish_reason ends the call; the Tokens that wait in the request's inbox while the front
-        sends go out as one event: node/front/inbox.py)
+        sends go out as one event, and at a stream interval N about N to an event:
+        node/front/inbox.py)
     core ─BeamsDone─▶ beams event (a beam search: its one event ends the call)
     core ─RequestFailed─▶ the call fails with its code
     the call ends early (cancel, deadline, client gone) ─▶ Abort ─▶ core
@@ -81,7 +82,7 @@ class StreamServicer(NodeServicer):
             submit = stream_submit(request, imports_kv)
         except NodeError as exc:
             await abort_rpc(context, exc)
-        async for event in _stream_events(self.client, context, submit):
+        async for event in _stream_events(self.client, context, submit, request.stream_interval):
             yield event
 
 
@@ -114,15 +115,16 @@ def stream_submit(request: node_pb2.SampleRequest, imports_kv: bool) -> StreamSu
                         beam=beam, imports_kv=imports_kv, placement_stamp=request.placement_stamp)
 
 
-async def _stream_events(client: CoreClient, context: grpc.aio.ServicerContext,
-                         submit: StreamSubmit) -> AsyncIterator[node_pb2.DecodeEvent]:
-    """A decode or colocated request's core messages as `DecodeEvent`s, until its last token.
+async def _stream_events(client: CoreClient, context: grpc.aio.ServicerContext, submit: StreamSubmit,
+                         stream_interval: int) -> AsyncIterator[node_pb2.DecodeEvent]:
+    """A decode or colocated request's core messages as `DecodeEvent`s, until its last token;
+    about one tokens event per `stream_interval` tokens (node/front/inbox.py).
 
     A `RequestFailed` aborts the call with its code; a call that ends before the last
     token (cancel, deadline, a client gone) aborts the request in the core.
     """
     try:
-        inbox = client.open_stream(submit.req_id)
+        inbox = client.open_stream(submit.req_id, stream_interval)
     except NodeError as exc:
         await abort_rpc(context, exc)
     ended = False

@@ -34,9 +34,10 @@ class NodeAsks:
     prefill_params: pdserve_pb2.SamplingParams | None  # None: the sample's own
     beam_search: pdserve_pb2.BeamSearch | None
     sequences: int  # how many sequences' KV a node may hold for it
+    stream_interval: int = 1  # tokens per streamed event (SampleRequest.stream_interval)
 
     @classmethod
-    def for_sample(cls, request: ValidatedRequest, index: int) -> NodeAsks:
+    def for_sample(cls, request: ValidatedRequest, index: int, stream_interval: int = 1) -> NodeAsks:
         params = params_to_proto(request.params)
         params.n = 1  # a node runs one sample; sample_index says which
         if index != 0:
@@ -45,7 +46,7 @@ class NodeAsks:
         resumed = pdserve_pb2.SamplingParams()
         resumed.CopyFrom(params)
         resumed.ClearField("prompt_logprobs")  # the client has them: a resume would only score the prompt again
-        return cls(request, index, params, resumed, None, None, 1)
+        return cls(request, index, params, resumed, None, None, 1, stream_interval)
 
     @classmethod
     def for_beam_search(cls, request: ValidatedRequest, model: RouterModel) -> NodeAsks:
@@ -70,6 +71,7 @@ class NodeAsks:
             resumed_token_ids=resumed,
             beam_search=self.beam_search,
             placement_stamp=stamp,
+            stream_interval=self.stream_interval,
         )
 
     def prefill_request(self, req_id: str, resumed: list[int], ready: node_pb2.Ready,

@@ -133,7 +133,7 @@ class Orchestrator:
             sink, asks = BeamResults(request, state.model, put), NodeAsks.for_beam_search(request, state.model)
         else:
             sink = TokenRelay(request, spec.index, state.model, spec.received_at, state.clock, put)
-            asks = NodeAsks.for_sample(request, spec.index)
+            asks = NodeAsks.for_sample(request, spec.index, state.config.stream_interval)
         try:
             # A disaggregated sample whose pools run dry falls back to a decode node computing its
             # prompt itself, as choose_route would send a new request then.

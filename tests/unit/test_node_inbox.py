@@ -1,5 +1,6 @@
 """A request's inbox at the node front: the `Tokens` that wait there leave as one message, in order,
-and the stream sends them as one `DecodeTokens` event (node/front/inbox.py, node/front/servicers.py)."""
+and the stream sends them as one `DecodeTokens` event; at a stream interval N the inbox waits for N
+(node/front/inbox.py, node/front/servicers.py)."""
 
 from __future__ import annotations
 
@@ -16,8 +17,8 @@ LP = [Logprobs(-0.5 - i, [10 + i, 20 + i], [-0.5 - i, -2.0 - i]) for i in range(
 PROMPT = PromptLogprobs([4, 7], [Logprobs(-3.0, [9], [-0.5]), Logprobs(-0.25, [7], [-0.25])])
 
 
-def filled(*messages) -> StreamInbox:
-    inbox = StreamInbox()
+def filled(*messages, stream_interval: int = 1) -> StreamInbox:
+    inbox = StreamInbox(stream_interval)
     for msg in messages:
         inbox.put(msg)
     return inbox
@@ -62,13 +63,52 @@ def test_a_failure_behind_waiting_tokens_comes_next_and_ready_is_never_joined():
     assert got[2] is failed
 
 
+def one_token(token_id: int, finish: str | None = None) -> Tokens:
+    return Tokens("r", [token_id], [None], finish)
+
+
+def test_at_an_interval_the_first_tokens_leave_at_once_and_later_ones_wait_for_the_interval():
+    async def scenario():
+        inbox = StreamInbox(stream_interval=3)
+        inbox.put(one_token(5))
+        first = await inbox.get()  # alone: the stream's time to first token waits for nothing
+        inbox.put(one_token(6))
+        later = asyncio.ensure_future(inbox.get())
+        await asyncio.sleep(0)
+        held = not later.done()  # one token of three: held for the next two
+        inbox.put(one_token(7))
+        inbox.put(one_token(8))
+        inbox.put(one_token(9))  # waiting already when the third comes: leaves with them
+        return first, held, await later
+
+    first, held, later = asyncio.run(scenario())
+    assert first.token_ids == [5] and held
+    assert later.token_ids == [6, 7, 8, 9]
+
+
+def test_at_an_interval_the_request_s_end_and_a_failure_are_never_held():
+    async def after_the_first(*messages):
+        inbox = StreamInbox(stream_interval=8)
+        inbox.put(one_token(5))
+        await inbox.get()
+        for msg in messages:
+            inbox.put(msg)
+        return [await inbox.get() for _ in range(len(messages) - 1)]
+
+    [ended] = asyncio.run(after_the_first(one_token(6), one_token(7, "length")))
+    assert (ended.token_ids, ended.finish_reason) == ([6, 7], "length")
+    failed = RequestFailed("r", ErrorCode.INTERNAL, "core died")
+    held, then = asyncio.run(after_the_first(one_token(6), failed, one_token(7)))
+    assert held.token_ids == [6] and then is failed
+
+
 class FilledClient:
     """The core side of `_stream_events`: an inbox whose messages have all arrived."""
 
     def __init__(self, inbox: StreamInbox) -> None:
         self.inbox, self.sent, self.aborted = inbox, [], []
 
-    def open_stream(self, req_id: str) -> StreamInbox:
+    def open_stream(self, req_id: str, stream_interval: int) -> StreamInbox:
         return self.inbox
 
     def send(self, msg) -> None:
@@ -87,7 +127,7 @@ def test_the_stream_sends_waiting_tokens_as_one_decode_event_with_logprobs_in_or
 
     async def events():
         submit = StreamSubmit("r", [1, 2], SamplingParams(logprobs=1), 0)
-        return [e async for e in _stream_events(client, None, submit)]
+        return [e async for e in _stream_events(client, None, submit, 1)]
 
     ready, tokens = asyncio.run(events())
     assert list(ready.ready.block_ids) == [3]

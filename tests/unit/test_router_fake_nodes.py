@@ -436,17 +436,18 @@ def test_no_decode_node_left_is_unavailable_naming_it(router_model, output_ids):
     assert error.details().startswith("no decode node is available: ") and "was lost" in error.details()
 
 
-@pytest.mark.parametrize("tokens_per_event", [1, 4])
-def test_the_nodes_that_answer_at_once_stream_the_sentence_for_max_tokens(router_model, tokens_per_event):
+@pytest.mark.parametrize("stream_interval", [1, 4])
+def test_the_nodes_that_answer_at_once_stream_the_sentence_for_max_tokens(router_model, stream_interval):
     """What the router benchmark runs behind (python -m pdserve.testing.serve_fakes): token 1 from the
-    prefill, then the sentence's ids cycling until max_tokens, `tokens_per_event` per decode event
-    (one response each); every landed KV push is forgotten."""
+    prefill, then the sentence's ids cycling until max_tokens, as a node front streams them at the
+    router's --stream-interval (the decode's first token alone, then `stream_interval` per event,
+    one response each); every landed KV push is forgotten."""
     ids = router_model[1].tokenizer.encode(SENTENCE, add_special_tokens=False)
     max_tokens = len(ids) + 3  # once round the sentence and on
 
     async def scenario():
-        async with router(router_model) as address:
-            calls, nodes = at_once_nodes(address, router_model[1], tokens_per_event)
+        async with router(router_model, stream_interval=stream_interval) as address:
+            calls, nodes = at_once_nodes(address, router_model[1])
             async with started(nodes):
                 responses = await generate(address, text_request(max_tokens=max_tokens, ignore_eos=True))
             return responses, calls
@@ -454,6 +455,8 @@ def test_the_nodes_that_answer_at_once_stream_the_sentence_for_max_tokens(router
     responses, calls = run(scenario())
     assert responses[0].token_ids == ids[:1]
     assert [t for r in responses for t in r.token_ids] == (ids + ids)[:max_tokens]
-    assert len(responses) == 1 + -(-(max_tokens - 1) // tokens_per_event)
+    assert [len(r.token_ids) for r in responses[1:3]] == [1, stream_interval]
+    assert len(responses) == 2 + -(-(max_tokens - 2) // stream_interval)
     assert responses[-1].finish_reason == LENGTH
+    assert {r.stream_interval for r in calls.decode_requests} == {stream_interval}
     assert len(calls.decode_requests) == 1 and not calls.kv_done

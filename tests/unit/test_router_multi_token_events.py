@@ -7,13 +7,13 @@ fake prefill and decode nodes (pdserve.testing)."""
 
 from __future__ import annotations
 
-import importlib
 import json
 
 import aiohttp
 import pytest
 
 from pdserve.proto import node_pb2, pdserve_pb2
+from pdserve.router.config import RouterConfig
 from pdserve.testing.fake_nodes import Script
 from pdserve.testing.node_server import fake_nodes
 from pdserve.testing.router import generate, run, running_router_server
@@ -165,11 +165,12 @@ def test_http_relays_multi_token_events_exactly_streamed_and_not(router_model, s
     assert (one[0], one[1], one[2]) == (text, tokens, token_logprobs)
 
 
-@pytest.mark.parametrize("main", ["pdserve.testing.serve_fakes", "pdserve.bench.http_front"])
-def test_tokens_per_event_below_one_is_refused_naming_the_flag(main, capsys):
-    module = importlib.import_module(main)
+def test_a_stream_interval_below_one_is_refused_naming_the_flag(capsys):
+    from pdserve.bench import http_front
+
     with pytest.raises(SystemExit) as exit_:
-        module.main(["--router", "127.0.0.1:1", "--model", "m", "--tokens-per-event", "0"]
-                    if main.endswith("serve_fakes") else ["--tokens-per-event", "1", "0"])
+        http_front.main(["--stream-interval", "1", "0"])
     assert exit_.value.code == 2
-    assert "--tokens-per-event" in capsys.readouterr().err
+    assert "--stream-interval" in capsys.readouterr().err
+    with pytest.raises(ValueError, match="stream_interval must be >= 1, got 0"):
+        RouterConfig(model="m", stream_interval=0)
