@@ -195,8 +195,8 @@ def test_a_node_pinned_to_one_core_runs_there_with_one_torch_thread(model_dir):
 
 def open_on_both_nodes(cluster, rng: random.Random) -> list[list[int]]:
     """Two conversations' first turns, one on each node. Once the router's view of the nodes
-    (their stats, as its metrics show them) holds no block — a heartbeat can still show blocks an
-    earlier test freed — the first is sent and held open (a long stream, cancelled once the second
+    (their stats, as its metrics show them) holds no block and no queued prompt — a heartbeat can
+    still show what an earlier test freed — the first is sent and held open (a long stream, cancelled once the second
     is done) until that view has its blocks in use; placement, which prefers the node with the
     most free blocks, then sends the second to the other node."""
     histories = [[rng.randrange(1, 900) for _ in range(8 * BLOCK_SIZE)] for _ in range(2)]
@@ -211,10 +211,16 @@ def open_on_both_nodes(cluster, rng: random.Random) -> list[list[int]]:
 async def _second_while_first_streams(cluster, histories: list[list[int]]) -> None:
     first, second = histories
 
-    def blocks_in_use() -> list[float]:
-        return list(gauge(cluster.metrics["router"], "pdserve_node_kv_blocks_used", "node").values())
+    def view(family: str) -> list[float]:
+        return list(gauge(cluster.metrics["router"], f"pdserve_node_{family}", "node").values())
 
-    await asyncio.to_thread(wait_until, lambda: not any(blocks_in_use()), "the router's stats show no block in use", 30)
+    def blocks_in_use() -> list[float]:
+        return view("kv_blocks_used")
+
+    def idle() -> bool:  # placement ranks by queued prompt tokens, then free blocks: both even
+        return not any(blocks_in_use()) and not any(view("queued_prefill_tokens"))
+
+    await asyncio.to_thread(wait_until, idle, "the router's stats show no block in use and no prompt queued", 30)
     async with grpc.aio.insecure_channel(cluster.router) as channel:
         stub = pdserve_pb2_grpc.GenerationStub(channel)
         held = stub.Generate(greedy(first, HELD_TOKENS), timeout=120)
