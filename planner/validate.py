@@ -154,8 +154,8 @@ def _search_heap_frozen() -> Iterator[None]:
     """The client runs in this process, after the search: its full garbage collections would scan
     every object the search left (measured: 340k objects, 148 ms a collection on an AMX machine),
     pausing the client mid-probe, so that it reads responses late and the cluster looks slower
-    than it is (colocated x2 there: 0.42 of requests within the SLOs at 26 req/s here, 1.0 from
-    `pdserve bench serve` in a process of its own). Frozen, they are never scanned."""
+    than it is (colocated x2 there at 26 req/s: 0.42 of requests within the SLOs measured from
+    here, 1.0 from `pdserve bench serve` in a process of its own). Frozen, they are never scanned."""
     gc.collect()
     gc.freeze()
     try:

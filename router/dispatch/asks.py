@@ -34,10 +34,10 @@ class NodeAsks:
     prefill_params: pdserve_pb2.SamplingParams | None  # None: the sample's own
     beam_search: pdserve_pb2.BeamSearch | None
     sequences: int  # how many sequences' KV a node may hold for it
-    stream_interval: int = 1  # tokens per streamed event (SampleRequest.stream_interval)
+    stream_interval: int = 1  # tokens per streamed event (SampleRequest.stream_interval); a beam search streams none
 
     @classmethod
-    def for_sample(cls, request: ValidatedRequest, index: int, stream_interval: int = 1) -> NodeAsks:
+    def for_sample(cls, request: ValidatedRequest, index: int, stream_interval: int) -> NodeAsks:
         params = params_to_proto(request.params)
         params.n = 1  # a node runs one sample; sample_index says which
         if index != 0:

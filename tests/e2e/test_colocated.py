@@ -196,9 +196,9 @@ def test_a_node_pinned_to_one_core_runs_there_with_one_torch_thread(model_dir):
 def open_on_both_nodes(cluster, rng: random.Random) -> list[list[int]]:
     """Two conversations' first turns, one on each node. Once the router's view of the nodes
     (their stats, as its metrics show them) holds no block and no queued prompt — a heartbeat can
-    still show what an earlier test freed — the first is sent and held open (a long stream, cancelled once the second
-    is done) until that view has its blocks in use; placement, which prefers the node with the
-    most free blocks, then sends the second to the other node."""
+    still show what an earlier test freed — the first is sent and held open (a long stream,
+    cancelled once the second is done) until that view has its blocks in use; placement, which
+    ranks by queued prompt tokens and then free blocks, then sends the second to the other node."""
     histories = [[rng.randrange(1, 900) for _ in range(8 * BLOCK_SIZE)] for _ in range(2)]
     before = cluster.stats()
     asyncio.run(_second_while_first_streams(cluster, histories))
