@@ -26,7 +26,7 @@ from tqdm import tqdm
 from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.sweep import SweepConfig
 from pdserve.bench.serve.workload_flags import (
-    DEFAULT_NUM_REQUESTS, add_arrival_args, add_workload_args, build_workload, check_workload_args,
+    DEFAULT_NUM_REQUESTS, add_arrival_args, add_workload_args, build_workload, check_workload_args, workload_argv,
 )
 from pdserve.bench.serve.workloads import ModelLimits, RequestSpec
 from pdserve.common.refusal import Refused
@@ -83,7 +83,8 @@ def _parser() -> argparse.ArgumentParser:
     check = p.add_argument_group("validation (runs clusters for real: minutes per candidate)")
     check.add_argument("--validate", type=int, default=0, metavar="K",
                        help="start the top K candidates and --validate-others more for real, sweep each with "
-                            "`pdserve bench serve`'s machinery and print predicted vs measured goodput and P90s")
+                            "`pdserve bench serve` (a process of its own) and print predicted vs measured "
+                            "goodput and P90s")
     check.add_argument("--validate-others", type=int, default=2, metavar="M",
                        help="with --validate: the best-ranked candidates of M more layouts")
     check.add_argument("--validate-probes", type=int, default=6,
@@ -256,7 +257,7 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
         "candidates": records,
         # What every simulated run sent (a prediction is only comparable under the same run length).
         "traffic": {"num_requests": traffic.num_requests, "min_duration_s": traffic.min_duration_s}}
-    checks = ValidationPlan(traffic, lambda limits: build_workload(args, limits), slo,
+    checks = ValidationPlan(tuple(workload_argv(args)), traffic.min_duration_s, slo,
                             replace(sweep, max_probes=args.validate_probes), first.setup.dtype, args.block_size,
                             args.validate_repeats)
     return results, report, checks

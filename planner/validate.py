@@ -2,10 +2,17 @@
 
 The top K candidates of the ranking and a few others (the best-ranked candidates of layouts
 not yet chosen, so that a validation also sees the modes the plan turned down) are each started
-for real with the command line the plan prints (`pdserve cluster`, as users run it), warmed up,
-and swept with `pdserve bench serve`'s own machinery: the same workload, arrivals, run length
+for real with the command line the plan prints (`pdserve cluster`, as users run it), then
+warmed up and swept by `pdserve bench serve` in a process of its own, as users measure (its
+command line is logged: a user can run it again): the same workload, arrivals, run length
 (planner/goodput.py's `Traffic`), SLOs, attainment target and bisection the prediction used.
 A prediction and its measurement therefore differ only in what produced the traces.
+
+The client is not run in this process: here it would share an interpreter with everything the
+search left, and its garbage collections (measured on an AMX machine: 340k objects, 148 ms a full
+collection) paused it mid-probe, so that it read responses late and the cluster looked slower
+than it was (colocated x2 at 26 req/s: attainment 0.42 measured from here, 1.0 from a
+`pdserve bench serve` of its own).
 
 A measurement has its own spread: on a shared machine the same layout's goodput moves from one
 run to the next (measured here: 8.65 req/s, then no rate passing down to 5.2, an hour apart).
@@ -25,25 +32,19 @@ Must never: decide the plan (that is planner/search.py's), or leave a cluster ru
 
 from __future__ import annotations
 
-import contextlib
-import gc
-import math
+import json
+import shlex
 import statistics
+import subprocess
+import sys
 import tempfile
-from collections.abc import Callable, Iterator
 from dataclasses import dataclass
+from pathlib import Path
 
-import uvloop
-
-from pdserve.bench.serve.client import ClientOptions
-from pdserve.bench.serve.grpc_backend import GrpcBackend
 from pdserve.bench.serve.metrics import Slo, Summary
-from pdserve.bench.serve.runner import Run, RunLength, ServeBench
-from pdserve.bench.serve.sweep import SweepConfig, SweepResult, find_max_rate
-from pdserve.bench.serve.workloads import ModelLimits, Workload
+from pdserve.bench.serve.sweep import Probe, SweepConfig, SweepResult
 from pdserve.cluster_process import ClusterProcess
 from pdserve.common.affinity import threads_pinned_to
-from pdserve.planner.goodput import Traffic
 from pdserve.planner.search import Evaluated
 
 WARMUP_REQUESTS = 4  # every node's first shapes (kernel builds, allocator growth) before any probe
@@ -70,7 +71,7 @@ class Measurement:
 
     goodput_rps: float  # 0 when no probed rate met the target
     at_predicted_rate: Summary | None  # the real run at the predicted goodput (None: nothing was predicted)
-    sweep: SweepResult[Run]
+    sweep: SweepResult[Summary]
 
 
 @dataclass(frozen=True)
@@ -129,8 +130,8 @@ class Validation:
 class ValidationPlan:
     """How each chosen candidate is measured."""
 
-    traffic: Traffic
-    make_workload: Callable[[ModelLimits], Workload]
+    workload_flags: tuple[str, ...]  # `pdserve bench serve`'s workload and arrival flags: the plan's traffic
+    min_duration_s: float  # the plan's run length floor (planner/goodput.py's `Traffic`)
     slo: Slo
     sweep: SweepConfig  # the prediction's own target, tolerance and probe budget
     dtype: str  # the plan's, resolved: the command line names it
@@ -141,58 +142,66 @@ class ValidationPlan:
 
 def validate(candidates: list[Evaluated], model: str, plan: ValidationPlan, log=print) -> list[Validation]:
     rounds: list[list[Measurement]] = []
-    with _search_heap_frozen():
-        for number in range(1, plan.repeats + 1):
-            if plan.repeats > 1:
-                log(f"validate: round {number} of {plan.repeats}")
-            rounds.append([_measure(e, model, plan, log) for e in candidates])
+    for number in range(1, plan.repeats + 1):
+        if plan.repeats > 1:
+            log(f"validate: round {number} of {plan.repeats}")
+        rounds.append([_measure(e, model, plan, log) for e in candidates])
     return [Validation(e, tuple(r[i] for r in rounds)) for i, e in enumerate(candidates)]
 
 
-@contextlib.contextmanager
-def _search_heap_frozen() -> Iterator[None]:
-    """The client runs in this process, after the search: its full garbage collections would scan
-    every object the search left (measured: 340k objects, 148 ms a collection on an AMX machine),
-    pausing the client mid-probe, so that it reads responses late and the cluster looks slower
-    than it is (colocated x2 there at 26 req/s: 0.42 of requests within the SLOs measured from
-    here, 1.0 from `pdserve bench serve` in a process of its own). Frozen, they are never scanned."""
-    gc.collect()
-    gc.freeze()
-    try:
-        yield
-    finally:
-        gc.unfreeze()
+def client_argv(router: str, predicted_rps: float, plan: ValidationPlan, output: Path) -> list[str]:
+    """The `pdserve bench serve` that sweeps one candidate: from the predicted goodput (unset: the
+    plan's own start), by `GROWTH`, with the plan's workload, SLOs, target and probe budget."""
+    sweep = plan.sweep
+    start = predicted_rps if predicted_rps > 0 else sweep.start_rate
+    slos = [arg for flag, value in (("--ttft-slo", plan.slo.ttft_s), ("--tpot-slo", plan.slo.tpot_s))
+            if value is not None for arg in (flag, repr(value))]
+    return [sys.executable, "-m", "pdserve", "bench", "serve", "--addr", router, "--sweep", *plan.workload_flags,
+            "--min-duration-s", repr(plan.min_duration_s), "--warmup-requests", str(WARMUP_REQUESTS), *slos,
+            "--attainment", repr(sweep.target_attainment), "--start-rate", repr(start), "--growth", repr(GROWTH),
+            "--tolerance", repr(sweep.tolerance), "--max-probes", str(sweep.max_probes),
+            "--timeout-s", repr(plan.timeout_s), "--no-progress", "--output-json", str(output)]
 
 
 def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Measurement:
     command = e.candidate.command(model, plan.dtype, plan.block_size)
-    log(f"validate: starting {e.candidate.layout.describe()}: {' '.join(command)}")
+    layout = e.candidate.layout.describe()
+    log(f"validate: starting {layout}: {' '.join(command)}")
     with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as workdir:
+        output = Path(workdir) / "bench.json"
         # command[:2] is "pdserve cluster"; ClusterProcess runs the same program with its own ports.
-        # The client runs with the router, on the cores the plan pinned it to: where the simulator
-        # charged their CPU.
+        # The client is a process of its own, as users run it (in this one it would share an
+        # interpreter, and a garbage collector, with the search's objects), started on the cores the
+        # plan pinned the router to: where the simulator charged its CPU. It inherits this thread's.
         with (ClusterProcess([*command[2:], "--http-port", "0"], workdir) as cluster,
               threads_pinned_to(e.candidate.layout.router_cores)):
-            backend = GrpcBackend(cluster.router, ClientOptions(timeout_s=plan.timeout_s, progress=False))
-            workload = plan.make_workload(uvloop.run(backend.model()).limits)
-            traffic = plan.traffic
-            bench = ServeBench(backend, workload, traffic.length, traffic.cv, traffic.seed, plan.slo)
-            ServeBench(backend, workload, RunLength(num_requests=WARMUP_REQUESTS), traffic.cv, traffic.seed + 1,
-                       Slo()).run_at(math.inf)
-            predicted = e.prediction.goodput_rps
-            runs: dict[float, Run] = {}
+            argv = client_argv(cluster.router, e.prediction.goodput_rps, plan, output)
+            log(f"validate: {layout}: {shlex.join(argv[2:])}")
+            _run_client(argv, lambda line: log(f"validate: {layout}: {line}"))
+        return measurement(json.loads(output.read_text()), e.prediction.goodput_rps)
 
-            def run_at(rate: float) -> Run:
-                runs[rate] = bench.run_at(rate)
-                log(f"validate: {e.candidate.layout.describe()} at {rate:.3g} req/s: attainment "
-                    f"{runs[rate].attainment:.3f}")
-                return runs[rate]
 
-            start = predicted if predicted > 0 else plan.sweep.start_rate
-            sweep = find_max_rate(run_at, SweepConfig(plan.sweep.target_attainment, start_rate=start,
-                                                      tolerance=plan.sweep.tolerance,
-                                                      max_probes=plan.sweep.max_probes, growth=GROWTH))
-    at_predicted = runs[predicted].summary if predicted > 0 else None
+def _run_client(argv: list[str], log) -> None:
+    """Run `pdserve bench serve`, its report lines to `log` as they come."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                          text=True) as client:
+        for line in client.stdout:
+            if line.strip():
+                log(line.rstrip())
+    if client.returncode != 0:
+        raise ChildProcessError(f"validate: `pdserve bench serve` exited with {client.returncode} "
+                                "(its output is above)")
+
+
+def measurement(doc: dict, predicted_rps: float) -> Measurement:
+    """One round's measurement from the JSON a `pdserve bench serve --sweep` wrote: its runs are
+    its probes, in order; the one at the predicted rate (the first, where one was predicted) is
+    where the P90s are compared."""
+    record = doc["sweep"]
+    summaries = [Summary.from_record(run["summary"]) for run in doc["runs"]]
+    probes = [Probe(p["rate"], summary, p["passed"]) for p, summary in zip(record["probes"], summaries, strict=True)]
+    sweep = SweepResult(record["goodput"], record["failed_rate"], probes, record["converged"])
+    at_predicted = next((p.result for p in probes if p.rate == predicted_rps), None) if predicted_rps > 0 else None
     return Measurement(sweep.best_rate or 0.0, at_predicted, sweep)
 
 

@@ -65,6 +65,12 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--sweep", action="store_true", help="bisect for the highest rate meeting --attainment")
 
     add_arrival_args(p)
+    p.add_argument("--min-duration-s", type=float, default=0.0,
+                   help="with --num-requests: more requests at high rates, enough that the arrivals span this "
+                        "many seconds, so every run is a sustained load, not a burst")
+    p.add_argument("--warmup-requests", type=int, default=0,
+                   help="send this many requests at once before the first run and leave them out of every result "
+                        "(a server's first shapes: kernel builds, allocator growth)")
     add_workload_args(p)
 
     slo = p.add_argument_group("SLOs and the sweep")
@@ -76,6 +82,9 @@ def _parser() -> argparse.ArgumentParser:
     slo.add_argument("--start-rate", type=float, default=1.0, help="automatic bracket: first rate, doubled/halved")
     slo.add_argument("--tolerance", type=float, default=0.05, help="sweep stops when the bracket is this fraction")
     slo.add_argument("--max-probes", type=int, default=12, help="sweep: at most this many runs")
+    slo.add_argument("--growth", type=float, default=2.0,
+                     help="automatic bracket: x this after a pass, / this after a miss (a start near the answer "
+                          "brackets it tightly with a small one, e.g. 1.25)")
     slo.add_argument("--devices", type=int, default=1, help="goodput is also reported divided by this")
 
     out = p.add_argument_group("client and output")
@@ -106,11 +115,18 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("rates must be > 0 requests/s")
     if args.duration_s is not None and math.inf in _fixed_rates(args):
         p.error("an infinite rate sends everything at once: give --num-requests, not --duration-s")
+    if not args.min_duration_s >= 0:
+        p.error(f"--min-duration-s must be >= 0, got {args.min_duration_s}")
+    if args.min_duration_s and args.duration_s is not None:
+        p.error("--min-duration-s is for --num-requests (--duration-s already sets how long a run lasts)")
+    if args.warmup_requests < 0:
+        p.error(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
 
 
 def _sweep_config(args: argparse.Namespace) -> SweepConfig:
     return SweepConfig(target_attainment=args.attainment, rate_min=args.rate_min, rate_max=args.rate_max,
-                       start_rate=args.start_rate, tolerance=args.tolerance, max_probes=args.max_probes)
+                       start_rate=args.start_rate, tolerance=args.tolerance, max_probes=args.max_probes,
+                       growth=args.growth)
 
 
 def _fixed_rates(args: argparse.Namespace) -> list[float]:
@@ -166,9 +182,12 @@ def main(argv: list[str] | None = None) -> int:
         backend = build_backend(args, options)
         model = uvloop.run(backend.model())
         workload = build_workload(args, model.limits)
-        bench = ServeBench(backend, workload, RunLength(args.num_requests, args.duration_s),
-                           1.0 if args.cv is None else args.cv, args.seed, slo)
-        runs, sweep = _run_all(args, bench)
+        cv = 1.0 if args.cv is None else args.cv
+        if args.warmup_requests:
+            warmup = RunLength(num_requests=args.warmup_requests)
+            ServeBench(backend, workload, warmup, cv, args.seed + 1, Slo()).run_at(math.inf)
+        length = RunLength(args.num_requests, args.duration_s, args.min_duration_s)
+        runs, sweep = _run_all(args, ServeBench(backend, workload, length, cv, args.seed, slo))
     except grpc.aio.AioRpcError as err:
         print(f"error: GetModelInfo at {args.addr}: {err.code().name}: {err.details()}", file=sys.stderr)
         return 1

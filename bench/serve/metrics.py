@@ -156,6 +156,14 @@ class Summary:
     goodput: float  # requests/s meeting both SLOs
     max_send_lag_s: float  # > 0 by much means the client could not keep the schedule
 
+    @classmethod
+    def from_record(cls, record: dict) -> Summary:
+        """The summary a run's JSON record holds (report.run_record's `summary`): how a program
+        reads what a `pdserve bench serve` of its own measured."""
+        distributions = ("ttft_s", "tpot_s", "itl_s", "e2e_s")
+        return cls(**{k: (Distribution(**v) if k in distributions and v is not None else v)
+                       for k, v in record.items()})
+
 
 def summarize(metrics: list[RequestMetrics], slo: Slo, duration_s: float) -> Summary:
     ok = [m for m in metrics if m.ok]

@@ -2,8 +2,9 @@
 workload is named the same way whether it is measured or predicted.
 
 Owns the flags (`--workload`, its lengths, `--dataset`, `--arrival`, `--cv`, `--num-requests`,
-`--seed`), their checks (a bad combination is a usage error naming the flag) and the
-`Workload` they build. Pure argparse and workloads.py: never talks to a server.
+`--seed`), their checks (a bad combination is a usage error naming the flag), the `Workload` they
+build, and the flags written back out (`workload_argv`: how a plan hands its workload to a
+`pdserve bench serve` of its own). Pure argparse and workloads.py: never talks to a server.
 """
 
 from __future__ import annotations
@@ -77,3 +78,24 @@ def build_workload(args: argparse.Namespace, limits: ModelLimits) -> Workload:
         lengths = ChatLengths(limits.max_model_len, LogNormal(args.chat_input_mean, args.chat_sigma),
                               LogNormal(args.chat_output_mean, args.chat_sigma))
     return SyntheticWorkload(lengths, limits, args.seed)
+
+
+def workload_argv(args: argparse.Namespace) -> list[str]:
+    """The workload and arrival flags of `args` (parsed by a parser given both groups) as
+    `pdserve bench serve` takes them: the same requests on the same arrivals. `--num-requests` is
+    written as given (unset: the default); `--duration-s`, which a plan does not take, is not."""
+    argv = ["--workload", args.workload, "--arrival", args.arrival, "--seed", str(args.seed),
+            "--num-requests", str(args.num_requests or DEFAULT_NUM_REQUESTS)]
+    if args.cv is not None:
+        argv += ["--cv", repr(args.cv)]
+    if args.workload == "fixed":
+        argv += ["--input-len", str(args.input_len), "--output-len", str(args.output_len)]
+    elif args.workload == "uniform":
+        argv += ["--input-len-range", "%d:%d" % args.input_len_range,
+                 "--output-len-range", "%d:%d" % args.output_len_range]
+    elif args.workload == "chat":
+        argv += ["--chat-input-mean", repr(args.chat_input_mean), "--chat-output-mean", repr(args.chat_output_mean),
+                 "--chat-sigma", repr(args.chat_sigma)]
+    else:
+        argv += ["--dataset", str(args.dataset)]
+    return argv

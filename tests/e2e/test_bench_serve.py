@@ -12,7 +12,8 @@ import json
 import grpc
 import pytest
 
-from tests.e2e.cluster import NodeSettings, running_cluster
+from pdserve.testing.waiting import wait_until
+from tests.e2e.cluster import NodeSettings, counter, running_cluster
 from pdserve.bench.serve import cli as serve_cli
 from pdserve.bench.serve.workloads import ModelLimits, SyntheticWorkload, UniformLengths
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
@@ -28,7 +29,7 @@ COMMON = ["--ttft-slo", "60", "--tpot-slo", "30", "--timeout-s", "120", "--no-pr
 @pytest.fixture(scope="module")
 def cluster(tiny_llama):
     model_dir = tiny_llama
-    with running_cluster(str(model_dir), 1, 1, NodeSettings(block_size=BLOCK_SIZE)) as running:
+    with running_cluster(str(model_dir), 1, 1, NodeSettings(block_size=BLOCK_SIZE), metrics=True) as running:
         yield running
 
 
@@ -93,6 +94,35 @@ def test_jsonl_text_prompts_are_counted_by_the_server(cluster, tmp_path):
     assert [(r["input_len"], r["output_len"]) for r in requests] == [
         (prompt_lens[0], 5), (prompt_lens[1], 3), (prompt_lens[0], 5)]
     assert_blocks_free(cluster)
+
+
+def test_warmup_requests_are_sent_first_and_a_run_spans_its_minimum_duration(cluster, tmp_path):
+    out = tmp_path / "warm.json"
+    served_before = counter(cluster.metrics["router"], "pdserve_requests", "status").get("OK", 0)
+    # 2 requests asked for, at 10/s over at least 0.5 s: ceil(10 x 0.5) = 5 are sent.
+    argv = ["--addr", cluster.router, "--rate", "10", "--num-requests", "2", "--min-duration-s", "0.5",
+            "--warmup-requests", "3", "--workload", "fixed", "--input-len", "8", "--output-len", "3",
+            "--output-json", str(out), *COMMON]
+
+    assert serve_cli.main(argv) == 0
+
+    requests = requests_of(json.loads(out.read_text()), 0)
+    assert [r["status"] for r in requests] == ["OK"] * 5  # the warm-up is in no run
+    def served() -> float:
+        return counter(cluster.metrics["router"], "pdserve_requests", "status")["OK"] - served_before
+
+    # The router counts a request once its stream has ended, which can be just after the client saw the end.
+    wait_until(lambda: served() >= 3 + 5, lambda: f"the router counted {served()} of 3 + 5 requests", timeout_s=10)
+    assert served() == 3 + 5
+    assert_blocks_free(cluster)
+
+
+def test_a_minimum_duration_with_a_duration_is_refused_naming_the_flag(cluster, capsys):
+    argv = ["--addr", cluster.router, "--rate", "4", "--duration-s", "1", "--min-duration-s", "2", *COMMON]
+    with pytest.raises(SystemExit) as exit_info:
+        serve_cli.main(argv)
+    assert exit_info.value.code == 2
+    assert "--min-duration-s is for --num-requests" in capsys.readouterr().err
 
 
 def test_chat_lengths_on_bursty_gamma_arrivals_for_a_duration(cluster, tmp_path):

@@ -56,3 +56,6 @@ def test_plan_validate_runs_the_recommended_cluster_and_reports_predicted_beside
     assert table[header + 1].startswith("colocated x1 (1 core)")
     assert table[header + 2].startswith("median |goodput error|: ")
     assert "validate: starting colocated x1 (1 core): pdserve cluster --model" in result.stderr
+    # The client is `pdserve bench serve` in a process of its own, its command line logged to run again.
+    assert "validate: colocated x1 (1 core): pdserve bench serve --addr 127.0.0.1:" in result.stderr
+    assert "validate: colocated x1 (1 core): goodput at attainment >= 0.9" in result.stderr

@@ -3,13 +3,24 @@ The real runs are tests/e2e/test_plan_validate.py's."""
 
 from __future__ import annotations
 
-from pdserve.bench.serve.metrics import Slo, summarize
-from pdserve.bench.serve.sweep import SweepResult
+import json
+import sys
+
+import pytest
+
+from pdserve.bench.serve import cli as serve_cli
+from pdserve.bench.serve import report
+from pdserve.bench.serve.metrics import RequestMetrics, Slo, summarize
+from pdserve.bench.serve.runner import Run
+from pdserve.bench.serve.sweep import SweepConfig, SweepResult
+from pdserve.bench.serve.workload_flags import DEFAULT_NUM_REQUESTS, build_workload, workload_argv
+from pdserve.bench.serve.workloads import ModelLimits
+from pdserve.planner import cli as plan_cli
 from pdserve.planner.goodput import Prediction, SimRun
 from pdserve.planner.search import Candidate, Evaluated, Knobs, Layout, layouts
 from pdserve.planner.validate import (
-    Measurement, Validation, chosen, format_validation, median_abs_goodput_error, median_spread,
-    recommended_share_of_best, report_record,
+    GROWTH, WARMUP_REQUESTS, Measurement, Validation, ValidationPlan, chosen, client_argv, format_validation,
+    measurement, median_abs_goodput_error, median_spread, recommended_share_of_best, report_record,
 )
 
 EMPTY = summarize([], Slo(), 1.0)
@@ -98,3 +109,70 @@ def test_a_candidate_that_passed_no_rate_counts_in_the_median_with_the_least_err
     lines = format_validation([measured, failed]).splitlines()
     assert "7.11/<3.64" in lines[2] and "≥+95%" in lines[2]
     assert lines[4].startswith("(<R: no probed rate met the target")
+
+
+# -- the client: `pdserve bench serve` in a process of its own ------------------------------------
+PLAN_FLAGS = {
+    "fixed": ["--workload", "fixed", "--input-len", "40", "--output-len", "9"],
+    "uniform": ["--workload", "uniform", "--input-len-range", "8:300", "--output-len-range", "2:70",
+                "--arrival", "gamma", "--cv", "1.5"],
+    "chat": ["--workload", "chat", "--chat-input-mean", "123.5", "--chat-output-mean", "33", "--chat-sigma", "0.7",
+             "--num-requests", "17", "--seed", "5"],
+}
+
+
+@pytest.mark.parametrize("kind", sorted(PLAN_FLAGS))
+def test_the_client_sends_the_plans_own_requests_and_sweeps_from_the_prediction(kind, tmp_path):
+    planned = plan_cli._parser().parse_args(["--devices", "2", "--ttft-slo", "0.5", "--tpot-slo", "0.05",
+                                             "--min-duration-s", "12", *PLAN_FLAGS[kind]])
+    sweep = SweepConfig(0.8, tolerance=0.03, max_probes=5)
+    plan = ValidationPlan(tuple(workload_argv(planned)), planned.min_duration_s, Slo(0.5, 0.05), sweep,
+                          "float32", 16)
+
+    argv = client_argv("127.0.0.1:5000", 7.3, plan, tmp_path / "bench.json")
+
+    assert argv[:5] == [sys.executable, "-m", "pdserve", "bench", "serve"]
+    client = serve_cli._parser().parse_args(argv[5:])
+    serve_cli._check_args(serve_cli._parser(), client)
+    assert serve_cli._sweep_config(client) == SweepConfig(0.8, start_rate=7.3, tolerance=0.03, max_probes=5,
+                                                          growth=GROWTH)
+    assert (client.addr, client.ttft_slo, client.tpot_slo) == ("127.0.0.1:5000", 0.5, 0.05)
+    assert (client.min_duration_s, client.warmup_requests, client.output_json) == \
+        (12.0, WARMUP_REQUESTS, tmp_path / "bench.json")
+    assert (client.num_requests, client.arrival, client.cv, client.seed) == \
+        (planned.num_requests or DEFAULT_NUM_REQUESTS, planned.arrival, planned.cv, planned.seed)
+    limits = ModelLimits(vocab_size=500, max_model_len=2048)
+    measured, predicted = build_workload(client, limits), build_workload(planned, limits)
+    assert [measured.request(i, run=1) for i in range(20)] == [predicted.request(i, run=1) for i in range(20)]
+
+
+def test_a_candidate_without_a_prediction_is_swept_from_the_plans_start_rate(tmp_path):
+    plan = ValidationPlan(("--workload", "fixed"), 0.0, Slo(None, 0.05), SweepConfig(start_rate=2.5), "float32", 16)
+    client = serve_cli._parser().parse_args(client_argv("h:1", 0.0, plan, tmp_path / "b.json")[5:])
+    assert (client.start_rate, client.ttft_slo, client.tpot_slo) == (2.5, None, 0.05)
+
+
+def test_a_measurement_is_read_back_from_the_clients_json(tmp_path):
+    slo = Slo(ttft_s=0.5)
+    def request(index: int, ttft_s: float) -> RequestMetrics:
+        return RequestMetrics(index, "OK", 8, 3, 3, due_s=0.1 * index, send_lag_s=0.001, ttft_s=ttft_s, tpot_s=0.02,
+                              e2e_s=ttft_s + 0.04, itl_s=(0.02, 0.02), error="", request_id=f"r{index}")
+
+    fast, slow = request(0, 0.1), request(1, 0.9)
+    runs = [Run(rate, list(metrics), summarize(list(metrics), slo, 1.5))
+            for rate, metrics in ((4.2, (fast, fast)), (5.25, (fast, slow)), (4.725, (fast, fast)))]
+    sweep = SweepResult()
+    for run in runs:
+        sweep.record(run.rate, run, 0.9)
+    sweep.converged = True
+    path = tmp_path / "bench.json"
+    report.write_json(path, {}, {}, runs, report.sweep_record(sweep, 0.9, 1))
+
+    measured = measurement(json.loads(path.read_text()), 4.2)
+
+    assert measured.goodput_rps == 4.725
+    assert (measured.sweep.failed_rate, measured.sweep.converged) == (5.25, True)
+    assert [(p.rate, p.passed, p.result) for p in measured.sweep.probes] == [(r.rate, r.attainment >= 0.9, r.summary)
+                                                                            for r in runs]
+    assert measured.at_predicted_rate == runs[0].summary
+    assert measurement(json.loads(path.read_text()), 0.0).at_predicted_rate is None
