@@ -12,6 +12,13 @@ own benchmark, bench/http_front.py): there the node events come back to back and
 event loop serves several, the cheapest a token can be; in a cluster they come as the engine
 steps, which is what the planner predicts.
 
+Everything measured shares one core — the node, its front, the router and the client — as the
+stack shares the engines' cores in every layout a plan proposes (the router pinned to a pool's
+cores, or floating over all). A process that shares its core pays more CPU for the same work
+(its caches and its event loop's batching lost to the others). Measured on an AMX machine (bf16):
+the router 193–229 µs a token with a core to itself, 266–287 sharing one; in a hybrid 1P1D pair
+serving 21.6 and 33.8 requests/s, its router sharing the prefill node's core, 259–294.
+
 Must never: be imported by the simulator (it starts processes and loads gRPC).
 """
 
@@ -23,6 +30,7 @@ import uvloop
 
 from pdserve.bench.common import local_cluster
 from pdserve.bench.http_front import grpc_streams, process_cpu_s
+from pdserve.common.affinity import available_cpus, threads_pinned_to
 from pdserve.planner.profile import ClientCost, FrontCost, RouterCost, ServingCosts
 
 REQUESTS_PER_STREAM = 8  # each run: this many requests per stream in flight, at least 64 in all
@@ -32,7 +40,10 @@ FEW_TOKENS, MANY_TOKENS = 2, 32
 
 def measure_stack_cost(model_dir: str, concurrency: int = CONCURRENCY) -> ServingCosts:
     """`concurrency`: the streams at once (docs/benchmarks.md compares 8, 32 and 64)."""
-    with local_cluster(model_dir, ("--colocated", "1"), ("--threads", "1")) as cluster:
+    core = str(min(available_cpus()))
+    with (local_cluster(model_dir, ("--colocated", "1"), ("--threads", "1"),
+                        ("--colocated-cores", core, "--router-cores", core)) as cluster,
+          threads_pinned_to({int(core)})):
         children = cluster.state.children.values()
         node = next(child.pid for child in children if child.kind == "colocated")
         router = next(child.pid for child in children if child.kind == "router")
@@ -48,7 +59,7 @@ def measure_stack_cost(model_dir: str, concurrency: int = CONCURRENCY) -> Servin
             streamed = uvloop.run(grpc_streams(cluster.router, requests, tokens, concurrency))
             for points, start, end in zip(runs, before, cpu_now()):
                 points.append((streamed, end - start))
-    method = f"closed-loop gRPC streams through a colocated cluster, {concurrency} at once"
+    method = f"closed-loop gRPC streams through a colocated cluster, {concurrency} at once, all on one core"
     kinds = ((RouterCost, "the router's process"), (FrontCost, "a node's front process"), (ClientCost, "the client"))
     return ServingCosts(*(kind(*per_request_and_token(points, requests), f"{process}, {method}")
                           for (kind, process), points in zip(kinds, runs)))

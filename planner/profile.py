@@ -25,6 +25,7 @@ from pdserve.common.paths import default_cache_dir
 from pdserve.planner.step_cost import StepCost, StepShape
 
 PROFILE_VERSION = 4  # bump when what is measured, or how, changes: older files are measured again
+COST_VERSION = 5  # the same for the serving stack's costs (planner/measure_stack.py), measured apart
 # CPU flags that change which kernels and dtypes the engine runs (engine/dtype_choice.py, kernels/).
 CAPABILITY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
 
@@ -72,12 +73,12 @@ class CpuCost:
         return self.per_request_s + tokens * self.per_token_s
 
     def to_json(self) -> dict:
-        return {**dataclasses.asdict(self), "version": PROFILE_VERSION}
+        return {**dataclasses.asdict(self), "version": COST_VERSION}
 
     @classmethod
     def from_json(cls, record: dict):
         record = dict(record)
-        if record.pop("version", None) != PROFILE_VERSION:
+        if record.pop("version", None) != COST_VERSION:
             raise ValueError(f"{cls.__name__} written by another version")
         return cls(**record)
 
@@ -116,7 +117,7 @@ def stack_keys(model_digest: str, machine: dict[str, object]) -> tuple[str, str,
 
 
 def cost_key(process: str, model_digest: str, machine: dict[str, object]) -> str:
-    text = json.dumps([PROFILE_VERSION, process, model_digest, machine], sort_keys=True)
+    text = json.dumps([COST_VERSION, process, model_digest, machine], sort_keys=True)
     return f"{process}-" + hashlib.sha256(text.encode()).hexdigest()[:20]
 
 

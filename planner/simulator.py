@@ -30,9 +30,9 @@ of the cores the nodes run on: the router's, the node fronts' and (when the plan
 generator runs here) the client's CPU is charged as each request arrives and each token streams
 (the profile's `ServingCosts`), a front's to its own node's cores, the router's and the client's
 to the nodes with idle cores (of the pool they are pinned to, `ClusterSpec.stack_on`), and a step
-takes longer while that load is high
-(planner/stack_load.py). Not simulated: the network between client and router, queue bounds,
-failures.
+takes longer while that load is high; the router's work in turn takes longer than its CPU time
+while every node it may run on is busy (planner/stack_load.py). Not simulated: the network
+between client and router, queue bounds, failures.
 
 Each request's trace is the serving bench's `RequestTrace` (one chunk per token), so the bench's
 metrics apply unchanged. Must never: read a wall clock or load torch.
@@ -52,7 +52,7 @@ from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.request import Request
 from pdserve.planner.profile import Profile, ServingCosts
 from pdserve.planner.sim_node import PLACEHOLDER_TOKEN, Sampled, SimClock, SimNode
-from pdserve.planner.stack_load import UTILISATION_WINDOW_S, CpuLoad, idle_weighted, stretch
+from pdserve.planner.stack_load import UTILISATION_WINDOW_S, CpuLoad, idle_weighted, router_slowdown, stretch
 from pdserve.prefill_node.policy import PrefillPolicy
 from pdserve.router.cluster.placement import Candidate, ColocatedPlacement, DecodePlacement, PrefillPlacement
 from pdserve.router.cluster.prefix_affinity import PrefixAffinity
@@ -184,6 +184,7 @@ class ClusterSim:
         self._floating = CpuLoad(spec.node_cores)
         self._floating_per_request_s = costs.router.per_request_s + costs.client.per_request_s
         self._floating_per_token_s = costs.router.per_token_s + costs.client.per_token_s
+        self._client = costs.client
         self._front = costs.fronts
         self._cores = {node: pool.cores_per_node
                        for pool, nodes in ((spec.colocated, self.colocated), (spec.prefill, self.prefill),
@@ -192,6 +193,8 @@ class ClusterSim:
         hosts = list(self._cores) if spec.stack_on is None else getattr(self, spec.stack_on)
         self._stack_hosts = {node: i for i, node in enumerate(hosts)}  # node -> its place in idle_weighted's lists
         self._front_loads = {node: CpuLoad(cores) for node, cores in self._cores.items()}
+        # The client alone, over the cores it shares with the router: what the router competes with.
+        self._client_load = CpuLoad(sum(self._cores[n] for n in hosts))
         self._engine_loads = {node: CpuLoad(cores, UTILISATION_WINDOW_S) for node, cores in self._cores.items()}
 
     def _nodes(self, kind: str, pool: Pool | None, policy, max_model_len: int) -> list[SimNode]:
@@ -221,13 +224,21 @@ class ClusterSim:
 
     # ------------------------------------------------------------------ the router and placement
 
-    def _router_work(self, seconds: float) -> float:
-        """Hand the router `seconds` of work now; when it is done (after what it already had)."""
-        self._router_free_s = max(self.clock.t, self._router_free_s) + seconds
+    def _router_work(self, cpu_s: float) -> float:
+        """Hand the router `cpu_s` of CPU work now; when it is done (after what it already had), at
+        the speed the busy cores it shares leave it (`router_slowdown`)."""
+        start = max(self.clock.t, self._router_free_s)
+        self._router_free_s = start + cpu_s * self._router_slowdown(self.clock.t)
         return self._router_free_s
+
+    def _router_slowdown(self, now: float) -> float:
+        client = self._client_load.share(now)
+        return router_slowdown([self._engine_loads[n].share(now) + self._front_loads[n].share(now) + client
+                                for n in self._stack_hosts])
 
     def _receive(self, spec: SimRequest, trace: RequestTrace) -> None:
         self._floating.charge(self.clock.t, self._floating_per_request_s)
+        self._client_load.charge(self.clock.t, self._client.per_request_s)
         self._at(self._router_work(self._router.per_request_s), lambda: self._arrive(spec, trace))
 
     def _arrive(self, spec: SimRequest, trace: RequestTrace) -> None:
@@ -388,6 +399,7 @@ class ClusterSim:
     def _token(self, node: SimNode, trace: RequestTrace, now: float, last: bool) -> None:
         """`node` streamed a token; the client has it once the router has relayed it."""
         self._floating.charge(now, self._floating_per_token_s)
+        self._client_load.charge(now, self._client.per_token_s)
         self._front_loads[node].charge(now, self._front.per_token_s)
         delivered = self._router_work(self._router.per_token_s)
         trace.chunks.append((delivered, 1))

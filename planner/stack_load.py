@@ -23,6 +23,15 @@ weighted rate of it over about `WINDOW_S`. Where that CPU lands follows the laun
 A step that starts at t on a node takes 1 / (1 − u) of its profiled time, u the node's front's
 share of its cores plus its part of the router's and client's CPU over its cores (`stretch`).
 
+The sharing goes both ways: the router's work takes longer than its CPU time while the cores it
+may run on are busy with others (`router_slowdown`). The OS puts it on an idle core when there is
+one; when every node it may run on is busy (its engine stepping, its front and the client
+relaying), it shares a core with them and runs at half speed or less. Measured on an AMX machine
+in bf16, where the stack takes most of the two cores: a hybrid 1P1D pair with its router on the
+prefill node's core, predicted at 42 requests/s without it (TTFT p90 0.78 s), measured 27 with
+a TTFT p90 of 5.8 s there: the router, 167 µs a token at full speed (0.57 of a core at 42
+requests/s), could not keep up at the half of its core the prefill engine left it.
+
 Why charged as it happens, not at the arrival rate × the mean output (the steady state): a
 sweep's probe of a few hundred requests with long outputs never reaches that state. Its tokens
 come seconds after its arrivals, many after the last one. Measured on a chat probe (13.65
@@ -92,3 +101,11 @@ def idle_weighted(floating: float, idle_cores: list[float], cores: list[int]) ->
     if total_idle <= 0:
         return [floating / sum(cores)] * len(cores)
     return [floating * idle / total_idle / n for idle, n in zip(idle_cores, cores)]
+
+
+def router_slowdown(busy: list[float]) -> float:
+    """How many times its CPU time the router's work takes: `busy` holds, for each node the router
+    may run on, the share of its cores that others keep busy (its engine, its front, the client).
+    The router waits only when every one is busy — they are taken as independent — and then
+    shares a core with at least one other thread: at most half speed, so 1 + the chance of that."""
+    return 1.0 + math.prod(min(1.0, b) for b in busy) if busy else 1.0

@@ -185,9 +185,13 @@ def _run_client(argv: list[str], log) -> None:
     """Run `pdserve bench serve`, its report lines to `log` as they come."""
     with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
                           text=True) as client:
-        for line in client.stdout:
-            if line.strip():
-                log(line.rstrip())
+        try:
+            for line in client.stdout:
+                if line.strip():
+                    log(line.rstrip())
+        except BaseException:  # Ctrl-C: the client goes with the cluster, not after its last probe
+            client.kill()
+            raise
     if client.returncode != 0:
         raise ChildProcessError(f"validate: `pdserve bench serve` exited with {client.returncode} "
                                 "(its output is above)")

@@ -12,7 +12,7 @@ def test_the_router_the_front_and_the_client_each_cost_cpu_per_token(tiny_llama)
     for cost, process in ((costs.router, "router's process"), (costs.fronts, "node's front process"),
                           (costs.client, "client")):
         assert cost.per_token_s > 0 and cost.per_request_s >= 0
-        assert process in cost.method and "8 at once" in cost.method
+        assert process in cost.method and "8 at once, all on one core" in cost.method
 
 
 def test_two_runs_separate_the_cost_per_request_from_the_cost_per_token():

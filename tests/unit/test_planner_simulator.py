@@ -12,7 +12,7 @@ from pdserve.bench.serve.metrics import request_metrics
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.profile import ClientCost, FrontCost, RouterCost, ServingCosts, TransferCost
 from pdserve.planner.simulator import EXHAUSTED, ClusterSim, ClusterSpec, Pool, SimRequest
-from pdserve.planner.stack_load import WINDOW_S
+from pdserve.planner.stack_load import UTILISATION_WINDOW_S, WINDOW_S
 from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
 from tests.unit.planner_profiles import BLOCK_BYTES, synthetic_profile
 
@@ -127,19 +127,23 @@ def test_the_router_costs_each_request_and_each_token_once_on_its_way():
     router = RouterCost(0.003, 0.0005, "synthetic")
     _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile), costs=ServingCosts(router)), 100, 5)
     # The prefill starts once the router placed the request, stretched by that request's 3 ms of CPU.
-    assert m.ttft_s == pytest.approx(0.003 + 0.11 * stretch_after(0.003, 0.003) + 0.0005)
+    # Token 1's relay then shares the core with an engine busy for that step of the last 5 s.
+    prefill_s = 0.11 * stretch_after(0.003, 0.003)
+    assert m.ttft_s == pytest.approx(0.003 + prefill_s + 0.0005 * (1 + prefill_s / UTILISATION_WINDOW_S))
     # Every token waits the same relay; the decode steps are stretched under 1% by the stack's CPU.
     assert m.tpot_s == pytest.approx(0.011, rel=0.01)
 
 
 def test_a_router_slower_than_the_steps_paces_every_stream():
     """Tokens leave the node every 11–18 ms (stretched by the router's CPU on its core) but the
-    router relays one per 50 ms: they queue there."""
+    router relays one per 50 ms of CPU, a little more while the engine keeps its core busy: they
+    queue there."""
     profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
     _, m = run_one(ClusterSpec(colocated=Pool(1, config(), profile),
                                costs=ServingCosts(RouterCost(0.0, 0.05, "slow"))), 100, 5)
-    assert m.ttft_s == pytest.approx(0.11 + 0.05)  # nothing was charged before the prefill
-    assert m.itl_s == pytest.approx((0.05,) * 4)
+    # Nothing was charged before the prefill; its relay shares the core with that one step's 0.11 s.
+    assert m.ttft_s == pytest.approx(0.11 + 0.05 * (1 + 0.11 / UTILISATION_WINDOW_S))
+    assert all(0.05 < itl < 0.05 * (1 + 0.3 / UTILISATION_WINDOW_S) for itl in m.itl_s)  # 0.3 s of steps at most
 
 
 def test_the_stacks_cpu_stretches_the_steps_that_follow_it_on_the_same_cores():
@@ -149,10 +153,15 @@ def test_the_stacks_cpu_stretches_the_steps_that_follow_it_on_the_same_cores():
     spec = ClusterSpec(colocated=Pool(1, config(num_threads=1), profile),
                        costs=ServingCosts(RouterCost(0.05, 0.0, "synthetic")))
     traces = ClusterSim(spec, 4096).run([SimRequest(0.0, prompt(0, 100), 1), SimRequest(1.0, prompt(1, 100), 1)])
-    first = stretch_after(0.05, 0.05)
+    first_prefill_s = 0.11 * stretch_after(0.05, 0.05)
+    # The second request's router work shares the core with the first prefill's utilisation, decayed.
+    idle_since_s = 1.0 - 0.05 - first_prefill_s
+    engine_busy = first_prefill_s / UTILISATION_WINDOW_S * math.exp(-idle_since_s / UTILISATION_WINDOW_S)
+    routed_s = 0.05 * (1 + engine_busy)
     # The second prefill also carries what is left of the first request's charge, a second older.
-    second = 1 / (1 - 0.05 / WINDOW_S * (math.exp(-1.05 / WINDOW_S) + math.exp(-0.05 / WINDOW_S)))
-    assert [request_metrics(t).ttft_s for t in traces] == pytest.approx([0.05 + 0.11 * first, 0.05 + 0.11 * second])
+    second = 1 / (1 - 0.05 / WINDOW_S * (math.exp(-(1 + routed_s) / WINDOW_S) + math.exp(-routed_s / WINDOW_S)))
+    assert [request_metrics(t).ttft_s for t in traces] == pytest.approx([0.05 + first_prefill_s,
+                                                                         routed_s + 0.11 * second])
 
 
 def test_a_front_loads_its_own_nodes_cores_alone():
@@ -183,10 +192,12 @@ def test_the_router_and_client_cpu_goes_to_the_idler_node():
     first, second = ClusterSim(spec, 4096).run([SimRequest(0.0, prompt(0, 100), 3000),
                                                 SimRequest(20.0, prompt(1, 100), 1)])
     assert first.status == second.status == "OK"
-    # After the router's own 50 ms, the decode node reserves at the end of the step it is in, the
-    # first request's next token after 20.05 (the tokens of the steps that ended while the router
-    # worked reach the client at 20.05 exactly), and the prefill starts.
-    reserved_s = min(t for t, _ in first.chunks if t > 20.05)
+    # After the router's own 50 ms (barely more: it waits only while both cores are busy), the
+    # decode node reserves at the end of the step it is in, the first request's next token after
+    # the router is done, and the prefill starts.
+    routed_s = router_done_s(first) - 20.0
+    assert 0.05 < routed_s < 0.05 * 1.001
+    reserved_s = min(t for t, _ in first.chunks if t > 20.0 + routed_s)
     prefill_s = second.chunks[0][0] - reserved_s
     even = 0.11 * stretch_after(0.05, 0.05, cores=2)
     all_on_prefill_core = 0.11 * stretch_after(0.05, 0.05, cores=1)
@@ -194,18 +205,28 @@ def test_the_router_and_client_cpu_goes_to_the_idler_node():
     assert prefill_s > even
 
 
+def router_done_s(trace) -> float:
+    """When the router finished the work it had while `trace`'s tokens came (per-token cost 0):
+    the tokens of the steps that ended meanwhile reach the client together, at that moment."""
+    return next(t for (t, _), (later, _) in zip(trace.chunks, trace.chunks[1:]) if t == later)
+
+
 def test_a_router_pinned_to_a_pool_loads_that_pools_cores_alone():
     """The case above with the router pinned (`stack_on`): on the busy decode core, the second
-    request's 50 ms of router work (charged as it arrives, 20 s in) stretches no prefill step; on
-    the prefill core, all of it does, decayed over the time until the prefill starts."""
+    request's 50 ms of router work (charged as it arrives, 20 s in) stretches no prefill step, and
+    takes nearly twice as long, the core shared with an engine busy nearly all the time; on the
+    idle prefill core it takes its 50 ms, and stretches the prefill by all of it, decayed over the
+    time until the prefill starts."""
     profile = synthetic_profile(base_s=0.01, per_token_s=0.001)
     one_core = Pool(1, config(num_threads=1), profile)
-    for stack_on, on_prefill_core in (("decode", 0.0), ("prefill", 0.05)):
+    for stack_on, on_prefill_core, slowdown in (("decode", 0.0, (1.95, 2.0)), ("prefill", 0.05, (1.0, 1.001))):
         spec = ClusterSpec(prefill=one_core, decode=one_core, stack_on=stack_on,
                            costs=ServingCosts(RouterCost(0.05, 0.0, "synthetic")))
         first, second = ClusterSim(spec, 4096).run([SimRequest(0.0, prompt(0, 100), 3000),
                                                     SimRequest(20.0, prompt(1, 100), 1)])
-        reserved_s = min(t for t, _ in first.chunks if t > 20.05)
+        routed_s = router_done_s(first) - 20.0
+        assert 0.05 * slowdown[0] < routed_s < 0.05 * slowdown[1], stack_on
+        reserved_s = min(t for t, _ in first.chunks if t > 20.0 + routed_s)
         stretched = stretch_after(on_prefill_core, reserved_s - 20.0)
         assert second.chunks[0][0] - reserved_s == pytest.approx(0.11 * stretched, rel=1e-9), stack_on
 

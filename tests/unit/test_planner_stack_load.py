@@ -1,5 +1,6 @@
 """The serving stack's load in the simulator, by hand: an exponentially weighted rate of the CPU
-charged, and the stretch of a step that starts while it is high."""
+charged, the stretch of a step that starts while it is high, and the router's slowdown while the
+cores it may run on are busy."""
 
 from __future__ import annotations
 
@@ -7,7 +8,7 @@ import math
 
 import pytest
 
-from pdserve.planner.stack_load import MAX_STACK_SHARE, CpuLoad, idle_weighted, stretch
+from pdserve.planner.stack_load import MAX_STACK_SHARE, CpuLoad, idle_weighted, router_slowdown, stretch
 
 
 def test_nothing_charged_takes_no_share():
@@ -54,3 +55,10 @@ def test_floating_work_goes_to_the_idle_cores():
     assert idle_weighted(0.4, [1.0, 1.0], [2, 2]) == pytest.approx([0.1, 0.1])  # 0.2 of a core on each of 2
     # No idle core anywhere: spread evenly over all cores.
     assert idle_weighted(0.4, [0.0, 0.0], [1, 3]) == pytest.approx([0.1, 0.1])
+
+
+def test_the_router_slows_only_while_every_node_it_may_run_on_is_busy():
+    assert router_slowdown([]) == router_slowdown([0.0]) == router_slowdown([0.0, 0.9]) == 1.0
+    assert router_slowdown([0.6]) == pytest.approx(1.6)  # its one core busy 60% of the time: half speed then
+    assert router_slowdown([0.6, 0.5]) == pytest.approx(1.3)  # both busy at once 30% of the time
+    assert router_slowdown([1.7]) == 2.0  # a core shared with others: counted as half speed, no slower
