@@ -52,7 +52,7 @@ def _parser() -> argparse.ArgumentParser:
     slo.add_argument("--ttft-slo", type=float, help="seconds (unset: any TTFT meets it)")
     slo.add_argument("--tpot-slo", type=float, help="seconds (unset: any TPOT meets it)")
     slo.add_argument("--attainment", type=float, default=0.9, help="share of requests that must meet both")
-    add_arrival_args(p, duration=False)
+    add_arrival_args(p, duration=False, min_duration_s=30.0)
     add_workload_args(p)
     space = p.add_argument_group("search space")
     space.add_argument("--dtype", choices=DTYPE_NAMES, default="auto")
@@ -73,9 +73,6 @@ def _parser() -> argparse.ArgumentParser:
                        help="tensor-parallel sizes to try for each pool (comma-separated; each where it divides "
                             "the pool's cores per node and the model's shapes split; a missing profile is measured)")
     search = p.add_argument_group("goodput search (per candidate, on simulated runs)")
-    search.add_argument("--min-duration-s", type=float, default=30.0,
-                        help="every simulated run's arrivals span at least this many seconds (more requests "
-                             "than --num-requests at high rates), so a probe is a sustained load, not a burst")
     search.add_argument("--tolerance", type=float, default=0.02,
                         help="stop when the bracket is this fraction (a prediction is the bracket's low end: "
                              "this is its own resolution, well under the error the validation measures)")
@@ -116,8 +113,6 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Knobs]:
         p.error(f"--attainment must be in (0, 1], got {args.attainment}")
     if args.block_size < 1:
         p.error("--block-size must be >= 1")
-    if not args.min_duration_s >= 0:
-        p.error(f"--min-duration-s must be >= 0, got {args.min_duration_s}")
     if not 0 < args.tolerance < 1:
         p.error(f"--tolerance must be in (0, 1), got {args.tolerance}")
     if args.max_probes < 2:
@@ -257,7 +252,7 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
         "candidates": records,
         # What every simulated run sent (a prediction is only comparable under the same run length).
         "traffic": {"num_requests": traffic.num_requests, "min_duration_s": traffic.min_duration_s}}
-    checks = ValidationPlan(tuple(workload_argv(args)), traffic.min_duration_s, slo,
+    checks = ValidationPlan(tuple(workload_argv(args)), slo,
                             replace(sweep, max_probes=args.validate_probes), first.setup.dtype, args.block_size,
                             args.validate_repeats)
     return results, report, checks

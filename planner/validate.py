@@ -131,7 +131,6 @@ class ValidationPlan:
     """How each chosen candidate is measured."""
 
     workload_flags: tuple[str, ...]  # `pdserve bench serve`'s workload and arrival flags: the plan's traffic
-    min_duration_s: float  # the plan's run length floor (planner/goodput.py's `Traffic`)
     slo: Slo
     sweep: SweepConfig  # the prediction's own target, tolerance and probe budget
     dtype: str  # the plan's, resolved: the command line names it
@@ -157,7 +156,7 @@ def client_argv(router: str, predicted_rps: float, plan: ValidationPlan, output:
     slos = [arg for flag, value in (("--ttft-slo", plan.slo.ttft_s), ("--tpot-slo", plan.slo.tpot_s))
             if value is not None for arg in (flag, repr(value))]
     return [sys.executable, "-m", "pdserve", "bench", "serve", "--addr", router, "--sweep", *plan.workload_flags,
-            "--min-duration-s", repr(plan.min_duration_s), "--warmup-requests", str(WARMUP_REQUESTS), *slos,
+            "--warmup-requests", str(WARMUP_REQUESTS), *slos,
             "--attainment", repr(sweep.target_attainment), "--start-rate", repr(start), "--growth", repr(GROWTH),
             "--tolerance", repr(sweep.tolerance), "--max-probes", str(sweep.max_probes),
             "--timeout-s", repr(plan.timeout_s), "--no-progress", "--output-json", str(output)]

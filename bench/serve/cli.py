@@ -65,9 +65,6 @@ def _parser() -> argparse.ArgumentParser:
     mode.add_argument("--sweep", action="store_true", help="bisect for the highest rate meeting --attainment")
 
     add_arrival_args(p)
-    p.add_argument("--min-duration-s", type=float, default=0.0,
-                   help="with --num-requests: more requests at high rates, enough that the arrivals span this "
-                        "many seconds, so every run is a sustained load, not a burst")
     p.add_argument("--warmup-requests", type=int, default=0,
                    help="send this many requests at once before the first run and leave them out of every result "
                         "(a server's first shapes: kernel builds, allocator growth)")
@@ -115,10 +112,6 @@ def _check_args(p: argparse.ArgumentParser, args: argparse.Namespace) -> None:
         p.error("rates must be > 0 requests/s")
     if args.duration_s is not None and math.inf in _fixed_rates(args):
         p.error("an infinite rate sends everything at once: give --num-requests, not --duration-s")
-    if not args.min_duration_s >= 0:
-        p.error(f"--min-duration-s must be >= 0, got {args.min_duration_s}")
-    if args.min_duration_s and args.duration_s is not None:
-        p.error("--min-duration-s is for --num-requests (--duration-s already sets how long a run lasts)")
     if args.warmup_requests < 0:
         p.error(f"--warmup-requests must be >= 0, got {args.warmup_requests}")
 

@@ -2,7 +2,7 @@
 workload is named the same way whether it is measured or predicted.
 
 Owns the flags (`--workload`, its lengths, `--dataset`, `--arrival`, `--cv`, `--num-requests`,
-`--seed`), their checks (a bad combination is a usage error naming the flag), the `Workload` they
+`--min-duration-s`, `--seed`), their checks (a bad combination is a usage error naming the flag), the `Workload` they
 build, and the flags written back out (`workload_argv`: how a plan hands its workload to a
 `pdserve bench serve` of its own). Pure argparse and workloads.py: never talks to a server.
 """
@@ -28,8 +28,10 @@ def _length_range(text: str) -> tuple[int, int]:
     return low, high
 
 
-def add_arrival_args(p: argparse.ArgumentParser, duration: bool = True) -> None:
-    """`duration`: offer --duration-s beside --num-requests (a real run can be timed; a plan counts requests)."""
+def add_arrival_args(p: argparse.ArgumentParser, duration: bool = True, min_duration_s: float = 0.0) -> None:
+    """`duration`: offer --duration-s beside --num-requests (a real run can be timed; a plan counts
+    requests). `min_duration_s`: the default of --min-duration-s (a plan's simulated runs are cheap:
+    it makes every one a sustained load)."""
     arrivals = p.add_argument_group("arrivals")
     arrivals.add_argument("--arrival", choices=["poisson", "gamma"], default="poisson")
     arrivals.add_argument("--cv", type=float, help="gamma: coefficient of variation of the intervals (1 = Poisson)")
@@ -37,6 +39,10 @@ def add_arrival_args(p: argparse.ArgumentParser, duration: bool = True) -> None:
     length.add_argument("--num-requests", type=int, help=f"requests per run (default {DEFAULT_NUM_REQUESTS})")
     if duration:
         length.add_argument("--duration-s", type=float, help="send every request due within this many seconds")
+    arrivals.add_argument("--min-duration-s", type=float, default=min_duration_s,
+                          help="with --num-requests: more requests at high rates, enough that a run's arrivals "
+                               "span this many seconds, so it is a sustained load, not a burst "
+                               f"(default {min_duration_s:g})")
     arrivals.add_argument("--seed", type=int, default=0, help="seeds the arrivals and the synthetic prompts")
 
 
@@ -65,6 +71,10 @@ def check_workload_args(p: argparse.ArgumentParser, args: argparse.Namespace) ->
         p.error("--workload jsonl needs --dataset")
     if args.num_requests is not None and args.num_requests < 1:
         p.error("--num-requests must be >= 1")
+    if not args.min_duration_s >= 0:
+        p.error(f"--min-duration-s must be >= 0, got {args.min_duration_s}")
+    if args.min_duration_s and getattr(args, "duration_s", None) is not None:
+        p.error("--min-duration-s is for --num-requests (--duration-s already sets how long a run lasts)")
 
 
 def build_workload(args: argparse.Namespace, limits: ModelLimits) -> Workload:
@@ -82,10 +92,11 @@ def build_workload(args: argparse.Namespace, limits: ModelLimits) -> Workload:
 
 def workload_argv(args: argparse.Namespace) -> list[str]:
     """The workload and arrival flags of `args` (parsed by a parser given both groups) as
-    `pdserve bench serve` takes them: the same requests on the same arrivals. `--num-requests` is
-    written as given (unset: the default); `--duration-s`, which a plan does not take, is not."""
+    `pdserve bench serve` takes them: the same requests on the same arrivals, as many. An unset
+    `--num-requests` is written as its default; `--duration-s`, which a plan does not take, never."""
     argv = ["--workload", args.workload, "--arrival", args.arrival, "--seed", str(args.seed),
-            "--num-requests", str(args.num_requests or DEFAULT_NUM_REQUESTS)]
+            "--num-requests", str(args.num_requests or DEFAULT_NUM_REQUESTS),
+            "--min-duration-s", repr(args.min_duration_s)]
     if args.cv is not None:
         argv += ["--cv", repr(args.cv)]
     if args.workload == "fixed":

@@ -126,8 +126,7 @@ def test_the_client_sends_the_plans_own_requests_and_sweeps_from_the_prediction(
     planned = plan_cli._parser().parse_args(["--devices", "2", "--ttft-slo", "0.5", "--tpot-slo", "0.05",
                                              "--min-duration-s", "12", *PLAN_FLAGS[kind]])
     sweep = SweepConfig(0.8, tolerance=0.03, max_probes=5)
-    plan = ValidationPlan(tuple(workload_argv(planned)), planned.min_duration_s, Slo(0.5, 0.05), sweep,
-                          "float32", 16)
+    plan = ValidationPlan(tuple(workload_argv(planned)), Slo(0.5, 0.05), sweep, "float32", 16)
 
     argv = client_argv("127.0.0.1:5000", 7.3, plan, tmp_path / "bench.json")
 
@@ -147,7 +146,7 @@ def test_the_client_sends_the_plans_own_requests_and_sweeps_from_the_prediction(
 
 
 def test_a_candidate_without_a_prediction_is_swept_from_the_plans_start_rate(tmp_path):
-    plan = ValidationPlan(("--workload", "fixed"), 0.0, Slo(None, 0.05), SweepConfig(start_rate=2.5), "float32", 16)
+    plan = ValidationPlan(("--workload", "fixed"), Slo(None, 0.05), SweepConfig(start_rate=2.5), "float32", 16)
     client = serve_cli._parser().parse_args(client_argv("h:1", 0.0, plan, tmp_path / "b.json")[5:])
     assert (client.start_rate, client.ttft_slo, client.tpot_slo) == (2.5, None, 0.05)
 
