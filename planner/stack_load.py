@@ -26,11 +26,11 @@ share of its cores plus its part of the router's and client's CPU over its cores
 The sharing goes both ways: the router's work takes longer than its CPU time while the cores it
 may run on are busy with others (`router_slowdown`). The OS puts it on an idle core when there is
 one; when every node it may run on is busy (its engine stepping, its front and the client
-relaying), it shares a core with them and runs at half speed or less. Measured on an AMX machine
-in bf16, where the stack takes most of the two cores: a hybrid 1P1D pair with its router on the
-prefill node's core, predicted at 42 requests/s without it (TTFT p90 0.78 s), measured 27 with
-a TTFT p90 of 5.8 s there: the router, 167 µs a token at full speed (0.57 of a core at 42
-requests/s), could not keep up at the half of its core the prefill engine left it.
+relaying), it shares a core with them and runs at half speed or less. It matters where the
+router is near its limit: on an AMX machine in bf16, where the stack takes most of the two cores
+(a hybrid 1P1D pair there, its router on the prefill core, measured at 21.6 requests/s with both
+cores full), it moved the plans' predictions by 0–2% with the router's CPU profiled on a core of
+its own, and by more once that CPU was profiled as it runs, sharing a core (planner/measure_stack.py).
 
 Why charged as it happens, not at the arrival rate × the mean output (the steady state): a
 sweep's probe of a few hundred requests with long outputs never reaches that state. Its tokens

@@ -2,9 +2,10 @@
 workload is named the same way whether it is measured or predicted.
 
 Owns the flags (`--workload`, its lengths, `--dataset`, `--arrival`, `--cv`, `--num-requests`,
-`--min-duration-s`, `--seed`), their checks (a bad combination is a usage error naming the flag), the `Workload` they
-build, and the flags written back out (`workload_argv`: how a plan hands its workload to a
-`pdserve bench serve` of its own). Pure argparse and workloads.py: never talks to a server.
+`--min-duration-s`, `--seed`), their checks (a bad combination is a usage error naming the
+flag), the `Workload` they build, and the flags written back out (`workload_argv`: how a plan
+hands its workload to a `pdserve bench serve` of its own). Pure argparse and workloads.py: never
+talks to a server.
 """
 
 from __future__ import annotations
