@@ -69,6 +69,10 @@ def _parser() -> argparse.ArgumentParser:
                             "--local-prefill, the router at --disaggregation auto) with each of these bounds "
                             "(comma-separated; default: the router's)")
     space.add_argument("--no-hybrid", action="store_true", help="leave the hybrid splits out of the search")
+    space.add_argument("--stream-intervals", type=int_list("--stream-intervals"), default=[1],
+                       help="the router's --stream-interval values to try (comma-separated tokens per response; "
+                            "above 1 the serving stack's CPU per token falls, measured at each by the profile, "
+                            "and a client sees tokens in bursts; default: 1, every token its own response)")
     space.add_argument("--tp", type=int_list("--tp"), default=[1],
                        help="tensor-parallel sizes to try for each pool (comma-separated; each where it divides "
                             "the pool's cores per node and the model's shapes split; a missing profile is measured)")
@@ -127,7 +131,8 @@ def _check(p: argparse.ArgumentParser, args: argparse.Namespace) -> list[Knobs]:
     bad = [s for s in schedules if s not in ("fixed", "staged", "target-step")] or ([] if schedules else ["(none)"])
     if bad:
         p.error(f"--chunk-schedules: unknown schedule {bad[0]!r} (fixed, staged, target-step)")
-    knobs = [Knobs(b, s, c) for b in args.batched_tokens for s in args.max_num_seqs for c in schedules if b >= s]
+    knobs = [Knobs(b, s, c, n) for b in args.batched_tokens for s in args.max_num_seqs for c in schedules
+             for n in sorted(set(args.stream_intervals)) if b >= s]
     if not knobs:
         p.error("--batched-tokens: every value is below every --max-num-seqs (a step must fit every decode)")
     return knobs
@@ -159,7 +164,7 @@ def candidate_record(e: Evaluated, model: str, dtype: str, block_size: int) -> d
     return {
         "mode": lay.mode, "layout": lay.describe(), "devices": lay.devices,
         "knobs": {"max_num_batched_tokens": knobs.max_num_batched_tokens, "max_num_seqs": knobs.max_num_seqs,
-                  "chunk_schedule": knobs.chunk_schedule},
+                  "chunk_schedule": knobs.chunk_schedule, "stream_interval": knobs.stream_interval},
         "command": e.candidate.command(model, dtype, block_size),
         "predicted_goodput_rps": e.prediction.goodput_rps,
         "predicted_goodput_per_device": e.goodput_per_device,
@@ -175,15 +180,15 @@ def _ms(value: float | None) -> str:
 
 
 def format_table(results: list[Evaluated]) -> str:
-    rows = [("#", "layout", "tokens", "seqs", "chunks", "goodput/s", "per dev", "TTFT p50/p90 ms", "TPOT p50/p90 ms",
-             "attain")]
+    rows = [("#", "layout", "tokens", "seqs", "chunks", "stream", "goodput/s", "per dev", "TTFT p50/p90 ms",
+             "TPOT p50/p90 ms", "attain")]
     for i, e in enumerate(results, start=1):
         s, k = e.prediction.run.summary, e.candidate.knobs
         ttft = f"{_ms(s.ttft_s.p50 if s.ttft_s else None)}/{_ms(s.ttft_s.p90 if s.ttft_s else None)}"
         tpot = f"{_ms(s.tpot_s.p50 if s.tpot_s else None)}/{_ms(s.tpot_s.p90 if s.tpot_s else None)}"
         rows.append((str(i), e.candidate.layout.describe(), str(k.max_num_batched_tokens), str(k.max_num_seqs),
-                     k.chunk_schedule, f"{e.prediction.goodput_rps:.3g}", f"{e.goodput_per_device:.3g}", ttft, tpot,
-                     f"{s.attainment:.0%}"))
+                     k.chunk_schedule, str(k.stream_interval), f"{e.prediction.goodput_rps:.3g}",
+                     f"{e.goodput_per_device:.3g}", ttft, tpot, f"{s.attainment:.0%}"))
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     return "\n".join("  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows)
 
@@ -230,9 +235,9 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
     cache = ProfileCache(args.profile_dir)
     profiles = profiles_for(model, setups, args.dtype, args.block_size, cache, not args.no_progress, log=log)
     candidates = [Candidate(lay, k) for lay in with_prompt_budgets(spread, profiles, args.tpot_slo) for k in knobs]
-    costs = serving_costs_for(model, cache, log=log)
-    if not (args.client_here or args.validate):
-        costs = replace(costs, client=ClientCost.free())  # the clients run elsewhere
+    costs = {n: serving_costs_for(model, cache, log=log, stream_interval=n) for n in {k.stream_interval for k in knobs}}
+    if not (args.client_here or args.validate):  # the clients run elsewhere
+        costs = {n: replace(c, client=ClientCost.free()) for n, c in costs.items()}
     first = profiles[setups[0]]
     cores, most = first.machine.get("cores"), max(threads for threads, _ in setups)
     if isinstance(cores, int) and most > cores:
@@ -242,7 +247,8 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
     traffic = _traffic(args, model, first)
     slo = Slo(args.ttft_slo, args.tpot_slo)
     sweep = SweepConfig(args.attainment, tolerance=args.tolerance, max_probes=args.max_probes)
-    results = ranked([evaluate(c, base, profiles, traffic, slo, sweep, first.max_model_len, costs)
+    results = ranked([evaluate(c, base, profiles, traffic, slo, sweep, first.max_model_len,
+                               costs[c.knobs.stream_interval])
                       for c in tqdm(candidates, desc="simulating", unit="config", disable=args.no_progress)], slo)
     records = [candidate_record(e, model, first.setup.dtype, args.block_size) for e in results]
     best = records[0] if results and results[0].prediction.goodput_rps > 0 else None

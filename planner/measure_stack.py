@@ -38,11 +38,14 @@ CONCURRENCY = 8
 FEW_TOKENS, MANY_TOKENS = 2, 32
 
 
-def measure_stack_cost(model_dir: str, concurrency: int = CONCURRENCY) -> ServingCosts:
-    """`concurrency`: the streams at once (docs/benchmarks.md compares 8, 32 and 64)."""
+def measure_stack_cost(model_dir: str, concurrency: int = CONCURRENCY, stream_interval: int = 1) -> ServingCosts:
+    """`concurrency`: the streams at once (docs/benchmarks.md compares 8, 32 and 64);
+    `stream_interval`: the router's `--stream-interval` (tokens per response: fewer messages, each
+    dearer, for every process measured)."""
     core = str(min(available_cpus()))
+    router_args = ("--router-args", f"--stream-interval {stream_interval}") if stream_interval != 1 else ()
     with (local_cluster(model_dir, ("--colocated", "1"), ("--threads", "1"),
-                        ("--colocated-cores", core, "--router-cores", core)) as cluster,
+                        ("--colocated-cores", core, "--router-cores", core, *router_args)) as cluster,
           threads_pinned_to({int(core)})):
         children = cluster.state.children.values()
         node = next(child.pid for child in children if child.kind == "colocated")
@@ -60,6 +63,8 @@ def measure_stack_cost(model_dir: str, concurrency: int = CONCURRENCY) -> Servin
             for points, start, end in zip(runs, before, cpu_now()):
                 points.append((streamed, end - start))
     method = f"closed-loop gRPC streams through a colocated cluster, {concurrency} at once, all on one core"
+    if stream_interval != 1:
+        method += f", stream interval {stream_interval}"
     kinds = ((RouterCost, "the router's process"), (FrontCost, "a node's front process"), (ClientCost, "the client"))
     return ServingCosts(*(kind(*per_request_and_token(points, requests), f"{process}, {method}")
                           for (kind, process), points in zip(kinds, runs)))

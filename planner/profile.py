@@ -110,14 +110,18 @@ class ServingCosts:
 STACK_PROCESSES = ("router", "front", "client")
 
 
-def stack_keys(model_digest: str, machine: dict[str, object]) -> tuple[str, str, str]:
-    """Where the router's, a node front's and a client's costs are cached (measured in one run).
-    The router tokenizes and detokenizes with the model's tokenizer; no node setup matters."""
-    return tuple(cost_key(process, model_digest, machine) for process in STACK_PROCESSES)
+def stack_keys(model_digest: str, machine: dict[str, object], stream_interval: int = 1) -> tuple[str, str, str]:
+    """Where the router's, a node front's and a client's costs are cached (measured in one run),
+    at the router's `--stream-interval`. The router tokenizes and detokenizes with the model's
+    tokenizer; no node setup matters."""
+    return tuple(cost_key(process, model_digest, machine, stream_interval) for process in STACK_PROCESSES)
 
 
-def cost_key(process: str, model_digest: str, machine: dict[str, object]) -> str:
-    text = json.dumps([COST_VERSION, process, model_digest, machine], sort_keys=True)
+def cost_key(process: str, model_digest: str, machine: dict[str, object], stream_interval: int = 1) -> str:
+    facts: list[object] = [COST_VERSION, process, model_digest, machine]
+    if stream_interval != 1:  # one token per response keeps the key it always had
+        facts.append({"stream_interval": stream_interval})
+    text = json.dumps(facts, sort_keys=True)
     return f"{process}-" + hashlib.sha256(text.encode()).hexdigest()[:20]
 
 

@@ -65,17 +65,20 @@ def tp_setups(threads: list[int], tp_sizes: list[int]) -> list[tuple[int, int]]:
     return [(count, tp) for count in threads for tp in tp_sizes if count % tp == 0]
 
 
-def serving_costs_for(model: str, cache: ProfileCache, remeasure: bool = False, log=print) -> ServingCosts:
-    """The serving stack's costs on this machine for this model, from the cache or measured now (and cached)."""
-    keys = stack_keys(model_hash(model), machine_facts())
+def serving_costs_for(model: str, cache: ProfileCache, remeasure: bool = False, log=print,
+                      stream_interval: int = 1) -> ServingCosts:
+    """The serving stack's costs on this machine for this model at the router's `stream_interval`,
+    from the cache or measured now (and cached)."""
+    keys = stack_keys(model_hash(model), machine_facts(), stream_interval)
     kinds = (RouterCost, FrontCost, ClientCost)
     cached = [None if remeasure else cache.load(key, kind) for key, kind in zip(keys, kinds)]
     if None not in cached:
         return ServingCosts(*cached)
     from pdserve.planner.measure_stack import measure_stack_cost  # a real cluster: only when measuring
 
-    log("profile: measuring the router, a node front and a client on a local colocated cluster ...")
-    costs = measure_stack_cost(model)
+    at = "" if stream_interval == 1 else f" at --stream-interval {stream_interval}"
+    log(f"profile: measuring the router, a node front and a client on a local colocated cluster{at} ...")
+    costs = measure_stack_cost(model, stream_interval=stream_interval)
     stored = [cache.store(key, cost) for key, cost in zip(keys, (costs.router, costs.fronts, costs.client))]
     log(f"profile: measured them, stored in {', '.join(str(path) for path in stored)}")
     return costs

@@ -6,7 +6,8 @@ nodes splitting the cores (each pool's cores evenly across its nodes, as `pdserv
 cores, `ROUTER_POOLS`), each split also as the hybrid
 (decode nodes started `--local-prefill`, the router at `--disaggregation auto` with each
 `--local-prefill-max-tokens` bound asked for) — and the engine `Knobs` both pools
-run (`--max-num-batched-tokens`, `--max-num-seqs`, `--chunk-schedule`), each pool at each
+run (`--max-num-batched-tokens`, `--max-num-seqs`, `--chunk-schedule`) with the router's
+`--stream-interval`, each pool at each
 tensor-parallel size asked for that divides its nodes' cores (`--tensor-parallel-size`: the
 node's cores split among its ranks). A candidate becomes the simulator's `ClusterSpec` (given the
 profile of each (cores, TP) node setup) and the `pdserve cluster` command line that runs it.
@@ -181,6 +182,13 @@ class Knobs:
     max_num_batched_tokens: int
     max_num_seqs: int
     chunk_schedule: str = "fixed"
+    # The router's `--stream-interval`: tokens per response. Above 1 the stack's CPU per token falls
+    # (fewer messages; planner/measure_stack.py measures it at each interval), TTFT and the last
+    # token are not held, so TPOT is its own; the gaps a client sees between responses grow.
+    stream_interval: int = 1
+
+    def router_args(self) -> list[str]:
+        return [] if self.stream_interval == 1 else ["--stream-interval", str(self.stream_interval)]
 
     def node_args(self, tp: int = 1) -> list[str]:
         args = ["--max-num-batched-tokens", str(self.max_num_batched_tokens), "--max-num-seqs", str(self.max_num_seqs)]
@@ -216,28 +224,41 @@ class Candidate:
 
     def command(self, model: str, dtype: str, block_size: int) -> list[str]:
         """The `pdserve cluster` argv that runs this candidate on cores 0..N-1."""
+        argv = ["pdserve", "cluster", "--model", model, "--dtype", dtype, "--block-size", str(block_size),
+                *self._nodes_argv()]
+        router_args = self._routing_args() + self.knobs.router_args()
+        return argv + (["--router-args", shlex.join(router_args)] if router_args else [])
+
+    def _nodes_argv(self) -> list[str]:
+        """The pools, their cores and their nodes' flags."""
         lay = self.layout
-        argv = ["pdserve", "cluster", "--model", model, "--dtype", dtype, "--block-size", str(block_size)]
         if lay.colocated:
-            return argv + ["--colocated", str(lay.colocated), "--colocated-cores", _cores(0, lay.devices),
-                           "--colocated-args", shlex.join(self.knobs.node_args(lay.colocated_tp))]
+            return ["--colocated", str(lay.colocated), "--colocated-cores", _cores(0, lay.devices),
+                    "--colocated-args", shlex.join(self.knobs.node_args(lay.colocated_tp))]
         if lay.serve_prefill:
-            return argv + ["--prefill", "0", "--decode", str(lay.decode), "--decode-cores", _cores(0, lay.devices),
-                           "--decode-args", f"{shlex.join(self.knobs.node_args(lay.decode_tp))} --serve-prefill",
-                           "--router-args", shlex.join(["--disaggregation", Disaggregation.AUTO.value])]
-        argv += ["--prefill", str(lay.prefill), "--decode", str(lay.decode),
-                 "--prefill-cores", _cores(*lay.prefill_span), "--decode-cores", _cores(*lay.decode_span)]
+            return ["--prefill", "0", "--decode", str(lay.decode), "--decode-cores", _cores(0, lay.devices),
+                    "--decode-args", f"{shlex.join(self.knobs.node_args(lay.decode_tp))} --serve-prefill"]
+        argv = ["--prefill", str(lay.prefill), "--decode", str(lay.decode),
+                "--prefill-cores", _cores(*lay.prefill_span), "--decode-cores", _cores(*lay.decode_span)]
         if lay.router_span is not None:
             argv += ["--router-cores", _cores(*lay.router_span)]
         argv += ["--prefill-args", shlex.join(self.knobs.node_args(lay.prefill_tp))]
         decode_args = shlex.join(self.knobs.node_args(lay.decode_tp))
-        if lay.local_prefill_max_tokens is None:
-            return argv + ["--decode-args", decode_args]
-        router_args = ["--disaggregation", Disaggregation.AUTO.value,
-                       "--local-prefill-max-tokens", str(lay.local_prefill_max_tokens)]
+        return argv + ["--decode-args", decode_args if lay.local_prefill_max_tokens is None
+                       else f"{decode_args} --local-prefill"]
+
+    def _routing_args(self) -> list[str]:
+        """The router's flags for where prompts go: a hybrid's choice and its bounds."""
+        lay = self.layout
+        if lay.serve_prefill:
+            return ["--disaggregation", Disaggregation.AUTO.value]
+        if lay.colocated or lay.local_prefill_max_tokens is None:
+            return []
+        args = ["--disaggregation", Disaggregation.AUTO.value, "--local-prefill-max-tokens",
+                str(lay.local_prefill_max_tokens)]
         if lay.local_prefill_tokens_per_s is not None:
-            router_args += ["--local-prefill-tokens-per-s", f"{lay.local_prefill_tokens_per_s:.0f}"]
-        return argv + ["--decode-args", f"{decode_args} --local-prefill", "--router-args", shlex.join(router_args)]
+            args += ["--local-prefill-tokens-per-s", f"{lay.local_prefill_tokens_per_s:.0f}"]
+        return args
 
 
 # The prompt chunk a decode node's prefill speed is read at, for its TPOT budget.

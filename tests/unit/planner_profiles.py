@@ -20,9 +20,11 @@ def synthetic_profile(base_s: float = 0.0, per_token_s: float = 0.0, per_seq_s: 
                    vocab_size=1000)
 
 
-def store_synthetic_costs(cache, model_digest: str, machine: dict) -> None:
-    """Small serving-stack costs in `cache`, so that a plan measures none."""
-    router_at, front_at, client_at = stack_keys(model_digest, machine)
-    cache.store(router_at, RouterCost(1e-4, 1e-5, "synthetic"))
+def store_synthetic_costs(cache, model_digest: str, machine: dict, stream_interval: int = 1,
+                          router_per_token_s: float = 1e-5) -> None:
+    """Small serving-stack costs in `cache` (the router's per token as given), at the router's
+    `stream_interval`, so that a plan measures none."""
+    router_at, front_at, client_at = stack_keys(model_digest, machine, stream_interval)
+    cache.store(router_at, RouterCost(1e-4, router_per_token_s, "synthetic"))
     cache.store(front_at, FrontCost(1e-4, 1e-5, "synthetic"))
     cache.store(client_at, ClientCost(1e-4, 1e-5, "synthetic"))

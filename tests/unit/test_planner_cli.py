@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import shlex
+import shutil
 
 import pytest
 import torch
@@ -97,3 +98,38 @@ def test_tp_sizes_are_searched_where_they_divide_a_nodes_cores(planned, tmp_path
         "colocated x2 (1 core each)"]
     tp = next(c for c in candidates if "TP 2" in c["layout"])
     assert tp["command"][-1] == "--max-num-batched-tokens 256 --max-num-seqs 64 --tensor-parallel-size 2"
+
+
+def test_a_stream_interval_that_relieves_a_busy_router_is_recommended_in_the_command(planned, tmp_path):
+    """Costs where one token per response takes the router 4 ms and eight per response 0.5 ms a
+    token: the router bounds the goodput, and every layout is tried at both intervals."""
+    model, _ = planned
+    profiles = tmp_path / "profiles"
+    shutil.copytree(planned[1], profiles)
+    cache, digest, machine = ProfileCache(profiles), model_hash(model), machine_facts()
+    store_synthetic_costs(cache, digest, machine, stream_interval=1, router_per_token_s=0.004)
+    store_synthetic_costs(cache, digest, machine, stream_interval=8, router_per_token_s=0.0005)
+    out_file = tmp_path / "plan.json"
+    argv = plan((model, str(profiles)), "--ttft-slo", "2", "--tpot-slo", "0.5", "--no-hybrid",
+                "--stream-intervals", "1,8", "--output-json", str(out_file))
+    assert main(argv) == 0
+    report = json.loads(out_file.read_text())
+    candidates = report["candidates"]
+    by_interval = {n: {c["layout"]: c for c in candidates if c["knobs"]["stream_interval"] == n} for n in (1, 8)}
+    assert set(by_interval[1]) == set(by_interval[8]) and len(candidates) == 2 * len(by_interval[1])
+    for layout, at_8 in by_interval[8].items():  # never worse; better where the router bounds it
+        assert at_8["predicted_goodput_rps"] >= by_interval[1][layout]["predicted_goodput_rps"], layout
+        router_args = at_8["command"][at_8["command"].index("--router-args") + 1]
+        assert router_args.endswith("--stream-interval 8")
+        assert "--router-args" not in by_interval[1][layout]["command"]  # no routing flags without the hybrid
+    colocated = "colocated x2 (1 core each)"
+    assert by_interval[8][colocated]["predicted_goodput_rps"] > by_interval[1][colocated]["predicted_goodput_rps"]
+    assert report["recommended"]["command"] == candidates[0]["command"]
+    assert candidates[0]["knobs"]["stream_interval"] == 8
+
+
+def test_a_stream_interval_below_one_is_refused_naming_the_flag(planned, capsys):
+    with pytest.raises(SystemExit) as exit_info:
+        main(plan(planned, "--ttft-slo", "2", "--stream-intervals", "1,0"))
+    assert exit_info.value.code == 2
+    assert "--stream-intervals needs integers >= 1, got '1,0'" in capsys.readouterr().err

@@ -80,6 +80,8 @@ def test_the_serving_stacks_costs_are_cached_beside_the_profiles(tmp_path):
     assert [cache.load(key, type(cost)) for key, cost in zip(keys, costs)] == list(costs)
     assert len(set(keys)) == 3
     assert set(keys).isdisjoint(stack_keys("other", machine))
+    assert stack_keys("digest", machine, stream_interval=1) == keys  # the default interval keeps its keys
+    assert set(keys).isdisjoint(stack_keys("digest", machine, stream_interval=8))
 
 
 def test_a_tp_size_is_profiled_for_every_threads_count_it_divides():

@@ -273,3 +273,18 @@ def test_within_the_tie_band_the_candidate_with_the_most_headroom_goes_first():
     assert ranked([tight, outside], slo) == [tight, outside]
     nothing = [predicted(split, 0.0, 9.0, 0.1), predicted(replace(split, router_on="decode"), 0.0, 8.0, 0.1)]
     assert [e.prediction.run.summary.ttft_s.p90 for e in ranked(nothing, slo)] == [8.0, 9.0]  # by rank_key
+
+
+def test_the_stream_interval_joins_the_routers_other_flags_in_the_command():
+    every = Knobs(512, 64, stream_interval=8)
+    colocated = Candidate(Layout(colocated=2, colocated_cores=1), every).command("/m", "float32", 16)
+    assert colocated[colocated.index("--router-args") + 1] == "--stream-interval 8"
+    hybrid = Candidate(Layout(prefill=1, prefill_cores=1, decode=1, decode_cores=1, local_prefill_max_tokens=256,
+                              router_on="prefill"), every).command("/m", "float32", 16)
+    assert hybrid[hybrid.index("--router-args") + 1] == \
+        "--disaggregation auto --local-prefill-max-tokens 256 --stream-interval 8"
+    assert hybrid.count("--router-args") == 1
+    pool = Candidate(Layout(decode=2, decode_cores=1, serve_prefill=True), every).command("/m", "float32", 16)
+    assert pool[pool.index("--router-args") + 1] == "--disaggregation auto --stream-interval 8"
+    once = Candidate(Layout(colocated=2, colocated_cores=1), Knobs(512, 64)).command("/m", "float32", 16)
+    assert "--router-args" not in once  # one token per response: the router's default
