@@ -42,11 +42,11 @@ def measure_stack_cost(model_dir: str, concurrency: int = CONCURRENCY, stream_in
     """`concurrency`: the streams at once (docs/benchmarks.md compares 8, 32 and 64);
     `stream_interval`: the router's `--stream-interval` (tokens per response: fewer messages, each
     dearer, for every process measured)."""
-    core = str(min(available_cpus()))
+    core = min(available_cpus())
     router_args = ("--router-args", f"--stream-interval {stream_interval}") if stream_interval != 1 else ()
     with (local_cluster(model_dir, ("--colocated", "1"), ("--threads", "1"),
-                        ("--colocated-cores", core, "--router-cores", core, *router_args)) as cluster,
-          threads_pinned_to({int(core)})):
+                        ("--colocated-cores", str(core), "--router-cores", str(core), *router_args)) as cluster,
+          threads_pinned_to({core})):
         children = cluster.state.children.values()
         node = next(child.pid for child in children if child.kind == "colocated")
         router = next(child.pid for child in children if child.kind == "router")
