@@ -61,6 +61,9 @@ class CpuOps:
     layer_stack: Callable[..., torch.Tensor]
     # head_dim -> whether the attention runs its vector loops for it (memoised: a build's fact).
     vector_attention: Callable[[int], bool]
+    # The CPU multiplies bf16 on AMX tiles: torch's bf16 matmuls (SDPA's among them) run there,
+    # the kernel's own loops do not.
+    amx_bf16: bool
 
 
 def available() -> bool:
@@ -123,6 +126,7 @@ def _build() -> CpuOps | None:
             namespace.linear_gemv.default,
             namespace.layer_stack.default,
             functools.cache(namespace.vector_attention.default),
+            "amx_bf16" in cpu_flags(),
         )
     except Exception as exc:  # any build or load failure means: use the torch paths
         log.warning("pdserve C++ CPU kernels unavailable, using the torch paths: %s", _summary(exc))

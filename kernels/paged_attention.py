@@ -52,17 +52,25 @@ class SdpaSplit:
         return query_len >= (self.min_chunk if seq_len > query_len else self.min_prompt)
 
     @classmethod
-    def for_head_dim(cls, head_dim: int) -> SdpaSplit:
+    def for_kernel(cls, head_dim: int, dtype: torch.dtype) -> SdpaSplit:
         """The split for this build of the kernel: it runs AVX-512 loops for some head dims and
-        portable loops for the rest (`vector_attention`)."""
+        portable loops for the rest (`vector_attention`); with AMX, SDPA's bf16 matmuls run on
+        its tiles and take whole prompts sooner."""
         ops = cpu_ext.ops()
-        return VECTOR_SPLIT if ops is not None and ops.vector_attention(head_dim) else PORTABLE_SPLIT
+        if ops is None or not ops.vector_attention(head_dim):
+            return PORTABLE_SPLIT
+        return VECTOR_SPLIT_AMX_BF16 if ops.amx_bf16 and dtype == torch.bfloat16 else VECTOR_SPLIT
 
 
 NEVER = 1 << 62
-# With its AVX-512 loops the kernel wins on whole prompts (causal: it skips masked tiles) and on
-# chunks up to 64 tokens; past that SDPA's matmuls beat it by ~20% where a chunk reads earlier context.
-VECTOR_SPLIT = SdpaSplit(min_chunk=64, min_prompt=NEVER)
+# With its AVX-512 loops the kernel wins on chunks up to 64 tokens after earlier context; past
+# that SDPA's matmuls beat it by ~20%. On whole prompts (causal: it skips masked tiles) it wins up
+# to a few hundred tokens, then its cost grows faster than SDPA's. Measured on AVX-512 with AMX,
+# the demo model's prefill step, kernel / SDPA (docs/benchmarks.md, "Whole prompts on AVX-512"):
+# float32, 2 threads: 11.7 / 14.0 ms at 256 tokens, 30.6 / 31.5 at 512, 88.9 / 64.8 at 1024;
+# bfloat16, 1 thread: 10.2–19.3 / 8.8–9.0 at 256, 35–49 / 18 at 512, 100–114 / 42–43 at 1024.
+VECTOR_SPLIT = SdpaSplit(min_chunk=64, min_prompt=512)
+VECTOR_SPLIT_AMX_BF16 = SdpaSplit(min_chunk=64, min_prompt=256)
 # With its portable loops (AVX2) it wins only on the shortest. Measured on AVX2, one thread, the
 # demo model's prefill step (head_dim 64, float32), kernel / SDPA: a chunk after 1024 tokens of
 # context 9.3 / 8.3 ms at 4 tokens, 29.5 / 13.5 at 16, 56.1 / 21.1 at 32; a whole prompt 12.5 /
@@ -168,7 +176,7 @@ def paged_attention_cpp(
     if query.stride(-1) != 1:
         query = query.contiguous()
     if split is None:
-        split = SdpaSplit.for_head_dim(query.shape[-1])
+        split = SdpaSplit.for_kernel(query.shape[-1], query.dtype)
     out = torch.empty(query.shape, dtype=query.dtype, device=query.device)
     ops.paged_attention(
         query, k_cache, v_cache, metadata.block_tables.contiguous(), metadata.seq_lens.contiguous(),

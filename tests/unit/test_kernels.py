@@ -31,6 +31,7 @@ from pdserve.kernels.paged_attention import (
     NEVER,
     PORTABLE_SPLIT,
     VECTOR_SPLIT,
+    VECTOR_SPLIT_AMX_BF16,
     SdpaSplit,
     leaves_chunks_to_sdpa,
 )
@@ -327,11 +328,16 @@ def test_the_split_follows_the_kernels_vector_loops(request):
     avx512 = "avx512f" in Path("/proc/cpuinfo").read_text().split()
     assert cpu_ext.ops().vector_attention(64) is avx512  # built with -march=native
     assert cpu_ext.ops().vector_attention(24) is False  # no vector loops for this head_dim anywhere
-    assert SdpaSplit.for_head_dim(64) == (VECTOR_SPLIT if avx512 else PORTABLE_SPLIT)
-    assert SdpaSplit.for_head_dim(24) == PORTABLE_SPLIT
+    assert cpu_ext.ops().amx_bf16 is ("amx_bf16" in Path("/proc/cpuinfo").read_text().split())
+    assert SdpaSplit.for_kernel(64, torch.float32) == (VECTOR_SPLIT if avx512 else PORTABLE_SPLIT)
+    bf16_vector = VECTOR_SPLIT_AMX_BF16 if cpu_ext.ops().amx_bf16 else VECTOR_SPLIT
+    assert SdpaSplit.for_kernel(64, torch.bfloat16) == (bf16_vector if avx512 else PORTABLE_SPLIT)
+    assert SdpaSplit.for_kernel(24, torch.bfloat16) == PORTABLE_SPLIT
     prompt = make_batch([(100, 100)], 4, 2, 16, seed=1).metadata
+    long_prompt = make_batch([(512, 512)], 4, 2, 16, seed=1).metadata
     short_chunk = make_batch([(100, 8)], 4, 2, 16, seed=1).metadata
     assert leaves_chunks_to_sdpa(prompt, VECTOR_SPLIT) is False
+    assert leaves_chunks_to_sdpa(long_prompt, VECTOR_SPLIT) is True
     assert leaves_chunks_to_sdpa(prompt, PORTABLE_SPLIT) is True
     assert leaves_chunks_to_sdpa(short_chunk, VECTOR_SPLIT) is False
     assert leaves_chunks_to_sdpa(short_chunk, PORTABLE_SPLIT) is True
