@@ -308,12 +308,34 @@ def _prefill_attention(
     q = query.transpose(0, 1).unsqueeze(0)  # [1, num_heads, query_len, head_dim]
     if query_len == seq_len:
         out = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=True)
+    elif query.device.type == "cpu":
+        out = _attention_after_context_cpu(q, k, v, seq_len - query_len, scale)
     else:
         # Earlier chunks are fully visible; is_causal would align top-left, so build the mask.
         positions = torch.arange(seq_len, device=query.device)
         visible = positions[None, :] <= positions[seq_len - query_len :, None]  # [query_len, seq_len]
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=visible, scale=scale, enable_gqa=True)
     return out[0].transpose(0, 1)
+
+
+def _attention_after_context_cpu(
+    q: torch.Tensor,  # [1, num_heads, query_len, head_dim]
+    k: torch.Tensor,  # [1, num_kv_heads, context + query_len, head_dim]
+    v: torch.Tensor,
+    context: int,
+    scale: float,
+) -> torch.Tensor:  # [1, num_heads, query_len, head_dim]
+    """A chunk after `context` earlier tokens sees all of those and its own keys causally: one
+    flash-attention call over each part, merged by their log-sum-exps. SDPA with the bottom-right
+    mask instead runs its masked path over every pair, 2-2.5x slower here (docs/benchmarks.md,
+    "Chunks after context")."""
+    flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # SDPA's CPU kernel, with its LSE
+    out_context, lse_context = flash(q, k[:, :, :context], v[:, :, :context], 0.0, False, scale=scale)
+    out_own, lse_own = flash(q, k[:, :, context:], v[:, :, context:], 0.0, True, scale=scale)
+    # Each part's share of the softmax: e^lse_context / (e^lse_context + e^lse_own).
+    context_share = torch.sigmoid(lse_context - lse_own).unsqueeze(-1)  # [1, num_heads, query_len, 1]
+    own = out_own.float()
+    return (own + context_share * (out_context.float() - own)).to(q.dtype)
 
 
 def _gather_head_major(
