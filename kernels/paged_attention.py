@@ -327,7 +327,7 @@ def _attention_after_context_cpu(
 ) -> torch.Tensor:  # [1, num_heads, query_len, head_dim]
     """A chunk after `context` earlier tokens sees all of those and its own keys causally: one
     flash-attention call over each part, merged by their log-sum-exps. SDPA with the bottom-right
-    mask instead runs its masked path over every pair, 2-2.5x slower here (docs/benchmarks.md,
+    mask instead runs its masked path over every pair, up to 1.7x slower here (docs/benchmarks.md,
     "Chunks after context")."""
     flash = torch.ops.aten._scaled_dot_product_flash_attention_for_cpu  # SDPA's CPU kernel, with its LSE
     out_context, lse_context = flash(q, k[:, :, :context], v[:, :, :context], 0.0, False, scale=scale)
