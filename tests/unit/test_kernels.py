@@ -194,6 +194,15 @@ def test_batch_shapes_match_dense(impl, seqs):
     assert_matches(run(impl, batch), batch)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_long_chunks_after_long_context_match_dense(fast_impl, dtype):
+    # Chunks after context are attended in two parts merged by log-sum-exp on the CPU; these
+    # span many of the flash kernel's key blocks in each part, beside a whole prompt and decodes.
+    seqs = [(900, 1), (1500, 300), (700, 200), (400, 400), (1100, 64)]
+    batch = make_batch(seqs, 9, 3, 16, dtype, seed=4)
+    assert_matches(run(fast_impl, batch), batch)
+
+
 @pytest.mark.parametrize("chunk_blocks", [1, 3, 8, 10_000])
 def test_decode_chunking_does_not_change_result(chunk_blocks):
     # Some sequences span more blocks than a chunk; each then gets a chunk of its own.
