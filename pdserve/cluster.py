@@ -390,7 +390,8 @@ def _main(argv: list[str] | None, cleanup: ExitStack) -> int:
         token = token or token_from_cli(config.auth_token_file, os.environ)
         plan = build_plan(config, _model_dir(config), resolve_port(config.host, config.port))
         rebalancer = None if config.rebalance is None else build_rebalancer(
-            config.rebalance, [spec.argv for spec in plan.nodes], log=lambda line: print(line, flush=True))
+            config.rebalance, [spec.argv for spec in plan.nodes], plan.router.argv,
+            log=lambda line: print(line, flush=True))
     except (ValueError, ClusterError, PortUnavailable, subprocess.CalledProcessError) as err:
         print(f"pdserve cluster: {err}", file=sys.stderr)
         return ExitStatus.USAGE

@@ -66,9 +66,11 @@ class LoadModeSettings:
 
 
 def build_rebalancer(settings: LoadModeSettings, node_argvs: Sequence[tuple[str, ...]],
-                     python: str = sys.executable, log: Callable[[str], None] = print) -> Rebalancer:
-    """`node_argvs`: every node's command line, `python -m pdserve <kind> ...`. A moved node keeps
-    its cores, so every node must run as many torch threads: one profile serves every split."""
+                     router_argv: Sequence[str] = (), python: str = sys.executable,
+                     log: Callable[[str], None] = print) -> Rebalancer:
+    """`node_argvs`: every node's command line, `python -m pdserve <kind> ...`; `router_argv`: the
+    router's (its `--stream-interval` picks the stack's costs). A moved node keeps its cores, so
+    every node must run as many torch threads: one profile serves every split."""
     from pdserve.node.config import parse_node_args
     from pdserve.planner.load_mode import Rebalancer
     from pdserve.planner.profile import NodeSetup, ProfileCache, machine_facts, model_hash, profile_key
@@ -92,16 +94,35 @@ def build_rebalancer(settings: LoadModeSettings, node_argvs: Sequence[tuple[str,
         subprocess.run(argv + (["--profile-dir", settings.profile_dir] if settings.profile_dir else []), check=True,
                        stdout=subprocess.DEVNULL)
     return Rebalancer(settings.load_mode(), engines["prefill"], decode, cache.load(key),
-                      _stack_costs(cache, digest, machine, log))
+                      _stack_costs(cache, digest, machine, _stream_interval(router_argv), log))
 
 
-def _stack_costs(cache, digest: str, machine: dict, log: Callable[[str], None]):
-    """The router's and the nodes' fronts' CPU from the planner's cache (the clients run elsewhere:
-    not charged); none when they were never measured here (a profile taken with --skip-router)."""
+def _stream_interval(router_argv: Sequence[str]) -> int:
+    """The router's `--stream-interval` (its default when not given)."""
+    import argparse
+
+    from pdserve.common.config_flags import add_config_args
+    from pdserve.router.config import RouterConfig
+
+    parser = argparse.ArgumentParser(add_help=False)
+    add_config_args(parser, RouterConfig, only=("stream_interval",))
+    return parser.parse_known_args(list(router_argv))[0].stream_interval
+
+
+def _stack_costs(cache, digest: str, machine: dict, stream_interval: int, log: Callable[[str], None]):
+    """The router's and the nodes' fronts' CPU from the planner's cache at the router's stream
+    interval (the clients run elsewhere: not charged); at one token per response when the interval
+    was never measured here (an over-estimate), none when the stack never was (a profile taken
+    with --skip-router)."""
     from pdserve.planner.profile import FrontCost, RouterCost, ServingCosts, stack_keys
 
-    router_at, front_at, _ = stack_keys(digest, machine)
+    router_at, front_at, _ = stack_keys(digest, machine, stream_interval)
     router, fronts = cache.load(router_at, RouterCost), cache.load(front_at, FrontCost)
+    if (router is None or fronts is None) and stream_interval != 1:
+        log(f"load mode: the serving stack's CPU at --stream-interval {stream_interval} was never measured for "
+            f"this model here (`pdserve plan --stream-intervals {stream_interval}` measures it): the simulator "
+            "charges its cost at one token per response")
+        return _stack_costs(cache, digest, machine, 1, log)
     if router is None or fronts is None:
         log("load mode: the serving stack's CPU was never measured for this model here (`pdserve profile` "
             "measures it): the simulator charges none")

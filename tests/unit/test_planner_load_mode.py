@@ -150,3 +150,18 @@ def test_the_load_mode_charges_the_cached_router_and_fronts_never_the_client(tmp
     for key, cost in zip(stack_keys(digest, machine), (router, front, ClientCost(3e-3, 3e-4, "synthetic"))):
         cache.store(key, cost)
     assert build_rebalancer(settings, _pool_argvs(str(tiny_llama))).costs == ServingCosts(router, front)
+
+    # A router holding 8 tokens per response: its costs at that interval once measured, the
+    # one-token costs (an over-estimate, said) until then.
+    router_argv = ("python", "-m", "pdserve", "router", "--port", "0", "--stream-interval", "8", "--decode", "h:1")
+    said.clear()
+    assert build_rebalancer(settings, _pool_argvs(str(tiny_llama)), router_argv, log=said.append).costs == \
+        ServingCosts(router, front)
+    assert said == ["load mode: the serving stack's CPU at --stream-interval 8 was never measured for this model "
+                    "here (`pdserve plan --stream-intervals 8` measures it): the simulator charges its cost at "
+                    "one token per response"]
+    router_8, front_8 = RouterCost(1e-3, 1e-5, "synthetic"), FrontCost(2e-3, 2e-5, "synthetic")
+    for key, cost in zip(stack_keys(digest, machine, 8), (router_8, front_8, ClientCost(3e-3, 3e-5, "synthetic"))):
+        cache.store(key, cost)
+    rebalancer = build_rebalancer(settings, _pool_argvs(str(tiny_llama)), router_argv)
+    assert rebalancer.costs == ServingCosts(router_8, front_8)
