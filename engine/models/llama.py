@@ -159,9 +159,9 @@ class NativeLlama(torch.nn.Module):
         # One C++ call for all layers when the step's attention stays in the C++ kernel (decode
         # steps, short chunks) on a single rank; the Python loop otherwise (tensor-parallel ranks
         # sum their partial outputs between the ops), and wherever the C++ ops are not built.
-        split = SdpaSplit.for_kernel(self.shape.head_dim, self.compute_dtype)
         if (ops.cpp is not None and self.shard.is_single and ctx.backend is paged_attention
-                and not leaves_chunks_to_sdpa(ctx.metadata, split)):
+                and not leaves_chunks_to_sdpa(ctx.metadata,
+                                              SdpaSplit.for_kernel(self.shape.head_dim, self.compute_dtype))):
             hidden = self._layers_cpp(ops, hidden, residual, cos, sin, ctx)
         else:
             hidden = self._layers_python(ops, hidden, residual, cos, sin, ctx)
