@@ -18,7 +18,7 @@ port, same node id) after a backoff (`--restart-*`, cluster_supervisor.RestartPo
 node registers again and takes traffic, while the router resumes its streams on the
 others; a crash-looping node is given up on (said so), and the cluster serves on without
 it, as is at once a node that exits with a code the same command line would repeat (a usage
-error, or the router refusing its fingerprint: common/refusal.py); a crash-looping router, a
+error, or the router refusing its fingerprint: pdserve/common/refusal.py); a crash-looping router, a
 router that exits so, or any exit under `--restart-mode never`, stops the cluster.
 A child that dies before the cluster first serves fails the launch with its last lines.
 Every exit path stops every child (SIGTERM, then SIGKILL of its process group after a

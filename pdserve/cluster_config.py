@@ -80,10 +80,10 @@ class ClusterConfig:
     log_dir: str | None = None  # None: logs go to the console, prefixed by child name
     # Handed to every child; without it, children inherit $PDSERVE_AUTH_TOKEN (if set).
     auth_token_file: str | None = None
-    # The router's client API keys (common/api_keys.py); with them and no node credential the
+    # The router's client API keys (pdserve/common/api_keys.py); with them and no node credential the
     # launcher makes one for its children (cluster.py).
     api_keys_file: str | None = None
-    # Mutual TLS among the children and TLS on the public API (common/tls.py), handed to every
+    # Mutual TLS among the children and TLS on the public API (pdserve/common/tls.py), handed to every
     # child: the user's files, or (`make_tls`, --tls) a private CA and certificate the launcher
     # makes for this cluster in `tls_dir` (cluster_tls.py; None: a new temporary directory).
     tls: TlsConfig | None = None

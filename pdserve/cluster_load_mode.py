@@ -9,7 +9,7 @@ nodes' profile and the serving stack's costs from the planner's cache — measur
 a `Move` once the cooldown since the last one has passed. The launcher (cluster.py) carries a move out: it retires a node of the
 source pool (SIGTERM: the node drains and leaves) and starts one of the target pool on its cores.
 
-Must never: start or stop a process itself, or decide a move (planner/load_mode.py does).
+Must never: start or stop a process itself, or decide a move (pdserve/planner/load_mode.py does).
 """
 
 from __future__ import annotations

@@ -35,7 +35,7 @@ class ClusterPlan:
     metrics_ports: dict[str, int] = field(default_factory=dict)  # child name -> /metrics port, when asked
     http_port: int | None = None  # the router's OpenAI-compatible API
     model_dir: str = ""
-    tls: TlsConfig | None = None  # every child's (common/tls.py); None: plaintext
+    tls: TlsConfig | None = None  # every child's (pdserve/common/tls.py); None: plaintext
 
     def http_url(self, host: str) -> str | None:
         return f"{http_scheme(self.tls)}://{host}:{self.http_port}/v1" if self.http_port is not None else None
@@ -174,7 +174,7 @@ EPHEMERAL_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
 
 def resolve_port(host: str, port: int, rng: random.Random | None = None, ledger: PortLedger | None = None) -> int:
     """`port`, checked free on `host`; 0 → a free port below the ephemeral range, held in the
-    machine's ledger of picks (common/port_picks.py) so no other pick hands it out before the
+    machine's ledger of picks (pdserve/common/port_picks.py) so no other pick hands it out before the
     child binds it (the OS's own pick when none is found there)."""
     if port == 0:
         rng = rng or random.Random()
@@ -203,7 +203,7 @@ def _bind(host: str, port: int) -> int:
     """The port, bound and let go at once; raises OSError when it cannot be bound."""
     with socket.socket(socket.AF_INET6 if ":" in host else socket.AF_INET) as sock:
         # SO_REUSEADDR so a TIME_WAIT leftover does not count as busy; a live listener still
-        # does (the same probe as common/ports.py's check_free, which also picks no port).
+        # does (the same probe as pdserve/common/ports.py's check_free, which also picks no port).
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         sock.bind((host, port))
         return int(sock.getsockname()[1])

@@ -34,7 +34,7 @@ class ClusterState:
     router: str
     children: dict[str, ChildState] = field(default_factory=dict)
     http: str | None = None  # the router's OpenAI-compatible API base URL (".../v1"), when served
-    # With TLS (common/tls.py): the CA a client trusts, and the certificate and key a gRPC client
+    # With TLS (pdserve/common/tls.py): the CA a client trusts, and the certificate and key a gRPC client
     # of this cluster presents (its ports require one under mutual TLS).
     tls_ca_file: str | None = None
     tls_cert_file: str | None = None

@@ -68,7 +68,7 @@ class RestartPolicy:
 
     def wants(self, returncode: int) -> bool:
         """Start a child that exited with `returncode` again? Never after an exit in
-        `FINAL_EXIT_CODES` (common/refusal.py), whatever the mode: 2, a usage error such as a model
+        `FINAL_EXIT_CODES` (pdserve/common/refusal.py), whatever the mode: 2, a usage error such as a model
         folder no engine can serve, and 78 (EXIT_REFUSED), a node whose fingerprint the router
         refused (another block size, dtype or model). The same command line would be refused again,
         so restarting would only crash-loop until given up on (see `final`)."""

@@ -57,7 +57,7 @@ class HealthcheckConfig:
     min_decode: int = 1
     min_colocated: int = 0  # a colocated cluster (`pdserve cluster --colocated N`) asks for N and 0, 0 above
     auth_token: str | None = field(default=None, repr=False)  # None: the servers require none
-    tls: TlsConfig | None = None  # None: plaintext (common/tls.py)
+    tls: TlsConfig | None = None  # None: plaintext (pdserve/common/tls.py)
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ collects them. A request with `n > 1` computes its prompt once, as sample 0: sam
 1..n-1 draw their first tokens from the same logits (each its own random stream) and are
 forked off it, sharing every prompt block, its partial last one included, until one writes
 there (copy-on-write). Prompt logprobs are a request's, not a sample's: sample 0 alone
-scores the prompt. `beam_search()` runs transformers' beam search (engine/beam_search.py).
+scores the prompt. `beam_search()` runs transformers' beam search (pdserve/engine/beam_search.py).
 """
 
 from __future__ import annotations
@@ -125,7 +125,7 @@ class LLM:
 
     def beam_search(self, prompts: Prompt | Sequence[Prompt], params: BeamSearchParams) -> list[BeamSearchOutput]:
         """Each prompt's `beam_width` best sequences, best first: transformers' beam search
-        (engine/beam_search.py). Beams are engine requests forked from each other, sharing blocks."""
+        (pdserve/engine/beam_search.py). Beams are engine requests forked from each other, sharing blocks."""
         prompt_list = _as_prompt_list(prompts)
         token_lists = [self._tokenize(p) for p in prompt_list]
         results = BeamSearchRunner(self.engine).run(token_lists, params, prefix=f"beam-{next(self._ids)}")

@@ -1,5 +1,5 @@
-"""The node kinds, one row each: a node is the node core (node/core/node_core.py) plus the KV stages
-its kind adds, serving its kind's gRPC services (node/front/server.py runs any row). A decode
+"""The node kinds, one row each: a node is the node core (pdserve/node/core/node_core.py) plus the KV stages
+its kind adds, serving its kind's gRPC services (pdserve/node/front/server.py runs any row). A decode
 node's flags add options to its row.
 
 | kind      | scheduling policy              | KV stages                    | its own prompts   | services                    |
@@ -14,7 +14,7 @@ A decode node with `--local-prefill` is a hybrid: the router may send it a reque
 (`Generate`, as to a colocated node) or only its decode (`Decode`, the KV from a prefill node).
 With `--serve-prefill` it is also a prefill node for the other decode nodes (`Prefill`: the prompt
 leaves its engine at token 1, `Request.hands_off`, and its KV is exported): a pool of such nodes
-is colocated and disaggregated at once, and the router picks per request (router/dispatch/hybrid.py).
+is colocated and disaggregated at once, and the router picks per request (pdserve/router/dispatch/hybrid.py).
 `pdserve prefill|decode|colocated` run `main` of this module with their kind.
 
 Must never: hold logic of its own; a kind is data.

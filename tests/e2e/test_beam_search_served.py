@@ -1,6 +1,6 @@
 """Beam search served end to end, in float32, on a real `pdserve cluster --colocated 1` (router + one
 node) and on a real 1P1D one (router + a prefill node + a decode node: the prefill node computes the
-prompt with the search's top logprobs, the decode node runs the search, router/dispatch/routes.py's disaggregated route).
+prompt with the search's top logprobs, the decode node runs the search, pdserve/router/dispatch/routes.py's disaggregated route).
 
 Over gRPC (`GenerateRequest.beam_search`) and HTTP (the openai client with vLLM's
 `use_beam_search`), the beams equal transformers `generate(num_beams=k, num_return_sequences=k,

@@ -1,5 +1,5 @@
 """KV integrity under `pdserve cluster`: a push whose bytes were corrupted after its sender took
-their checksum (the fault drill `--debug-corrupt-kv-push`, kv_transfer/integrity.py) is refused by
+their checksum (the fault drill `--debug-corrupt-kv-push`, pdserve/kv_transfer/integrity.py) is refused by
 its decode node, which never admits the request; the router resumes the sample elsewhere and the
 client gets exactly the tokens of the uncorrupted run, the refusal counted once, every block free.
 """

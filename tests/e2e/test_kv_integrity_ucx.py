@@ -21,7 +21,7 @@ from tests.e2e.test_kv_transfer_ucx import (DST_BLOCKS, STEP_TIMEOUT_S, Cluster,
 
 pytestmark = pytest.mark.skipif(importlib.util.find_spec("ucxx") is None, reason="ucxx (ucxx-cu12) is not installed")
 
-REFUSAL = b"pdkv:refused:kv-checksum-mismatch"  # kv_transfer/integrity.py, spelled out: the wire contract
+REFUSAL = b"pdkv:refused:kv-checksum-mismatch"  # pdserve/kv_transfer/integrity.py, spelled out: the wire contract
 SCRIPT = [("push", "req-a", [0, 1, 2], [10, 11, 12]), ("done", "req-a", b"token1-a"),
           ("push", "req-b", [3, 4], [20, 21]), ("done", "req-b", b"token1-b")]
 

@@ -2,7 +2,7 @@
 a deep prefill queue, on nodes whose `--lease-s` is far shorter than the prefill takes, completes
 exactly, with no transfer failed and every block free after. (The prefill node's lease runs only
 while a push is unacknowledged; it renews the decode node's reservation while it queues and
-computes the prompt: node/core/lease.py.)
+computes the prompt: pdserve/node/core/lease.py.)
 """
 
 from __future__ import annotations

@@ -2,7 +2,7 @@
 
 Router + 1 prefill + 1 decode node on 127.0.0.1, all started with the token. The
 harness's own calls (its health wait, `Cluster.stats`) and the benchmarks' clients
-(bench/disagg_latency.py, bench/overload.py) carry it and get transformers' exact
+(pdserve/bench/disagg_latency.py, pdserve/bench/overload.py) carry it and get transformers' exact
 tokens; a call without it is UNAUTHENTICATED; every node ends with zero blocks in use.
 """
 

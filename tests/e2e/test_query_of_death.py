@@ -2,7 +2,7 @@
 at most `--max-node-failures-per-request` node attempts, then ends INTERNAL with a message that
 says so; the cluster serves everyone else, exactly, with every block free.
 
-The poison is the nodes' fault drill `--debug-poison-token-id` (node/core/fault_drills.py): a step
+The poison is the nodes' fault drill `--debug-poison-token-id` (pdserve/node/core/fault_drills.py): a step
 computing a prompt that holds the token fails as a model bug on some input would, raising
 inside the model runner (the node fails the step's requests and serves on) or, with
 `--debug-poison-action exit`, ending the engine core at once (the node dies and the launcher

@@ -1,4 +1,4 @@
-"""Client API keys (common/api_keys.py) and the rule that keeps them off node services (common/auth.py)."""
+"""Client API keys (pdserve/common/api_keys.py) and the rule that keeps them off node services (pdserve/common/auth.py)."""
 
 from __future__ import annotations
 

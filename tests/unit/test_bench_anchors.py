@@ -1,4 +1,4 @@
-"""Parsing what llama.cpp's bench tools print (bench/anchor_tools.py). The anchors themselves
+"""Parsing what llama.cpp's bench tools print (pdserve/bench/anchor_tools.py). The anchors themselves
 run only under `pdserve bench throughput --anchors`, never in the test suite; these outputs were
 captured from llama-bench and llama-batched-bench built from the llama-cpp-python sdist."""
 

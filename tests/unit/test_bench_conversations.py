@@ -1,4 +1,4 @@
-"""The multi-turn dataset (bench/conversations.py): each turn's prompt extends the last, and
+"""The multi-turn dataset (pdserve/bench/conversations.py): each turn's prompt extends the last, and
 `pdserve bench serve --workload jsonl` reads the file."""
 
 from __future__ import annotations

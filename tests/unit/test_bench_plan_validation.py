@@ -1,4 +1,4 @@
-"""Where `pdserve bench plan-validation --rescore` says a measured goodput lies (bench/plan_validation.py)."""
+"""Where `pdserve bench plan-validation --rescore` says a measured goodput lies (pdserve/bench/plan_validation.py)."""
 
 from __future__ import annotations
 

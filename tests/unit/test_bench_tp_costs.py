@@ -1,4 +1,4 @@
-"""bench/tp_costs.py's pure parts: the call-timing wrapper puts the original back, and the
+"""pdserve/bench/tp_costs.py's pure parts: the call-timing wrapper puts the original back, and the
 per-step and TP-over-TP=1 arithmetic. No processes, no model."""
 
 from __future__ import annotations

@@ -1,5 +1,5 @@
 """A step's block copies are one ordered list: the scheduler's order is the order every rank makes
-them in (engine/block_copies.py), copy-on-write and swaps alike."""
+them in (pdserve/engine/block_copies.py), copy-on-write and swaps alike."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""`--device`: one place decides it (engine/device.py), everything the engine makes lives there,
+"""`--device`: one place decides it (pdserve/engine/device.py), everything the engine makes lives there,
 and cuda is refused by name where it cannot run.
 
 The tensors are checked on device cpu, the device this suite has: the same code runs on cuda,

@@ -1,5 +1,5 @@
 """Conditional disaggregation at the router: where a request's prompt is computed when decode nodes
-can also prefill (`--local-prefill`), per `--disaggregation` (router/dispatch/hybrid.py).
+can also prefill (`--local-prefill`), per `--disaggregation` (pdserve/router/dispatch/hybrid.py).
 
 The decision is pure, from token counts; the orchestrator's route follows it, takes only decode
 nodes that registered with local_prefill for the local route, and refuses `never` without one.

@@ -1,4 +1,4 @@
-"""KV integrity's pieces (kv_transfer/integrity.py): the digest, its SEAL encoding, the drill's
+"""KV integrity's pieces (pdserve/kv_transfer/integrity.py): the digest, its SEAL encoding, the drill's
 sealer, and the decode node's refusal of a request whose push failed its checksum."""
 
 from __future__ import annotations

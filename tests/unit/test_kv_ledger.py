@@ -1,4 +1,4 @@
-"""A network transport's bookkeeping (kv_transfer/ledger.py): counters, completion messages
+"""A network transport's bookkeeping (pdserve/kv_transfer/ledger.py): counters, completion messages
 polled once each and handed to the callback too, refusals; and the `KVTransport` methods a
 transport answers from it."""
 

@@ -2,7 +2,7 @@
 and whole transfers over in-process rank transports, byte for byte.
 
 Every rank of each node is a real `InProcessTransport` over its own slice of the KV heads (what
-a node's ranks hold, engine/parallel.py); `RankedTransport` plans, pushes and sends the done
+a node's ranks hold, pdserve/engine/parallel.py); `RankedTransport` plans, pushes and sends the done
 messages as a node's core does. The receiver's caches must end up equal to the sender's whole
 KV, each rank pair must move exactly its planned heads, and nothing else may be written.
 """

@@ -12,16 +12,17 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[2]
-# Each part (a top-level folder, installed as pdserve.<folder>) and the parts it may import.
+PACKAGE = ROOT / "pdserve"
+# Each part (a folder of pdserve/, imported as pdserve.<folder>) and the parts it may import.
 # `pdserve` (CLI, LLM, launcher) and `bench` sit on top and may import any part.
 ALLOWED: dict[str, set[str]] = {
     "common": set(),
-    "proto": {"engine"},  # proto/convert.py: proto <-> engine values; the engine never imports proto
+    "proto": {"engine"},  # pdserve/proto/convert.py: proto <-> engine values; the engine never imports proto
     "kernels": {"common"},
     "engine": {"kernels", "common"},
     "kv_transfer": {"common"},
     # A node's tensor-parallel ranks: an engine on T processes, which the offline `LLM` starts as
-    # a node's core does, so they sit below node/ (never reaching the front's gRPC or ZMQ).
+    # a node's core does, so they sit below pdserve/node/ (never reaching the front's gRPC or ZMQ).
     "ranks": {"engine", "kernels", "kv_transfer", "common"},
     "node": {"ranks", "engine", "kernels", "kv_transfer", "proto", "common"},
     "prefill_node": {"node", "ranks", "engine", "kernels", "kv_transfer", "proto", "common"},
@@ -39,7 +40,7 @@ ALLOWED: dict[str, set[str]] = {
     "planner": {"engine", "kernels", "common", "ranks", "router", "prefill_node", "bench", "pdserve"},
 }
 # Third-party modules a part must never load: the engine and its kernels run in a node's core
-# process, which talks ZMQ only through node/, and never serves gRPC.
+# process, which talks ZMQ only through pdserve/node/, and never serves gRPC.
 FORBIDDEN_EXTERNAL: dict[str, set[str]] = {
     "engine": {"grpc", "zmq", "ucxx"},
     "kernels": {"grpc", "zmq", "ucxx"},
@@ -70,7 +71,7 @@ def part_of(module: str) -> str | None:
 @pytest.mark.parametrize("part", sorted(ALLOWED))
 def test_part_imports_only_the_parts_below_it(part):
     offenders = []
-    for path in sorted((ROOT / part).rglob("*.py")):
+    for path in sorted((PACKAGE / part).rglob("*.py")):
         for module in imported_modules(path):
             target = part_of(module)
             if target is not None and target != part and target not in ALLOWED[part]:
@@ -81,20 +82,24 @@ def test_part_imports_only_the_parts_below_it(part):
 
 
 def test_every_part_folder_is_an_installed_package():
-    config = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]
-    package_dirs = config["package-dir"]
-    folders = {p.parent.name for p in ROOT.glob("*/__init__.py")} - {"tests"}
-    for folder in folders:
-        name = "pdserve" if folder == "pdserve" else f"pdserve.{folder}"
-        assert name in config["packages"], f"{folder}/ is not in pyproject's packages"
-        assert package_dirs.get(name) == folder, f"{name} is not mapped to {folder}/ in pyproject's package-dir"
-    subpackages = {p.parent for p in ROOT.glob("*/*/__init__.py") if p.parts[-3] != "tests"}
-    for sub in subpackages:
-        name = f"pdserve.{sub.parent.name}.{sub.name}" if sub.parent.name != "pdserve" else f"pdserve.{sub.name}"
-        assert name in config["packages"], f"{sub.relative_to(ROOT)}/ is not in pyproject's packages"
+    """pyproject finds the packages under pdserve/ by their __init__.py: a folder of modules
+    without one would be left out of the installed distribution."""
+    find = tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"]["find"]
+    assert find["include"] == ["pdserve*"]
+    folders = {p.parent for p in PACKAGE.rglob("*.py")} - {PACKAGE}
+    missing = [f"{f.relative_to(ROOT)}/" for f in sorted(folders) if "__pycache__" not in f.parts
+               and not (f / "__init__.py").exists()]
+    assert not missing, f"no __init__.py, so not installed: {missing}"
 
 
-# Parts with groups on import floors of their own (router/__init__.py, node/__init__.py), bottom
+def test_no_folder_at_the_root_is_importable():
+    """The checkout's root is on sys.path under `python -m` (and pytest): a package folder there
+    would shadow a third-party package of the same name (`kernels` did, for transformers)."""
+    importable = sorted(p.parent.name for p in ROOT.glob("*/__init__.py"))
+    assert importable == ["pdserve", "tests"]
+
+
+# Parts with groups on import floors of their own (pdserve/router/__init__.py, pdserve/node/__init__.py), bottom
 # up: each group imports only the groups below it; "" is the part's own top-level modules.
 FLOORS = {"router": ("", "cluster", "requests", "dispatch", "fronts"), "node": ("", "core", "front")}
 
@@ -111,7 +116,7 @@ def group_of(module: str, part: str) -> str | None:
 def test_groups_import_only_the_floors_below(part, group):
     floors = FLOORS[part]
     allowed = set(floors[: floors.index(group) + 1])
-    folder = ROOT / part / group
+    folder = PACKAGE / part / group
     files = folder.rglob("*.py") if group else folder.glob("*.py")
     offenders = [f"{path.relative_to(ROOT)} imports {module}"
                  for path in sorted(files) for module in imported_modules(path)

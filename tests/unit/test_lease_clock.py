@@ -1,4 +1,4 @@
-"""The lease clock of a KV hand-off (node/core/lease.py): it runs only while something is outstanding."""
+"""The lease clock of a KV hand-off (pdserve/node/core/lease.py): it runs only while something is outstanding."""
 
 from __future__ import annotations
 

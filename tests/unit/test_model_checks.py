@@ -1,6 +1,6 @@
 """Model folders the engine cannot serve are refused at start, in one line naming the folder and
 what is wrong: by the engine's loader (what `LLM(...)` and every node's core run) and by the
-router, which runs the same check (engine/model_folder.py) without loading weights.
+router, which runs the same check (pdserve/engine/model_folder.py) without loading weights.
 
 Every bad folder is built here from a good tiny model or a random transformers config; nothing
 is downloaded.

@@ -1,6 +1,6 @@
 """Random test models and their tokenizer: built to disk, loaded back, served exactly.
 
-Covers pdserve/model_factory.py and engine/model_loader.py: every arch builds at the
+Covers pdserve/model_factory.py and pdserve/engine/model_loader.py: every arch builds at the
 tiny size and, loaded through the engine's paged attention, gives the logits of
 transformers' own attention; smol135m has the published SmolLM2-135M shape; the
 tokenizer round-trips text; the same seed gives the same weights.

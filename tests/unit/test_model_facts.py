@@ -1,4 +1,4 @@
-"""engine/model_facts.py on model folders written to disk: the EOS-id union the engine's
+"""pdserve/engine/model_facts.py on model folders written to disk: the EOS-id union the engine's
 loader and the router both take, so a node and the router stop on the same tokens."""
 
 from __future__ import annotations

@@ -1,7 +1,7 @@
 """Cluster-wide facts are checked when a node registers: its fingerprint (model, dtype, block
 size, KV layout) must agree with the router's own facts and with the nodes already registered.
 
-The comparison itself (router/cluster/node_facts.py), the registry's `admit`, the real router's
+The comparison itself (pdserve/router/cluster/node_facts.py), the registry's `admit`, the real router's
 Registry service, and a node's real registration loop against it: a refused node's loop ends
 with the router's one line instead of retrying.
 """

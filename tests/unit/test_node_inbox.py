@@ -1,6 +1,6 @@
 """A request's inbox at the node front: the `Tokens` that wait there leave as one message, in order,
 and the stream sends them as one `DecodeTokens` event; at a stream interval N the inbox waits for N
-(node/front/inbox.py, node/front/servicers.py)."""
+(pdserve/node/front/inbox.py, pdserve/node/front/servicers.py)."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The planner's load mode (planner/load_mode.py): the window read back from two scrapes of the
+"""The planner's load mode (pdserve/planner/load_mode.py): the window read back from two scrapes of the
 router's own metrics, and the split it moves toward on synthetic profiles."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""Which candidates `pdserve plan --validate` runs, and how it reports its error (planner/validate.py).
+"""Which candidates `pdserve plan --validate` runs, and how it reports its error (pdserve/planner/validate.py).
 The real runs are tests/e2e/test_plan_validate.py's."""
 
 from __future__ import annotations

@@ -1,4 +1,4 @@
-"""The machine's ledger of picked ports (common/port_picks.py): no two picks the same while held."""
+"""The machine's ledger of picked ports (pdserve/common/port_picks.py): no two picks the same while held."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""The channel options of common/channels.py, against real gRPC servers on 127.0.0.1.
+"""The channel options of pdserve/common/channels.py, against real gRPC servers on 127.0.0.1.
 
 - A probe opens its own connection (`FRESH_CONNECTION`): a process coming up answers the very
   next probe, not one after gRPC's per-address reconnect backoff, which the probes that found

@@ -1,5 +1,5 @@
 """The committed stubs are exactly what the .proto files generate, and the one proto <->
-engine conversion (proto/convert.py) round-trips every value the wire carries."""
+engine conversion (pdserve/proto/convert.py) round-trips every value the wire carries."""
 
 from __future__ import annotations
 
@@ -19,10 +19,10 @@ def test_committed_stubs_match_the_protos(tmp_path):
     assert sorted(fresh) == ["node_pb2.py", "node_pb2_grpc.py", "pdserve_pb2.py", "pdserve_pb2_grpc.py"]
     for name, text in fresh.items():
         committed = (generate.PROTO_DIR / name).read_text()
-        assert committed == text, f"proto/{name} is stale: run python -m pdserve.proto.generate"
+        assert committed == text, f"pdserve/proto/{name} is stale: run python -m pdserve.proto.generate"
 
 
-# -- proto/convert.py: the conversions the router, the nodes and the client share ------------
+# -- pdserve/proto/convert.py: the conversions the router, the nodes and the client share ----
 # Float fields travel as float32: the values below are exact in float32, so a round trip is exact.
 PARAMS = st.builds(
     SamplingParams,

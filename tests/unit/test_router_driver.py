@@ -1,4 +1,4 @@
-"""The one sample driver (router/dispatch/driver.py) where a sample's stream opens, on both routes.
+"""The one sample driver (pdserve/router/dispatch/driver.py) where a sample's stream opens, on both routes.
 
 A node lost before its opening event (READY from a decode node, token 1 from a
 colocated node) is skipped within the same attempt: the next ranked node gets the same

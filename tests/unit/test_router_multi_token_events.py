@@ -1,5 +1,5 @@
 """A node event that carries several tokens (a node front that fell behind joins what waited:
-node/front/inbox.py) reaches the client exactly as the same tokens one per event: the same token
+pdserve/node/front/inbox.py) reaches the client exactly as the same tokens one per event: the same token
 ids, text, logprobs in order, finish reason and usage, over gRPC and over HTTP, streamed and not;
 one response per event; a stop string inside an event ends the sample where it would one token
 per event; a resume counts the tokens of every event the client got. The real router in-process,

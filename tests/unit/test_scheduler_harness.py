@@ -189,7 +189,7 @@ class SchedLoop:
         return request
 
     def _accept(self, request: Request, token_id: int) -> None:
-        """What the engine core does with a sampled token (engine/engine_core.py)."""
+        """What the engine core does with a sampled token (pdserve/engine/engine_core.py)."""
         request.append_output_token(token_id)
         if self.policy.hands_off_after_first_token():
             request.hand_off()
@@ -210,7 +210,7 @@ class SchedLoop:
             self.exports[request.req_id] = (request, blocks)
 
     def _copy_swapped(self, out: SchedulerOutput) -> None:
-        """The model runner's block copies, in the step's order, before the forward (engine/model_runner.py)."""
+        """The model runner's block copies, in the step's order, before the forward (pdserve/engine/model_runner.py)."""
         ends = {CopyKind.SWAP_OUT: (self.kv_slots, self.swap_slots), CopyKind.SWAP_IN: (self.swap_slots, self.kv_slots),
                 CopyKind.COW: (self.kv_slots, self.kv_slots)}
         for copy in out.copies:

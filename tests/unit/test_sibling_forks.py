@@ -1,5 +1,5 @@
 """Sibling samples that reach one node share their prompt's blocks: `EngineCore.add_fork` and
-node/core/sibling_forks.py, on a real tiny engine (blocks of 4 tokens) and on a prefill + decode pair.
+pdserve/node/core/sibling_forks.py, on a real tiny engine (blocks of 4 tokens) and on a prefill + decode pair.
 
 Exact blocks and reference counts while the samples share the prompt; exactly the tokens the
 same samples draw as requests of their own; zero blocks after.

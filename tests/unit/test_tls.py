@@ -1,4 +1,4 @@
-"""TLS (common/tls.py) and the certificates `pdserve cluster --tls` makes (pdserve/cluster_tls.py):
+"""TLS (pdserve/common/tls.py) and the certificates `pdserve cluster --tls` makes (pdserve/cluster_tls.py):
 through a real gRPC server on 127.0.0.1, who gets in and who is refused."""
 
 from __future__ import annotations

@@ -1,0 +1,198 @@
+"""The planner's load mode: from the router's recent traffic to the prefill:decode split that serves it.
+
+`pdserve cluster --rebalance` scrapes the router's /metrics every interval; two scrapes make a
+`Window`: how many requests arrived per second (those that ended plus the change in those in
+flight: under overload, more arrive than finish), the finished samples' prompt and output lengths read
+back from the length histograms (each bucket's count spread evenly across the bucket; prompt and
+output lengths paired at random, since the histograms do not keep pairs), and the share of
+samples whose TTFT and whose TPOT fell in a bucket within the SLO (a lower bound: a bucket
+straddling the SLO counts as missing it).
+
+`Rebalancer.decide` leaves a cluster alone while the window meets the attainment target on both
+SLOs, or holds too few samples to say. Otherwise it simulates the same N nodes in every split
+p + d = N at the window's rate and mix (pdserve/planner/simulator.py, on the nodes' profile: the same
+machinery as `pdserve plan`), and answers one node moved toward the best split, when that split's
+predicted attainment beats the current one's by `margin`. One node per decision and the
+launcher's cooldown keep the pools from oscillating on noise.
+
+Must never: read a clock, scrape anything itself (the launcher passes the texts), or load torch.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+from collections.abc import Iterable
+from dataclasses import dataclass
+
+from prometheus_client.parser import text_string_to_metric_families
+
+from pdserve.bench.serve.metrics import Slo
+from pdserve.engine.config import EngineConfig
+from pdserve.planner.goodput import Traffic, simulate
+from pdserve.planner.profile import Profile, ServingCosts
+from pdserve.planner.simulator import ClusterSpec, Pool
+
+PROMPT, OUTPUT = "pdserve_request_prompt_tokens", "pdserve_request_generation_tokens"
+TTFT, TPOT = "pdserve_request_ttft_seconds", "pdserve_request_tpot_seconds"
+ENDED, IN_FLIGHT = "pdserve_requests", "pdserve_requests_in_flight"
+SIMULATED_REQUESTS = 64  # at least this many per simulated run: the window's mix, repeated
+
+
+@dataclass(frozen=True)
+class Scrape:
+    """The router's series at one moment: the cumulative buckets of its histograms (name ->
+    ((le, count), ...)), and how many requests had arrived (ended, of any status, or in flight)."""
+
+    at_s: float
+    buckets: dict[str, tuple[tuple[float, float], ...]]
+    arrived: float = 0.0
+
+    @classmethod
+    def parse(cls, text: str, at_s: float) -> Scrape:
+        wanted = {PROMPT, OUTPUT, TTFT, TPOT}
+        buckets: dict[str, list[tuple[float, float]]] = {}
+        arrived = 0.0
+        for family in text_string_to_metric_families(text):
+            if family.name in wanted:
+                buckets[family.name] = sorted((float(s.labels["le"]), s.value) for s in family.samples
+                                              if s.name.endswith("_bucket"))
+            elif family.name in (ENDED, IN_FLIGHT):
+                arrived += sum(s.value for s in family.samples if s.name in (f"{ENDED}_total", IN_FLIGHT))
+        return cls(at_s, {name: tuple(b) for name, b in buckets.items()}, arrived)
+
+
+def _delta(after: Scrape, before: Scrape, name: str) -> list[tuple[float, float]]:
+    """(upper bound, count) of each bucket over the window, not cumulative; [] when the router
+    restarted between the scrapes (its counters went back)."""
+    now, then = dict(after.buckets.get(name, ())), dict(before.buckets.get(name, ()))
+    cumulative = [(le, now[le] - then.get(le, 0.0)) for le in sorted(now)]
+    if any(count < 0 for _, count in cumulative):
+        return []
+    counts, previous = [], 0.0
+    for le, total in cumulative:
+        counts.append((le, total - previous))
+        previous = total
+    return counts
+
+
+def _spread(buckets: list[tuple[float, float]]) -> list[int]:
+    """Each bucket's count as lengths evenly spread over (previous bound, bound]; the +Inf
+    bucket's at the last finite bound."""
+    lengths, low = [], 0.0
+    for le, count in buckets:
+        n = round(count)
+        high = low if math.isinf(le) else le
+        lengths += [max(1, round(low + (high - low) * (k + 0.5) / n)) for k in range(n)]
+        low = high
+    return lengths
+
+
+def _share_within(buckets: list[tuple[float, float]], limit: float | None) -> float | None:
+    total = sum(count for _, count in buckets)
+    if not total:
+        return None
+    if limit is None:
+        return 1.0
+    return sum(count for le, count in buckets if le <= limit) / total
+
+
+@dataclass(frozen=True)
+class Window:
+    rate: float  # requests arrived per second
+    mix: tuple[tuple[int, int], ...]  # (prompt length, output length) of each finished sample
+    ttft_share: float | None  # share within the TTFT SLO; None: no sample
+    tpot_share: float | None
+
+    @classmethod
+    def between(cls, before: Scrape, after: Scrape, slo: Slo, seed: int = 0) -> Window:
+        prompts, outputs = _spread(_delta(after, before, PROMPT)), _spread(_delta(after, before, OUTPUT))
+        random.Random(seed).shuffle(outputs)
+        seconds, arrived = after.at_s - before.at_s, after.arrived - before.arrived
+        mix = tuple(zip(prompts, outputs))
+        return cls(arrived / seconds if seconds > 0 and arrived > 0 else 0.0, mix,
+                   _share_within(_delta(after, before, TTFT), slo.ttft_s),
+                   _share_within(_delta(after, before, TPOT), slo.tpot_s))
+
+    def describe(self) -> str:
+        shares = ", ".join(f"{'-' if share is None else f'{share:.0%}'} within the {name} SLO"
+                           for name, share in (("TTFT", self.ttft_share), ("TPOT", self.tpot_share)))
+        return f"{self.rate:.3g} requests/s arrived, {len(self.mix)} samples finished, {shares}"
+
+    def meets(self, target: float) -> bool:
+        return all(share is None or share >= target for share in (self.ttft_share, self.tpot_share))
+
+
+@dataclass(frozen=True, order=True)
+class Split:
+    prefill: int
+    decode: int
+
+    def describe(self) -> str:
+        return f"{self.prefill}P{self.decode}D"
+
+
+@dataclass(frozen=True)
+class Move:
+    """One node from the pool `source` to the pool `target`, toward `best`."""
+
+    source: str  # "prefill" or "decode"
+    target: str
+    best: Split
+    predicted: dict[Split, float]  # attainment of every split at the window's rate and mix
+
+    def describe(self, current: Split) -> str:
+        figures = ", ".join(f"{s.describe()} {a:.0%}" for s, a in sorted(self.predicted.items()))
+        return (f"a {self.source} node becomes a {self.target} node ({current.describe()} toward "
+                f"{self.best.describe()}; predicted attainment {figures})")
+
+
+@dataclass(frozen=True)
+class LoadModeConfig:
+    slo: Slo
+    target: float = 0.9  # attainment
+    margin: float = 0.05  # predicted attainment the best split must gain over the current one
+    min_samples: int = 8  # a window with fewer finished samples says nothing
+
+
+class Rebalancer:
+    def __init__(self, config: LoadModeConfig, prefill: EngineConfig, decode: EngineConfig, profile: Profile,
+                 costs: ServingCosts = ServingCosts()) -> None:
+        """`prefill`/`decode`: each pool's engine config; `profile`: the nodes' (one threads count)."""
+        self.config = config
+        self._engines = {"prefill": prefill, "decode": decode}
+        self._profile = profile
+        self.costs = costs  # the serving stack's CPU the simulator charges to the nodes' cores
+
+    def decide(self, window: Window, current: Split) -> Move | None:
+        if len(window.mix) < self.config.min_samples or window.meets(self.config.target):
+            return None
+        predicted = {split: self.attainment(split, window) for split in _splits(current.prefill + current.decode)}
+        best = max(predicted, key=lambda s: (predicted[s], s == current))
+        if best == current or predicted[best] < predicted[current] + self.config.margin:
+            return None
+        source, target = ("decode", "prefill") if best.prefill > current.prefill else ("prefill", "decode")
+        return Move(source, target, best, predicted)
+
+    def attainment(self, split: Split, window: Window) -> float:
+        spec = ClusterSpec(prefill=Pool(split.prefill, self._engines["prefill"], self._profile),
+                           decode=Pool(split.decode, self._engines["decode"], self._profile), costs=self.costs)
+        limit = self._profile.max_model_len
+
+        def request(i: int) -> tuple[tuple[int, ...], int]:
+            prompt, output = window.mix[i % len(window.mix)]
+            prompt = min(prompt, limit - 1)
+            return _prompt(i, prompt, self._profile.vocab_size), max(1, min(output, limit - prompt))
+
+        traffic = Traffic(request, max(SIMULATED_REQUESTS, len(window.mix)))
+        return simulate(spec, traffic, window.rate, self.config.slo, limit).attainment
+
+
+def _splits(nodes: int) -> Iterable[Split]:
+    return (Split(p, nodes - p) for p in range(1, nodes))
+
+
+def _prompt(index: int, length: int, vocab_size: int) -> tuple[int, ...]:
+    """Token ids of simulated request `index`, which no other starts with: the prefix cache finds nothing."""
+    rng = random.Random(index)
+    return tuple(rng.randrange(1, vocab_size) for _ in range(length))

@@ -1,0 +1,318 @@
+"""`pdserve plan --validate K`: the plan's own error, measured — predicted against real runs.
+
+The top K candidates of the ranking and a few others (the best-ranked candidates of layouts
+not yet chosen, so that a validation also sees the modes the plan turned down) are each started
+for real with the command line the plan prints (`pdserve cluster`, as users run it), then
+warmed up and swept by `pdserve bench serve` in a process of its own, as users measure (its
+command line is logged: a user can run it again): the same workload, arrivals, run length
+(pdserve/planner/goodput.py's `Traffic`), SLOs, attainment target and bisection the prediction used.
+A prediction and its measurement therefore differ only in what produced the traces.
+
+The client is not run in this process: here it would share an interpreter with everything the
+search left, and its garbage collections (measured on an AMX machine: 340k objects, 148 ms a full
+collection) paused it mid-probe, so that it read responses late and the cluster looked slower
+than it was (colocated x2 at 26 req/s: attainment 0.42 measured from here, 1.0 from a
+`pdserve bench serve` of its own).
+
+A measurement has its own spread: on a shared machine the same layout's goodput moves from one
+run to the next (measured here: 8.65 req/s, then no rate passing down to 5.2, an hour apart).
+`repeats` measures every chosen candidate that many times, in rounds — each candidate once,
+then each again — so a slow spell falls on every layout, not on one. A candidate's measured
+goodput is the median of its rounds, and the report gives their spread beside the error: an
+error smaller than the spread is not one the runs can show.
+
+The sweep starts at the predicted goodput, so its first probe also measures the P90s at the
+predicted rate: the latency error is read there, at the same rate on both sides. It moves from
+there by a quarter (`GROWTH`), not by doubling: a prediction within 25% of the truth is
+bracketed by its next probe, 20–25% wide, and each probe after halves that, so a budget of a
+few probes measures the goodput to a few percent, where doubling left brackets of 15–25%.
+
+Must never: decide the plan (that is pdserve/planner/search.py's), or leave a cluster running.
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import statistics
+import subprocess
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+from pdserve.bench.serve.metrics import Slo, Summary
+from pdserve.bench.serve.sweep import Probe, SweepConfig, SweepResult
+from pdserve.cluster_process import ClusterProcess
+from pdserve.common.affinity import threads_pinned_to
+from pdserve.planner.search import Evaluated
+
+WARMUP_REQUESTS = 4  # every node's first shapes (kernel builds, allocator growth) before any probe
+GROWTH = 1.25  # the sweep's step from the predicted rate: × 1.25 up after a pass, ÷ 1.25 down after a miss
+
+
+def chosen(results: list[Evaluated], top: int, others: int) -> list[Evaluated]:
+    """The first `top` of the ranking, then the best-ranked candidate of each layout not yet
+    chosen, in ranking order, until `others` more are chosen."""
+    picked = list(results[:top])
+    layouts = {e.candidate.layout for e in picked}
+    for e in results[top:]:
+        if len(picked) >= top + others:
+            break
+        if e.candidate.layout not in layouts:
+            picked.append(e)
+            layouts.add(e.candidate.layout)
+    return picked
+
+
+@dataclass(frozen=True)
+class Measurement:
+    """One round's sweep of one candidate."""
+
+    goodput_rps: float  # 0 when no probed rate met the target
+    at_predicted_rate: Summary | None  # the real run at the predicted goodput (None: nothing was predicted)
+    sweep: SweepResult[Summary]
+
+
+@dataclass(frozen=True)
+class Validation:
+    evaluated: Evaluated
+    rounds: tuple[Measurement, ...]  # in the order they ran; at least one
+
+    @property
+    def predicted_goodput_rps(self) -> float:
+        return self.evaluated.prediction.goodput_rps
+
+    @property
+    def measured_goodput_rps(self) -> float:
+        """The median over the rounds (0 when none passed a rate)."""
+        return statistics.median(m.goodput_rps for m in self.rounds)
+
+    @property
+    def spread(self) -> float | None:
+        """(highest - lowest) / median of the rounds' goodputs; None with one round or a zero median."""
+        goodputs = [m.goodput_rps for m in self.rounds]
+        median = self.measured_goodput_rps
+        if len(goodputs) < 2 or median <= 0:
+            return None
+        return (max(goodputs) - min(goodputs)) / median
+
+    @property
+    def at_predicted_rate(self) -> Summary | None:
+        """The first round's run at the predicted rate: where the P90s are compared."""
+        return self.rounds[0].at_predicted_rate
+
+    @property
+    def measured_below_rps(self) -> float | None:
+        """Where no rate passed (a zero median): the goodput lies below the lowest rate that failed
+        in those rounds (the highest such, when several did); None otherwise."""
+        if self.measured_goodput_rps > 0:
+            return None
+        failed = [m.sweep.failed_rate for m in self.rounds if m.goodput_rps <= 0 and m.sweep.failed_rate]
+        return max(failed) if failed else None
+
+    @property
+    def goodput_error(self) -> float | None:
+        """(predicted - measured) / measured. Where no rate passed, the least it can be, against
+        `measured_below_rps` (`error_is_a_bound`): such a candidate counts in the median error,
+        never out of it. None when nothing was measured at all."""
+        measured = self.measured_goodput_rps or self.measured_below_rps
+        if not measured:
+            return None
+        return (self.predicted_goodput_rps - measured) / measured
+
+    @property
+    def error_is_a_bound(self) -> bool:
+        return self.measured_goodput_rps <= 0 and self.measured_below_rps is not None
+
+
+@dataclass(frozen=True)
+class ValidationPlan:
+    """How each chosen candidate is measured."""
+
+    workload_flags: tuple[str, ...]  # `pdserve bench serve`'s workload and arrival flags: the plan's traffic
+    slo: Slo
+    sweep: SweepConfig  # the prediction's own target, tolerance and probe budget
+    dtype: str  # the plan's, resolved: the command line names it
+    block_size: int
+    repeats: int = 1  # rounds: each candidate measured this many times, one round after the other
+    timeout_s: float = 600.0
+
+
+def validate(candidates: list[Evaluated], model: str, plan: ValidationPlan, log=print) -> list[Validation]:
+    rounds: list[list[Measurement]] = []
+    for number in range(1, plan.repeats + 1):
+        if plan.repeats > 1:
+            log(f"validate: round {number} of {plan.repeats}")
+        rounds.append([_measure(e, model, plan, log) for e in candidates])
+    return [Validation(e, tuple(r[i] for r in rounds)) for i, e in enumerate(candidates)]
+
+
+def client_argv(router: str, predicted_rps: float, plan: ValidationPlan, output: Path) -> list[str]:
+    """The `pdserve bench serve` that sweeps one candidate: from the predicted goodput (unset: the
+    plan's own start), by `GROWTH`, with the plan's workload, SLOs, target and probe budget."""
+    sweep = plan.sweep
+    start = predicted_rps if predicted_rps > 0 else sweep.start_rate
+    slos = [arg for flag, value in (("--ttft-slo", plan.slo.ttft_s), ("--tpot-slo", plan.slo.tpot_s))
+            if value is not None for arg in (flag, repr(value))]
+    return [sys.executable, "-m", "pdserve", "bench", "serve", "--addr", router, "--sweep", *plan.workload_flags,
+            "--warmup-requests", str(WARMUP_REQUESTS), *slos,
+            "--attainment", repr(sweep.target_attainment), "--start-rate", repr(start), "--growth", repr(GROWTH),
+            "--tolerance", repr(sweep.tolerance), "--max-probes", str(sweep.max_probes),
+            "--timeout-s", repr(plan.timeout_s), "--no-progress", "--output-json", str(output)]
+
+
+def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Measurement:
+    command = e.candidate.command(model, plan.dtype, plan.block_size)
+    layout = e.candidate.layout.describe()
+    log(f"validate: starting {layout}: {' '.join(command)}")
+    with tempfile.TemporaryDirectory(prefix="pdserve-validate-") as workdir:
+        output = Path(workdir) / "bench.json"
+        # command[:2] is "pdserve cluster"; ClusterProcess runs the same program with its own ports.
+        # The client is a process of its own, as users run it (in this one it would share an
+        # interpreter, and a garbage collector, with the search's objects), started on the cores the
+        # plan pinned the router to: where the simulator charged its CPU. It inherits this thread's.
+        with (ClusterProcess([*command[2:], "--http-port", "0"], workdir) as cluster,
+              threads_pinned_to(e.candidate.layout.router_cores)):
+            argv = client_argv(cluster.router, e.prediction.goodput_rps, plan, output)
+            log(f"validate: {layout}: {shlex.join(argv[2:])}")
+            _run_client(argv, lambda line: log(f"validate: {layout}: {line}"))
+        return measurement(json.loads(output.read_text()), e.prediction.goodput_rps)
+
+
+def _run_client(argv: list[str], log) -> None:
+    """Run `pdserve bench serve`, its report lines to `log` as they come."""
+    with subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL,
+                          text=True) as client:
+        try:
+            for line in client.stdout:
+                if line.strip():
+                    log(line.rstrip())
+        except BaseException:  # Ctrl-C: the client goes with the cluster, not after its last probe
+            client.kill()
+            raise
+    if client.returncode != 0:
+        raise ChildProcessError(f"validate: `pdserve bench serve` exited with {client.returncode} "
+                                "(its output is above)")
+
+
+def measurement(doc: dict, predicted_rps: float) -> Measurement:
+    """One round's measurement from the JSON a `pdserve bench serve --sweep` wrote: its runs are
+    its probes, in order; the one at the predicted rate (the first, where one was predicted) is
+    where the P90s are compared."""
+    record = doc["sweep"]
+    summaries = [Summary.from_record(run["summary"]) for run in doc["runs"]]
+    probes = [Probe(p["rate"], summary, p["passed"]) for p, summary in zip(record["probes"], summaries, strict=True)]
+    sweep = SweepResult(record["goodput"], record["failed_rate"], probes, record["converged"])
+    at_predicted = next((p.result for p in probes if p.rate == predicted_rps), None) if predicted_rps > 0 else None
+    return Measurement(sweep.best_rate or 0.0, at_predicted, sweep)
+
+
+# -- the report ---------------------------------------------------------------------------------
+def _p90(summary: Summary | None, field: str) -> float | None:
+    dist = getattr(summary, field) if summary is not None else None
+    return None if dist is None else dist.p90
+
+
+def _error(predicted: float | None, measured: float | None) -> float | None:
+    if predicted is None or not measured:
+        return None
+    return (predicted - measured) / measured
+
+
+def median_abs_goodput_error(validations: list[Validation]) -> float | None:
+    errors = [abs(v.goodput_error) for v in validations if v.goodput_error is not None]
+    return statistics.median(errors) if errors else None
+
+
+def median_spread(validations: list[Validation]) -> float | None:
+    """The median of the candidates' spreads over their rounds (None with one round)."""
+    spreads = [v.spread for v in validations if v.spread is not None]
+    return statistics.median(spreads) if spreads else None
+
+
+def recommended_share_of_best(validations: list[Validation]) -> float | None:
+    """The recommended (first-ranked) candidate's measured goodput over the best measured one's."""
+    best = max((v.measured_goodput_rps / v.evaluated.candidate.layout.devices for v in validations), default=0.0)
+    if not validations or best <= 0:
+        return None
+    first = validations[0]
+    return first.measured_goodput_rps / first.evaluated.candidate.layout.devices / best
+
+
+def validation_record(v: Validation) -> dict:
+    predicted = v.evaluated.prediction.run.summary
+    return {
+        "layout": v.evaluated.candidate.layout.describe(),
+        "predicted_goodput_rps": v.predicted_goodput_rps,
+        "measured_goodput_rps": v.measured_goodput_rps,
+        "measured_below_rps": v.measured_below_rps,
+        "goodput_error": v.goodput_error,
+        "goodput_error_is_a_lower_bound": v.error_is_a_bound,
+        "measured_spread": v.spread,
+        "measured_converged": v.rounds[0].sweep.converged,
+        "at_predicted_rate": {
+            "ttft_p90_s": {"predicted": _p90(predicted, "ttft_s"), "measured": _p90(v.at_predicted_rate, "ttft_s")},
+            "tpot_p90_s": {"predicted": _p90(predicted, "tpot_s"), "measured": _p90(v.at_predicted_rate, "tpot_s")},
+            "attainment": {"predicted": predicted.attainment,
+                           "measured": None if v.at_predicted_rate is None else v.at_predicted_rate.attainment},
+        },
+        "probes": _probes(v.rounds[0]),  # the first round's: the one sweep of reports from before rounds
+        "rounds": [{"measured_goodput_rps": m.goodput_rps, "probes": _probes(m)} for m in v.rounds],
+    }
+
+
+def _probes(m: Measurement) -> list[dict]:
+    return [{"rate": p.rate, "attainment": p.result.attainment, "passed": p.passed} for p in m.sweep.probes]
+
+
+def report_record(validations: list[Validation]) -> dict:
+    return {"candidates": [validation_record(v) for v in validations],
+            "median_abs_goodput_error": median_abs_goodput_error(validations),
+            "median_measured_spread": median_spread(validations),
+            "recommended_share_of_best_measured": recommended_share_of_best(validations)}
+
+
+def _pct(value: float | None) -> str:
+    return "-" if value is None else f"{value:+.0%}"
+
+
+def _ms(value: float | None) -> str:
+    return "-" if value is None else f"{value * 1e3:.0f}"
+
+
+def rounds_text(goodputs: list[float], spread: float | None) -> str:
+    """A candidate's measured goodput by round and their spread, as the reports print them."""
+    return ", ".join(f"{g:.3g}" for g in goodputs) + (" (-)" if spread is None else f" ({spread:.0%})")
+
+
+def format_validation(validations: list[Validation]) -> str:
+    repeated = any(len(v.rounds) > 1 for v in validations)
+    rows = [("layout", "goodput pred/meas", "error", "TTFT p90 ms pred/meas", "TPOT p90 ms pred/meas",
+             *(("measured by round (spread)",) if repeated else ()))]
+    for v in validations:
+        predicted = v.evaluated.prediction.run.summary
+        ttft = (_p90(predicted, "ttft_s"), _p90(v.at_predicted_rate, "ttft_s"))
+        tpot = (_p90(predicted, "tpot_s"), _p90(v.at_predicted_rate, "tpot_s"))
+        measured = f"<{v.measured_below_rps:.3g}" if v.error_is_a_bound else f"{v.measured_goodput_rps:.3g}"
+        row = (v.evaluated.candidate.layout.describe(), f"{v.predicted_goodput_rps:.3g}/{measured}",
+               ("≥" if v.error_is_a_bound else "") + _pct(v.goodput_error),
+               f"{_ms(ttft[0])}/{_ms(ttft[1])} ({_pct(_error(*ttft))})",
+               f"{_ms(tpot[0])}/{_ms(tpot[1])} ({_pct(_error(*tpot))})")
+        rows.append((*row, rounds_text([m.goodput_rps for m in v.rounds], v.spread)) if repeated else row)
+    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
+    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
+    median, share = median_abs_goodput_error(validations), recommended_share_of_best(validations)
+    lines.append("median |goodput error|: " + ("-" if median is None else f"{median:.0%}") +
+                 "; the recommended configuration measured " +
+                 ("-" if share is None else f"{share:.0%}") + " of the best measured goodput per device")
+    spread = median_spread(validations)
+    if spread is not None:
+        lines.append(f"median spread of the measured goodput over its rounds: {spread:.0%} "
+                     "(an error under it is within the runs' own variation)")
+    if any(v.error_is_a_bound for v in validations):
+        lines.append("(<R: no probed rate met the target, the lowest to fail was R; the error shown, and counted "
+                     "in the median, is the least it can be)")
+    lines.append("(error = (predicted - measured) / measured, measured = the median of the rounds; "
+                 "P90s at the predicted goodput rate, in the first round)")
+    return "\n".join(lines)
