@@ -43,11 +43,11 @@ def last_line(text: str) -> str:
     return text.strip().splitlines()[-1]
 
 
-def falcon(good, tmp_path):
+def gpt_neo(good, tmp_path):
     from pdserve.model_factory import SMALL_TOKENIZER_VOCAB, build_tokenizer
     from pdserve.tiny_models import build_tiny_model
 
-    return build_tiny_model("falcon", tmp_path / "falcon", build_tokenizer(SMALL_TOKENIZER_VOCAB))
+    return build_tiny_model("gpt_neo", tmp_path / "gpt_neo", build_tokenizer(SMALL_TOKENIZER_VOCAB))
 
 
 @pytest.mark.parametrize("build, reason", [
@@ -68,8 +68,8 @@ def test_the_router_refuses_a_bad_folder_in_one_line(good, tmp_path, build, reas
     ("colocated", sliding_window, "mistral: sliding window 64 < max_position_embeddings 4096; "
                                   "the engine's attention has no sliding window"),
     # Passes every check before loading (the router accepts it): refused by the node's first steps.
-    ("decode", falcon, "FalconForCausalLM: the engine's paged attention ran for layers none of 2 in one step; "
-                       "this model class computes attention its own way"),
+    ("decode", gpt_neo, "GPTNeoForCausalLM: the engine's paged attention ran for layers none of 2 in one step; "
+                        "this model class computes attention its own way"),
 ])
 def test_every_node_kind_refuses_a_bad_folder_in_one_line(good, tmp_path, kind, build, reason):
     folder = build(good, tmp_path)
