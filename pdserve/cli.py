@@ -30,7 +30,7 @@ DEMO_PROMPTS = [
 
 # command -> (module whose main(argv) runs it, or "module:kind" for a node kind's, one-line help)
 DELEGATED_COMMANDS: dict[str, tuple[str, str]] = {
-    "router": ("pdserve.router.fronts.server", "run the router (public gRPC API, placement, registry)"),
+    "router": ("pdserve.router.fronts.entry", "run the router (public gRPC API, placement, registry)"),
     "prefill": ("pdserve.node_kinds:prefill", "run a prefill node"),
     "decode": ("pdserve.node_kinds:decode", "run a decode node (--local-prefill: a hybrid that also prefills)"),
     "colocated": ("pdserve.node_kinds:colocated", "run a colocated node (both phases; the baseline)"),

@@ -13,6 +13,7 @@ from __future__ import annotations
 import json
 import urllib.error
 import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -67,6 +68,9 @@ def test_a_router_is_ready_only_once_a_node_registers(model_dir):
             "models": (503, {"error": not_ready}), "grpc": NOT_SERVING, "registry": SERVING}
         status, body = post(f"{api}/completions", {"prompt": "Hello", "max_tokens": 4})
         assert (status, body["error"]["code"]) == (503, "UNAVAILABLE")
+        # It tokenizes and reads a config, runs no model: torch stays out of its process
+        # (pdserve/router/fronts/entry.py), seconds of CPU at every start.
+        assert "libtorch" not in Path(f"/proc/{router.proc.pid}/maps").read_text()
 
         with Command("colocated", "--model", model_dir, "--port", "0", "--router", address, *NODE_FLAGS) as node:
             node.wait_for("pdserve colocated node listening on ")
