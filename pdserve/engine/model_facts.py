@@ -19,7 +19,9 @@ def optional(config: PretrainedConfig, key: str):
 
 
 def num_kv_heads(text: PretrainedConfig) -> int:
-    if optional(text, "multi_query"):  # GPT-BigCode: one KV head, whatever the other keys say
+    # GPT-BigCode and Falcon: one KV head, whatever the other keys say; but Falcon-40B's new decoder
+    # architecture ignores multi_query (its num_key_value_heads is the count then).
+    if optional(text, "multi_query") and not optional(text, "new_decoder_architecture"):
         return 1
     kv = optional(text, "num_key_value_heads")
     return kv if kv is not None else text.num_attention_heads

@@ -156,6 +156,8 @@ def _attention_shape_reason(name: str, text: PretrainedConfig) -> str | None:
                 "models have none)")
     if any(key.startswith("mamba_") for key in text.to_dict()):
         return f"{name}: Mamba layers beside attention; their state is not in the paged KV cache"
+    if optional(text, "alibi"):  # Falcon's flag (Falcon-RW): a bias on every score
+        return f"{name}: ALiBi position bias (alibi: true); the engine's paged attention adds no bias"
     return None
 
 

@@ -90,3 +90,28 @@ def test_the_first_steps_leave_the_block_pool_as_they_found_it(tmp_path, tokeniz
 def test_every_type_that_must_be_exact_is_in_the_mapping():
     # Otherwise the sweep would stop checking it without a word.
     assert set(MUST_BE_EXACT) <= set(causal_lm_types())
+
+
+def test_falcon_40b_layout_is_served_exactly(tmp_path, tokenizer):
+    # The new decoder architecture (Falcon-40B/180B) has grouped KV heads although its config also
+    # says multi_query: the KV cache must hold num_kv_heads of them, not the one multi-query has.
+    from transformers import AutoModelForCausalLM, GenerationConfig
+
+    from pdserve.model_sweep import SWEEP_MAX_TOKENS, SWEEP_PROMPTS, first_mismatch
+    from pdserve.tiny_models import init_weights, tiny_config
+
+    config = tiny_config("falcon")
+    config.new_decoder_architecture, config.num_kv_heads = True, 2
+    assert config.multi_query and config.num_attention_heads % 2 == 0 and config.num_attention_heads > 2
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+    init_weights(model, 0)
+    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)
+    model.save_pretrained(tmp_path)
+    tokenizer.save_pretrained(tmp_path)
+    llm = LLM(tmp_path, dtype="float32", num_blocks=64)
+    prompts = [tokenizer.encode(p) for p in SWEEP_PROMPTS]
+    outputs = llm.generate(prompts, SamplingParams(max_tokens=SWEEP_MAX_TOKENS, temperature=0, ignore_eos=True),
+                           use_tqdm=False)
+    assert first_mismatch(tmp_path, prompts, [o.outputs[0].token_ids for o in outputs]) is None
+    assert llm.engine.kv.num_used_blocks == 0

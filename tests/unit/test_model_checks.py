@@ -16,9 +16,11 @@ import pytest
 import torch
 from safetensors.torch import save_file
 from tokenizers import Tokenizer, models
-from transformers import AutoConfig, BertConfig, BertForMaskedLM, GPT2Config, LlamaConfig, MistralConfig, PreTrainedTokenizerFast
+from transformers import (AutoConfig, BertConfig, BertForMaskedLM, FalconConfig, GPT2Config, GPTBigCodeConfig, LlamaConfig,
+                          MistralConfig, PreTrainedTokenizerFast)
 
 from pdserve.common.refusal import EXIT_USAGE
+from pdserve.engine.model_facts import num_kv_heads
 from pdserve.engine.model_folder import ModelRefused, open_model_folder
 from pdserve.engine.model_loader import choose_impl, load_model
 from pdserve.llm import LLM
@@ -63,6 +65,13 @@ def sliding_window(good, tmp_path):
     return with_tokenizer(good, folder)
 
 
+def alibi(good, tmp_path):
+    folder = tmp_path / "falcon-alibi"  # Falcon-RW's layout: a position bias on every score
+    FalconConfig(hidden_size=32, num_hidden_layers=1, num_attention_heads=2, vocab_size=128, alibi=True,
+                 multi_query=False).save_pretrained(folder)
+    return with_tokenizer(good, folder)
+
+
 def fp8_weights(good, tmp_path):
     folder = tmp_path / "fp8"
     LlamaConfig(**TINY).save_pretrained(folder)
@@ -89,6 +98,7 @@ REFUSALS = [
     (masked_lm, "BertForMaskedLM is not a causal language model (...ForCausalLM)"),
     (sliding_window, "mistral: sliding window 64 < max_position_embeddings 4096; "
                      "the engine's attention has no sliding window"),
+    (alibi, "falcon: ALiBi position bias (alibi: true); the engine's paged attention adds no bias"),
     (fp8_weights, "weights stored as F8_E4M3 (model.embed_tokens.weight) cannot run here: "
                   "the engine computes in float32 or bfloat16"),
     (quantized, "quantized weights (gptq) cannot run here: the engine computes in float32 or bfloat16"),
@@ -106,6 +116,16 @@ def test_the_loader_and_the_router_refuse_the_same_folders_in_one_line(good, tmp
     assert str(loader.value) == str(router.value) == f"model {folder}: {reason}"
     assert loader.value.cli_message() == f"--model {folder}: {reason}"
     assert loader.value.exit_code == EXIT_USAGE
+
+
+@pytest.mark.parametrize("config, heads", [
+    (FalconConfig(num_attention_heads=4, num_kv_heads=2), 1),  # Falcon-7B: multi-query
+    (FalconConfig(num_attention_heads=4, num_kv_heads=2, new_decoder_architecture=True), 2),  # Falcon-40B
+    (GPTBigCodeConfig(n_head=4, multi_query=True, num_key_value_heads=4), 1),
+    (LlamaConfig(num_attention_heads=4, num_key_value_heads=2), 2),
+], ids=["falcon-multi-query", "falcon-new-decoder", "gpt-bigcode", "llama-gqa"])
+def test_the_kv_heads_are_the_ones_the_model_computes(config, heads):
+    assert num_kv_heads(config) == heads
 
 
 def test_a_missing_folder_and_an_unknown_model_type(tmp_path):
