@@ -70,12 +70,17 @@ def sweep(model_types: list[str], root: Path) -> list[SweepResult]:
 
 
 def sweep_one(model_type: str, folder: Path, tokenizer) -> SweepResult:
-    from pdserve.llm import LLM
-
     try:
         build_tiny_model(model_type, folder, tokenizer)
     except NotBuilt as exc:
         return _default_config_result(model_type, folder, tokenizer, str(exc))
+    return serve_and_compare(model_type, folder, tokenizer)
+
+
+def serve_and_compare(model_type: str, folder: Path, tokenizer) -> SweepResult:
+    """`LLM` on a built folder, as a user starts it: EXACT, REFUSED, WRONG or CRASHED."""
+    from pdserve.llm import LLM
+
     prompts = [tokenizer.encode(p) for p in SWEEP_PROMPTS]
     try:
         llm = LLM(folder, dtype="float32", num_blocks=64)

@@ -13,7 +13,9 @@ Must never: download anything (every byte comes from the model type and the seed
 from __future__ import annotations
 
 import math
+from collections.abc import Mapping
 from pathlib import Path
+from types import MappingProxyType
 
 import torch
 from transformers import AutoConfig, AutoModelForCausalLM, GenerationConfig, PretrainedConfig
@@ -83,9 +85,13 @@ def init_weights(model: torch.nn.Module, seed: int) -> None:
             param.copy_(noise / math.sqrt(param.shape[-1]))
 
 
-def build_tiny_model(model_type: str, out_dir: Path, tokenizer: PreTrainedTokenizerBase, seed: int = 0) -> Path:
-    """Save a tiny random `model_type` with the demo tokenizer to out_dir; `NotBuilt` if it cannot be."""
+def build_tiny_model(model_type: str, out_dir: Path, tokenizer: PreTrainedTokenizerBase, seed: int = 0,
+                     overrides: Mapping[str, object] = MappingProxyType({})) -> Path:
+    """Save a tiny random `model_type` with the demo tokenizer to out_dir; `NotBuilt` if it cannot be.
+    `overrides`: config keys set after shrinking (a layout of the family the default config lacks)."""
     config = tiny_config(model_type)
+    for key, value in overrides.items():
+        setattr(config, key, value)
     try:
         with torch.device("meta"):
             num_params = sum(p.numel() for p in AutoModelForCausalLM.from_config(config).parameters())

@@ -6,6 +6,8 @@ why (docs/models.md lists them)."""
 
 from __future__ import annotations
 
+import json
+
 import pytest
 import torch
 
@@ -13,7 +15,7 @@ from pdserve.engine.model_folder import ModelRefused
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.llm import LLM
 from pdserve.model_factory import SMALL_TOKENIZER_VOCAB, build_tokenizer
-from pdserve.model_sweep import Outcome, causal_lm_types, sweep_one
+from pdserve.model_sweep import Outcome, causal_lm_types, serve_and_compare, sweep_one
 from pdserve.tiny_models import build_tiny_model
 
 # Served exactly before this sweep existed, or made so by it (StableLM and Nemotron drop the
@@ -95,23 +97,8 @@ def test_every_type_that_must_be_exact_is_in_the_mapping():
 def test_falcon_40b_layout_is_served_exactly(tmp_path, tokenizer):
     # The new decoder architecture (Falcon-40B/180B) has grouped KV heads although its config also
     # says multi_query: the KV cache must hold num_kv_heads of them, not the one multi-query has.
-    from transformers import AutoModelForCausalLM, GenerationConfig
-
-    from pdserve.model_sweep import SWEEP_MAX_TOKENS, SWEEP_PROMPTS, first_mismatch
-    from pdserve.tiny_models import init_weights, tiny_config
-
-    config = tiny_config("falcon")
-    config.new_decoder_architecture, config.num_kv_heads = True, 2
-    assert config.multi_query and config.num_attention_heads % 2 == 0 and config.num_attention_heads > 2
-    torch.manual_seed(0)
-    model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-    init_weights(model, 0)
-    model.generation_config = GenerationConfig(bos_token_id=0, eos_token_id=0, pad_token_id=0)
-    model.save_pretrained(tmp_path)
-    tokenizer.save_pretrained(tmp_path)
-    llm = LLM(tmp_path, dtype="float32", num_blocks=64)
-    prompts = [tokenizer.encode(p) for p in SWEEP_PROMPTS]
-    outputs = llm.generate(prompts, SamplingParams(max_tokens=SWEEP_MAX_TOKENS, temperature=0, ignore_eos=True),
-                           use_tqdm=False)
-    assert first_mismatch(tmp_path, prompts, [o.outputs[0].token_ids for o in outputs]) is None
-    assert llm.engine.kv.num_used_blocks == 0
+    layout = {"new_decoder_architecture": True, "num_kv_heads": 2}
+    folder = build_tiny_model("falcon", tmp_path / "falcon-40b", tokenizer, overrides=layout)
+    assert json.loads((folder / "config.json").read_text())["multi_query"] is True
+    result = serve_and_compare("falcon", folder, tokenizer)
+    assert (result.outcome, result.detail) == (Outcome.EXACT, "transformers")

@@ -25,6 +25,7 @@ _QUIET = "TRANSFORMERS_NO_ADVISORY_WARNINGS"
 
 
 def main(argv: list[str] | None = None) -> int:
+    os.environ.setdefault(_QUIET, "1")
     with _torch_hidden():
         from pdserve.router.fronts import server  # transformers' tokenizer and config modules load here
     return server.main(argv)
@@ -35,14 +36,8 @@ def _torch_hidden() -> Iterator[None]:
     if "torch" in sys.modules:  # already imported: nothing to save
         yield
         return
-    quiet = os.environ.get(_QUIET)
     sys.modules["torch"] = None
-    os.environ[_QUIET] = "1"
     try:
         yield
     finally:
         del sys.modules["torch"]
-        if quiet is None:
-            del os.environ[_QUIET]
-        else:
-            os.environ[_QUIET] = quiet
