@@ -4,9 +4,13 @@ ops, GEMV and the whole layer stack): built once per machine at first use, then 
 Owns compiling and loading the extension and the answer to "is it active?". A process
 that is about to compile says so first, once, on stderr (`build_needed`; not when it only
 loads an earlier build). The build goes under the pdserve cache dir (`$PDSERVE_CACHE`, else
-~/.cache/pdserve), in a folder keyed by the CPU's instruction set and the torch/Python
-versions, because it is compiled with -march=native: a cache dir shared with another kind
-of machine gets its own build.
+~/.cache/pdserve), in a folder keyed by the CPU's instruction set (it is compiled with
+-march=native: a cache dir shared with another kind of machine gets its own build), the
+torch/Python versions and the sources' content. So a folder holds one build of one set of
+sources: an edited source builds into a folder of its own, and two checkouts of the same
+sources (a clone and an install, a CI clone and a working tree) share one build instead of
+rebuilding over each other's. A finished build (its `built` mark, written after it loaded) is
+loaded as it is, without torch's build tools or a ninja run.
 Processes building at once (a cluster's nodes) take turns on a lock the kernel releases when
 its holder dies, so a build killed halfway (Ctrl-C) never leaves the next start waiting forever
 on torch's own lock file, which a dead process leaves behind.
@@ -28,7 +32,7 @@ import os
 import platform
 import sys
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -40,7 +44,9 @@ log = logging.getLogger(__name__)
 
 DISABLE_ENV = "PDSERVE_CPU_EXT"
 NAME = "pdserve_cpu_kernels"  # the extension, and its library's file name in the build dir
-SOURCES = tuple(sorted((Path(__file__).parent / "csrc").glob("*.cpp")))
+CSRC = Path(__file__).parent / "csrc"
+SOURCES = tuple(sorted(CSRC.glob("*.cpp")))
+BUILT_MARK = "built"  # written in the build dir once its library has loaded
 CFLAGS = ("-O3", "-march=native", "-fopenmp")
 LDFLAGS = ("-fopenmp",)
 
@@ -94,9 +100,6 @@ def _builder_turn(build_dir: Path) -> Iterator[None]:
 
 
 def _build() -> CpuOps | None:
-    # Imported here: importing the kernels package must stay cheap and compiler-free.
-    from torch.utils import cpp_extension
-
     build_dir = _build_dir()
     if build_needed(build_dir):
         # A node's first start is otherwise silent for the minute the compiler takes. On
@@ -105,16 +108,7 @@ def _build() -> CpuOps | None:
     try:
         build_dir.mkdir(parents=True, exist_ok=True)
         with _builder_turn(build_dir):
-            # Registers the ops with the dispatcher (TORCH_LIBRARY): no Python module, no pybind.
-            cpp_extension.load(
-                name=NAME,
-                sources=[str(path) for path in SOURCES],
-                extra_cflags=list(CFLAGS),
-                extra_ldflags=list(LDFLAGS),
-                build_directory=str(build_dir),
-                is_python_module=False,
-                verbose=False,
-            )
+            _load_or_build(build_dir)
         # The overloads themselves: calling them skips the packet's overload resolution.
         namespace = torch.ops.pdserve_cpu
         return CpuOps(
@@ -134,23 +128,47 @@ def _build() -> CpuOps | None:
         return None
 
 
-def build_needed(build_dir: Path, sources: Sequence[Path] = SOURCES) -> bool:
-    """Whether loading the kernels from `build_dir` compiles them first, by the rules ninja
-    applies there: no library or build file yet, a source newer than the library, or a build
-    file naming other sources (a checkout elsewhere built into the same cache)."""
-    library, build_file = build_dir / f"{NAME}.so", build_dir / "build.ninja"
-    try:
-        built_at = library.stat().st_mtime
-        build_text = build_file.read_text(errors="replace")
-        return any(path.stat().st_mtime > built_at or str(path) not in build_text for path in sources)
-    except OSError:  # no library or build file yet
-        return True
+def _load_or_build(build_dir: Path) -> None:
+    """Registers the ops with the dispatcher (TORCH_LIBRARY: no Python module, no pybind),
+    from the folder's finished build, else after building it."""
+    if not build_needed(build_dir):
+        # The folder's key holds the sources' content, so its library is theirs: no ninja run,
+        # which would rebuild for a checkout whose paths differ from the builder's.
+        torch.ops.load_library(str(build_dir / f"{NAME}.so"))
+        return
+    # Imported here: importing the kernels package must stay cheap and compiler-free.
+    from torch.utils import cpp_extension
+
+    cpp_extension.load(
+        name=NAME,
+        sources=[str(path) for path in SOURCES],
+        extra_cflags=list(CFLAGS),
+        extra_ldflags=list(LDFLAGS),
+        build_directory=str(build_dir),
+        is_python_module=False,
+        verbose=False,
+    )
+    (build_dir / BUILT_MARK).touch()  # after the load: a build killed halfway is never marked
+
+
+def build_needed(build_dir: Path) -> bool:
+    """Whether loading the kernels from `build_dir` compiles them first: it holds no finished
+    build yet (a build killed halfway left no mark)."""
+    return not (build_dir / BUILT_MARK).exists()
 
 
 def _build_dir() -> Path:
     flags = " ".join(sorted(cpu_flags()))
-    key = "|".join([platform.machine(), flags, torch.__version__, sys.version, " ".join(CFLAGS)])
+    key = "|".join([platform.machine(), flags, torch.__version__, sys.version, " ".join(CFLAGS), sources_digest()])
     return default_cache_dir() / "torch_extensions" / f"cpu_kernels-{hashlib.sha256(key.encode()).hexdigest()[:16]}"
+
+
+def sources_digest(csrc: Path = CSRC) -> str:
+    """A hash of every file under `csrc` (names and bytes, headers too): the build's sources."""
+    digest = hashlib.sha256()
+    for path in sorted(p for p in csrc.rglob("*") if p.is_file()):
+        digest.update(path.relative_to(csrc).as_posix().encode() + b"\0" + path.read_bytes() + b"\0")
+    return digest.hexdigest()
 
 
 def cpu_flags() -> set[str]:

@@ -3,7 +3,6 @@ build, decided on a fake build dir, and the builders' turn: nothing is compiled 
 
 from __future__ import annotations
 
-import os
 import subprocess
 import sys
 from pathlib import Path
@@ -14,44 +13,36 @@ from pdserve.kernels import cpu_ext
 from pdserve.kernels.cpu_ext import build_needed
 
 
-@pytest.fixture
-def kernel_tree(tmp_path):
-    """Two sources and a build dir, as torch's cpp_extension leaves it after a build."""
-    sources = [tmp_path / "csrc" / "a.cpp", tmp_path / "csrc" / "b.cpp"]
-    sources[0].parent.mkdir()
-    for source in sources:
-        source.write_text("// kernel\n")
+def finish_build(build_dir: Path) -> None:
+    """A build dir as a finished build leaves it: the library, loaded once, then the mark."""
+    build_dir.mkdir(parents=True, exist_ok=True)
+    (build_dir / "pdserve_cpu_kernels.so").write_bytes(b"\x7fELF")
+    (build_dir / cpu_ext.BUILT_MARK).touch()
+
+
+def test_a_first_start_builds_and_a_finished_build_is_loaded(tmp_path):
     build_dir = tmp_path / "build"
+    assert build_needed(build_dir)  # nothing built yet
     build_dir.mkdir()
-    return sources, build_dir
+    (build_dir / "pdserve_cpu_kernels.so").write_bytes(b"\x7fELF")
+    assert build_needed(build_dir)  # a library but no mark: the build died before it loaded
+    finish_build(build_dir)
+    assert not build_needed(build_dir)
 
 
-def finish_build(build_dir: Path, sources: list[Path], named: list[Path] | None = None) -> None:
-    (build_dir / "build.ninja").write_text("".join(f"build {p.stem}.o: compile {p}\n" for p in named or sources))
-    library = build_dir / "pdserve_cpu_kernels.so"
-    library.write_bytes(b"\x7fELF")
-    newest = max(source.stat().st_mtime for source in sources)
-    os.utime(library, (newest + 10, newest + 10))
-
-
-def test_a_first_start_builds_and_a_cached_build_is_loaded(kernel_tree):
-    sources, build_dir = kernel_tree
-    assert build_needed(build_dir, sources)  # nothing built yet
-    finish_build(build_dir, sources)
-    assert not build_needed(build_dir, sources)
-
-
-def test_an_edited_source_or_another_checkout_builds_again(kernel_tree):
-    sources, build_dir = kernel_tree
-    finish_build(build_dir, sources)
-    built_at = (build_dir / "pdserve_cpu_kernels.so").stat().st_mtime
-    os.utime(sources[1], (built_at + 5, built_at + 5))
-    assert build_needed(build_dir, sources)
-
-    finish_build(build_dir, sources, named=[Path("/elsewhere/csrc/a.cpp"), Path("/elsewhere/csrc/b.cpp")])
-    assert build_needed(build_dir, sources)
-    (build_dir / "build.ninja").unlink()
-    assert build_needed(build_dir, sources)
+def test_the_build_folder_is_the_sources_content_not_their_place(tmp_path):
+    """Two checkouts of the same sources share one build; an edited source gets its own."""
+    checkouts = [tmp_path / "clone" / "csrc", tmp_path / "install" / "csrc"]
+    for csrc in checkouts:
+        csrc.mkdir(parents=True)
+        (csrc / "a.cpp").write_text("// kernel a\n")
+        (csrc / "a.h").write_text("// header\n")
+    first, second = (cpu_ext.sources_digest(csrc) for csrc in checkouts)
+    assert first == second
+    (checkouts[1] / "a.h").write_text("// header, edited\n")
+    assert cpu_ext.sources_digest(checkouts[1]) != first
+    (checkouts[1] / "a.h").rename(checkouts[1] / "b.h")  # the same bytes under another name
+    assert cpu_ext.sources_digest(checkouts[1]) not in (first, cpu_ext.sources_digest(checkouts[0]))
 
 
 @pytest.mark.parametrize("cached", [False, True], ids=["first start", "cached build"])
@@ -60,15 +51,19 @@ def test_the_build_line_comes_once_and_only_before_a_build(cached, tmp_path, mon
 
     build_dir = tmp_path / "build"
     if cached:
-        build_dir.mkdir()
-        finish_build(build_dir, list(cpu_ext.SOURCES))
+        finish_build(build_dir)
     loads = []
 
-    def load(**kwargs):  # stands in for the compiler: this test builds nothing
+    def build(**kwargs):  # stands in for the compiler: this test builds nothing
         loads.append(kwargs["build_directory"])
         raise RuntimeError("no compiler in this test")
 
-    monkeypatch.setattr(cpp_extension, "load", load)
+    def load_library(path):  # stands in for the dispatcher: the fake library is no library
+        loads.append(str(Path(path).parent))
+        raise RuntimeError("not a library")
+
+    monkeypatch.setattr(cpp_extension, "load", build)
+    monkeypatch.setattr(cpu_ext.torch.ops, "load_library", load_library)
     monkeypatch.setattr(cpu_ext, "_build_dir", lambda: build_dir)
     monkeypatch.setattr(cpu_ext, "_state", {})
     monkeypatch.delenv(cpu_ext.DISABLE_ENV, raising=False)

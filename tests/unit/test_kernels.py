@@ -363,7 +363,7 @@ def test_paged_attention_uses_cpp_unless_disabled(request, monkeypatch):
     assert torch.equal(paged_attention(*args), paged_attention_torch(*args))
 
 
-def test_build_failure_falls_back_to_torch_with_one_warning(monkeypatch, caplog):
+def test_build_failure_falls_back_to_torch_with_one_warning(monkeypatch, caplog, tmp_path):
     from torch.utils import cpp_extension
 
     def fail(*args, **kwargs):
@@ -371,6 +371,7 @@ def test_build_failure_falls_back_to_torch_with_one_warning(monkeypatch, caplog)
 
     monkeypatch.delenv(cpu_ext.DISABLE_ENV, raising=False)
     monkeypatch.setattr(cpu_ext, "_state", {})
+    monkeypatch.setattr(cpu_ext, "_build_dir", lambda: tmp_path)  # no finished build there: it must compile
     monkeypatch.setattr(cpp_extension, "load", fail)
     batch = make_batch(MIXED, 4, 2, 8, seed=11)
     with caplog.at_level("WARNING", logger=cpu_ext.__name__):
