@@ -65,8 +65,9 @@ class CpuOps:
     rope_write_kv: Callable[..., None]
     linear_gemv: Callable[..., torch.Tensor]
     layer_stack: Callable[..., torch.Tensor]
-    # head_dim -> whether the attention runs its vector loops for it (memoised: a build's fact).
-    vector_attention: Callable[[int], bool]
+    # head_dim -> the lanes of the attention's vector loops for it: 16 (AVX-512), 8 (AVX2), 0
+    # (its portable loops). Memoised: a build's fact.
+    attention_lanes: Callable[[int], int]
     # The CPU multiplies bf16 on AMX tiles: torch's bf16 matmuls (SDPA's among them) run there,
     # the kernel's own loops do not.
     amx_bf16: bool
@@ -119,7 +120,7 @@ def _build() -> CpuOps | None:
             namespace.rope_write_kv.default,
             namespace.linear_gemv.default,
             namespace.layer_stack.default,
-            functools.cache(namespace.vector_attention.default),
+            functools.cache(namespace.attention_lanes.default),
             "amx_bf16" in cpu_flags(),
         )
     except Exception as exc:  # any build or load failure means: use the torch paths

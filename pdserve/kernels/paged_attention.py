@@ -53,12 +53,15 @@ class SdpaSplit:
 
     @classmethod
     def for_kernel(cls, head_dim: int, dtype: torch.dtype) -> SdpaSplit:
-        """The split for this build of the kernel: it runs AVX-512 loops for some head dims and
-        portable loops for the rest (`vector_attention`); with AMX, SDPA's bf16 matmuls run on
-        its tiles and take whole prompts sooner."""
+        """The split for this build of the kernel: it runs AVX-512 or AVX2 loops for some head
+        dims and portable loops for the rest (`attention_lanes`); with AMX, SDPA's bf16 matmuls
+        run on its tiles and take whole prompts sooner."""
         ops = cpu_ext.ops()
-        if ops is None or not ops.vector_attention(head_dim):
+        lanes = ops.attention_lanes(head_dim) if ops is not None else 0
+        if lanes == 0:
             return PORTABLE_SPLIT
+        if lanes == 8:
+            return AVX2_SPLIT
         return VECTOR_SPLIT_AMX_BF16 if ops.amx_bf16 and dtype == torch.bfloat16 else VECTOR_SPLIT
 
 
@@ -76,6 +79,14 @@ VECTOR_SPLIT_AMX_BF16 = SdpaSplit(min_chunk=64, min_prompt=256)
 # context 9.3 / 8.3 ms at 4 tokens, 29.5 / 13.5 at 16, 56.1 / 21.1 at 32; a whole prompt 12.5 /
 # 14.9 ms at 48 tokens, 103.9 / 58.5 at 256, 4166 / 824 at 2048 (docs/benchmarks.md).
 PORTABLE_SPLIT = SdpaSplit(min_chunk=4, min_prompt=64)
+# With its AVX2 loops (8 lanes) it wins on chunks of up to 4–8 tokens after context and on whole
+# prompts of up to 96–128. Measured on AVX2 (AMD EPYC), one thread, one attention call, kernel /
+# SDPA in ms, float32, the demo model's heads (8/4, head_dim 32) and smol135m's (9/3, head_dim 64):
+# a chunk after 1024 tokens of context 0.48 / 0.70 and 0.39 / 0.67 at 4 tokens, 0.95 / 0.64 and
+# 0.73 / 0.81 at 8, 1.79 / 0.93 and 1.44 / 1.11 at 16; a whole prompt 0.65 / 0.60 and 0.50 / 0.62 at
+# 96 tokens, 1.06 / 0.83 and 0.86 / 0.89 at 128, 3.9 / 2.0 and 3.1 / 2.7 at 256; bfloat16 the same
+# within 20% (docs/benchmarks.md, "Attention's AVX2 loops").
+AVX2_SPLIT = SdpaSplit(min_chunk=8, min_prompt=128)
 
 # The C++ kernel splits a chunk's query rows into tiles of this many rows (parallel work items).
 CPP_ROW_TILE = 16

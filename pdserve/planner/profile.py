@@ -24,7 +24,7 @@ from pathlib import Path
 from pdserve.common.paths import default_cache_dir
 from pdserve.planner.step_cost import StepCost, StepShape
 
-PROFILE_VERSION = 5  # bump when what is measured, or how, changes: older files are measured again
+PROFILE_VERSION = 6  # bump when what is measured, or how, changes: older files are measured again
 COST_VERSION = 5  # the same for the serving stack's costs (pdserve/planner/measure_stack.py), measured apart
 # CPU flags that change which kernels and dtypes the engine runs (pdserve/engine/dtype_choice.py, pdserve/kernels/).
 CAPABILITY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")

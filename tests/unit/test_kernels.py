@@ -29,6 +29,7 @@ from pdserve.kernels import (
 )
 from pdserve.kernels.paged_attention import (
     NEVER,
+    AVX2_SPLIT,
     PORTABLE_SPLIT,
     VECTOR_SPLIT,
     VECTOR_SPLIT_AMX_BF16,
@@ -334,13 +335,15 @@ def test_sdpa_split_rule():
 
 def test_the_split_follows_the_kernels_vector_loops(request):
     skip_without_cpp(request, "cpp")
-    avx512 = "avx512f" in Path("/proc/cpuinfo").read_text().split()
-    assert cpu_ext.ops().vector_attention(64) is avx512  # built with -march=native
-    assert cpu_ext.ops().vector_attention(24) is False  # no vector loops for this head_dim anywhere
-    assert cpu_ext.ops().amx_bf16 is ("amx_bf16" in Path("/proc/cpuinfo").read_text().split())
-    assert SdpaSplit.for_kernel(64, torch.float32) == (VECTOR_SPLIT if avx512 else PORTABLE_SPLIT)
+    flags = Path("/proc/cpuinfo").read_text().split()
+    avx512, avx2 = "avx512f" in flags, "avx2" in flags and "fma" in flags
+    lanes = 16 if avx512 else 8 if avx2 else 0  # built with -march=native
+    assert cpu_ext.ops().attention_lanes(64) == lanes
+    assert cpu_ext.ops().attention_lanes(24) == 0  # no vector loops for this head_dim anywhere
+    assert cpu_ext.ops().amx_bf16 is ("amx_bf16" in flags)
     bf16_vector = VECTOR_SPLIT_AMX_BF16 if cpu_ext.ops().amx_bf16 else VECTOR_SPLIT
-    assert SdpaSplit.for_kernel(64, torch.bfloat16) == (bf16_vector if avx512 else PORTABLE_SPLIT)
+    by_lanes = {16: (VECTOR_SPLIT, bf16_vector), 8: (AVX2_SPLIT, AVX2_SPLIT), 0: (PORTABLE_SPLIT, PORTABLE_SPLIT)}
+    assert (SdpaSplit.for_kernel(64, torch.float32), SdpaSplit.for_kernel(64, torch.bfloat16)) == by_lanes[lanes]
     assert SdpaSplit.for_kernel(24, torch.bfloat16) == PORTABLE_SPLIT
     prompt = make_batch([(100, 100)], 4, 2, 16, seed=1).metadata
     long_prompt = make_batch([(512, 512)], 4, 2, 16, seed=1).metadata

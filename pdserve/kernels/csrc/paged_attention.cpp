@@ -12,7 +12,9 @@
 // reads each key row in place (bfloat16 keys: exact bf16 products summed in float32 by
 // vdpbf16ps where the CPU has it, else converted in registers), converts each value row to
 // float32 once for all query heads of the group and rows of the item, and keeps a running max
-// and sum per query (online softmax), all in float32.
+// and sum per query (online softmax), all in float32. Vector loops: AVX-512 (16 lanes) or
+// AVX2 with FMA (8 lanes, a tile in two halves) for head_dim 16, 32, 64 and 128; portable
+// loops otherwise.
 
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
@@ -25,7 +27,7 @@
 #include <type_traits>
 #include <vector>
 
-#ifdef __AVX512F__
+#if defined(__AVX512F__) || (defined(__AVX2__) && defined(__FMA__))
 #include <immintrin.h>
 #endif
 
@@ -176,6 +178,83 @@ void attend_avx512(QueryState& s, const T* const* k_rows, const float* const* v_
 }
 #endif
 
+#if !defined(__AVX512F__) && defined(__AVX2__) && defined(__FMA__)
+// The same loops on 8 lanes: a tile of kTile positions is attended in halves of 8.
+inline __m256 load8(const float* p) { return _mm256_loadu_ps(p); }
+inline __m256 load8(const at::BFloat16* p) {
+  const __m256i bits = _mm256_cvtepu16_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)));
+  return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
+}
+
+// 2^x, x <= 0: 2^round(x) put into the exponent bits times the AVX-512 path's series of 2^f,
+// |f| <= 0.5. Clamped at -126 (the smallest normal exponent): a weight of 2^-126 or less
+// against the running max's 1 is below float32's precision in every sum it joins.
+inline __m256 exp2_ps(__m256 x) {
+  x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
+  const __m256 k = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  const __m256 f = _mm256_sub_ps(x, k);
+  __m256 p = _mm256_set1_ps(1.5252733e-5f);
+  for (float c : {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f})
+    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
+  return _mm256_mul_ps(p, _mm256_castsi256_ps(two_k));
+}
+
+// r[t] = sum of the lanes of a[t]: pairwise horizontal adds, then the two 128-bit halves.
+__attribute__((always_inline)) inline __m256 sum_lanes8(const __m256 (&a)[8]) {
+  const __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
+  const __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
+  const __m256 low4 = _mm256_hadd_ps(s01, s23), high4 = _mm256_hadd_ps(s45, s67);  // per half: a0..a3, a4..a7
+  return _mm256_add_ps(_mm256_permute2f128_ps(low4, high4, 0x20), _mm256_permute2f128_ps(low4, high4, 0x31));
+}
+
+inline float reduce_max8(__m256 x) {
+  __m128 m = _mm_max_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  m = _mm_max_ps(m, _mm_movehl_ps(m, m));
+  return _mm_cvtss_f32(_mm_max_ss(m, _mm_movehdup_ps(m)));
+}
+
+inline float reduce_add8(__m256 x) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(x), _mm256_extractf128_ps(x, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  return _mm_cvtss_f32(_mm_add_ss(s, _mm_movehdup_ps(s)));
+}
+
+// Folds `count` (1..8) consecutive visible positions into the state.
+template <int NV, typename T>  // head_dim == 8 * NV
+inline void attend8(QueryState& s, const T* const* k_rows, const float* const* v_rows, int64_t count, float* probs) {
+  __m256 q[NV], partial[8];
+  for (int c = 0; c < NV; ++c) q[c] = _mm256_loadu_ps(s.q + 8 * c);
+  for (int64_t t = 0; t < 8; ++t) {
+    partial[t] = _mm256_setzero_ps();
+    if (t >= count) continue;
+    for (int c = 0; c < NV; ++c) partial[t] = _mm256_fmadd_ps(q[c], load8(k_rows[t] + 8 * c), partial[t]);
+  }
+  const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
+  const __m256 visible = _mm256_cmp_ps(lane, _mm256_set1_ps(static_cast<float>(count)), _CMP_LT_OQ);
+  const __m256 scores = _mm256_blendv_ps(_mm256_set1_ps(-std::numeric_limits<float>::infinity()),
+                                         sum_lanes8(partial), visible);
+  raise_max(s, reduce_max8(scores), 8 * NV);
+  const __m256 p = _mm256_and_ps(visible, exp2_ps(_mm256_sub_ps(scores, _mm256_set1_ps(s.max))));
+  s.sum += reduce_add8(p);
+  _mm256_storeu_ps(probs, p);
+  __m256 acc[NV];
+  for (int c = 0; c < NV; ++c) acc[c] = _mm256_loadu_ps(s.acc + 8 * c);
+  for (int64_t t = 0; t < count; ++t) {
+    const __m256 pt = _mm256_set1_ps(probs[t]);
+    for (int c = 0; c < NV; ++c) acc[c] = _mm256_fmadd_ps(pt, _mm256_loadu_ps(v_rows[t] + 8 * c), acc[c]);
+  }
+  for (int c = 0; c < NV; ++c) _mm256_storeu_ps(s.acc + 8 * c, acc[c]);
+}
+
+template <int NV, typename T>  // head_dim == 8 * NV
+void attend_avx2(QueryState& s, const T* const* k_rows, const float* const* v_rows, int64_t count, int64_t,
+                 float* probs) {
+  for (int64_t begin = 0; begin < count; begin += 8)
+    attend8<NV>(s, k_rows + begin, v_rows + begin, std::min<int64_t>(8, count - begin), probs);
+}
+#endif
+
 template <typename T>
 AttendFn<T> pick_attend(int64_t head_dim) {
 #ifdef __AVX512F__
@@ -186,8 +265,27 @@ AttendFn<T> pick_attend(int64_t head_dim) {
     case 128: return attend_avx512<8, T>;
     default: break;
   }
+#elif defined(__AVX2__) && defined(__FMA__)
+  switch (head_dim) {
+    case 16: return attend_avx2<2, T>;
+    case 32: return attend_avx2<4, T>;
+    case 64: return attend_avx2<8, T>;
+    case 128: return attend_avx2<16, T>;
+    default: break;
+  }
 #endif
   return attend_portable<T>;
+}
+
+// The lanes of the vector loops this build attends rows of head_dim with: 16 (AVX-512), 8
+// (AVX2), or 0 (the portable loops).
+int64_t attention_lanes(int64_t head_dim) {
+  if (pick_attend<float>(head_dim) == attend_portable<float>) return 0;
+#ifdef __AVX512F__
+  return 16;
+#else
+  return 8;
+#endif
 }
 
 // One unit of parallel work: query rows [row_begin, row_end) of sequence seq, kv head kv_head.
@@ -417,17 +515,14 @@ void paged_attention(const at::Tensor& query, const at::Tensor& k_cache, const a
   }
 }
 
-// Whether this build attends rows of head_dim with its vector loops (AVX-512); otherwise the
-// portable loops run, which lose to SDPA on all but the shortest chunks (pdserve/kernels/paged_attention.py).
-bool vector_attention(int64_t head_dim) { return pick_attend<float>(head_dim) != attend_portable<float>; }
-
 // The library's one TORCH_LIBRARY block; cache_write.cpp adds its op as a fragment.
 TORCH_LIBRARY(pdserve_cpu, m) {
   m.def(
       "paged_attention(Tensor query, Tensor k_cache, Tensor v_cache, Tensor block_tables, Tensor seq_lens, "
       "Tensor query_start_loc, Tensor(a!) out, float scale, int sdpa_min_chunk, int sdpa_min_prompt, "
       "int row_tile) -> ()");
-  m.def("vector_attention(int head_dim) -> bool", &vector_attention);
+  // The SDPA split depends on it (pdserve/kernels/paged_attention.py `SdpaSplit.for_kernel`).
+  m.def("attention_lanes(int head_dim) -> int", &attention_lanes);
 }
 
 TORCH_LIBRARY_IMPL(pdserve_cpu, CPU, m) {
