@@ -32,6 +32,7 @@ from pathlib import Path
 
 import torch
 
+from pdserve.planner.cpu_witness import SUSPECT_SHARE
 from pdserve.planner.validate import rounds_text
 
 WORKLOADS = {
@@ -108,7 +109,8 @@ def main(argv: list[str] | None = None) -> int:
                 rows += _rows(workload, slo, report)
                 shares.append(report["validation"]["recommended_share_of_best_measured"])
     print("\n| workload | SLO TTFT,TPOT s | layout | goodput pred/meas req/s | error | measured by round (spread) | "
-          "TTFT p90 pred/meas ms | TPOT p90 pred/meas ms |\n| --- | --- | --- | --- | --- | --- | --- | --- |")
+          "TTFT p90 pred/meas ms | TPOT p90 pred/meas ms | CPU taken by others |\n"
+          "| --- | --- | --- | --- | --- | --- | --- | --- | --- |")
     for r in rows:
         at = r["at_predicted_rate"]
         p90 = {k: "/".join("-" if v is None else f"{v * 1e3:.0f}" for v in (at[k]["predicted"], at[k]["measured"]))
@@ -116,13 +118,18 @@ def main(argv: list[str] | None = None) -> int:
         by_round = rounds_text([x["measured_goodput_rps"] for x in r["rounds"]], r["measured_spread"])
         bound = r.get("goodput_error_is_a_lower_bound", False)  # no rate passed: below the lowest that failed
         measured = f"<{r['measured_below_rps']:.3g}" if bound else f"{r['measured_goodput_rps']:.3g}"
+        taken = r.get("cpu_taken_share")  # a report from before the witness has none
         print(f"| {r['workload']} | {r['slo']} | {r['layout']} | {r['predicted_goodput_rps']:.3g}/{measured} | "
               f"{'≥' if bound else ''}{_pct(r['goodput_error'])} | {by_round} | {p90['ttft_p90_s']} | "
-              f"{p90['tpot_p90_s']} |")
+              f"{p90['tpot_p90_s']} | {'-' if taken is None else f'{taken:.0%}'}{'*' if r.get('suspect') else ''} |")
     errors = [abs(r["goodput_error"]) for r in rows if r["goodput_error"] is not None]
     median = statistics.median(errors) if errors else None
     print(f"\nmedian |goodput error| over {len(errors)} measured candidates (a bound where no rate passed): "
           + ("-" if median is None else f"{median:.0%} (goal <= 10%)"))
+    quiet = [abs(r["goodput_error"]) for r in rows if r["goodput_error"] is not None and not r.get("suspect")]
+    if len(quiet) < len(errors):
+        print(f"median |goodput error| over the {len(quiet)} measured while others took under {SUSPECT_SHARE:.0%} of "
+              "the machine's CPU: " + (f"{statistics.median(quiet):.0%}" if quiet else "-"))
     spreads = [r["measured_spread"] for r in rows if r["measured_spread"] is not None]
     if spreads:
         print(f"median spread of a candidate's measured goodput over its rounds: {statistics.median(spreads):.0%}")

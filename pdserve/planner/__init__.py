@@ -10,6 +10,8 @@
     simulator.py   the whole cluster as discrete events: the router's placement, the nodes, the KV hand-off
     goodput.py     a simulated run's SLO summary and the goodput search, as the serving bench computes them
     search.py      the configurations on N devices, each simulated and ranked
+    validate.py    `--validate K`: the chosen candidates started and swept for real, predicted beside measured
+    cpu_witness.py what else took the machine's CPU (steal, other processes) while a candidate was measured
     profile_cli.py `pdserve profile` (and the cached-or-measured lookup `pdserve plan` uses)
     cli.py         `pdserve plan`
 

@@ -21,6 +21,11 @@ then each again — so a slow spell falls on every layout, not on one. A candida
 goodput is the median of its rounds, and the report gives their spread beside the error: an
 error smaller than the spread is not one the runs can show.
 
+Each round's sweep is watched for what else took the machine's CPU while it ran (steal, and
+processes outside the plan's own tree: pdserve/planner/cpu_witness.py); the report marks a
+measurement during which that reached `SUSPECT_SHARE` of the machine, whose error is the
+machine's as much as the plan's.
+
 The sweep starts at the predicted goodput, so its first probe also measures the P90s at the
 predicted rate: the latency error is read there, at the same rate on both sides. It moves from
 there by a quarter (`GROWTH`), not by doubling: a prediction within 25% of the truth is
@@ -45,6 +50,7 @@ from pdserve.bench.serve.metrics import Slo, Summary
 from pdserve.bench.serve.sweep import Probe, SweepConfig, SweepResult
 from pdserve.cluster_process import ClusterProcess
 from pdserve.common.affinity import threads_pinned_to
+from pdserve.planner.cpu_witness import SUSPECT_SHARE, CpuUse, CpuWitness
 from pdserve.planner.search import Evaluated
 
 WARMUP_REQUESTS = 4  # every node's first shapes (kernel builds, allocator growth) before any probe
@@ -72,6 +78,7 @@ class Measurement:
     goodput_rps: float  # 0 when no probed rate met the target
     at_predicted_rate: Summary | None  # the real run at the predicted goodput (None: nothing was predicted)
     sweep: SweepResult[Summary]
+    cpu: CpuUse | None = None  # where the machine's CPU went while the sweep ran (None: not watched)
 
 
 @dataclass(frozen=True)
@@ -125,6 +132,17 @@ class Validation:
     def error_is_a_bound(self) -> bool:
         return self.measured_goodput_rps <= 0 and self.measured_below_rps is not None
 
+    @property
+    def taken_share(self) -> float | None:
+        """The most any round's sweep lost of the machine's CPU to steal and other processes
+        (None: no round was watched)."""
+        shares = [m.cpu.taken_share for m in self.rounds if m.cpu is not None]
+        return max(shares) if shares else None
+
+    @property
+    def suspect(self) -> bool:
+        return any(m.cpu is not None and m.cpu.suspect for m in self.rounds)
+
 
 @dataclass(frozen=True)
 class ValidationPlan:
@@ -176,8 +194,19 @@ def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Measurement
               threads_pinned_to(e.candidate.layout.router_cores)):
             argv = client_argv(cluster.router, e.prediction.goodput_rps, plan, output)
             log(f"validate: {layout}: {shlex.join(argv[2:])}")
+            witness = CpuWitness()  # this process's tree: the cluster and the client
+            witness.start()
             _run_client(argv, lambda line: log(f"validate: {layout}: {line}"))
-        return measurement(json.loads(output.read_text()), e.prediction.goodput_rps)
+            cpu = witness.stop()
+        log(f"validate: {layout}: {cpu_text(cpu)}")
+        return measurement(json.loads(output.read_text()), e.prediction.goodput_rps, cpu)
+
+
+def cpu_text(cpu: CpuUse) -> str:
+    text = (f"while it was measured, steal took {cpu.steal_s / cpu.capacity_s:.0%} and processes outside the "
+            f"cluster and its client {cpu.others_s / cpu.capacity_s:.0%} of the machine's CPU time"
+            if cpu.capacity_s > 0 else "no CPU time passed while it was measured")
+    return text + (" (suspect: its measured goodput is the machine's as much as the plan's)" if cpu.suspect else "")
 
 
 def _run_client(argv: list[str], log) -> None:
@@ -196,7 +225,7 @@ def _run_client(argv: list[str], log) -> None:
                                 "(its output is above)")
 
 
-def measurement(doc: dict, predicted_rps: float) -> Measurement:
+def measurement(doc: dict, predicted_rps: float, cpu: CpuUse | None = None) -> Measurement:
     """One round's measurement from the JSON a `pdserve bench serve --sweep` wrote: its runs are
     its probes, in order; the one at the predicted rate (the first, where one was predicted) is
     where the P90s are compared."""
@@ -205,7 +234,7 @@ def measurement(doc: dict, predicted_rps: float) -> Measurement:
     probes = [Probe(p["rate"], summary, p["passed"]) for p, summary in zip(record["probes"], summaries, strict=True)]
     sweep = SweepResult(record["goodput"], record["failed_rate"], probes, record["converged"])
     at_predicted = next((p.result for p in probes if p.rate == predicted_rps), None) if predicted_rps > 0 else None
-    return Measurement(sweep.best_rate or 0.0, at_predicted, sweep)
+    return Measurement(sweep.best_rate or 0.0, at_predicted, sweep, cpu)
 
 
 # -- the report ---------------------------------------------------------------------------------
@@ -250,6 +279,8 @@ def validation_record(v: Validation) -> dict:
         "goodput_error": v.goodput_error,
         "goodput_error_is_a_lower_bound": v.error_is_a_bound,
         "measured_spread": v.spread,
+        "cpu_taken_share": v.taken_share,
+        "suspect": v.suspect,
         "measured_converged": v.rounds[0].sweep.converged,
         "at_predicted_rate": {
             "ttft_p90_s": {"predicted": _p90(predicted, "ttft_s"), "measured": _p90(v.at_predicted_rate, "ttft_s")},
@@ -258,7 +289,8 @@ def validation_record(v: Validation) -> dict:
                            "measured": None if v.at_predicted_rate is None else v.at_predicted_rate.attainment},
         },
         "probes": _probes(v.rounds[0]),  # the first round's: the one sweep of reports from before rounds
-        "rounds": [{"measured_goodput_rps": m.goodput_rps, "probes": _probes(m)} for m in v.rounds],
+        "rounds": [{"measured_goodput_rps": m.goodput_rps, "probes": _probes(m),
+                    "cpu": None if m.cpu is None else m.cpu.record()} for m in v.rounds],
     }
 
 
@@ -295,6 +327,7 @@ def format_validation(validations: list[Validation]) -> str:
         ttft = (_p90(predicted, "ttft_s"), _p90(v.at_predicted_rate, "ttft_s"))
         tpot = (_p90(predicted, "tpot_s"), _p90(v.at_predicted_rate, "tpot_s"))
         measured = f"<{v.measured_below_rps:.3g}" if v.error_is_a_bound else f"{v.measured_goodput_rps:.3g}"
+        measured += "*" if v.suspect else ""
         row = (v.evaluated.candidate.layout.describe(), f"{v.predicted_goodput_rps:.3g}/{measured}",
                ("≥" if v.error_is_a_bound else "") + _pct(v.goodput_error),
                f"{_ms(ttft[0])}/{_ms(ttft[1])} ({_pct(_error(*ttft))})",
@@ -310,6 +343,9 @@ def format_validation(validations: list[Validation]) -> str:
     if spread is not None:
         lines.append(f"median spread of the measured goodput over its rounds: {spread:.0%} "
                      "(an error under it is within the runs' own variation)")
+    if any(v.suspect for v in validations):
+        lines.append(f"(*: steal or processes outside the cluster took {SUSPECT_SHARE:.0%} or more of the machine's "
+                     "CPU while it was measured; its error is the machine's as much as the plan's)")
     if any(v.error_is_a_bound for v in validations):
         lines.append("(<R: no probed rate met the target, the lowest to fail was R; the error shown, and counted "
                      "in the median, is the least it can be)")

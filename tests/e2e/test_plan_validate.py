@@ -59,3 +59,9 @@ def test_plan_validate_runs_the_recommended_cluster_and_reports_predicted_beside
     # The client is `pdserve bench serve` in a process of its own, its command line logged to run again.
     assert "validate: colocated x1 (1 core): pdserve bench serve --addr 127.0.0.1:" in result.stderr
     assert "validate: colocated x1 (1 core): goodput at attainment >= 0.9" in result.stderr
+    # What else took the machine while it was measured: the cluster and the client are this
+    # process's tree, so their CPU is the tree's, not the others'.
+    cpu = checked["rounds"][0]["cpu"]
+    assert cpu["capacity_s"] > 0 and cpu["tree_s"] > 0 and cpu["others_s"] >= 0 and cpu["steal_s"] >= 0
+    assert checked["cpu_taken_share"] == cpu["taken_share"]
+    assert "validate: colocated x1 (1 core): while it was measured, steal took " in result.stderr

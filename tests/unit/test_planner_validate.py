@@ -18,6 +18,7 @@ from pdserve.bench.serve.workloads import ModelLimits
 from pdserve.planner import cli as plan_cli
 from pdserve.planner.goodput import Prediction, SimRun
 from pdserve.planner.search import Candidate, Evaluated, Knobs, Layout, layouts
+from pdserve.planner.cpu_witness import CpuUse
 from pdserve.planner.validate import (
     GROWTH, WARMUP_REQUESTS, Measurement, Validation, ValidationPlan, chosen, client_argv, format_validation,
     measurement, median_abs_goodput_error, median_spread, recommended_share_of_best, report_record,
@@ -109,6 +110,28 @@ def test_a_candidate_that_passed_no_rate_counts_in_the_median_with_the_least_err
     lines = format_validation([measured, failed]).splitlines()
     assert "7.11/<3.64" in lines[2] and "≥+95%" in lines[2]
     assert lines[4].startswith("(<R: no probed rate met the target")
+
+
+def test_a_measurement_while_other_work_took_the_machine_is_marked_suspect():
+    # 20 s of two cores' time: the cluster took 30 s; steal 1 s and others 3 s (10%) in one round.
+    quiet, taken = CpuUse(40.0, 0.0, 30.0, 1.0), CpuUse(40.0, 1.0, 30.0, 3.0)
+    e = evaluated(TWO_NODES_1_CORE, 12)
+    sweep = SweepResult(best_rate=8)
+    clean = Validation(e, (Measurement(8, None, sweep, quiet),))
+    noisy = Validation(evaluated(ONE_P_ONE_D, 6),
+                       (Measurement(8, None, sweep, quiet), Measurement(8, None, sweep, taken)))
+    assert (clean.taken_share, clean.suspect) == (1.0 / 40, False)
+    assert (noisy.taken_share, noisy.suspect) == (0.1, True)
+    unwatched = validation(e, 8)
+    assert (unwatched.taken_share, unwatched.suspect) == (None, False)
+    record = report_record([clean, noisy])
+    assert [(r["cpu_taken_share"], r["suspect"]) for r in record["candidates"]] == [(1.0 / 40, False), (0.1, True)]
+    assert record["candidates"][1]["rounds"][1]["cpu"] == {"capacity_s": 40.0, "steal_s": 1.0, "tree_s": 30.0,
+                                                           "others_s": 3.0, "taken_share": 0.1}
+    lines = format_validation([clean, noisy]).splitlines()
+    assert "12/8 " in lines[1] and "6/8*" in lines[2]
+    assert any(line.startswith("(*: steal or processes outside the cluster took 10% or more") for line in lines)
+    assert not any(line.startswith("(*:") for line in format_validation([clean]).splitlines())
 
 
 # -- the client: `pdserve bench serve` in a process of its own ------------------------------------
