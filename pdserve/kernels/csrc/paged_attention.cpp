@@ -36,6 +36,10 @@ namespace {
 // Context positions attended per step: one vector of scores (16 float32 lanes).
 constexpr int64_t kTile = 16;
 constexpr float kLog2e = 1.4426950408889634f;
+// 2^f for |f| <= 0.5: a degree-7 Taylor series, highest coefficient first (Horner's order;
+// relative error ~1e-7). Both vector exp2s use it.
+constexpr float kExp2Series[] = {1.5252733e-5f, 1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f,
+                                 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f};
 
 inline float bf16_bits_to_float(uint16_t bits) {
   return __builtin_bit_cast(float, static_cast<uint32_t>(bits) << 16);
@@ -103,15 +107,13 @@ inline __m512 load16(const at::BFloat16* p) {
   return _mm512_castsi512_ps(_mm512_slli_epi32(bits, 16));
 }
 
-// 2^x, x <= 0: 2^round(x) by vscalefps times a degree-7 Taylor series of 2^f, |f| <= 0.5
-// (relative error ~1e-7).
+// 2^x, x <= 0: 2^round(x) by vscalefps times kExp2Series of 2^f, |f| <= 0.5.
 inline __m512 exp2_ps(__m512 x) {
   x = _mm512_max_ps(x, _mm512_set1_ps(-127.0f));
   const __m512 k = _mm512_roundscale_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m512 f = _mm512_sub_ps(x, k);
-  __m512 p = _mm512_set1_ps(1.5252733e-5f);
-  for (float c : {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f})
-    p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(c));
+  __m512 p = _mm512_set1_ps(kExp2Series[0]);
+  for (int i = 1; i < 8; ++i) p = _mm512_fmadd_ps(p, f, _mm512_set1_ps(kExp2Series[i]));
   return _mm512_scalef_ps(p, k);
 }
 
@@ -186,16 +188,15 @@ inline __m256 load8(const at::BFloat16* p) {
   return _mm256_castsi256_ps(_mm256_slli_epi32(bits, 16));
 }
 
-// 2^x, x <= 0: 2^round(x) put into the exponent bits times the AVX-512 path's series of 2^f,
-// |f| <= 0.5. Clamped at -126 (the smallest normal exponent): a weight of 2^-126 or less
-// against the running max's 1 is below float32's precision in every sum it joins.
+// 2^x, x <= 0: 2^round(x) put into the exponent bits times kExp2Series of 2^f, |f| <= 0.5.
+// Clamped at -126 (the smallest normal exponent): a weight of 2^-126 or less against the
+// running max's 1 is below float32's precision in every sum it joins.
 inline __m256 exp2_ps(__m256 x) {
   x = _mm256_max_ps(x, _mm256_set1_ps(-126.0f));
   const __m256 k = _mm256_round_ps(x, _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
   const __m256 f = _mm256_sub_ps(x, k);
-  __m256 p = _mm256_set1_ps(1.5252733e-5f);
-  for (float c : {1.5403530e-4f, 1.3333558e-3f, 9.6181291e-3f, 5.5504109e-2f, 2.4022651e-1f, 6.9314718e-1f, 1.0f})
-    p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(c));
+  __m256 p = _mm256_set1_ps(kExp2Series[0]);
+  for (int i = 1; i < 8; ++i) p = _mm256_fmadd_ps(p, f, _mm256_set1_ps(kExp2Series[i]));
   const __m256i two_k = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(k), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(two_k));
 }
