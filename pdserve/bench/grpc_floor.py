@@ -26,7 +26,7 @@ import grpc
 import torch
 import uvloop
 
-from pdserve.bench.http_front import process_cpu_s
+from pdserve.common.proc_stat import process_cpu_s
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 
 

@@ -26,7 +26,6 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
-import os
 import statistics
 import subprocess
 import sys
@@ -46,12 +45,12 @@ from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.openai_backend import OpenAIBackend
 from pdserve.bench.serve.runner import RunLength, ServeBench
 from pdserve.bench.serve.workloads import FixedLengths, SyntheticWorkload
+from pdserve.common.proc_stat import process_cpu_s
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing.waiting import until
 
 PROMPT_LEN = 64
 LATENCY_RATE = 1.0  # requests/s: one at a time, so the APIs are compared unloaded
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
 
 
 # -- 1. latency on a real cluster --------------------------------------------------------------
@@ -78,12 +77,6 @@ def measure_latency(args: argparse.Namespace) -> dict:
 
 
 # -- 2. the router's CPU per token, behind nodes that cost nothing --------------------------
-def process_cpu_s(pid: int) -> float:
-    """utime + stime of a process, in seconds."""
-    fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
-    return (int(fields[11]) + int(fields[12])) / CLOCK_TICKS
-
-
 @dataclass
 class Router:
     process: subprocess.Popen

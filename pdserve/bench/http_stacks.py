@@ -25,7 +25,7 @@ import aiohttp
 import torch
 import uvloop
 
-from pdserve.bench.http_front import process_cpu_s
+from pdserve.common.proc_stat import process_cpu_s
 from pdserve.testing.waiting import until
 
 START_TIMEOUT_S = 30.0  # for the server to listen

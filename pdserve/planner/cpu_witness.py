@@ -25,7 +25,7 @@ import os
 from dataclasses import dataclass
 from pathlib import Path
 
-CLOCK_TICKS = os.sysconf("SC_CLK_TCK")
+from pdserve.common.proc_stat import CLOCK_TICKS, ProcessTimes, parse_process_stat
 
 # A measurement during which other work held at least this share of the machine's CPU time is
 # reported as suspect (a slow spell of 2× above came with no other sign).
@@ -49,27 +49,22 @@ class MachineTimes:
         return cls(sum(ticks) / CLOCK_TICKS, (ticks[3] + ticks[4]) / CLOCK_TICKS, ticks[7] / CLOCK_TICKS)
 
 
-def parse_process_stat(stat_text: str) -> tuple[int, float]:
-    """(parent pid, utime + stime + cutime + cstime in seconds) of one /proc/PID/stat."""
-    fields = stat_text.rsplit(")", 1)[1].split()  # the name may hold spaces and parentheses
-    return int(fields[1]), sum(int(x) for x in fields[11:15]) / CLOCK_TICKS
-
-
-def tree_cpu_s(processes: dict[int, tuple[int, float]], root: int) -> float:
-    """The CPU seconds of `root` and its descendants, from pid -> (parent pid, CPU seconds)."""
+def tree_cpu_s(processes: dict[int, ProcessTimes], root: int) -> float:
+    """The CPU seconds of `root` and its descendants, each with the children it reaped (so a
+    process that ended inside a window keeps its time there)."""
     children: dict[int, list[int]] = {}
-    for pid, (parent, _) in processes.items():
-        children.setdefault(parent, []).append(pid)
+    for pid, times in processes.items():
+        children.setdefault(times.parent, []).append(pid)
     total, stack = 0.0, [root]
     while stack:
         pid = stack.pop()
         if pid in processes:
-            total += processes[pid][1]
+            total += processes[pid].own_s + processes[pid].children_s
         stack.extend(children.get(pid, ()))
     return total
 
 
-def _processes(proc: Path) -> dict[int, tuple[int, float]]:
+def _processes(proc: Path) -> dict[int, ProcessTimes]:
     found = {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():

@@ -29,8 +29,9 @@ import time
 import uvloop
 
 from pdserve.bench.common import local_cluster
-from pdserve.bench.http_front import grpc_streams, process_cpu_s
+from pdserve.bench.http_front import grpc_streams
 from pdserve.common.affinity import available_cpus, threads_pinned_to
+from pdserve.common.proc_stat import process_cpu_s
 from pdserve.planner.profile import ClientCost, FrontCost, RouterCost, ServingCosts
 
 REQUESTS_PER_STREAM = 8  # each run: this many requests per stream in flight, at least 64 in all

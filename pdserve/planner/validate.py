@@ -141,7 +141,7 @@ class Validation:
 
     @property
     def suspect(self) -> bool:
-        return any(m.cpu is not None and m.cpu.suspect for m in self.rounds)
+        return self.taken_share is not None and self.taken_share >= SUSPECT_SHARE
 
 
 @dataclass(frozen=True)

@@ -10,8 +10,8 @@ import time
 
 import pytest
 
-from pdserve.planner.cpu_witness import CLOCK_TICKS, CpuUse, CpuWitness, MachineTimes, Snapshot, parse_process_stat, \
-    tree_cpu_s
+from pdserve.common.proc_stat import CLOCK_TICKS, ProcessTimes, parse_process_stat
+from pdserve.planner.cpu_witness import CpuUse, CpuWitness, MachineTimes, Snapshot, tree_cpu_s
 
 # Burns CPU until its own process time reaches the first argument, then writes the file the second names.
 BURN = ("import sys, time\n"
@@ -32,11 +32,13 @@ def test_a_process_stat_gives_its_parent_and_its_own_and_reaped_childrens_cpu():
     t = CLOCK_TICKS
     # The name may hold spaces and parentheses; fields after it: state, ppid, ..., utime at 14.
     text = f"42 (a (b) c) S 7 42 42 0 -1 4194560 1 2 3 4 {3 * t} {t} {2 * t} {t} 20 0 1 0 5 6 7\n"
-    assert parse_process_stat(text) == (7, 7.0)
+    assert parse_process_stat(text) == ProcessTimes(7, 4.0, 3.0)
 
 
 def test_the_tree_holds_the_root_and_every_descendant_only():
-    processes = {1: (0, 100.0), 10: (1, 1.0), 11: (10, 2.0), 12: (11, 4.0), 20: (1, 8.0), 21: (20, 16.0)}
+    processes = {pid: ProcessTimes(parent, cpu, 0.0) for pid, (parent, cpu) in
+                 {1: (0, 100.0), 10: (1, 1.0), 11: (10, 2.0), 12: (11, 4.0), 20: (1, 8.0), 21: (20, 16.0)}.items()}
+    processes[12] = ProcessTimes(11, 3.0, 1.0)  # a reaped child's time counts with its parent's
     assert tree_cpu_s(processes, 10) == 7.0
     assert tree_cpu_s(processes, 20) == 24.0
     assert tree_cpu_s(processes, 99) == 0.0
