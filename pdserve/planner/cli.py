@@ -6,10 +6,11 @@
 Profiles each node configuration the search needs (cached: `pdserve profile`), simulates every
 candidate on N devices under the workload (pdserve/planner/search.py, pdserve/planner/simulator.py), predicts
 its goodput per device and its TTFT/TPOT at that rate, prints a ranked table and the command
-line of the best. SLOs that no candidate meets are refused in one line naming the best figures
-attainable (exit 2). `--validate K` then runs the top K and a few others for real and prints
-the plan's measured error (pdserve/planner/validate.py). Owns the flags, their checks and the output;
-decides nothing itself.
+line of the best, under it the measured error of the plans validated before on this model and
+machine (pdserve/planner/track_record.py). SLOs that no candidate meets are refused in one line naming
+the best figures attainable (exit 2). `--validate K` then runs the top K and a few others for real,
+prints the plan's measured error (pdserve/planner/validate.py) and adds it to that record. Owns the
+flags, their checks and the output; decides nothing itself.
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ import argparse
 import json
 import shlex
 import sys
-from dataclasses import replace
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from tqdm import tqdm
@@ -32,11 +33,12 @@ from pdserve.bench.serve.workloads import ModelLimits, RequestSpec
 from pdserve.common.refusal import Refused
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE, DTYPE_NAMES, EngineConfig
 from pdserve.planner.goodput import Traffic
-from pdserve.planner.profile import ClientCost, Profile, ProfileCache
+from pdserve.planner.profile import ClientCost, Profile, ProfileCache, model_hash
 from pdserve.planner.profile_cli import default_model, int_list, profiles_for, serving_costs_for
 from pdserve.planner.search import (
     DEFAULT_LOCAL_PREFILL_MAX_TOKENS, Candidate, Evaluated, Knobs, evaluate, layouts, ranked, with_prompt_budgets,
 )
+from pdserve.planner.track_record import TrackRecord, ValidationLog, record_key
 from pdserve.planner.validate import ValidationPlan, chosen, format_validation, report_record, validate
 
 
@@ -224,7 +226,15 @@ def _tp_sizes(model: str, sizes: list[int], log) -> tuple[int, ...]:
     return tuple(splittable)
 
 
-def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[Evaluated], dict, ValidationPlan]:
+@dataclass(frozen=True)
+class Plan:
+    results: list[Evaluated]  # ranked, best first
+    report: dict  # what --output-json writes
+    checks: ValidationPlan  # how --validate measures the chosen candidates
+    track: TrackRecord | None  # the error of the plans validated before (None: nothing was ranked)
+
+
+def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> Plan:
     model = default_model(args.model)
     bounds = () if args.no_hybrid else tuple(args.local_prefill_max_tokens)
     tp_sizes = _tp_sizes(model, args.tp, log)
@@ -252,16 +262,22 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> tuple[list[
                       for c in tqdm(candidates, desc="simulating", unit="config", disable=args.no_progress)], slo)
     records = [candidate_record(e, model, first.setup.dtype, args.block_size) for e in results]
     best = records[0] if results and results[0].prediction.goodput_rps > 0 else None
+    validation_log = ValidationLog(cache.folder, record_key(model_hash(model), first.machine, first.setup.dtype,
+                                                            args.block_size))
+    # The error bar: what the validations before this plan measured (this one's own is "validation").
+    top = results[0].candidate.layout if results else None
+    track = None if top is None else validation_log.track_record(top.mode, top.describe())
     report = {"recommended": None if best is None else {
         "command": best["command"], "mode": best["mode"], "predicted_goodput_rps": best["predicted_goodput_rps"],
         "predicted": {"ttft_p90_s": best["predicted"]["ttft_p90_s"], "tpot_p90_s": best["predicted"]["tpot_p90_s"]}},
         "candidates": records,
         # What every simulated run sent (a prediction is only comparable under the same run length).
-        "traffic": {"num_requests": traffic.num_requests, "min_duration_s": traffic.min_duration_s}}
+        "traffic": {"num_requests": traffic.num_requests, "min_duration_s": traffic.min_duration_s},
+        "track_record": None if track is None else track.to_json()}
     checks = ValidationPlan(tuple(workload_argv(args)), slo,
                             replace(sweep, max_probes=args.validate_probes), first.setup.dtype, args.block_size,
-                            args.validate_repeats)
-    return results, report, checks
+                            args.validate_repeats, validation_log=validation_log)
+    return Plan(results, report, checks, track)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -270,8 +286,11 @@ def main(argv: list[str] | None = None) -> int:
     knobs = _check(p, args)
     try:
         log = lambda line: print(line, file=sys.stderr)  # noqa: E731 - progress, not the answer
-        results, report, checks = plan(args, knobs, log=log)
+        planned = plan(args, knobs, log=log)
+        results, report, checks = planned.results, planned.report, planned.checks
         print(format_table(results))
+        if planned.track is not None:
+            print(planned.track.text())
         if args.validate and report["recommended"] is not None:
             validations = validate(chosen(results, args.validate, args.validate_others),
                                    default_model(args.model), checks, log=log)

@@ -26,6 +26,9 @@ processes outside the plan's own tree: pdserve/planner/cpu_witness.py); the repo
 measurement during which that reached `SUSPECT_SHARE` of the machine, whose error is the
 machine's as much as the plan's.
 
+What a validation measured is kept (`ValidationPlan.validation_log`, pdserve/planner/track_record.py): later
+plans on the same model and machine print it under their tables as their error bar.
+
 The sweep starts at the predicted goodput, so its first probe also measures the P90s at the
 predicted rate: the latency error is read there, at the same rate on both sides. It moves from
 there by a quarter (`GROWTH`), not by doubling: a prediction within 25% of the truth is
@@ -44,6 +47,7 @@ import subprocess
 import sys
 import tempfile
 from dataclasses import dataclass
+from datetime import datetime, timezone
 from pathlib import Path
 
 from pdserve.bench.serve.metrics import Slo, Summary
@@ -52,6 +56,7 @@ from pdserve.cluster_process import ClusterProcess
 from pdserve.common.affinity import threads_pinned_to
 from pdserve.planner.cpu_witness import SUSPECT_SHARE, CpuUse, CpuWitness
 from pdserve.planner.search import Evaluated
+from pdserve.planner.track_record import Checked, ValidationLog
 
 WARMUP_REQUESTS = 4  # every node's first shapes (kernel builds, allocator growth) before any probe
 GROWTH = 1.25  # the sweep's step from the predicted rate: × 1.25 up after a pass, ÷ 1.25 down after a miss
@@ -155,15 +160,29 @@ class ValidationPlan:
     block_size: int
     repeats: int = 1  # rounds: each candidate measured this many times, one round after the other
     timeout_s: float = 600.0
+    validation_log: ValidationLog | None = None  # where the measured errors are kept (None: nowhere)
 
 
 def validate(candidates: list[Evaluated], model: str, plan: ValidationPlan, log=print) -> list[Validation]:
+    when = datetime.now(timezone.utc).isoformat(timespec="seconds")
     rounds: list[list[Measurement]] = []
     for number in range(1, plan.repeats + 1):
         if plan.repeats > 1:
             log(f"validate: round {number} of {plan.repeats}")
         rounds.append([_measure(e, model, plan, log) for e in candidates])
-    return [Validation(e, tuple(r[i] for r in rounds)) for i, e in enumerate(candidates)]
+    validations = [Validation(e, tuple(r[i] for r in rounds)) for i, e in enumerate(candidates)]
+    if plan.validation_log is not None:
+        plan.validation_log.add(checked for v in validations if (checked := checked_record(v, when)) is not None)
+    return validations
+
+
+def checked_record(v: Validation, when: str) -> Checked | None:
+    """What the track record keeps of a validated candidate (None: nothing was measured)."""
+    if v.goodput_error is None:
+        return None
+    layout = v.evaluated.candidate.layout
+    return Checked(when, layout.mode, layout.describe(), v.predicted_goodput_rps, v.goodput_error,
+                   v.error_is_a_bound, v.suspect)
 
 
 def client_argv(router: str, predicted_rps: float, plan: ValidationPlan, output: Path) -> list[str]:

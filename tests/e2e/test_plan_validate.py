@@ -11,7 +11,7 @@ import sys
 
 from pdserve.engine.dtype_choice import resolve_dtype
 from pdserve.planner.profile import (
-    NodeSetup, ProfileCache, machine_facts, model_hash, profile_key,
+    PROFILE_VERSION, NodeSetup, ProfileCache, machine_facts, model_hash, profile_key,
 )
 from tests.unit.planner_profiles import store_synthetic_costs, synthetic_profile
 
@@ -65,3 +65,11 @@ def test_plan_validate_runs_the_recommended_cluster_and_reports_predicted_beside
     assert cpu["capacity_s"] > 0 and cpu["tree_s"] > 0 and cpu["others_s"] >= 0 and cpu["steal_s"] >= 0
     assert checked["cpu_taken_share"] == cpu["taken_share"]
     assert "validate: colocated x1 (1 core): while it was measured, steal took " in result.stderr
+
+    # The plan had no error bar yet; its validation is now the record the next plan prints.
+    assert "measured error: none yet for this model on this machine" in result.stdout
+    assert report["track_record"]["overall"] is None
+    [kept] = [json.loads(line) for line in (tmp_path / "profiles" / "validations.jsonl").read_text().splitlines()]
+    assert kept["layout"] == checked["layout"] and kept["mode"] == "colocated"
+    assert kept["goodput_error"] == checked["goodput_error"] and kept["suspect"] == checked["suspect"]
+    assert kept["key"]["model"] == digest and kept["key"]["profile_version"] == PROFILE_VERSION

@@ -133,3 +133,36 @@ def test_a_stream_interval_below_one_is_refused_naming_the_flag(planned, capsys)
         main(plan(planned, "--ttft-slo", "2", "--stream-intervals", "1,0"))
     assert exit_info.value.code == 2
     assert "--stream-intervals needs integers >= 1, got '1,0'" in capsys.readouterr().err
+
+
+def test_a_plan_prints_and_writes_the_error_its_key_was_validated_with(planned, tmp_path, capsys):
+    """Without a record the plan says it has none; with one (what `--validate` adds) it prints the
+    median error under its table and writes it as `track_record`."""
+    from pdserve.planner.track_record import Checked, ValidationLog, record_key
+
+    model, _ = planned
+    profiles = tmp_path / "profiles"
+    shutil.copytree(planned[1], profiles)
+    out_file = tmp_path / "plan.json"
+    argv = plan((model, str(profiles)), "--ttft-slo", "2", "--tpot-slo", "0.5", "--output-json", str(out_file))
+    assert main(argv) == 0
+    assert "measured error: none yet for this model on this machine" in capsys.readouterr().out
+    report = json.loads(out_file.read_text())
+    assert report["track_record"]["overall"] is None
+    best = report["candidates"][0]
+
+    machine = synthetic_profile(base_s=0.005, per_token_s=0.001).machine  # the profile's: the key of its plans
+    key = record_key(model_hash(model), machine, resolve_dtype("auto"), 16)
+    ValidationLog(profiles, key).add([Checked("2026-12-07T10:00:00+00:00", best["mode"], best["layout"], 1.0, 0.25,
+                                              False, False),
+                                      Checked("2026-12-07T10:00:00+00:00", "other", "other", 1.0, -0.05, False, False)])
+    assert main(argv) == 0
+    out = capsys.readouterr().out.splitlines()
+    [header] = [i for i, line in enumerate(out) if line.startswith("measured error of past plans")]
+    assert out[header + 1] == (
+        f"  {best['mode']} layouts: median |goodput error| 25% (signed +25%) over 1 candidate in 1 validation, "
+        "latest 2026-12-07")
+    record = json.loads(out_file.read_text())["track_record"]
+    assert record["mode"] == best["mode"] and record["layout"] == best["layout"]
+    assert record["overall"]["candidates"] == 2 and record["overall"]["median_abs_error"] == pytest.approx(0.15)
+    assert record["of_layout"]["median_error"] == 0.25
