@@ -17,7 +17,10 @@ once and cached, as `pdserve profile` does); so it runs one cluster per SLO. The
 (`--serve-prefill`, one core each): colocated, and moving a prompt's KV to another node when its
 own is short of KV blocks.
 On the disaggregated cluster it also measures the KV transfer's share of TTFT (the
-transfer time left after token 1, one request at a time). Prints a table of goodputs,
+transfer time left after token 1, one request at a time). Each sweep records where its
+requests' prompts were computed (the router's `pdserve_prompt_routes_total`, read before and
+after): what a hybrid decided, so that a hybrid measured level with colocated can be told from
+one that moved nothing. Prints a table of goodputs,
 each architecture's over colocated's, and whether the hybrid reached the better of the
 other two under each SLO; writes JSON and the plots of every sweep.
 """
@@ -31,6 +34,7 @@ import random
 import shlex
 import statistics
 import sys
+import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -38,6 +42,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvloop
+from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.common import ensure_model, local_cluster
 from pdserve.bench.disagg_latency import one_request
@@ -120,7 +125,7 @@ def _slo(text: str) -> Slo:
 def _cluster(arch: Architecture, model_dir: str, chunk: int,
              router_args: tuple[str, ...] = ()) -> Iterator[ClusterProcess]:
     node_args = ("--num-blocks", "4096", "--max-num-batched-tokens", str(chunk), "--max-num-seqs", "64")
-    extra = ("--router-args", shlex.join(router_args)) if router_args else ()
+    extra = ("--metrics-port", "0", *(("--router-args", shlex.join(router_args)) if router_args else ()))
     with local_cluster(model_dir, arch.pools, node_args, extra, kind_args=dict(arch.kind_args)) as cluster:
         yield cluster
 
@@ -150,6 +155,18 @@ def _kv_share(router: str, rng: random.Random, prompt_len: int, vocab_size: int,
     transfer = statistics.median(r["kv_transfer_after_token1_s"] for r in runs)
     return {"prompt_len": prompt_len, "ttft_s": ttft, "kv_transfer_after_token1_s": transfer,
             "share_of_ttft": transfer / ttft, "kv_transfer_bytes": runs[0]["kv_transfer_bytes"]}
+
+
+def prompt_routes(metrics_text: str) -> dict[str, int]:
+    """The router's requests so far by where their prompts were computed (`pdserve_prompt_routes_total`)."""
+    return {sample.labels["route"]: int(sample.value) for family in text_string_to_metric_families(metrics_text)
+            if family.name == "pdserve_prompt_routes" for sample in family.samples
+            if sample.name == "pdserve_prompt_routes_total"}
+
+
+def _routes_now(cluster: ClusterProcess) -> dict[str, int]:
+    with urllib.request.urlopen(cluster.state.children["router"].metrics_url, timeout=10) as response:
+        return prompt_routes(response.read().decode())
 
 
 def _measure(arch: Architecture, args: argparse.Namespace, model_dir: str, slos: dict[str, Slo]) -> dict:
@@ -207,9 +224,14 @@ def _measure_on(cluster: ClusterProcess, arch: Architecture, args: argparse.Name
             print(report.format_run(run), flush=True)
             return run
 
+        before = _routes_now(cluster)
         sweep = find_max_rate(run_at, config)
+        after = _routes_now(cluster)
         record = report.sweep_record(sweep, args.attainment, NUM_DEVICES)
+        record["prompt_routes"] = {route: n - before.get(route, 0) for route, n in after.items()}
         print(f"{arch.name} / {slo_name}: {report.format_sweep(record)}", flush=True)
+        print(f"{arch.name} / {slo_name}: prompts computed by route: "
+              + ", ".join(f"{route} {n}" for route, n in sorted(record["prompt_routes"].items())), flush=True)
         runs = [p.result for p in sweep.probes]
         plot_dir = args.out_dir / f"{_slug(arch.name)}-{slo_name}"
         report.write_plots(plot_dir, runs, args.attainment, slo)

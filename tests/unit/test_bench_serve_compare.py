@@ -36,3 +36,18 @@ def test_the_budgeted_hybrids_router_flags_are_the_planners_rate_for_each_slo():
     assert _budget_args(profile, 0.25, Slo(4.0, 0.03)) == (
         "--disaggregation", "auto", "--local-prefill-tokens-per-s", "196")
     assert _budget_args(profile, 0.25, Slo(4.0, 0.006)) == ("--disaggregation", "always")
+
+
+def test_prompt_routes_reads_the_routers_counter_by_route():
+    from prometheus_client import CollectorRegistry, generate_latest
+
+    from pdserve.bench.serve_compare import prompt_routes
+    from pdserve.router.dispatch.state import PromptRoute, RouteCounts
+    from pdserve.router.fronts.metrics import routes_collector
+
+    routes = RouteCounts()
+    for route in (PromptRoute.DECODE_NODE, PromptRoute.DECODE_NODE, PromptRoute.PREFILL_POOL):
+        routes.count(route)
+    registry = CollectorRegistry()
+    registry.register(routes_collector(routes))
+    assert prompt_routes(generate_latest(registry).decode()) == {"colocated": 0, "prefill_pool": 1, "decode_node": 2}
