@@ -21,7 +21,7 @@ pdserve/planner/cpu_witness.py) is kept in the file but left out of the figures.
 (a file cut off mid-write) is skipped.
 
 Must never: change a prediction (the record is reported, not applied), or fail a plan because the
-file cannot be read or written.
+file cannot be read (a validation that cannot write it says so and goes on).
 """
 
 from __future__ import annotations
@@ -118,17 +118,15 @@ class ValidationLog:
         self.key = json.loads(json.dumps(key))  # as it reads back: tuples are lists there
 
     def add(self, checked: Iterable[Checked]) -> None:
+        """Raises OSError when the file cannot be written (the caller says so and goes on)."""
         lines = "".join(json.dumps({"key": self.key, **asdict(c)}, sort_keys=True) + "\n" for c in checked)
         if not lines:
             return
-        try:
-            self.path.parent.mkdir(parents=True, exist_ok=True)
-            with self.path.open("a+b") as f:  # appends go to the end, wherever it reads
-                if _ends_mid_line(f):
-                    lines = "\n" + lines  # after a line cut off mid-write: that one is lost, not these
-                f.write(lines.encode())  # one write per validation: lines of two never interleave
-        except OSError:
-            pass  # the plan and its validation stand without the record
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        with self.path.open("a+b") as f:  # appends go to the end, wherever it reads
+            if _ends_mid_line(f):
+                lines = "\n" + lines  # after a line cut off mid-write: that one is lost, not these
+            f.write(lines.encode())  # one write per validation: lines of two never interleave
 
     def read(self) -> list[Checked]:
         """The key's candidates that were measured with the machine to themselves."""

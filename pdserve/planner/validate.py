@@ -172,7 +172,10 @@ def validate(candidates: list[Evaluated], model: str, plan: ValidationPlan, log=
         rounds.append([_measure(e, model, plan, log) for e in candidates])
     validations = [Validation(e, tuple(r[i] for r in rounds)) for i, e in enumerate(candidates)]
     if plan.validation_log is not None:
-        plan.validation_log.add(checked for v in validations if (checked := checked_record(v, when)) is not None)
+        try:
+            plan.validation_log.add(checked for v in validations if (checked := checked_record(v, when)) is not None)
+        except OSError as err:  # the validation stands without its record
+            log(f"validate: could not keep this validation's errors in {plan.validation_log.path}: {err}")
     return validations
 
 

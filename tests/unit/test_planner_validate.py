@@ -198,3 +198,33 @@ def test_a_measurement_is_read_back_from_the_clients_json(tmp_path):
                                                                             for r in runs]
     assert measured.at_predicted_rate == runs[0].summary
     assert measurement(json.loads(path.read_text()), 0.0).at_predicted_rate is None
+
+
+def test_a_validation_adds_what_it_measured_to_the_track_record_and_says_when_it_cannot(tmp_path, monkeypatch):
+    """`_measure` (a real cluster and client: tests/e2e/test_plan_validate.py) is replaced by
+    fixed measurements; what is checked is what the record keeps of them."""
+    from pdserve.planner import validate as validate_module
+    from pdserve.planner.track_record import ValidationLog
+
+    measured = {TWO_NODES_1_CORE: 10.0, ONE_P_ONE_D: 0.0}  # the pair passed no probed rate, failed at 4
+    monkeypatch.setattr(validate_module, "_measure", lambda e, model, plan, log: Measurement(
+        measured[e.candidate.layout], None, SweepResult(best_rate=measured[e.candidate.layout] or None,
+                                                         failed_rate=4.0)))
+    candidates = [evaluated(TWO_NODES_1_CORE, 12), evaluated(ONE_P_ONE_D, 6)]
+    log = ValidationLog(tmp_path, {"model": "m"})
+    plan = ValidationPlan((), Slo(1.0, 0.05), SweepConfig(0.9), "float32", 16, validation_log=log)
+    validate_module.validate(candidates, "model", plan, log=lambda line: None)
+    kept = log.read()
+    assert [(c.mode, c.layout, c.predicted_goodput_rps, c.goodput_error, c.error_is_a_bound, c.suspect)
+            for c in kept] == [("colocated", TWO_NODES_1_CORE.describe(), 12, 0.2, False, False),
+                               ("disaggregated", ONE_P_ONE_D.describe(), 6, 0.5, True, False)]
+    assert kept[0].when == kept[1].when  # one validation
+
+    blocked = tmp_path / "a-file"
+    blocked.write_text("")
+    said: list[str] = []
+    plan = ValidationPlan((), Slo(1.0, 0.05), SweepConfig(0.9), "float32", 16,
+                          validation_log=ValidationLog(blocked, {"model": "m"}))
+    assert len(validate_module.validate(candidates, "model", plan, log=said.append)) == 2  # it stands
+    [line] = said
+    assert line.startswith(f"validate: could not keep this validation's errors in {blocked / 'validations.jsonl'}: ")

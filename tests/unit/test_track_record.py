@@ -67,9 +67,10 @@ def test_a_line_cut_off_or_of_another_shape_is_skipped(tmp_path):
     assert (tmp_path / FILE_NAME).read_text().count("\n") == 4
 
 
-def test_a_record_that_cannot_be_written_or_read_leaves_the_plan_alone(tmp_path):
+def test_a_record_that_cannot_be_read_is_empty_and_one_that_cannot_be_written_says_why(tmp_path):
     blocked = tmp_path / "a-file"
     blocked.write_text("")
     log = ValidationLog(blocked, KEY)  # its folder is a file
-    log.add([checked(0.1)])
     assert log.read() == [] and log.track_record("colocated", "colocated x1 (1 core)").overall is None
+    with pytest.raises(OSError):  # validate() logs it and goes on
+        log.add([checked(0.1)])
