@@ -34,7 +34,6 @@ import random
 import shlex
 import statistics
 import sys
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,7 +41,6 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import uvloop
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.common import ensure_model, local_cluster
 from pdserve.bench.disagg_latency import one_request
@@ -54,6 +52,7 @@ from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.runner import RunLength, ServeBench
 from pdserve.bench.serve.sweep import SweepConfig, find_max_rate
 from pdserve.bench.serve.workloads import SyntheticWorkload, UniformLengths
+from pdserve.testing.metrics import counter_in, scrape
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE
 
 if TYPE_CHECKING:
@@ -159,14 +158,11 @@ def _kv_share(router: str, rng: random.Random, prompt_len: int, vocab_size: int,
 
 def prompt_routes(metrics_text: str) -> dict[str, int]:
     """The router's requests so far by where their prompts were computed (`pdserve_prompt_routes_total`)."""
-    return {sample.labels["route"]: int(sample.value) for family in text_string_to_metric_families(metrics_text)
-            if family.name == "pdserve_prompt_routes" for sample in family.samples
-            if sample.name == "pdserve_prompt_routes_total"}
+    return {route: int(n) for route, n in counter_in(metrics_text, "pdserve_prompt_routes", "route").items()}
 
 
 def _routes_now(cluster: ClusterProcess) -> dict[str, int]:
-    with urllib.request.urlopen(cluster.state.children["router"].metrics_url, timeout=10) as response:
-        return prompt_routes(response.read().decode())
+    return prompt_routes(scrape(cluster.state.children["router"].metrics_url))
 
 
 def _measure(arch: Architecture, args: argparse.Namespace, model_dir: str, slos: dict[str, Slo]) -> dict:

@@ -7,6 +7,7 @@ in-process, and the one way to wait for a condition.
     node_server.py     `FakeNode`: a fake's real gRPC server on 127.0.0.1, its registration and
                        heartbeats; `fake_nodes` and `colocated_nodes` start a set and always stop it
     router.py          the real router server in-process, a bounded event loop, a collecting client
+    metrics.py         a /metrics endpoint read back: a counter's or gauge's samples by a label
     serve_fakes.py     `python -m pdserve.testing.serve_fakes`: fake nodes that answer at once,
                        registered with a router in another process (what a router benchmark drives)
 

@@ -14,7 +14,6 @@ import shlex
 import signal
 import sys
 import tempfile
-import urllib.request
 from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -22,7 +21,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.cluster_process import ClusterProcess
 from pdserve.cluster_plan import resolve_port
@@ -40,23 +38,6 @@ def free_port() -> int:
     """A port free on HOST now (for the tests that start a single process by hand), picked as the
     launcher picks its children's."""
     return resolve_port(HOST, 0)
-
-
-def counter(metrics_url: str, family: str, label: str) -> dict[str, float]:
-    """A counter family served at `metrics_url` (e.g. `pdserve_resumes`), by one of its labels."""
-    return _samples(metrics_url, family, f"{family}_total", label)
-
-
-def gauge(metrics_url: str, family: str, label: str) -> dict[str, float]:
-    """A gauge family served at `metrics_url` (e.g. `pdserve_node_kv_blocks_used`), by one of its labels."""
-    return _samples(metrics_url, family, family, label)
-
-
-def _samples(metrics_url: str, family: str, sample: str, label: str) -> dict[str, float]:
-    with urllib.request.urlopen(metrics_url, timeout=10) as response:
-        text = response.read().decode()
-    [found] = [f for f in text_string_to_metric_families(text) if f.name == family]
-    return {s.labels[label]: s.value for s in found.samples if s.name == sample}
 
 
 @dataclass(frozen=True)

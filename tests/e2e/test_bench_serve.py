@@ -13,7 +13,8 @@ import grpc
 import pytest
 
 from pdserve.testing.waiting import wait_until
-from tests.e2e.cluster import NodeSettings, counter, running_cluster
+from tests.e2e.cluster import NodeSettings, running_cluster
+from pdserve.testing.metrics import counter
 from pdserve.bench.serve import cli as serve_cli
 from pdserve.bench.serve.workloads import ModelLimits, SyntheticWorkload, UniformLengths
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc

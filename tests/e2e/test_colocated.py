@@ -21,7 +21,8 @@ from pathlib import Path
 import grpc
 import pytest
 
-from tests.e2e.cluster import HOST, NodeSettings, free_port, gauge, running_cluster
+from tests.e2e.cluster import HOST, NodeSettings, free_port, running_cluster
+from pdserve.testing.metrics import gauge
 from pdserve.cluster_supervisor import ChildSpec, ClusterSupervisor
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing.waiting import wait_until

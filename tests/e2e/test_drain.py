@@ -22,7 +22,8 @@ import pytest
 
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing.waiting import until, wait_until
-from tests.e2e.cluster import FaultCluster, FaultSettings, assert_no_blocks_held, counter
+from tests.e2e.cluster import FaultCluster, FaultSettings, assert_no_blocks_held
+from pdserve.testing.metrics import counter
 from tests.e2e.streams import Stream, greedy, prompt
 from tests.integration.reference import assert_matches, greedy_references
 

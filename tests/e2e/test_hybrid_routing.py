@@ -20,7 +20,8 @@ import random
 import grpc
 
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
-from tests.e2e.cluster import NodeSettings, counter, running_cluster
+from tests.e2e.cluster import NodeSettings, running_cluster
+from pdserve.testing.metrics import counter
 
 from ..integration.reference import assert_matches, greedy_references
 

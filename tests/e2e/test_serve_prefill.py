@@ -25,7 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing.waiting import until
-from tests.e2e.cluster import NodeSettings, counter, running_cluster
+from tests.e2e.cluster import NodeSettings, running_cluster
+from pdserve.testing.metrics import counter
 
 from ..integration.reference import assert_matches, greedy_references
 

@@ -29,7 +29,7 @@ import pytest
 from pdserve.proto import node_pb2, node_pb2_grpc, pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing import netns
 from pdserve.testing.waiting import until, wait_until
-from tests.e2e.cluster import counter
+from pdserve.testing.metrics import counter
 from tests.e2e.test_drain import Stream, greedy, prompt
 from tests.integration.reference import assert_matches, greedy_references
 
