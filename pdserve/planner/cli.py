@@ -8,9 +8,11 @@ candidate on N devices under the workload (pdserve/planner/search.py, pdserve/pl
 its goodput per device and its TTFT/TPOT at that rate, prints a ranked table and the command
 line of the best, under it the measured error of the plans validated before on this model and
 machine (pdserve/planner/track_record.py). SLOs that no candidate meets are refused in one line naming
-the best figures attainable (exit 2). `--validate K` then runs the top K and a few others for real,
-prints the plan's measured error (pdserve/planner/validate.py) and adds it to that record. Owns the
-flags, their checks and the output; decides nothing itself.
+the best figures attainable (exit 2); with a record, also the layouts predicted within its error of
+the best (close calls that only a measurement can rank). `--validate K` then runs the top K and a
+few others for real, prints the plan's measured error (pdserve/planner/validate.py), adds it to that
+record and ends with the candidate the measurement chose (`validated_choice`). Owns the flags, their
+checks and the output; decides nothing itself.
 """
 
 from __future__ import annotations
@@ -39,7 +41,12 @@ from pdserve.planner.search import (
     DEFAULT_LOCAL_PREFILL_MAX_TOKENS, Candidate, Evaluated, Knobs, evaluate, layouts, ranked, with_prompt_budgets,
 )
 from pdserve.planner.track_record import TrackRecord, ValidationLog, record_key
-from pdserve.planner.validate import ValidationPlan, chosen, format_validation, report_record, validate
+from pdserve.planner.validate import (
+    Validation, ValidationPlan, chosen, close_calls, format_validation, report_record, validate, validated_choice,
+)
+
+
+NAMED_CLOSE_CALLS = 3  # the plan's line names the best-ranked few; the count covers the rest
 
 
 class Unattainable(Refused):
@@ -291,11 +298,16 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(results))
         if planned.track is not None:
             print(planned.track.text())
+            if planned.track.overall is not None and not args.validate:
+                print(close_calls_text(results, planned.track.overall.median_abs_error))
+        choice = None
         if args.validate and report["recommended"] is not None:
             validations = validate(chosen(results, args.validate, args.validate_others),
                                    default_model(args.model), checks, log=log)
             print(format_validation(validations))
             report["validation"] = report_record(validations)
+            choice = validated_choice(validations)
+            report["validated_choice"] = None if choice is None else validated_record(choice, results, report)
         if args.output_json is not None:
             args.output_json.parent.mkdir(parents=True, exist_ok=True)
             args.output_json.write_text(json.dumps(report, indent=1))
@@ -308,10 +320,46 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as err:  # a WorkloadError is a ValueError; a dataset that cannot be read
         print(f"pdserve plan: {err}", file=sys.stderr)
         return 2
-    print(f"best: {results[0].candidate.layout.describe()}, predicted goodput "
-          f"{results[0].prediction.goodput_rps:.3g} req/s ({results[0].goodput_per_device:.3g} per device)")
-    print(shlex.join(report["recommended"]["command"]))
+    if choice is None:
+        print(f"best: {results[0].candidate.layout.describe()}, predicted goodput "
+              f"{results[0].prediction.goodput_rps:.3g} req/s ({results[0].goodput_per_device:.3g} per device)")
+        print(shlex.join(report["recommended"]["command"]))
+    else:
+        print(choice_text(choice, report["validated_choice"]["rank"]))
+        print(shlex.join(report["validated_choice"]["command"]))
     return 0
+
+
+def close_calls_text(results: list[Evaluated], error: float) -> str:
+    """Which candidates the plan's measured error cannot rank below the first, and how to measure them."""
+    close = close_calls(results, error)
+    if not close:
+        return f"no other layout is predicted within the measured error ({error:.0%}) of the first"
+    ranks = [next(i for i, e in enumerate(results, start=1) if e is c) for c in close]
+    named = ", ".join(f"#{r} {c.candidate.layout.describe()}" for r, c in zip(ranks[:NAMED_CLOSE_CALLS], close))
+    more = len(close) - NAMED_CLOSE_CALLS
+    return (f"predicted within the measured error ({error:.0%}) of the first: {named}"
+            + (f" and {more} more" if more > 0 else "")
+            + f"; `--validate 1 --validate-others {len(close)}` measures them and hands over the best measured")
+
+
+def validated_record(choice: Validation, results: list[Evaluated], report: dict) -> dict:
+    """The validated choice as --output-json writes it: the candidate's own record, its rank and what it measured."""
+    rank = next(i for i, e in enumerate(results, start=1) if e is choice.evaluated)
+    record = report["candidates"][rank - 1]
+    return {"rank": rank, "command": record["command"], "mode": record["mode"], "layout": record["layout"],
+            "predicted_goodput_rps": record["predicted_goodput_rps"],
+            "measured_goodput_rps": choice.measured_goodput_rps}
+
+
+def choice_text(choice: Validation, rank: int) -> str:
+    what = (f"{choice.evaluated.candidate.layout.describe()}, measured goodput {choice.measured_goodput_rps:.3g} req/s "
+            f"({choice.measured_per_device:.3g} per device; predicted {choice.predicted_goodput_rps:.3g})")
+    if rank == 1:
+        return f"best: {what}"
+    unsure = "" if choice.spread is not None else (" (one round: `--validate-repeats 3` shows whether the lead is "
+                                                     "more than the runs' own spread)")
+    return f"best measured: {what}, ranked #{rank} by the prediction: the measurement overrules the ranking{unsure}"
 
 
 if __name__ == "__main__":

@@ -26,6 +26,10 @@ processes outside the plan's own tree: pdserve/planner/cpu_witness.py); the repo
 measurement during which that reached `SUSPECT_SHARE` of the machine, whose error is the
 machine's as much as the plan's.
 
+A validated plan hands over what was measured best (`validated_choice`), not what was ranked first:
+the measurement is the better evidence where the two disagree by more than the runs' own spread.
+The prediction still ranks what the runs cannot tell apart.
+
 What a validation measured is kept (`ValidationPlan.validation_log`, pdserve/planner/track_record.py): later
 plans on the same model and machine print it under their tables as their error bar.
 
@@ -35,7 +39,7 @@ there by a quarter (`GROWTH`), not by doubling: a prediction within 25% of the t
 bracketed by its next probe, 20–25% wide, and each probe after halves that, so a budget of a
 few probes measures the goodput to a few percent, where doubling left brackets of 15–25%.
 
-Must never: decide the plan (that is pdserve/planner/search.py's), or leave a cluster running.
+Must never: rank the candidates (that is pdserve/planner/search.py's), or leave a cluster running.
 """
 
 from __future__ import annotations
@@ -76,6 +80,17 @@ def chosen(results: list[Evaluated], top: int, others: int) -> list[Evaluated]:
     return picked
 
 
+def close_calls(results: list[Evaluated], error: float) -> list[Evaluated]:
+    """The best-ranked candidate of each layout but the first's, in ranking order, predicted within
+    `error` (a fraction: the plans' measured median |error|) of the first's goodput per device: the
+    ones a prediction this good cannot rank against it (`--validate 1 --validate-others N` measures
+    them)."""
+    if not results or results[0].goodput_per_device <= 0:
+        return []
+    floor = results[0].goodput_per_device * (1 - error)
+    return [e for e in chosen(results, 1, len(results))[1:] if e.goodput_per_device >= floor]
+
+
 @dataclass(frozen=True)
 class Measurement:
     """One round's sweep of one candidate."""
@@ -99,6 +114,10 @@ class Validation:
     def measured_goodput_rps(self) -> float:
         """The median over the rounds (0 when none passed a rate)."""
         return statistics.median(m.goodput_rps for m in self.rounds)
+
+    @property
+    def measured_per_device(self) -> float:
+        return self.measured_goodput_rps / self.evaluated.candidate.layout.devices
 
     @property
     def spread(self) -> float | None:
@@ -282,13 +301,30 @@ def median_spread(validations: list[Validation]) -> float | None:
     return statistics.median(spreads) if spreads else None
 
 
+def measured_best(validations: list[Validation]) -> Validation | None:
+    """The candidate that served the most per device (of equals, the first-ranked); None when none
+    passed a rate."""
+    best = max(validations, key=lambda v: v.measured_per_device, default=None)
+    return best if best is not None and best.measured_per_device > 0 else None
+
+
 def recommended_share_of_best(validations: list[Validation]) -> float | None:
     """The recommended (first-ranked) candidate's measured goodput over the best measured one's."""
-    best = max((v.measured_goodput_rps / v.evaluated.candidate.layout.devices for v in validations), default=0.0)
-    if not validations or best <= 0:
+    best = measured_best(validations)
+    return None if best is None else validations[0].measured_per_device / best.measured_per_device
+
+
+def validated_choice(validations: list[Validation]) -> Validation | None:
+    """What a validated plan hands over: the best measured, unless the first-ranked measured within
+    the two's own spread over their rounds of it (the runs cannot tell them apart, so the ranking
+    stands). With one round the spread is not known and the measurement decides. None when no
+    candidate passed a rate: the prediction is all there is."""
+    best = measured_best(validations)
+    if best is None:
         return None
     first = validations[0]
-    return first.measured_goodput_rps / first.evaluated.candidate.layout.devices / best
+    margin = max((s for s in (first.spread, best.spread) if s is not None), default=0.0)
+    return first if first.measured_per_device >= best.measured_per_device * (1 - margin) else best
 
 
 def validation_record(v: Validation) -> dict:

@@ -6,6 +6,7 @@ the table and the JSON."""
 from __future__ import annotations
 
 import json
+import shlex
 import subprocess
 import sys
 
@@ -49,6 +50,13 @@ def test_plan_validate_runs_the_recommended_cluster_and_reports_predicted_beside
     assert measured["ttft_p90_s"]["measured"] > 0 and measured["tpot_p90_s"]["measured"] > 0
     assert validation["median_abs_goodput_error"] == abs(checked["goodput_error"])
     assert validation["recommended_share_of_best_measured"] == 1.0
+    # The one candidate measured is the validated choice: the plan ends with its measured goodput and command.
+    choice = report["validated_choice"]
+    assert (choice["rank"], choice["command"]) == (1, report["recommended"]["command"])
+    assert choice["measured_goodput_rps"] == checked["measured_goodput_rps"]
+    assert result.stdout.splitlines()[-2].startswith(
+        f"best: colocated x1 (1 core), measured goodput {checked['measured_goodput_rps']:.3g} req/s")
+    assert result.stdout.splitlines()[-1] == shlex.join(choice["command"])
 
     table = result.stdout.splitlines()
     header = next(i for i, line in enumerate(table) if line.startswith("layout "))

@@ -166,3 +166,51 @@ def test_a_plan_prints_and_writes_the_error_its_key_was_validated_with(planned, 
     assert record["mode"] == best["mode"] and record["layout"] == best["layout"]
     assert record["overall"]["candidates"] == 2 and record["overall"]["median_abs_error"] == pytest.approx(0.15)
     assert record["of_layout"]["median_error"] == 0.25
+
+
+def test_a_validated_plan_hands_over_the_best_measured_and_a_later_plan_names_its_close_calls(
+        planned, tmp_path, capsys, monkeypatch):
+    """`_measure` (a real cluster and client: tests/e2e/test_plan_validate.py) is replaced by fixed
+    measurements: the first-ranked candidate measures half its prediction, the next layout all of it."""
+    from pdserve.bench.serve.sweep import SweepResult
+    from pdserve.planner import validate as validate_module
+
+    model, _ = planned
+    profiles = tmp_path / "profiles"
+    shutil.copytree(planned[1], profiles)
+    out_file = tmp_path / "plan.json"
+    argv = plan((model, str(profiles)), "--ttft-slo", "2", "--tpot-slo", "0.5", "--output-json", str(out_file))
+    measured_share = iter([0.5, 1.0])
+    monkeypatch.setattr(validate_module, "_measure", lambda e, model, checks, log: validate_module.Measurement(
+        (rate := e.prediction.goodput_rps * next(measured_share)), None, SweepResult(best_rate=rate)))
+
+    assert main([*argv, "--validate", "1", "--validate-others", "1"]) == 0
+    lines = capsys.readouterr().out.splitlines()
+    report = json.loads(out_file.read_text())
+    first, second = report["candidates"][0], next(c for c in report["candidates"] if c["layout"] != report[
+        "candidates"][0]["layout"])
+    choice = report["validated_choice"]
+    assert (choice["layout"], choice["measured_goodput_rps"]) == (second["layout"], second["predicted_goodput_rps"])
+    assert choice["rank"] == report["candidates"].index(second) + 1 and choice["command"] == second["command"]
+    assert report["recommended"]["command"] == first["command"]  # the prediction's pick, as predicted
+    assert lines[-2].startswith(f"best measured: {second['layout']}, measured goodput ")
+    assert f"ranked #{choice['rank']} by the prediction: the measurement overrules the ranking (one round" in lines[-2]
+    assert lines[-1] == shlex.join(second["command"])
+
+    # The record now holds errors of +100% and 0%: a median |error| of 50%.
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    report = json.loads(out_file.read_text())
+    best_of_layout = {}
+    for rank, c in enumerate(report["candidates"], start=1):
+        best_of_layout.setdefault(c["layout"], (rank, c))
+    top = report["candidates"][0]
+    close = [(rank, c) for rank, c in best_of_layout.values() if c is not top
+             and c["predicted_goodput_per_device"] >= top["predicted_goodput_per_device"] * 0.5]
+    assert close  # the synthetic profiles put some layout within 50% of the first
+    [line] = [line for line in lines if line.startswith("predicted within the measured error")]
+    more = f" and {len(close) - 3} more" if len(close) > 3 else ""
+    assert line == ("predicted within the measured error (50%) of the first: "
+                    + ", ".join(f"#{rank} {c['layout']}" for rank, c in close[:3]) + more
+                    + f"; `--validate 1 --validate-others {len(close)}` measures them and hands over the best measured")
+    assert lines[-1] == shlex.join(top["command"])

@@ -20,8 +20,9 @@ from pdserve.planner.goodput import Prediction, SimRun
 from pdserve.planner.search import Candidate, Evaluated, Knobs, Layout, layouts
 from pdserve.planner.cpu_witness import CpuUse
 from pdserve.planner.validate import (
-    GROWTH, WARMUP_REQUESTS, Measurement, Validation, ValidationPlan, chosen, client_argv, format_validation,
-    measurement, median_abs_goodput_error, median_spread, recommended_share_of_best, report_record,
+    GROWTH, WARMUP_REQUESTS, Measurement, Validation, ValidationPlan, chosen, client_argv, close_calls,
+    format_validation, measured_best, measurement, median_abs_goodput_error, median_spread, recommended_share_of_best,
+    report_record, validated_choice,
 )
 
 EMPTY = summarize([], Slo(), 1.0)
@@ -228,3 +229,29 @@ def test_a_validation_adds_what_it_measured_to_the_track_record_and_says_when_it
     assert len(validate_module.validate(candidates, "model", plan, log=said.append)) == 2  # it stands
     [line] = said
     assert line.startswith(f"validate: could not keep this validation's errors in {blocked / 'validations.jsonl'}: ")
+
+
+def test_close_calls_are_the_best_of_each_other_layout_within_the_measured_error_of_the_first():
+    # per device: 5 (first), 4.75 (same layout), 4.5, 3.5
+    ranking = [evaluated(TWO_NODES_1_CORE, 10), evaluated(TWO_NODES_1_CORE, 9.5, tokens=512),
+               evaluated(ONE_NODE_2_CORES, 9), evaluated(ONE_P_ONE_D, 7)]
+    assert close_calls(ranking, 0.15) == [ranking[2]]
+    assert close_calls(ranking, 0.35) == [ranking[2], ranking[3]]
+    assert close_calls(ranking, 0.05) == []
+    assert close_calls([], 0.5) == [] and close_calls([evaluated(ONE_P_ONE_D, 0)], 0.5) == []
+
+
+def test_the_validated_choice_is_the_best_measured_unless_the_runs_spread_cannot_tell_it_from_the_first():
+    first, other = evaluated(TWO_NODES_1_CORE, 10), evaluated(ONE_P_ONE_D, 9)
+    lead = [validation(first, 8), validation(other, 10)]
+    assert measured_best(lead) is lead[1] and validated_choice(lead) is lead[1]  # one round: the measurement decides
+    within_spread = [validation(first, 8, 9, 10), validation(other, 10)]  # the first's rounds spread 22%
+    assert measured_best(within_spread) is within_spread[1] and validated_choice(within_spread) is within_spread[0]
+    beyond_spread = [validation(first, 6, 7, 6.5), validation(other, 10)]
+    assert validated_choice(beyond_spread) is beyond_spread[1]
+    tie = [validation(first, 9), validation(other, 9)]
+    assert validated_choice(tie) is tie[0]  # equals: the ranking's first
+    assert validated_choice([validation(first, 0), validation(other, 0)]) is None
+    # per device: colocated x1 on 2 cores measured 5 (2.5 per device), the pair 6 (3 per device)
+    per_device = [validation(evaluated(ONE_NODE_2_CORES, 8), 5), validation(other, 6)]
+    assert validated_choice(per_device) is per_device[1]
