@@ -207,9 +207,10 @@ def checked_record(v: Validation, when: str) -> Checked | None:
                    v.error_is_a_bound, v.suspect)
 
 
-def client_argv(router: str, predicted_rps: float, plan: ValidationPlan, output: Path) -> list[str]:
-    """The `pdserve bench serve` that sweeps one candidate: from the predicted goodput (unset: the
-    plan's own start), by `GROWTH`, with the plan's workload, SLOs, target and probe budget."""
+def client_argv(router: str, predicted_rps: float, plan: ValidationPlan, output: Path, devices: int = 1) -> list[str]:
+    """The `pdserve bench serve` that sweeps one candidate of `devices` devices: from the predicted
+    goodput (unset: the plan's own start), by `GROWTH`, with the plan's workload, SLOs, target and
+    probe budget."""
     sweep = plan.sweep
     start = predicted_rps if predicted_rps > 0 else sweep.start_rate
     slos = [arg for flag, value in (("--ttft-slo", plan.slo.ttft_s), ("--tpot-slo", plan.slo.tpot_s))
@@ -218,7 +219,7 @@ def client_argv(router: str, predicted_rps: float, plan: ValidationPlan, output:
             "--warmup-requests", str(WARMUP_REQUESTS), *slos,
             "--attainment", repr(sweep.target_attainment), "--start-rate", repr(start), "--growth", repr(GROWTH),
             "--tolerance", repr(sweep.tolerance), "--max-probes", str(sweep.max_probes),
-            "--timeout-s", repr(plan.timeout_s), "--no-progress", "--output-json", str(output)]
+            "--timeout-s", repr(plan.timeout_s), "--devices", str(devices), "--no-progress", "--output-json", str(output)]
 
 
 def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Measurement:
@@ -233,7 +234,7 @@ def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Measurement
         # plan pinned the router to: where the simulator charged its CPU. It inherits this thread's.
         with (ClusterProcess([*command[2:], "--http-port", "0"], workdir) as cluster,
               threads_pinned_to(e.candidate.layout.router_cores)):
-            argv = client_argv(cluster.router, e.prediction.goodput_rps, plan, output)
+            argv = client_argv(cluster.router, e.prediction.goodput_rps, plan, output, e.candidate.layout.devices)
             log(f"validate: {layout}: {shlex.join(argv[2:])}")
             witness = CpuWitness()  # this process's tree: the cluster and the client
             witness.start()

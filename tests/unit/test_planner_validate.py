@@ -152,7 +152,7 @@ def test_the_client_sends_the_plans_own_requests_and_sweeps_from_the_prediction(
     sweep = SweepConfig(0.8, tolerance=0.03, max_probes=5)
     plan = ValidationPlan(tuple(workload_argv(planned)), Slo(0.5, 0.05), sweep, "float32", 16)
 
-    argv = client_argv("127.0.0.1:5000", 7.3, plan, tmp_path / "bench.json")
+    argv = client_argv("127.0.0.1:5000", 7.3, plan, tmp_path / "bench.json", devices=2)
 
     assert argv[:5] == [sys.executable, "-m", "pdserve", "bench", "serve"]
     client = serve_cli._parser().parse_args(argv[5:])
@@ -160,6 +160,7 @@ def test_the_client_sends_the_plans_own_requests_and_sweeps_from_the_prediction(
     assert serve_cli._sweep_config(client) == SweepConfig(0.8, start_rate=7.3, tolerance=0.03, max_probes=5,
                                                           growth=GROWTH)
     assert (client.addr, client.ttft_slo, client.tpot_slo) == ("127.0.0.1:5000", 0.5, 0.05)
+    assert client.devices == 2  # its report's goodput per device is the candidate's
     assert (client.min_duration_s, client.warmup_requests, client.output_json) == \
         (12.0, WARMUP_REQUESTS, tmp_path / "bench.json")
     assert (client.num_requests, client.arrival, client.cv, client.seed) == \
