@@ -8,8 +8,8 @@ candidate on N devices under the workload (pdserve/planner/search.py, pdserve/pl
 its goodput per device and its TTFT/TPOT at that rate, prints a ranked table and the command
 line of the best, under it the measured error of the plans validated before on this model and
 machine (pdserve/planner/track_record.py). SLOs that no candidate meets are refused in one line naming
-the best figures attainable (exit 2); with a record, also the layouts predicted within its error of
-the best (close calls that only a measurement can rank). `--validate K` then runs the top K and a
+the best figures attainable (exit 2). A plan that recommends, with a record, also names the layouts
+predicted within its error of the best (close calls that only a measurement can rank). `--validate K` then runs the top K and a
 few others for real, prints the plan's measured error (pdserve/planner/validate.py), adds it to that
 record and ends with the candidate the measurement chose (`validated_choice`). Owns the flags, their
 checks and the output; decides nothing itself.
@@ -42,7 +42,8 @@ from pdserve.planner.search import (
 )
 from pdserve.planner.track_record import TrackRecord, ValidationLog, record_key
 from pdserve.planner.validate import (
-    Validation, ValidationPlan, chosen, close_calls, format_validation, report_record, validate, validated_choice,
+    Validation, ValidationPlan, chosen, close_calls, format_validation, measured_best, report_record, validate,
+    validated_choice,
 )
 
 
@@ -298,7 +299,7 @@ def main(argv: list[str] | None = None) -> int:
         print(format_table(results))
         if planned.track is not None:
             print(planned.track.text())
-            if planned.track.overall is not None and not args.validate:
+            if planned.track.overall is not None and report["recommended"] is not None and not args.validate:
                 print(close_calls_text(results, planned.track.overall.median_abs_error))
         choice = None
         if args.validate and report["recommended"] is not None:
@@ -308,6 +309,7 @@ def main(argv: list[str] | None = None) -> int:
             report["validation"] = report_record(validations)
             choice = validated_choice(validations)
             report["validated_choice"] = None if choice is None else validated_record(choice, results, report)
+            best = measured_best(validations)
         if args.output_json is not None:
             args.output_json.parent.mkdir(parents=True, exist_ok=True)
             args.output_json.write_text(json.dumps(report, indent=1))
@@ -326,26 +328,34 @@ def main(argv: list[str] | None = None) -> int:
         print(shlex.join(report["recommended"]["command"]))
     else:
         print(choice_text(choice, report["validated_choice"]["rank"]))
+        if best is not choice:
+            print(f"  (#{_rank(results, best.evaluated)} {best.evaluated.candidate.layout.describe()} measured "
+                  f"{best.measured_goodput_rps:.3g} req/s, a lead within the runs' spread and the other work on the "
+                  "machine: the ranking stands)")
         print(shlex.join(report["validated_choice"]["command"]))
     return 0
 
 
 def close_calls_text(results: list[Evaluated], error: float) -> str:
     """Which candidates the plan's measured error cannot rank below the first, and how to measure them."""
-    close = close_calls(results, error)
+    close, others = close_calls(results, error)
     if not close:
         return f"no other layout is predicted within the measured error ({error:.0%}) of the first"
-    ranks = [next(i for i, e in enumerate(results, start=1) if e is c) for c in close]
-    named = ", ".join(f"#{r} {c.candidate.layout.describe()}" for r, c in zip(ranks[:NAMED_CLOSE_CALLS], close))
+    named = ", ".join(f"#{_rank(results, c)} {c.candidate.layout.describe()}" for c in close[:NAMED_CLOSE_CALLS])
     more = len(close) - NAMED_CLOSE_CALLS
     return (f"predicted within the measured error ({error:.0%}) of the first: {named}"
             + (f" and {more} more" if more > 0 else "")
-            + f"; `--validate 1 --validate-others {len(close)}` measures them and hands over the best measured")
+            + f"; `--validate 1 --validate-others {others}` measures them and hands over the best measured")
+
+
+def _rank(results: list[Evaluated], e: Evaluated) -> int:
+    """`e`'s place in the ranking, from 1."""
+    return next(i for i, r in enumerate(results, start=1) if r is e)
 
 
 def validated_record(choice: Validation, results: list[Evaluated], report: dict) -> dict:
     """The validated choice as --output-json writes it: the candidate's own record, its rank and what it measured."""
-    rank = next(i for i, e in enumerate(results, start=1) if e is choice.evaluated)
+    rank = _rank(results, choice.evaluated)
     record = report["candidates"][rank - 1]
     return {"rank": rank, "command": record["command"], "mode": record["mode"], "layout": record["layout"],
             "predicted_goodput_rps": record["predicted_goodput_rps"],

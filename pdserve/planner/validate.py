@@ -27,8 +27,9 @@ measurement during which that reached `SUSPECT_SHARE` of the machine, whose erro
 machine's as much as the plan's.
 
 A validated plan hands over what was measured best (`validated_choice`), not what was ranked first:
-the measurement is the better evidence where the two disagree by more than the runs' own spread.
-The prediction still ranks what the runs cannot tell apart.
+the measurement is the better evidence where the two disagree by more than the runs' own spread
+and the share of the machine other work took while the first was measured. The prediction still
+ranks what the runs cannot tell apart.
 
 What a validation measured is kept (`ValidationPlan.validation_log`, pdserve/planner/track_record.py): later
 plans on the same model and machine print it under their tables as their error bar.
@@ -80,15 +81,18 @@ def chosen(results: list[Evaluated], top: int, others: int) -> list[Evaluated]:
     return picked
 
 
-def close_calls(results: list[Evaluated], error: float) -> list[Evaluated]:
+def close_calls(results: list[Evaluated], error: float) -> tuple[list[Evaluated], int]:
     """The best-ranked candidate of each layout but the first's, in ranking order, predicted within
     `error` (a fraction: the plans' measured median |error|) of the first's goodput per device: the
-    ones a prediction this good cannot rank against it (`--validate 1 --validate-others N` measures
-    them)."""
+    ones a prediction this good cannot rank against it. With them, the `--validate-others` that
+    measures them all beside the first (the ranking puts near ties by their headroom, so one outside
+    may come before the last of them)."""
     if not results or results[0].goodput_per_device <= 0:
-        return []
+        return [], 0
     floor = results[0].goodput_per_device * (1 - error)
-    return [e for e in chosen(results, 1, len(results))[1:] if e.goodput_per_device >= floor]
+    others = chosen(results, 1, len(results))[1:]
+    close = [e for e in others if e.goodput_per_device >= floor and e.goodput_per_device > 0]
+    return close, (others.index(close[-1]) + 1 if close else 0)
 
 
 @dataclass(frozen=True)
@@ -318,13 +322,15 @@ def recommended_share_of_best(validations: list[Validation]) -> float | None:
 def validated_choice(validations: list[Validation]) -> Validation | None:
     """What a validated plan hands over: the best measured, unless the first-ranked measured within
     the two's own spread over their rounds of it (the runs cannot tell them apart, so the ranking
-    stands). With one round the spread is not known and the measurement decides. None when no
-    candidate passed a rate: the prediction is all there is."""
+    stands); the share of the machine other work took while the first was measured widens that
+    margin (it was slowed by as much, not shown to be worse). With one round the spread is not
+    known and the measurement decides. None when no candidate passed a rate: the prediction is all
+    there is."""
     best = measured_best(validations)
     if best is None:
         return None
     first = validations[0]
-    margin = max((s for s in (first.spread, best.spread) if s is not None), default=0.0)
+    margin = max((s for s in (first.spread, best.spread, first.taken_share) if s is not None), default=0.0)
     return first if first.measured_per_device >= best.measured_per_device * (1 - margin) else best
 
 

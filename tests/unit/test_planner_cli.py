@@ -205,12 +205,50 @@ def test_a_validated_plan_hands_over_the_best_measured_and_a_later_plan_names_it
     for rank, c in enumerate(report["candidates"], start=1):
         best_of_layout.setdefault(c["layout"], (rank, c))
     top = report["candidates"][0]
-    close = [(rank, c) for rank, c in best_of_layout.values() if c is not top
-             and c["predicted_goodput_per_device"] >= top["predicted_goodput_per_device"] * 0.5]
+    others = [(rank, c) for rank, c in best_of_layout.values() if c is not top]
+    close = [(rank, c) for rank, c in others
+             if c["predicted_goodput_per_device"] >= top["predicted_goodput_per_device"] * 0.5]
     assert close  # the synthetic profiles put some layout within 50% of the first
     [line] = [line for line in lines if line.startswith("predicted within the measured error")]
     more = f" and {len(close) - 3} more" if len(close) > 3 else ""
     assert line == ("predicted within the measured error (50%) of the first: "
                     + ", ".join(f"#{rank} {c['layout']}" for rank, c in close[:3]) + more
-                    + f"; `--validate 1 --validate-others {len(close)}` measures them and hands over the best measured")
+                    + f"; `--validate 1 --validate-others {others.index(close[-1]) + 1}` measures them and hands "
+                    "over the best measured")
     assert lines[-1] == shlex.join(top["command"])
+
+
+def test_a_lead_within_the_rounds_spread_leaves_the_first_ranked_as_the_choice(planned, tmp_path, capsys,
+                                                                               monkeypatch):
+    """Two rounds: the first-ranked measures 0.8 and 1.0 of its prediction P (median 0.9 P, spread 22%),
+    the next layout P in both. Its lead, 11%, is within the spread: the plan keeps the first and says so."""
+    from pdserve.bench.serve.sweep import SweepResult
+    from pdserve.planner import validate as validate_module
+
+    model, _ = planned
+    profiles = tmp_path / "profiles"
+    shutil.copytree(planned[1], profiles)
+    out_file = tmp_path / "plan.json"
+    argv = plan((model, str(profiles)), "--ttft-slo", "2", "--tpot-slo", "0.5", "--output-json", str(out_file),
+                "--validate", "1", "--validate-others", "1", "--validate-repeats", "2")
+    shares = iter([0.8, None, 1.0, None])  # rounds: first, other, first, other (None: the first's prediction)
+    first_rps: list[float] = []
+
+    def measure(e, model, checks, log):
+        first_rps.append(first_rps[0] if first_rps else e.prediction.goodput_rps)
+        rate = first_rps[0] * (next(shares) or 1.0)
+        return validate_module.Measurement(rate, None, SweepResult(best_rate=rate))
+
+    monkeypatch.setattr(validate_module, "_measure", measure)
+    assert main(argv) == 0
+    lines = capsys.readouterr().out.splitlines()
+    report = json.loads(out_file.read_text())
+    first, other = report["validation"]["candidates"]
+    assert other["measured_goodput_rps"] > first["measured_goodput_rps"] == pytest.approx(0.9 * first_rps[0])
+    assert report["validated_choice"]["rank"] == 1 and report["validated_choice"]["command"] == \
+        report["recommended"]["command"]
+    assert lines[-3].startswith(f"best: {first['layout']}, measured goodput ")
+    other_rank = next(i for i, c in enumerate(report["candidates"], start=1) if c["layout"] == other["layout"])
+    assert lines[-2].startswith(f"  (#{other_rank} {other['layout']} measured ")
+    assert lines[-2].endswith("a lead within the runs' spread and the other work on the machine: the ranking stands)")
+    assert lines[-1] == shlex.join(report["recommended"]["command"])

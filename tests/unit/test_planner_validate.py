@@ -236,10 +236,16 @@ def test_close_calls_are_the_best_of_each_other_layout_within_the_measured_error
     # per device: 5 (first), 4.75 (same layout), 4.5, 3.5
     ranking = [evaluated(TWO_NODES_1_CORE, 10), evaluated(TWO_NODES_1_CORE, 9.5, tokens=512),
                evaluated(ONE_NODE_2_CORES, 9), evaluated(ONE_P_ONE_D, 7)]
-    assert close_calls(ranking, 0.15) == [ranking[2]]
-    assert close_calls(ranking, 0.35) == [ranking[2], ranking[3]]
-    assert close_calls(ranking, 0.05) == []
-    assert close_calls([], 0.5) == [] and close_calls([evaluated(ONE_P_ONE_D, 0)], 0.5) == []
+    assert close_calls(ranking, 0.15) == ([ranking[2]], 1)
+    assert close_calls(ranking, 0.35) == ([ranking[2], ranking[3]], 2)
+    assert close_calls(ranking, 0.05) == ([], 0)
+    assert close_calls([], 0.5) == ([], 0) and close_calls([evaluated(ONE_P_ONE_D, 0)], 0.5) == ([], 0)
+    # An error of 100% or more: a layout that meets the SLOs at no rate is still no close call.
+    assert close_calls([ranking[0], evaluated(ONE_P_ONE_D, 0)], 1.5) == ([], 0)
+    # Near ties go by their headroom: a layout outside the error may rank before the last close one,
+    # and measuring that one too takes one more --validate-others.
+    by_headroom = [ranking[0], evaluated(ONE_P_ONE_D, 7), evaluated(ONE_NODE_2_CORES, 9)]
+    assert close_calls(by_headroom, 0.15) == ([by_headroom[2]], 2)
 
 
 def test_the_validated_choice_is_the_best_measured_unless_the_runs_spread_cannot_tell_it_from_the_first():
@@ -253,6 +259,14 @@ def test_the_validated_choice_is_the_best_measured_unless_the_runs_spread_cannot
     tie = [validation(first, 9), validation(other, 9)]
     assert validated_choice(tie) is tie[0]  # equals: the ranking's first
     assert validated_choice([validation(first, 0), validation(other, 0)]) is None
-    # per device: colocated x1 on 2 cores measured 5 (2.5 per device), the pair 6 (3 per device)
-    per_device = [validation(evaluated(ONE_NODE_2_CORES, 8), 5), validation(other, 6)]
-    assert validated_choice(per_device) is per_device[1]
+    # per device: colocated x1 on its one core measured 4 (4 per device), the pair on two 6 (3 per device)
+    [one_device] = layouts(1)
+    per_device = [validation(evaluated(one_device, 5), 4), validation(other, 6)]
+    assert measured_best(per_device) is per_device[0] and validated_choice(per_device) is per_device[0]
+    # The first measured while other work took 10% of the machine: slowed by as much, not shown worse.
+    def slowed(goodput: float) -> Validation:
+        return Validation(first, (Measurement(goodput, None, SweepResult(best_rate=goodput or None),
+                                              CpuUse(40.0, 1.0, 30.0, 3.0)),))
+    assert slowed(9.5).suspect and validated_choice([slowed(9.5), validation(other, 10)]).evaluated is first
+    assert validated_choice([slowed(8), validation(other, 10)]).evaluated is other  # a lead beyond that
+    assert validated_choice([slowed(0), validation(other, 10)]).evaluated is other
