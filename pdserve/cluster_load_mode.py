@@ -185,10 +185,11 @@ class LoadWatcher:
     def _consider(self, window: Window) -> None:
         if self._busy() or time.monotonic() - self._last_move < self._settings.cooldown_s:
             return
+        from pdserve.planner.load_mode import Hold
+
         split = self._split()
-        move = self._rebalancer.decide(window, split)
-        if move is not None:
-            self.moves.put((move, split))
-        elif not window.meets(self._settings.attainment) and len(window.mix) >= self._settings.min_samples:
-            self._log(f"load mode: {window.describe()}; no other split of {split.prefill + split.decode} nodes "
-                      "is predicted to do better by the margin")
+        decision = self._rebalancer.decide(window, split)
+        if isinstance(decision, Hold):
+            self._log(f"load mode: {window.describe()}; {decision.describe(split)}")
+        elif decision is not None:
+            self.moves.put((decision, split))

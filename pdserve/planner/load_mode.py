@@ -142,9 +142,25 @@ class Move:
     predicted: dict[Split, float]  # attainment of every split at the window's rate and mix
 
     def describe(self, current: Split) -> str:
-        figures = ", ".join(f"{s.describe()} {a:.0%}" for s, a in sorted(self.predicted.items()))
         return (f"a {self.source} node becomes a {self.target} node ({current.describe()} toward "
-                f"{self.best.describe()}; predicted attainment {figures})")
+                f"{self.best.describe()}; predicted attainment {_figures(self.predicted)})")
+
+
+@dataclass(frozen=True)
+class Hold:
+    """The window missed the target, and no split is predicted to do better by the margin."""
+
+    predicted: dict[Split, float]  # attainment of every split at the window's rate and mix
+
+    def describe(self, current: Split) -> str:
+        # The figures beside the window's own shares show where the simulator disagrees with the
+        # cluster: a current split predicted to meet the target is one the load mode never leaves.
+        return (f"no other split of {current.prefill + current.decode} nodes is predicted to do better by the "
+                f"margin (predicted attainment {_figures(self.predicted)})")
+
+
+def _figures(predicted: dict[Split, float]) -> str:
+    return ", ".join(f"{s.describe()} {a:.0%}" for s, a in sorted(predicted.items()))
 
 
 @dataclass(frozen=True)
@@ -164,13 +180,14 @@ class Rebalancer:
         self._profile = profile
         self.costs = costs  # the serving stack's CPU the simulator charges to the nodes' cores
 
-    def decide(self, window: Window, current: Split) -> Move | None:
+    def decide(self, window: Window, current: Split) -> Move | Hold | None:
+        """None: the window meets the target or says too little (nothing was simulated)."""
         if len(window.mix) < self.config.min_samples or window.meets(self.config.target):
             return None
         predicted = {split: self.attainment(split, window) for split in _splits(current.prefill + current.decode)}
         best = max(predicted, key=lambda s: (predicted[s], s == current))
         if best == current or predicted[best] < predicted[current] + self.config.margin:
-            return None
+            return Hold(predicted)
         source, target = ("decode", "prefill") if best.prefill > current.prefill else ("prefill", "decode")
         return Move(source, target, best, predicted)
 

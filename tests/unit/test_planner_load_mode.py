@@ -11,7 +11,7 @@ from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.bench.serve.metrics import Slo
 from pdserve.engine.config import EngineConfig
-from pdserve.planner.load_mode import LoadModeConfig, Rebalancer, Scrape, Split, Window
+from pdserve.planner.load_mode import Hold, LoadModeConfig, Rebalancer, Scrape, Split, Window
 from pdserve.proto import pdserve_pb2
 from pdserve.router.fronts.metrics import RouterMetrics
 from tests.unit.planner_profiles import synthetic_profile
@@ -109,9 +109,14 @@ def test_a_window_that_meets_the_slos_or_says_too_little_moves_nothing():
     assert decide.decide(window(6.0, 32, 256, count=4), Split(2, 1)) is None  # too few samples
 
 
-def test_no_move_when_the_best_split_gains_less_than_the_margin():
+def test_no_move_when_the_best_split_gains_less_than_the_margin_and_the_hold_names_every_prediction():
     decide = rebalancer(Slo(ttft_s=2.0, tpot_s=0.03), margin=1.0)  # no split can gain a whole 100%
-    assert decide.decide(window(6.0, 32, 256), Split(2, 1)) is None
+    hold = decide.decide(window(6.0, 32, 256), Split(2, 1))
+    assert isinstance(hold, Hold) and sorted(hold.predicted) == [Split(1, 2), Split(2, 1)]
+    assert hold.predicted == {split: decide.attainment(split, window(6.0, 32, 256)) for split in hold.predicted}
+    figures = ", ".join(f"{s.describe()} {hold.predicted[s]:.0%}" for s in (Split(1, 2), Split(2, 1)))
+    assert hold.describe(Split(2, 1)) == ("no other split of 3 nodes is predicted to do better by the margin "
+                                         f"(predicted attainment {figures})")
 
 
 @pytest.mark.parametrize("nodes", [2, 3, 4])
@@ -120,7 +125,7 @@ def test_the_moves_describe_every_split_of_the_same_nodes(nodes):
     current = Split(nodes - 1, 1)
     move = decide.decide(window(6.0, 32, 256), current)
     if nodes == 2:
-        assert move is None  # 1P1D is the only split of two nodes
+        assert isinstance(move, Hold) and list(move.predicted) == [current]  # 1P1D is the only split of two nodes
     else:
         assert sorted(move.predicted) == [Split(p, nodes - p) for p in range(1, nodes)]
         assert move.describe(current).startswith(f"a prefill node becomes a decode node ({nodes - 1}P1D toward ")
@@ -165,3 +170,26 @@ def test_the_load_mode_charges_the_cached_router_and_fronts_never_the_client(tmp
         cache.store(key, cost)
     rebalancer = build_rebalancer(settings, _pool_argvs(str(tiny_llama)), router_argv)
     assert rebalancer.costs == ServingCosts(router_8, front_8)
+
+
+def test_the_launchers_watcher_logs_a_hold_with_its_predictions_and_queues_a_move():
+    from pdserve.cluster_load_mode import LoadModeSettings, LoadWatcher
+
+    logged: list[str] = []
+    seen = window(6.0, 32, 256)
+
+    def watcher(margin: float) -> LoadWatcher:
+        settings = LoadModeSettings(ttft_slo=2.0, tpot_slo=0.03, margin=margin)
+        return LoadWatcher(Rebalancer(settings.load_mode(), ENGINE, ENGINE, PROFILE), settings, scrape=lambda: "",
+                           split=lambda: Split(2, 1), busy=lambda: False, log=logged.append)
+
+    holding = watcher(margin=1.0)
+    holding._consider(seen)
+    assert holding.moves.empty()
+    [line] = logged
+    assert line.startswith(f"load mode: {seen.describe()}; no other split of 3 nodes is predicted to do better by "
+                           "the margin (predicted attainment 1P2D ")
+    moving = watcher(margin=0.0)
+    moving._consider(seen)
+    move, split = moving.moves.get_nowait()
+    assert (move.source, move.target, split) == ("prefill", "decode", Split(2, 1)) and len(logged) == 1
