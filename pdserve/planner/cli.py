@@ -301,7 +301,7 @@ def main(argv: list[str] | None = None) -> int:
             print(planned.track.text())
             if planned.track.overall is not None and report["recommended"] is not None and not args.validate:
                 print(close_calls_text(results, planned.track.overall.median_abs_error))
-        choice = None
+        choice = best = None  # the validated choice, and what measured the most (with --validate)
         if args.validate and report["recommended"] is not None:
             validations = validate(chosen(results, args.validate, args.validate_others),
                                    default_model(args.model), checks, log=log)
