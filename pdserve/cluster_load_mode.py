@@ -24,6 +24,8 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
+from pdserve.common.affinity import available_cpus
+
 if TYPE_CHECKING:  # the planner is imported only by a launcher that runs the load mode
     from pdserve.planner.load_mode import LoadModeConfig, Move, Rebalancer, Scrape, Split, Window
 
@@ -94,7 +96,16 @@ def build_rebalancer(settings: LoadModeSettings, node_argvs: Sequence[tuple[str,
         subprocess.run(argv + (["--profile-dir", settings.profile_dir] if settings.profile_dir else []), check=True,
                        stdout=subprocess.DEVNULL)
     return Rebalancer(settings.load_mode(), engines["prefill"], decode, cache.load(key),
-                      _stack_costs(cache, digest, machine, _stream_interval(router_argv), log))
+                      _stack_costs(cache, digest, machine, _stream_interval(router_argv), log),
+                      machine_cores=_machine_cores(node_argvs))
+
+
+def _machine_cores(node_argvs: Sequence[tuple[str, ...]]) -> int | None:
+    """The cores unpinned nodes share (this process's); None when every node is pinned (`--cpus`):
+    the launcher split the pools' cores among them, each has its own."""
+    if all("--cpus" in argv for argv in node_argvs):
+        return None
+    return len(available_cpus())
 
 
 def _stream_interval(router_argv: Sequence[str]) -> int:

@@ -65,12 +65,15 @@ class Shape:
 
 
 def receiver(shape: Shape, cfg_kw: dict[str, Any], out: Any, cmd: Any) -> None:
+    """Registers its cache and waits: "cpu" answers this process's CPU seconds so far (its UCX
+    threads', which take the pushes), anything else ends it."""
     from pdserve.kv_transfer import KVTransferConfig, UcxTransport
 
     transport = UcxTransport(KVTransferConfig(**cfg_kw))
     k, v = shape.caches(4 * shape.blocks)
     out.put(transport.register(k, v, shape.spec()).to_bytes())
-    cmd.get(timeout=TIMEOUT_S)
+    while cmd.get(timeout=TIMEOUT_S) == "cpu":
+        out.put(time.process_time())
     transport.close()
 
 
@@ -96,6 +99,8 @@ def sender(shape: Shape, cfg_kw: dict[str, Any], desc: bytes, iters: int, pipeli
 
     for i in range(3):  # warm-up: endpoints, staging buffers, page faults
         finish(push(i))
+    out.put("warm")
+    cpu_start = time.process_time()
     latencies, call_times = [], []
     for i in range(iters):
         start = time.perf_counter()
@@ -107,12 +112,21 @@ def sender(shape: Shape, cfg_kw: dict[str, Any], desc: bytes, iters: int, pipeli
     for handle in [push(i) for i in range(iters * pipeline)][::-1]:
         finish(handle)
     pipelined = (time.perf_counter() - start) / (iters * pipeline)
-    out.put((latencies, pipelined, statistics.median(call_times), transport.stats().failures))
+    cpu_per_push = (time.process_time() - cpu_start) / (iters + iters * pipeline)
+    out.put((latencies, pipelined, statistics.median(call_times), cpu_per_push, transport.stats().failures))
     transport.close()
 
 
-def run_ucx(shape: Shape, iters: int, pipeline: int,
-            fast: bool | None = None) -> tuple[list[float], float, float]:
+@dataclass(frozen=True)
+class UcxRun:
+    latencies: list[float]  # seconds from each push's call to its acknowledgement, one at a time
+    pipelined: float  # seconds per push with `pipeline` in flight
+    call_s: float  # the median push call's own seconds
+    send_cpu_s: float  # the sender's process CPU per push (all its threads)
+    receive_cpu_s: float  # the receiver's
+
+
+def run_ucx(shape: Shape, iters: int, pipeline: int, fast: bool | None = None) -> UcxRun:
     """`fast`: the opt-in fast data path or not; None: the nodes' default."""
     ctx = mp.get_context("spawn")
     cfg_kw = {} if fast is None else dict(fast_data_path=fast)
@@ -125,9 +139,14 @@ def run_ucx(shape: Shape, iters: int, pipeline: int,
         send = ctx.Process(target=sender, args=(shape, cfg_kw, desc, iters, pipeline, s_out),
                            daemon=True)
         send.start()
-        latencies, pipelined, call_s, failures = s_out.get(timeout=TIMEOUT_S)
+        assert s_out.get(timeout=TIMEOUT_S) == "warm"
+        r_cmd.put("cpu")
+        receive_start = r_out.get(timeout=TIMEOUT_S)
+        latencies, pipelined, call_s, send_cpu_s, failures = s_out.get(timeout=TIMEOUT_S)
+        r_cmd.put("cpu")
+        receive_cpu_s = (r_out.get(timeout=TIMEOUT_S) - receive_start) / (iters + iters * pipeline)
         assert failures == 0
-        return latencies, pipelined, call_s
+        return UcxRun(latencies, pipelined, call_s, send_cpu_s, receive_cpu_s)
     finally:
         r_cmd.put("exit")
         for proc in (send, recv):
@@ -185,13 +204,15 @@ def main() -> None:
     print(f"{'gather (index_select, sender)':34s} {gb / gather_s:7.2f} GB/s  "
           f"{gather_s * 1e3:7.2f} ms  ratio {memcpy / gather_s:.3f}")
     for path in args.paths.split(","):
-        latencies, pipelined, call_s = run_ucx(shape, args.iters, args.pipeline, fast=path == "fast")
+        run = run_ucx(shape, args.iters, args.pipeline, fast=path == "fast")
+        latencies, pipelined, call_s = run.latencies, run.pipelined, run.call_s
         lat = statistics.median(latencies)
         print(f"{'ucx ' + path + ' (1 in flight, median)':34s} {gb / lat:7.2f} GB/s  "
               f"{lat * 1e3:7.2f} ms  ratio {memcpy / lat:.3f}")
         print(f"{'ucx ' + path + ' (pipelined)':34s} {gb / pipelined:7.2f} GB/s  "
               f"{pipelined * 1e3:7.2f} ms  ratio {memcpy / pipelined:.3f}")
         print(f"{'  push() call returns in':34s} {call_s * 1e6:7.1f} us (median)")
+        print(f"{'  CPU per push, sender / receiver':34s} {run.send_cpu_s * 1e3:7.2f} / {run.receive_cpu_s * 1e3:.2f} ms")
 
 
 if __name__ == "__main__":

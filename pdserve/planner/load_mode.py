@@ -173,12 +173,15 @@ class LoadModeConfig:
 
 class Rebalancer:
     def __init__(self, config: LoadModeConfig, prefill: EngineConfig, decode: EngineConfig, profile: Profile,
-                 costs: ServingCosts = ServingCosts()) -> None:
-        """`prefill`/`decode`: each pool's engine config; `profile`: the nodes' (one threads count)."""
+                 costs: ServingCosts = ServingCosts(), machine_cores: int | None = None) -> None:
+        """`prefill`/`decode`: each pool's engine config; `profile`: the nodes' (one threads count);
+        `machine_cores`: the cores the cluster runs on (`ClusterSpec.machine_cores`: fewer than the
+        nodes' threads, they share them)."""
         self.config = config
         self._engines = {"prefill": prefill, "decode": decode}
         self._profile = profile
         self.costs = costs  # the serving stack's CPU the simulator charges to the nodes' cores
+        self.machine_cores = machine_cores
 
     def decide(self, window: Window, current: Split) -> Move | Hold | None:
         """None: the window meets the target or says too little (nothing was simulated)."""
@@ -193,7 +196,8 @@ class Rebalancer:
 
     def attainment(self, split: Split, window: Window) -> float:
         spec = ClusterSpec(prefill=Pool(split.prefill, self._engines["prefill"], self._profile),
-                           decode=Pool(split.decode, self._engines["decode"], self._profile), costs=self.costs)
+                           decode=Pool(split.decode, self._engines["decode"], self._profile), costs=self.costs,
+                           machine_cores=self.machine_cores)
         limit = self._profile.max_model_len
 
         def request(i: int) -> tuple[tuple[int, ...], int]:

@@ -44,6 +44,7 @@ DECODE_CONTEXTS = (128, 1024)
 MIXED = ((16, 256, 128), (16, 256, 512))  # (decodes, their context, prefill chunk tokens)
 TRANSFER_BLOCKS = (4, 64)
 UCX_PUSH_TOKENS = (64, 1024)  # the KV of a short and of a long prompt
+UCX_PUSH_REPEATS = 20  # pushes one at a time, then as many pipelined: enough CPU time to read
 
 
 def step_shapes(max_model_len: int) -> Iterator[tuple[str, list[tuple[int, int]]]]:
@@ -143,19 +144,23 @@ def measure_ucx_push(core: EngineCore) -> TransferCost:
     from pdserve.bench.kv_transfer import Shape, run_ucx
 
     loaded, config = core.loaded, core.config
-    points = []
+    runs = []
     for tokens in UCX_PUSH_TOKENS:
         shape = Shape(tokens, loaded.num_layers, loaded.num_local_kv_heads, loaded.head_dim, config.block_size,
                       config.dtype)
-        latencies, _, _ = run_ucx(shape, iters=REPEATS, pipeline=1)  # the nodes' data path
-        points.append((shape.nbytes, statistics.median(latencies)))
-    return _line(points, "UCX push to acknowledgement between two processes (the nodes' data path)")
+        runs.append((shape.nbytes, run_ucx(shape, iters=UCX_PUSH_REPEATS, pipeline=1)))  # the nodes' data path
+    time_line = _line([(nbytes, statistics.median(run.latencies)) for nbytes, run in runs])
+    send = _line([(nbytes, run.send_cpu_s) for nbytes, run in runs])
+    receive = _line([(nbytes, run.receive_cpu_s) for nbytes, run in runs])
+    return TransferCost(*time_line, "UCX push to acknowledgement between two processes (the nodes' data path); "
+                        "CPU: each process's over the pushes", *send, *receive)
 
 
-def _line(points: list[tuple[int, float]], method: str) -> TransferCost:
+def _line(points: list[tuple[int, float]]) -> tuple[float, float]:
+    """(base, per byte) of the line through two (bytes, seconds) points, neither below zero."""
     (x0, y0), (x1, y1) = points
     per_byte = max((y1 - y0) / (x1 - x0), 0.0)
-    return TransferCost(max(y0 - per_byte * x0, 0.0), per_byte, method)
+    return max(y0 - per_byte * x0, 0.0), per_byte
 
 
 def measure_copy(core: EngineCore, block_bytes: int) -> TransferCost:
@@ -177,4 +182,6 @@ def measure_copy(core: EngineCore, block_bytes: int) -> TransferCost:
             if i:
                 times.append(time.perf_counter() - start)
         points.append((count * block_bytes, statistics.median(times)))
-    return _line(points, "in-process block gather + scatter (no UCX here: a lower bound of a push)")
+    line = _line(points)  # its CPU is the copy's own, on the sending side
+    return TransferCost(*line, "in-process block gather + scatter (no UCX here: a lower bound of a push); "
+                        "CPU: the copy's, the sender's", *line)

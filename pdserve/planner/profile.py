@@ -24,7 +24,7 @@ from pathlib import Path
 from pdserve.common.paths import default_cache_dir
 from pdserve.planner.step_cost import StepCost, StepShape
 
-PROFILE_VERSION = 6  # bump when what is measured, or how, changes: older files are measured again
+PROFILE_VERSION = 7  # bump when what is measured, or how, changes: older files are measured again
 COST_VERSION = 5  # the same for the serving stack's costs (pdserve/planner/measure_stack.py), measured apart
 # CPU flags that change which kernels and dtypes the engine runs (pdserve/engine/dtype_choice.py, pdserve/kernels/).
 CAPABILITY_FLAGS = ("avx2", "fma", "avx512f", "avx512_bf16", "amx_bf16", "amx_tile")
@@ -46,14 +46,30 @@ class NodeSetup:
 
 @dataclass(frozen=True)
 class TransferCost:
-    """Seconds to move KV between two nodes' caches: base + per_byte × bytes."""
+    """Seconds to move KV between two nodes' caches: base + per_byte × bytes. And the CPU a push
+    takes on each end, per push and per byte: the sending and the receiving process's, their UCX
+    threads' included, spent on the node's cores beside its steps (measured on this AVX2 machine
+    with the demo model: 6.8 ms of CPU a push on the two ends together, where the push itself
+    took 3.8 ms; not zero, as a line of time alone would say)."""
 
     base_s: float
     per_byte_s: float
     method: str  # how it was measured
+    send_cpu_s: float = 0.0  # per push
+    send_cpu_per_byte_s: float = 0.0
+    receive_cpu_s: float = 0.0
+    receive_cpu_per_byte_s: float = 0.0
 
     def time(self, num_bytes: int) -> float:
         return self.base_s + self.per_byte_s * num_bytes if num_bytes > 0 else 0.0
+
+    def send_cpu(self, pushes: int, num_bytes: int) -> float:
+        """The sender's CPU seconds for `pushes` pushes carrying `num_bytes` in all."""
+        return pushes * self.send_cpu_s + num_bytes * self.send_cpu_per_byte_s
+
+    def receive_cpu(self, pushes: int, num_bytes: int) -> float:
+        """The receiver's CPU seconds for `pushes` pushes carrying `num_bytes` in all."""
+        return pushes * self.receive_cpu_s + num_bytes * self.receive_cpu_per_byte_s
 
 
 @dataclass(frozen=True)

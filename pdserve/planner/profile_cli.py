@@ -95,7 +95,7 @@ def format_cost(name: str, cost: CpuCost) -> str:
 
 
 def format_profile(profile: Profile) -> str:
-    step = profile.step
+    step, t = profile.step, profile.transfer
     errors = ", ".join(f"{kind} {err:.0%}" for kind, err in sorted(profile.fit_error.items()))
     return "\n".join([
         f"{profile.setup.describe()} on {profile.machine.get('cpu')} ({profile.machine.get('cores')} cores)",
@@ -104,7 +104,13 @@ def format_profile(profile: Profile) -> str:
         f"  fit error (relative RMS, {len(profile.samples)} steps): {errors}",
         f"  KV: {profile.kv_block_bytes} bytes/block; transfer ≈ {profile.transfer.base_s * 1e3:.3f} ms + "
         f"{profile.transfer.per_byte_s * 1e9:.3f} ns/byte ({profile.transfer.method})",
+        f"  CPU a push takes: sender {_push_cpu(t.send_cpu_s, t.send_cpu_per_byte_s)}, receiver "
+        f"{_push_cpu(t.receive_cpu_s, t.receive_cpu_per_byte_s)}",
     ])
+
+
+def _push_cpu(per_push_s: float, per_byte_s: float) -> str:
+    return f"{per_push_s * 1e3:.3f} ms + {per_byte_s * 1e9:.3f} ns/byte"
 
 
 def _parser() -> argparse.ArgumentParser:

@@ -56,6 +56,7 @@ class Sampled:
     finished: bool  # it ended here (freed)
     handoff_blocks: list[KVBlock] | None  # handed off at token 1 (a prefill node): still held
     computed_before: int  # tokens with KV before this step (its last chunk started there)
+    pushes: int = 0  # handed off: the KV pushes it took, one per chunk (a prefill node's exporter's)
 
 
 def num_blocks_for(config: EngineConfig, block_bytes: int) -> int:
@@ -81,6 +82,7 @@ class SimNode:
         self.scheduler.chunks = chunk_schedule_for(config, self._step_tokens_within_target)
         self.step: SchedulerOutput | None = None  # the step in progress
         self._arrivals = 0
+        self._chunks: dict[str, int] = {}  # of each prompt in progress that is handed off at token 1
 
     def _step_tokens_within_target(self) -> int:
         """What `EngineCore._step_tokens_within_target` computes, from the profile's model of a
@@ -135,9 +137,9 @@ class SimNode:
         self.scheduler.add(request)
         return False
 
-    def start_step(self, stretch: float = 1.0) -> float | None:
-        """Schedule the next step; its modelled duration (the profile's × `stretch`: the serving
-        stack's CPU on the same cores), or None when nothing can run now."""
+    def start_step(self) -> float | None:
+        """Schedule the next step; its profiled time on the node's own cores (the simulator's
+        `StepTiming` turns it into time on the clock), or None when nothing can run now."""
         out = self.scheduler.schedule()
         while out.is_empty and out.preempted:  # the engine's loop steps again at once
             out = self.scheduler.schedule()
@@ -145,12 +147,15 @@ class SimNode:
             return None
         self.step = out
         shape = StepShape.of((s.request.num_computed_tokens, s.num_scheduled_tokens) for s in out.scheduled)
-        return self.cost.time(shape) * stretch
+        return self.cost.time(shape)
 
     def finish_step(self) -> list[Sampled]:
         out, self.step = self.step, None
         assert out is not None, "finish_step without a step in progress"
         sampling = [(s.request, s.request.num_computed_tokens) for s in out.scheduled if s.samples]
+        for s in out.scheduled:
+            if s.request.hands_off:
+                self._chunks[s.request.req_id] = self._chunks.get(s.request.req_id, 0) + 1
         self.scheduler.update_after_step(out)
         return [self._sampled(request, before) for request, before in sampling]
 
@@ -159,7 +164,8 @@ class SimNode:
             request.append_output_token(PLACEHOLDER_TOKEN)
             request.hand_off()
             self.scheduler.remove(request)
-            return Sampled(request, False, self.kv.take_blocks(request), computed_before)
+            return Sampled(request, False, self.kv.take_blocks(request), computed_before,
+                           self._chunks.pop(request.req_id))
         finished = self._accept_token(request, PLACEHOLDER_TOKEN)
         if finished:
             self.scheduler.finish(request)

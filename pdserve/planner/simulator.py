@@ -50,6 +50,7 @@ from pdserve.engine.block_pool import BlockHash
 from pdserve.engine.config import EngineConfig
 from pdserve.engine.policy import ColocatedPolicy
 from pdserve.engine.request import Request
+from pdserve.planner.core_sharing import OwnCores, ProcessorSharing, StepTiming
 from pdserve.planner.profile import Profile, ServingCosts
 from pdserve.planner.sim_node import PLACEHOLDER_TOKEN, Sampled, SimClock, SimNode
 from pdserve.planner.stack_load import UTILISATION_WINDOW_S, CpuLoad, idle_weighted, router_slowdown, stretch
@@ -92,6 +93,10 @@ class ClusterSpec:
     # The pool whose cores the router (and a client on this machine) is pinned to: "prefill" or
     # "decode"; None: unpinned, it runs where the OS finds an idle core.
     stack_on: str | None = None
+    # The cores the whole cluster runs on, when the nodes' threads outnumber them (unpinned nodes
+    # sharing the machine, pdserve/planner/core_sharing.py); None or as many as the nodes': each
+    # node has cores of its own.
+    machine_cores: int | None = None
 
     def __post_init__(self) -> None:
         prefill_pool = self.decode if self.serve_prefill else self.prefill
@@ -104,12 +109,19 @@ class ClusterSpec:
                              "and local_prefill is the router's choice")
         if self.stack_on is not None and getattr(self, self.stack_on, None) is None:
             raise ValueError(f"stack_on: {self.stack_on!r} is not a pool of this cluster")
+        if self.machine_cores is not None and self.machine_cores < 1:
+            raise ValueError(f"machine_cores must be at least 1, got {self.machine_cores}")
 
     @property
     def node_cores(self) -> int:
         """The cores the nodes run on (each node's `num_threads`, 1 when unset)."""
         pools = (self.colocated, self.prefill, self.decode)
         return sum(p.count * p.cores_per_node for p in pools if p is not None)
+
+    @property
+    def shares_cores(self) -> bool:
+        """Do the nodes' threads outnumber the machine's cores?"""
+        return self.machine_cores is not None and self.machine_cores < self.node_cores
 
     @property
     def mode(self) -> str:
@@ -192,10 +204,15 @@ class ClusterSim:
         # The nodes whose cores the router and the client run on: all, or the pool they are pinned to.
         hosts = list(self._cores) if spec.stack_on is None else getattr(self, spec.stack_on)
         self._stack_hosts = {node: i for i, node in enumerate(hosts)}  # node -> its place in idle_weighted's lists
-        self._front_loads = {node: CpuLoad(cores) for node, cores in self._cores.items()}
+        # Each node's CPU beside its steps, on its own cores: its front's, and its KV transport's
+        # pushes (sent on a prefill node, taken in on a decode node; the profile's TransferCost).
+        self._side_loads = {node: CpuLoad(cores) for node, cores in self._cores.items()}
         # The client alone, over the cores it shares with the router: what the router competes with.
         self._client_load = CpuLoad(sum(self._cores[n] for n in hosts))
         self._engine_loads = {node: CpuLoad(cores, UTILISATION_WINDOW_S) for node, cores in self._cores.items()}
+        self._steps: StepTiming = (
+            ProcessorSharing(spec.machine_cores, self._cores, self._stack_rate, self._at, self._step_done)
+            if spec.shares_cores else OwnCores(self._stretch, self._own_cores_router_slowdown, self._at, self._step_done))
 
     def _nodes(self, kind: str, pool: Pool | None, policy, max_model_len: int) -> list[SimNode]:
         if pool is None:
@@ -228,12 +245,12 @@ class ClusterSim:
         """Hand the router `cpu_s` of CPU work now; when it is done (after what it already had), at
         the speed the busy cores it shares leave it (`router_slowdown`)."""
         start = max(self.clock.t, self._router_free_s)
-        self._router_free_s = start + cpu_s * self._router_slowdown(self.clock.t)
+        self._router_free_s = start + cpu_s * self._steps.router_slowdown(self.clock.t)
         return self._router_free_s
 
-    def _router_slowdown(self, now: float) -> float:
+    def _own_cores_router_slowdown(self, now: float) -> float:
         client = self._client_load.share(now)
-        return router_slowdown([self._engine_loads[n].share(now) + self._front_loads[n].share(now) + client
+        return router_slowdown([self._engine_loads[n].share(now) + self._side_loads[n].share(now) + client
                                 for n in self._stack_hosts])
 
     def _receive(self, spec: SimRequest, trace: RequestTrace) -> None:
@@ -339,10 +356,17 @@ class ClusterSim:
     def _kick(self, node: SimNode) -> None:
         if node.busy:
             return
-        now = self.clock.t
-        duration = node.start_step(stretch(self._floating_share(node, now), self._front_loads[node].share(now)))
-        if duration is not None:
-            self._at(now + duration, lambda: self._step_done(node, duration))
+        seconds = node.start_step()
+        if seconds is not None:
+            self._steps.start(node, seconds, self.clock.t)
+
+    def _stretch(self, node: SimNode, now: float) -> float:
+        """How much longer than its profiled time a step starting now takes on `node`'s own cores."""
+        return stretch(self._floating_share(node, now), self._side_loads[node].share(now))
+
+    def _stack_rate(self, now: float) -> float:
+        """The router's, the client's and every front's CPU at `now`, in cores."""
+        return self._floating.rate(now) + sum(load.rate(now) for load in self._side_loads.values())
 
     def _floating_share(self, node: SimNode, now: float) -> float:
         """`node`'s part of the router's and client's CPU, over its cores: none off the nodes they
@@ -351,11 +375,12 @@ class ClusterSim:
         if node not in self._stack_hosts:
             return 0.0
         cores = [self._cores[n] for n in self._stack_hosts]
-        idle = [c * max(0.0, 1.0 - self._engine_loads[n].share(now) - self._front_loads[n].share(now))
+        idle = [c * max(0.0, 1.0 - self._engine_loads[n].share(now) - self._side_loads[n].share(now))
                 for n, c in zip(self._stack_hosts, cores)]
         return idle_weighted(self._floating.rate(now), idle, cores)[self._stack_hosts[node]]
 
     def _step_done(self, node: SimNode, duration: float) -> None:
+        """`node`'s step ended now, after `duration` on the clock."""
         now = self.clock.t
         self._engine_loads[node].charge(now, duration * self._cores[node])  # a step runs on all its cores
         for sampled in node.finish_step():
@@ -378,6 +403,11 @@ class ClusterSim:
         pushed = sampled.computed_before // node.kv.block_size  # full before the last chunk: already sent
         profile = self._prefill_profile
         delay = profile.transfer.time((len(blocks) - pushed) * profile.kv_block_bytes)
+        # Every push's CPU, the earlier chunks' included, charged now: both ends spend it around
+        # the hand-off (the earlier pushes only shortly before).
+        num_bytes = len(blocks) * profile.kv_block_bytes
+        self._side_loads[node].charge(now, profile.transfer.send_cpu(sampled.pushes, num_bytes))
+        self._side_loads[flight.decode_node].charge(now, profile.transfer.receive_cpu(sampled.pushes, num_bytes))
         self._at(now + delay, lambda: self._kv_arrived(node, blocks, flight))
 
     def _kv_arrived(self, prefill_node: SimNode, blocks, flight: _Flight) -> None:
@@ -394,13 +424,13 @@ class ClusterSim:
 
     def _front_takes(self, node: SimNode) -> None:
         """A request's leg is placed on `node`: its front's per-request CPU, on its cores."""
-        self._front_loads[node].charge(self.clock.t, self._front.per_request_s)
+        self._side_loads[node].charge(self.clock.t, self._front.per_request_s)
 
     def _token(self, node: SimNode, trace: RequestTrace, now: float, last: bool) -> None:
         """`node` streamed a token; the client has it once the router has relayed it."""
         self._floating.charge(now, self._floating_per_token_s)
         self._client_load.charge(now, self._client.per_token_s)
-        self._front_loads[node].charge(now, self._front.per_token_s)
+        self._side_loads[node].charge(now, self._front.per_token_s)
         delivered = self._router_work(self._router.per_token_s)
         trace.chunks.append((delivered, 1))
         if last:

@@ -27,3 +27,7 @@ def test_a_tp_2_profile_is_measured_on_two_ranks(tmp_path):
     # K and V of every layer, for the one KV head of the two this rank holds, 16 tokens of float32.
     assert profile.kv_block_bytes == 2 * shape["num_hidden_layers"] * 1 * 16 * head_dim * 4
     assert os.sched_getaffinity(0) == cpus  # rank 0 gave back its cores when the group closed
+    # A KV push costs CPU on both ends (each process's UCX threads), measured beside its time.
+    transfer, pushed = profile.transfer, 64 // 16 * profile.kv_block_bytes
+    assert "UCX" in transfer.method and transfer.time(pushed) > 0
+    assert transfer.send_cpu(1, pushed) > 0 and transfer.receive_cpu(1, pushed) > 0

@@ -172,6 +172,20 @@ def test_the_load_mode_charges_the_cached_router_and_fronts_never_the_client(tmp
     assert rebalancer.costs == ServingCosts(router_8, front_8)
 
 
+def test_the_load_mode_simulates_the_machines_cores_unless_every_node_is_pinned(tmp_path, tiny_llama):
+    from pdserve.cluster_load_mode import LoadModeSettings, build_rebalancer
+    from pdserve.common.affinity import available_cpus
+    from pdserve.planner.profile import NodeSetup, ProfileCache, machine_facts, model_hash, profile_key
+
+    ProfileCache(tmp_path).store(profile_key(model_hash(tiny_llama), machine_facts(), NodeSetup(1, "float32", 8)),
+                                 synthetic_profile(base_s=0.001))
+    settings = LoadModeSettings(ttft_slo=1.0, tpot_slo=0.1, profile_dir=str(tmp_path))
+    unpinned = _pool_argvs(str(tiny_llama))
+    assert build_rebalancer(settings, unpinned).machine_cores == len(available_cpus())
+    pinned = [(*argv, "--cpus", str(i)) for i, argv in enumerate(unpinned)]
+    assert build_rebalancer(settings, pinned).machine_cores is None
+
+
 def test_the_launchers_watcher_logs_a_hold_with_its_predictions_and_queues_a_move():
     from pdserve.cluster_load_mode import LoadModeSettings, LoadWatcher
 

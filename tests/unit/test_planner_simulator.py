@@ -342,3 +342,30 @@ def test_serve_prefill_needs_the_routers_choice_and_no_prefill_pool():
     with pytest.raises(ValueError, match="serve_prefill"):
         ClusterSpec(prefill=Pool(1, config(), profile), decode=Pool(1, config(), profile), serve_prefill=True,
                     local_prefill=PrefillChoice(Disaggregation.AUTO, 256))
+
+
+def test_every_kv_push_costs_cpu_on_both_ends_and_stretches_the_steps_that_follow():
+    """A 100-token prompt in 64-token chunks is pushed twice: at its hand-off the prefill node is
+    charged two pushes' send CPU (20 ms each) and the decode node two pushes' receive CPU (30 ms
+    each). The decode node's next step is stretched by its 60 ms at once; a prompt arriving on the
+    prefill node a second later, by its 40 ms decayed over the time since."""
+    transfer = TransferCost(0.0, 0.0, "synthetic", send_cpu_s=0.02, receive_cpu_s=0.03)
+    prefill = synthetic_profile(base_s=0.01, per_token_s=0.001, transfer=transfer)
+    decode = synthetic_profile(base_s=0.02)
+    one_core = dict(num_threads=1)
+    spec = ClusterSpec(prefill=Pool(1, config(max_num_batched_tokens=64, **one_core), prefill),
+                       decode=Pool(1, config(**one_core), decode))
+    traces = ClusterSim(spec, 4096).run([SimRequest(0.0, prompt(0, 100), 2), SimRequest(1.0, prompt(1, 100), 1)])
+    first, second = (request_metrics(t) for t in traces)
+    assert first.ttft_s == pytest.approx(0.074 + 0.046)
+    assert first.itl_s == pytest.approx((0.02 * stretch_after(0.06, 0.0),))
+    since = 1.0 - first.ttft_s
+    chunk_1 = 0.074 * stretch_after(0.04, since)
+    assert second.ttft_s == pytest.approx(chunk_1 + 0.046 * stretch_after(0.04, since + chunk_1))
+
+
+def test_a_transfers_cpu_is_per_push_and_per_byte_on_each_end():
+    transfer = TransferCost(0.0, 0.0, "synthetic", 0.001, 1e-9, 0.002, 2e-9)
+    assert transfer.send_cpu(3, 1_000_000) == pytest.approx(0.003 + 0.001)
+    assert transfer.receive_cpu(3, 1_000_000) == pytest.approx(0.006 + 0.002)
+    assert TransferCost(0.005, 1e-6, "no CPU given").send_cpu(2, 10**6) == 0.0
