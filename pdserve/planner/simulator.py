@@ -31,8 +31,12 @@ generator runs here) the client's CPU is charged as each request arrives and eac
 (the profile's `ServingCosts`), a front's to its own node's cores, the router's and the client's
 to the nodes with idle cores (of the pool they are pinned to, `ClusterSpec.stack_on`), and a step
 takes longer while that load is high; the router's work in turn takes longer than its CPU time
-while every node it may run on is busy (pdserve/planner/stack_load.py). Not simulated: the network
-between client and router, queue bounds, failures.
+while every node it may run on is busy (pdserve/planner/stack_load.py). Each KV push's CPU (the
+profile's `TransferCost`, one push per chunk) is charged at the hand-off to the prefill node's and
+the decode node's cores the same way. Nodes whose threads outnumber the machine's cores share
+them as the OS does (`ClusterSpec.machine_cores`; pdserve/planner/core_sharing.py holds both ways
+a step's profiled time becomes time on the clock). Not simulated: the network between client and
+router, queue bounds, failures.
 
 Each request's trace is the serving bench's `RequestTrace` (one chunk per token), so the bench's
 metrics apply unchanged. Must never: read a wall clock or load torch.
