@@ -77,7 +77,8 @@ def build_rebalancer(settings: LoadModeSettings, node_argvs: Sequence[tuple[str,
     from pdserve.planner.load_mode import Rebalancer
     from pdserve.planner.profile import NodeSetup, ProfileCache, machine_facts, model_hash, profile_key
 
-    nodes = [(argv[3], parse_node_args(list(argv[4:]), argv[3]).engine) for argv in node_argvs]
+    configs = [parse_node_args(list(argv[4:]), argv[3]) for argv in node_argvs]
+    nodes = [(argv[3], config.engine) for argv, config in zip(node_argvs, configs)]
     threads = {engine.num_threads for _, engine in nodes}
     if len(threads) != 1 or None in threads:
         raise ValueError("--rebalance moves a node with its cores: every node needs the same number of threads "
@@ -95,17 +96,11 @@ def build_rebalancer(settings: LoadModeSettings, node_argvs: Sequence[tuple[str,
                 "--dtype", decode.dtype, "--block-size", str(decode.block_size), "--no-progress"]
         subprocess.run(argv + (["--profile-dir", settings.profile_dir] if settings.profile_dir else []), check=True,
                        stdout=subprocess.DEVNULL)
+    # Pinned (`--cpus`), the launcher split the pools' cores among the nodes: each has its own.
+    # Unpinned, they share this process's cores.
+    machine_cores = None if all(config.cpus for config in configs) else len(available_cpus())
     return Rebalancer(settings.load_mode(), engines["prefill"], decode, cache.load(key),
-                      _stack_costs(cache, digest, machine, _stream_interval(router_argv), log),
-                      machine_cores=_machine_cores(node_argvs))
-
-
-def _machine_cores(node_argvs: Sequence[tuple[str, ...]]) -> int | None:
-    """The cores unpinned nodes share (this process's); None when every node is pinned (`--cpus`):
-    the launcher split the pools' cores among them, each has its own."""
-    if all("--cpus" in argv for argv in node_argvs):
-        return None
-    return len(available_cpus())
+                      _stack_costs(cache, digest, machine, _stream_interval(router_argv), log), machine_cores)
 
 
 def _stream_interval(router_argv: Sequence[str]) -> int:

@@ -9,7 +9,8 @@ non-contiguous reserved blocks of a receiver process, push() to ack, and prints:
   * ucx <path> : one push at a time (latency) and `--pipeline` pushes in flight
                  (throughput), for the default data path (one endpoint with peer-failure
                  handling) and the opt-in fast path (shared memory), and how long
-                 the push() call itself holds the caller;
+                 the push() call itself holds the caller, and the CPU a push costs the
+                 sender's and the receiver's process (all their threads);
 
 each with its ratio to memcpy. A script, never a timed test.
 
@@ -78,7 +79,9 @@ def receiver(shape: Shape, cfg_kw: dict[str, Any], out: Any, cmd: Any) -> None:
 
 
 def sender(shape: Shape, cfg_kw: dict[str, Any], desc: bytes, iters: int, pipeline: int,
-           out: Any) -> None:
+           out: Any, go: Any) -> None:
+    """Warms up, says "warm" and waits for `go` (the receiver's CPU is read in between), then
+    times its pushes and answers their latencies and its own CPU per push."""
     from pdserve.kv_transfer import KVDescriptor, KVTransferConfig, UcxTransport
 
     config = KVTransferConfig(**cfg_kw)
@@ -100,6 +103,7 @@ def sender(shape: Shape, cfg_kw: dict[str, Any], desc: bytes, iters: int, pipeli
     for i in range(3):  # warm-up: endpoints, staging buffers, page faults
         finish(push(i))
     out.put("warm")
+    go.get(timeout=TIMEOUT_S)
     cpu_start = time.process_time()
     latencies, call_times = [], []
     for i in range(iters):
@@ -130,18 +134,20 @@ def run_ucx(shape: Shape, iters: int, pipeline: int, fast: bool | None = None) -
     """`fast`: the opt-in fast data path or not; None: the nodes' default."""
     ctx = mp.get_context("spawn")
     cfg_kw = {} if fast is None else dict(fast_data_path=fast)
-    r_out, r_cmd, s_out = ctx.Queue(), ctx.Queue(), ctx.Queue()
+    r_out, r_cmd, s_out, s_go = ctx.Queue(), ctx.Queue(), ctx.Queue(), ctx.Queue()
     recv = ctx.Process(target=receiver, args=(shape, cfg_kw, r_out, r_cmd), daemon=True)
     recv.start()
     send = None
     try:
         desc = r_out.get(timeout=TIMEOUT_S)
-        send = ctx.Process(target=sender, args=(shape, cfg_kw, desc, iters, pipeline, s_out),
+        send = ctx.Process(target=sender, args=(shape, cfg_kw, desc, iters, pipeline, s_out, s_go),
                            daemon=True)
         send.start()
-        assert s_out.get(timeout=TIMEOUT_S) == "warm"
+        if (said := s_out.get(timeout=TIMEOUT_S)) != "warm":
+            raise RuntimeError(f"the sender said {said!r} before it was warm")
         r_cmd.put("cpu")
         receive_start = r_out.get(timeout=TIMEOUT_S)
+        s_go.put("go")  # the receiver's CPU is read before the first timed push, not during it
         latencies, pipelined, call_s, send_cpu_s, failures = s_out.get(timeout=TIMEOUT_S)
         r_cmd.put("cpu")
         receive_cpu_s = (r_out.get(timeout=TIMEOUT_S) - receive_start) / (iters + iters * pipeline)

@@ -13,19 +13,22 @@ the wall clock gets those seconds depends on the machine:
   its speed. A step's end is set again whenever another starts or ends (the machine's processor
   sharing, exactly, not the load at its start: three steps started together all take 1.5× on two
   cores, where fixing each at its start would give 1×, 1× and 1.5×). The router's work takes
-  D / C of its CPU time too, the router being one more thread. Pinning is not modelled here: the
+  (1 + D′) / C of its CPU time, D′ what the others want (D less the router's own rate): the
+  router is one more thread. Pinning is not modelled here: the
   stack runs where the OS puts it.
 
-Why it matters: with each node given a core of its own, the load mode's simulator predicted
-1P2D at 100% within the SLOs up to 16 requests/s of prefill-heavy traffic on a 2-core machine
-where the real cluster missed the TTFT SLO from 10 (docs/benchmarks.md, the load mode on AVX2),
-so a split predicted to meet the target was never left.
+Why: given a core of its own, each of three nodes on two cores could step at full speed while all
+three were busy. What it does not model: that a step's own CPU grows beside other busy processes
+(measured on a 2-core AVX2 machine, docs/benchmarks.md: a prefill node's main thread spent 115 ms
+of CPU a request at 6 requests/s beside two decode nodes, where the profile prices 72–75), which
+is why the load mode there still predicts SLOs its 1P2D cluster misses.
 
 Pure: numbers in, numbers out; the simulator's clock and event queue are passed in.
 """
 
 from __future__ import annotations
 
+import itertools
 from collections.abc import Callable, Hashable, Mapping
 from dataclasses import dataclass
 from typing import Protocol
@@ -64,21 +67,24 @@ class _Step:
     started_s: float
     settled_s: float  # when left_s was last brought up to date
     ends_s: float = 0.0
-    generation: int = 0  # its end event's; an older event is stale
+    generation: int = -1  # its end event's, from one counter for all steps: any other event is stale
 
 
 class ProcessorSharing:
     """Nodes whose threads share `machine_cores` with each other and the stack, as the OS shares them."""
 
     def __init__(self, machine_cores: int, threads: Mapping[Hashable, int], stack_rate: Callable[[float], float],
-                 at: Schedule, done: StepDone) -> None:
-        """`threads`: each node's torch threads; `stack_rate(now)`: the router's, fronts' and
-        client's CPU rate at `now`, in cores."""
+                 router_rate: Callable[[float], float], at: Schedule, done: StepDone) -> None:
+        """`threads`: each node's torch threads; `stack_rate(now)`: the serving stack's CPU rate at
+        `now` (the router's, the client's, the nodes' fronts' and KV pushes'), in cores;
+        `router_rate(now)`: the router's own part of it."""
         if machine_cores < 1:
             raise ValueError(f"machine_cores must be at least 1, got {machine_cores}")
-        self._cores, self._threads, self._stack_rate = machine_cores, threads, stack_rate
+        self._cores, self._threads = machine_cores, threads
+        self._stack_rate, self._router_rate = stack_rate, router_rate
         self._at, self._done = at, done
         self._steps: dict[Hashable, _Step] = {}
+        self._generations = itertools.count()
         self._speed = 1.0  # of every step in progress, since the last start or end
 
     def start(self, node: Hashable, seconds: float, now: float) -> None:
@@ -87,7 +93,9 @@ class ProcessorSharing:
         self._reschedule(now)
 
     def router_slowdown(self, now: float) -> float:
-        return max(1.0, (1.0 + self._demand(now)) / self._cores)
+        """The router is one thread among the others that want a core now."""
+        others = self._demand(now) - self._router_rate(now)
+        return max(1.0, (1.0 + others) / self._cores)
 
     def _demand(self, now: float) -> float:
         """Cores wanted at `now`: every stepping node's threads and the stack's rate."""
@@ -99,9 +107,10 @@ class ProcessorSharing:
             step.settled_s = now
 
     def _reschedule(self, now: float) -> None:
-        self._speed = min(1.0, self._cores / self._demand(now))
+        demand = self._demand(now)
+        self._speed = min(1.0, self._cores / demand) if demand > 0 else 1.0
         for node, step in self._steps.items():
-            step.generation += 1
+            step.generation = next(self._generations)
             step.ends_s = now + step.left_s / self._speed
             self._at(step.ends_s, lambda n=node, g=step.generation: self._end(n, g))
 

@@ -131,7 +131,8 @@ def time_step(core: EngineCore, kind: str, chunks: list[tuple[int, int]]) -> Ste
 
 
 def measure_transfer(core: EngineCore, block_bytes: int) -> TransferCost:
-    """base + per byte of a UCX push between two processes, or of an in-process copy without UCX."""
+    """base + per byte of a UCX push between two processes, and the CPU it costs each end; or of
+    an in-process copy without UCX (its CPU the sender's)."""
     try:
         return measure_ucx_push(core)
     except Exception as exc:  # no UCX here (import, transport or process failure): the copy instead

@@ -153,6 +153,9 @@ class SimNode:
         out, self.step = self.step, None
         assert out is not None, "finish_step without a step in progress"
         sampling = [(s.request, s.request.num_computed_tokens) for s in out.scheduled if s.samples]
+        # The exporter pushes a handed-off prompt's new full blocks after each of its chunks and
+        # the rest at the end: one push a chunk (a chunk that fills no block makes none there;
+        # a preempted prompt is pushed again from the start, its chunks counted again here).
         for s in out.scheduled:
             if s.request.hands_off:
                 self._chunks[s.request.req_id] = self._chunks.get(s.request.req_id, 0) + 1

@@ -215,7 +215,8 @@ class ClusterSim:
         self._client_load = CpuLoad(sum(self._cores[n] for n in hosts))
         self._engine_loads = {node: CpuLoad(cores, UTILISATION_WINDOW_S) for node, cores in self._cores.items()}
         self._steps: StepTiming = (
-            ProcessorSharing(spec.machine_cores, self._cores, self._stack_rate, self._at, self._step_done)
+            ProcessorSharing(spec.machine_cores, self._cores, self._stack_rate, self._router_rate, self._at,
+                             self._step_done)
             if spec.shares_cores else OwnCores(self._stretch, self._own_cores_router_slowdown, self._at, self._step_done))
 
     def _nodes(self, kind: str, pool: Pool | None, policy, max_model_len: int) -> list[SimNode]:
@@ -369,8 +370,13 @@ class ClusterSim:
         return stretch(self._floating_share(node, now), self._side_loads[node].share(now))
 
     def _stack_rate(self, now: float) -> float:
-        """The router's, the client's and every front's CPU at `now`, in cores."""
+        """The router's, the client's and every node's side load (its front's, its KV pushes') at
+        `now`, in cores."""
         return self._floating.rate(now) + sum(load.rate(now) for load in self._side_loads.values())
+
+    def _router_rate(self, now: float) -> float:
+        """The router's own CPU at `now`, in cores: the floating work less the client's."""
+        return max(0.0, self._floating.rate(now) - self._client_load.rate(now))
 
     def _floating_share(self, node: SimNode, now: float) -> float:
         """`node`'s part of the router's and client's CPU, over its cores: none off the nodes they

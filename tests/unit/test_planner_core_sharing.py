@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import heapq
 import itertools
+import random
 
 import pytest
 
@@ -17,28 +18,37 @@ from tests.unit.planner_profiles import synthetic_profile
 
 
 class Events:
-    """A heap of (time, action), run in order: the simulator's event queue, alone."""
+    """A heap of (time, action), run in order: the simulator's event queue, alone. `ended` holds,
+    for each node, the wall seconds of each of its steps; `ended_at`, the clock when each ended."""
 
     def __init__(self) -> None:
         self._heap: list = []
         self._seq = itertools.count()
-        self.ended: dict[str, float] = {}  # node -> the wall seconds its step took
+        self.now = 0.0
+        self.ended: dict[str, float] = {}
+        self.ended_at: dict[str, list[float]] = {}
+        self.then: dict[str, list] = {}  # node -> what to do when its step ends (one entry a step)
 
     def at(self, t: float, action) -> None:
         heapq.heappush(self._heap, (t, next(self._seq), action))
 
     def done(self, node: str, wall_s: float) -> None:
         self.ended[node] = wall_s
+        self.ended_at.setdefault(node, []).append(self.now)
+        if self.then.get(node):
+            self.then[node].pop(0)()
 
     def run(self) -> None:
         while self._heap:
-            _, _, action = heapq.heappop(self._heap)
+            self.now, _, action = heapq.heappop(self._heap)
             action()
 
 
-def sharing(cores: int, threads: dict[str, int], stack_rate: float = 0.0) -> tuple[ProcessorSharing, Events]:
+def sharing(cores: int, threads: dict[str, int], stack_rate: float = 0.0,
+            router_rate: float = 0.0) -> tuple[ProcessorSharing, Events]:
     events = Events()
-    return ProcessorSharing(cores, threads, lambda now: stack_rate, events.at, events.done), events
+    timing = ProcessorSharing(cores, threads, lambda now: stack_rate, lambda now: router_rate, events.at, events.done)
+    return timing, events
 
 
 def test_three_steps_started_together_on_two_cores_each_take_half_as_long_again():
@@ -60,12 +70,68 @@ def test_a_step_joined_halfway_slows_from_then_and_the_other_finishes_alone():
 
 
 def test_the_stack_and_the_router_are_threads_of_the_same_machine():
-    timing, events = sharing(2, {"a": 2}, stack_rate=1.0)
-    assert timing.router_slowdown(0.0) == pytest.approx(1.0)  # 1 + 0 stepping + 1 of stack: fits on 2
+    """A 2-thread node and 1 core of stack (half of it the router's own) on 2 cores."""
+    timing, events = sharing(2, {"a": 2}, stack_rate=1.0, router_rate=0.5)
+    assert timing.router_slowdown(0.0) == pytest.approx(1.0)  # the router and 0.5 of others: fits on 2
     timing.start("a", 0.1, 0.0)
-    assert timing.router_slowdown(0.0) == pytest.approx(2.0)  # 1 + 2 + 1 on 2 cores
+    assert timing.router_slowdown(0.0) == pytest.approx(1.75)  # the router, 2 threads and 0.5 on 2 cores
     events.run()
     assert events.ended == pytest.approx({"a": 0.15})  # 2 threads and 1 of stack on 2 cores
+
+
+def test_a_nodes_next_step_ends_on_its_own_time_not_on_an_event_left_from_its_last():
+    """Two cores; a: two 0.1 s steps back to back, b and c: 0.3 s each, all from 0. Three threads
+    run at 2/3 speed: a's first step ends at 0.15 and its second at 0.30 (b and c, 0.2 done by
+    then, finish alone at full speed at 0.40)."""
+    timing, events = sharing(2, {"a": 1, "b": 1, "c": 1})
+    events.then["a"] = [lambda: timing.start("a", 0.1, events.now)]
+    for node, seconds in (("a", 0.1), ("b", 0.3), ("c", 0.3)):
+        timing.start(node, seconds, 0.0)
+    events.run()
+    ended_at = [(node, t) for node, times in sorted(events.ended_at.items()) for t in times]
+    assert [node for node, _ in ended_at] == ["a", "a", "b", "c"]
+    assert [t for _, t in ended_at] == pytest.approx([0.15, 0.30, 0.40, 0.40])
+
+
+def fluid_ends(cores: int, steps: dict[str, list[float]]) -> dict[str, list[float]]:
+    """Processor sharing computed directly: every node steps its list back to back from 0; at
+    each moment every step in progress advances at min(1, cores / steps in progress)."""
+    left = {node: list(seconds) for node, seconds in steps.items() if seconds}
+    ends: dict[str, list[float]] = {node: [] for node in steps}
+    now = 0.0
+    while left:
+        speed = min(1.0, cores / len(left))
+        first = min(seconds[0] for seconds in left.values())
+        now += first / speed
+        for node in list(left):
+            left[node][0] -= first
+            if left[node][0] <= 1e-12:
+                ends[node].append(now)
+                left[node].pop(0)
+                if not left[node]:
+                    del left[node]
+    return ends
+
+
+def test_back_to_back_steps_of_random_lengths_end_when_processor_sharing_says():
+    """Every reschedule leaves end events behind; none of them may end a later step of the same
+    node. Nodes stepping back to back with random lengths, against the sharing computed directly."""
+    rng = random.Random(7)
+    for _ in range(60):
+        cores = rng.randint(1, 3)
+        steps = {f"n{i}": [round(rng.uniform(0.01, 0.2), 3) for _ in range(rng.randint(1, 5))]
+                 for i in range(rng.randint(2, 5))}
+        timing, events = sharing(cores, {node: 1 for node in steps})
+        queued = {node: list(seconds[1:]) for node, seconds in steps.items()}
+        for node in steps:
+            events.then[node] = [lambda n=node: timing.start(n, queued[n].pop(0), events.now)
+                                 for _ in queued[node]]
+            timing.start(node, steps[node][0], 0.0)
+        events.run()
+        expected = fluid_ends(cores, steps)
+        assert set(events.ended_at) == set(expected)
+        for node, times in expected.items():
+            assert events.ended_at[node] == pytest.approx(times), (cores, steps)
 
 
 def test_a_machine_needs_a_core():
