@@ -20,7 +20,8 @@ from pdserve.bench.serve.arrivals import ArrivalProcess, arrival_times
 from pdserve.bench.serve.metrics import Slo, Summary, request_metrics, run_duration, summarize
 from pdserve.bench.serve.runner import RunLength
 from pdserve.bench.serve.sweep import SweepConfig, find_max_rate
-from pdserve.planner.simulator import ClusterSim, ClusterSpec, SimRequest
+from pdserve.planner.cluster_spec import ClusterSpec
+from pdserve.planner.simulator import ClusterSim, SimRequest
 from pdserve.planner.step_cost import StepShape
 
 

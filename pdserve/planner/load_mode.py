@@ -31,7 +31,7 @@ from pdserve.bench.serve.metrics import Slo
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.goodput import Traffic, simulate
 from pdserve.planner.profile import Profile, ServingCosts
-from pdserve.planner.simulator import ClusterSpec, Pool
+from pdserve.planner.cluster_spec import ClusterSpec, Pool
 
 PROMPT, OUTPUT = "pdserve_request_prompt_tokens", "pdserve_request_generation_tokens"
 TTFT, TPOT = "pdserve_request_ttft_seconds", "pdserve_request_tpot_seconds"

@@ -30,7 +30,7 @@ from pdserve.engine.config import EngineConfig
 from pdserve.planner.goodput import Prediction, Traffic, predict_goodput, start_rate
 from pdserve.planner.profile import Profile, ServingCosts
 from pdserve.planner.step_cost import StepShape
-from pdserve.planner.simulator import ClusterSpec, Pool
+from pdserve.planner.cluster_spec import ClusterSpec, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
 

@@ -13,7 +13,8 @@ import pytest
 from pdserve.bench.serve.metrics import request_metrics
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.core_sharing import ProcessorSharing
-from pdserve.planner.simulator import ClusterSim, ClusterSpec, Pool, SimRequest
+from pdserve.planner.cluster_spec import ClusterSpec, Pool
+from pdserve.planner.simulator import ClusterSim, SimRequest
 from tests.unit.planner_profiles import synthetic_profile
 
 

@@ -11,7 +11,8 @@ import pytest
 from pdserve.bench.serve.metrics import request_metrics
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.profile import ClientCost, FrontCost, RouterCost, ServingCosts, TransferCost
-from pdserve.planner.simulator import EXHAUSTED, ClusterSim, ClusterSpec, Pool, SimRequest
+from pdserve.planner.cluster_spec import ClusterSpec, Pool
+from pdserve.planner.simulator import EXHAUSTED, ClusterSim, SimRequest
 from pdserve.planner.stack_load import UTILISATION_WINDOW_S, WINDOW_S
 from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
 from tests.unit.planner_profiles import BLOCK_BYTES, synthetic_profile
