@@ -26,6 +26,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import random
+import time
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -51,6 +52,7 @@ from pdserve.engine.sampler import TokenLogprobs
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import scheduler_for
 from pdserve.engine.step_profile import StepTimeModel, profile_step_times
+from pdserve.engine.step_shape import StepShape, StepTotals
 from pdserve.engine.stop_rules import token_finish_reason
 from pdserve.engine.swap_space import SwapSpace, swap_blocks_for
 
@@ -138,6 +140,7 @@ class EngineCore:
         self._arrivals = 0
         self._fork_parents: dict[str, str] = {}  # a pending fork's req_id -> the request it forks from
         self.num_forked_samples = 0  # samples forked off another's first logits (`pending_forks`)
+        self.step_totals = StepTotals()  # every step's shape and the seconds its forward took
         self.num_failed_requests = 0  # requests in a step that raised (StepFailed)
         if fanout is None:
             self.finish_start()
@@ -391,6 +394,8 @@ class EngineCore:
         self.runner.copy_blocks(out)
         if out.is_empty:
             return []
+        shape = StepShape.of((s.request.num_computed_tokens, s.num_scheduled_tokens) for s in out.scheduled)
+        started, started_cpu = time.perf_counter(), time.thread_time()
         try:
             result = self.runner.execute(out)
         except Exception as exc:
@@ -399,6 +404,7 @@ class EngineCore:
             req_ids = [s.request.req_id for s in out.scheduled]
             self.num_failed_requests += len(req_ids)
             raise StepFailed(req_ids, exc) from exc
+        self.step_totals.add(shape, time.perf_counter() - started, time.thread_time() - started_cpu)
         self.scheduler.update_after_step(out)
         for scores in result.prompt_scores:
             _record_prompt_scores(scores)

@@ -25,6 +25,7 @@ from typing import Any
 
 from pdserve.common.codec import Codec
 from pdserve.engine.sampling_params import SamplingParams
+from pdserve.engine.step_shape import StepTotals
 from pdserve.kv_transfer.counters import TransferStats
 from pdserve.node.errors import ErrorCode
 
@@ -238,6 +239,7 @@ class StatsData:
     failed_requests: int = 0  # failed because a step they were in raised (engine StepFailed)
     kv_transfer_sent: TransferStats = field(default_factory=TransferStats)  # whatever the kind
     placed_through: int = 0  # the highest placement stamp the core had taken in (NodeStats.placed_through)
+    steps: StepTotals = field(default_factory=StepTotals)  # the engine's steps, summed (NodeStats.steps)
 
 
 @dataclass(slots=True)

@@ -22,7 +22,7 @@ from pdserve.bench.serve.runner import RunLength
 from pdserve.bench.serve.sweep import SweepConfig, find_max_rate
 from pdserve.planner.cluster_spec import ClusterSpec
 from pdserve.planner.simulator import ClusterSim, SimRequest
-from pdserve.planner.step_cost import StepShape
+from pdserve.engine.step_shape import StepShape
 
 
 class Traffic:

@@ -31,8 +31,9 @@ from pdserve.engine.model_runner import kv_block_bytes
 from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import ScheduledRequest, SchedulerOutput
+from pdserve.engine.step_shape import StepShape
 from pdserve.planner.profile import NodeSetup, Profile, StepSample, TransferCost, machine_facts, model_hash
-from pdserve.planner.step_cost import StepCost, StepShape
+from pdserve.planner.step_cost import StepCost
 
 logger = logging.getLogger(__name__)
 

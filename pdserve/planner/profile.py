@@ -22,7 +22,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from pdserve.common.paths import default_cache_dir
-from pdserve.planner.step_cost import StepCost, StepShape
+from pdserve.engine.step_shape import StepShape
+from pdserve.planner.step_cost import StepCost
 
 PROFILE_VERSION = 7  # bump when what is measured, or how, changes: older files are measured again
 COST_VERSION = 5  # the same for the serving stack's costs (pdserve/planner/measure_stack.py), measured apart

@@ -32,7 +32,7 @@ from pdserve.engine.step_profile import StepTimeModel
 from pdserve.engine.stop_rules import token_finish_reason
 from pdserve.engine.swap_space import SwapSpace, swap_blocks_for
 from pdserve.planner.profile import Profile
-from pdserve.planner.step_cost import StepShape
+from pdserve.engine.step_shape import StepShape
 from pdserve.router.cluster.placement import Candidate
 
 PLACEHOLDER_TOKEN = 1  # what a simulated step "samples"; requests ignore eos, so it never stops one

@@ -13,7 +13,8 @@ n tokens after c computed ones attends n·c + n(n+1)/2 pairs, compute-bound), `d
 the tokens of KV each decode reads (c + 1 for a decode over c tokens, memory-bound). A
 decode-only step of batch b and total context C is base + (per_token + per_seq)·b +
 per_decode_context·(C + b); a prefill chunk grows with its tokens and, through `attended`, with
-its context.
+its context. The shape is the engine's (pdserve/engine/step_shape.py: the nodes sum it over their
+steps, and `total` prices those sums).
 
 Fitted by least squares with every coefficient kept ≥ 0 (a negative cost is noise). Pure: numbers
 in, numbers out; never times anything itself.
@@ -21,35 +22,11 @@ in, numbers out; never times anything itself.
 
 from __future__ import annotations
 
-from collections.abc import Iterable
 from dataclasses import dataclass
 
 import numpy as np
 
-
-@dataclass(frozen=True, slots=True)
-class StepShape:
-    tokens: int
-    requests: int
-    attended: int  # query-key pairs of the prompt chunks
-    decode_context: int  # KV tokens the decodes read
-
-    @classmethod
-    def of(cls, chunks: Iterable[tuple[int, int]]) -> StepShape:
-        """From (tokens computed before, tokens scheduled) of each request in the step; a request
-        scheduling one token after others is a decode."""
-        tokens = requests = attended = decode_context = 0
-        for computed, scheduled in chunks:
-            tokens += scheduled
-            requests += 1
-            if scheduled == 1 and computed > 0:
-                decode_context += computed + 1
-            else:
-                attended += scheduled * computed + scheduled * (scheduled + 1) // 2
-        return cls(tokens, requests, attended, decode_context)
-
-    def features(self) -> tuple[float, ...]:
-        return 1.0, float(self.tokens), float(self.requests), float(self.attended), float(self.decode_context)
+from pdserve.engine.step_shape import StepShape, StepTotals
 
 
 @dataclass(frozen=True, slots=True)
@@ -63,6 +40,17 @@ class StepCost:
     def time(self, shape: StepShape) -> float:
         return (self.base_s + self.per_token_s * shape.tokens + self.per_seq_s * shape.requests
                 + self.per_attended_s * shape.attended + self.per_decode_context_s * shape.decode_context)
+
+    def total(self, steps: StepTotals) -> float:
+        """The modelled seconds of every step summed in `steps`: the model is linear in a step's
+        shape, so it prices the sums as it prices one step."""
+        return (self.base_s * steps.steps + self.per_token_s * steps.tokens + self.per_seq_s * steps.requests
+                + self.per_attended_s * steps.attended + self.per_decode_context_s * steps.decode_context)
+
+    def scaled(self, factor: float) -> StepCost:
+        """Every step `factor` times as long."""
+        return StepCost(*(factor * c for c in (self.base_s, self.per_token_s, self.per_seq_s, self.per_attended_s,
+                                               self.per_decode_context_s)))
 
     @classmethod
     def fit(cls, samples: list[tuple[StepShape, float]]) -> StepCost:

@@ -22,6 +22,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from tests.e2e.cluster import Cluster, NodeSettings, running_cluster
 from pdserve.engine.model_loader import load_model
+from pdserve.engine.step_shape import StepShape
 from pdserve.proto import pdserve_pb2, pdserve_pb2_grpc
 from pdserve.testing.waiting import settled
 
@@ -128,6 +129,26 @@ def node_urls(cluster: Cluster) -> dict[str, str]:
     return {name: url for name, url in cluster.metrics.items() if name != "router"}
 
 
+def check_step_counters(cluster: Cluster, prefill_chunks: list[tuple[int, int]],
+                        decodes: list[tuple[int, int]]) -> None:
+    """Each node's step counters, on the router and on the node, sum exactly the chunks it computed
+    ((tokens computed before, tokens scheduled) each, whatever steps they were batched in), with
+    seconds spent on them."""
+    for node, kind, chunks in (("prefill-0", "prefill", prefill_chunks), ("decode-0", "decode", decodes)):
+        want = StepShape.of(chunks)
+        router = scrape_until(cluster.metrics["router"], lambda s: s.value(
+            "pdserve_node_step_tokens_total", node=node, kind=kind) == want.tokens)
+        own = scrape(cluster.metrics[node])
+        for field, series in (("tokens", "step_tokens"), ("requests", "step_requests"),
+                              ("attended", "step_attended_pairs"), ("decode_context", "step_decode_context_tokens")):
+            assert router.value(f"pdserve_node_{series}_total", node=node, kind=kind) == getattr(want, field), series
+            assert own.value(f"pdserve_{series}_total") == getattr(want, field), series
+        steps = router.value("pdserve_node_steps_total", node=node, kind=kind)
+        assert 1 <= steps <= len(chunks) and own.value("pdserve_steps_total") == steps
+        assert router.value("pdserve_node_step_seconds_total", node=node, kind=kind) > 0
+        assert router.value("pdserve_node_step_cpu_seconds_total", node=node, kind=kind) > 0
+
+
 def test_metrics_series_served_and_moving(model_dir):
     rng = random.Random(5)
     prompts = [[rng.randrange(1, 900) for _ in range(n)] for n in PROMPT_LENS]
@@ -169,6 +190,10 @@ def test_metrics_series_served_and_moving(model_dir):
         assert router.value("pdserve_generated_tokens_total") == sum(NEW_TOKENS) + NEW_TOKENS[2]
         assert router.value("pdserve_prompt_tokens_total") == sum(len(p) for p in all_prompts)
         assert router.value("pdserve_requests_in_flight") == 0
+        check_step_counters(cluster, [(0, len(p)) for p in prompts] + [(cached := repeat[-1].usage.cached_prompt_tokens,
+                                                                         len(prompts[2]) - cached)],
+                            [(len(p) + k, 1) for p, n in zip(all_prompts, [*NEW_TOKENS, NEW_TOKENS[2]])
+                             for k in range(n - 1)])
 
         expected_blocks = sum(-(-len(p) // BLOCK_SIZE) for p in all_prompts)
         for name, url in node_urls(cluster).items():

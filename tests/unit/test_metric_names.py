@@ -45,7 +45,7 @@ def exprs() -> list[str]:
 
 
 def test_every_family_is_found():
-    assert len(families()) == 41  # 12 router request series + 6 router node series + 23 node series
+    assert len(families()) == 55  # 12 router request series + 13 router node series + 30 node series
 
 
 def test_every_dashboard_expr_names_exported_series_and_labels():

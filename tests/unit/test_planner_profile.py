@@ -6,10 +6,11 @@ import dataclasses
 
 import pytest
 
+from pdserve.engine.step_shape import StepShape
 from pdserve.planner.measure import step_shapes
 from pdserve.planner.profile import NodeSetup, ProfileCache, machine_facts, model_hash, profile_key
 from pdserve.planner.profile_cli import tp_setups
-from pdserve.planner.step_cost import StepCost, StepShape
+from pdserve.planner.step_cost import StepCost
 from tests.unit.planner_profiles import synthetic_profile
 
 

@@ -14,6 +14,7 @@ the `StatsData` it gets. Must never: change engine state.
 
 from __future__ import annotations
 
+import dataclasses
 import sys
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -68,6 +69,7 @@ def build_stats(kind: str, engine: EngineCore, transport: RankedTransport | None
         forked_samples=engine.num_forked_samples,
         failed_requests=engine.num_failed_requests,
         kv_transfer_sent=sum_stats(sent),
+        steps=dataclasses.replace(engine.step_totals),
     )
 
 

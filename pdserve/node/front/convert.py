@@ -8,6 +8,8 @@ Must never: decide a status code (errors.py does) or touch the network.
 
 from __future__ import annotations
 
+import dataclasses
+
 from pdserve.kv_transfer.counters import TransferStats
 from pdserve.node.messages import BeamsDone, StatsData, Tokens
 from pdserve.proto import node_pb2
@@ -59,4 +61,5 @@ def stats_to_proto(stats: StatsData) -> node_pb2.NodeStats:
         failed_requests=stats.failed_requests,
         kv_transfer_sent=_counters(stats.kv_transfer_sent),
         placed_through=stats.placed_through,
+        steps=node_pb2.StepTotals(**dataclasses.asdict(stats.steps)),
     )

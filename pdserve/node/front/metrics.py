@@ -27,6 +27,7 @@ from prometheus_client.registry import Collector
 from pdserve.common.lifecycle import ServerPhase
 from pdserve.common.metrics_endpoint import Health, HealthCheck, MetricsEndpoint
 from pdserve.common.ports import Listen, unavailable
+from pdserve.engine.step_shape import SERIES as STEP_SERIES
 from pdserve.node.messages import StatsData
 
 LatestStats = Callable[[], StatsData | None]
@@ -75,6 +76,8 @@ _COUNTERS = (
      lambda s: s.forked_samples),
     ("pdserve_failed_requests", "Requests failed because a model step they were in raised",
      lambda s: s.failed_requests),
+    # The engine's steps: their shapes and seconds summed (pdserve/engine/step_shape.py).
+    *((f"pdserve_{name}", text, lambda s, f=field: getattr(s.steps, f)) for field, name, text in STEP_SERIES),
 )
 
 

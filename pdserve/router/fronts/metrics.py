@@ -1,4 +1,4 @@
-"""The router's Prometheus series: request latency, status and tokens, and the nodes' gauges.
+"""The router's Prometheus series: request latency, status and tokens, and the nodes' gauges and step counters.
 
 Owns `RouterMetrics`, built on a `CollectorRegistry` the router passes in (one per
 process, never the library's global one). Requests are recorded by observing the public
@@ -6,8 +6,9 @@ response stream of a request (`RouterMetrics.observe`: gRPC's `Generate`, and ea
 an HTTP request), the one place that sees a whole request: TTFT and end-to-end latency from each sample's last response (its
 `timings`), TPOT = (e2e - ttft) / (completion_tokens - 1), ITL (the gap between a sample's
 successive responses on the router's clock, over the tokens the later one carries), every streamed token, the
-prompt's tokens once per request, and the request's final status. The per-node gauges
-come from the heartbeats the registry already keeps, read at scrape time by
+prompt's tokens once per request, and the request's final status. The per-node gauges and
+step counters (`pdserve_node_steps_total`, `pdserve_node_step_seconds_total`, ...: the node's
+`NodeStats.steps`) come from the heartbeats the registry already keeps, read at scrape time by
 `NodeStatsCollector` (no polling of its own); `pdserve_resumes_total{reason}` from the router's
 `ResumeCounts` (pdserve/router/dispatch/recovery.py) and `pdserve_prompt_routes_total{route}` from its
 `RouteCounts` (pdserve/router/dispatch/state.py), each read at scrape time by a `CountsCollector`.
@@ -28,6 +29,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily
 from prometheus_client.registry import Collector
 
+from pdserve.engine.step_shape import SERIES as STEP_SERIES
 from pdserve.proto import pdserve_pb2
 from pdserve.router.errors import status_of
 from pdserve.router.cluster.registry import NodeEntry, NodeKind, NodeRegistry
@@ -170,31 +172,37 @@ _NODE_GAUGES = (
     ("requests_running", "Requests running in the node's scheduler", lambda s: s.num_running),
     ("queued_prefill_tokens", "Prompt tokens the node has yet to prefill", lambda s: s.queued_prefill_tokens),
 )
+# Counters of the node's engine steps (NodeStats.steps), so that a scraper can set a window's
+# seconds against what the planner's profile predicts for the same steps (pdserve/planner/step_speed.py).
+_NODE_STEP_COUNTERS = tuple((name, text, lambda s, f=field: getattr(s.steps, f)) for field, name, text in STEP_SERIES)
 _SNAPSHOT_ATTEMPTS = 3
 
 
 class NodeStatsCollector(Collector):
-    """`pdserve_node_*{node, kind}`: each live node's last heartbeat, read when scraped."""
+    """`pdserve_node_*{node, kind}`: each live node's last heartbeat, read when scraped: gauges of
+    its state and counters of its steps."""
 
     def __init__(self, nodes: NodeRegistry) -> None:
         self._nodes = nodes
 
-    def describe(self) -> Iterator[GaugeMetricFamily]:
+    def describe(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         return self._families()
 
-    def collect(self) -> Iterator[GaugeMetricFamily]:
+    def collect(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         families = list(self._families())
         for entry in self._live_entries():
             if entry.stats is None:
                 continue
             labels = [entry.node_id, entry.kind.value]
-            for family, (_, _, value_of) in zip(families, _NODE_GAUGES):
+            for family, (_, _, value_of) in zip(families, _NODE_GAUGES + _NODE_STEP_COUNTERS):
                 family.add_metric(labels, value_of(entry.stats))
         return iter(families)
 
-    def _families(self) -> Iterator[GaugeMetricFamily]:
+    def _families(self) -> Iterator[GaugeMetricFamily | CounterMetricFamily]:
         for suffix, help_text, _ in _NODE_GAUGES:
             yield GaugeMetricFamily(f"pdserve_node_{suffix}", help_text, labels=["node", "kind"])
+        for suffix, help_text, _ in _NODE_STEP_COUNTERS:
+            yield CounterMetricFamily(f"pdserve_node_{suffix}", help_text, labels=["node", "kind"])
 
     def _live_entries(self) -> list[NodeEntry]:
         # A scrape runs on the HTTP server's thread while the event loop may add or drop a
