@@ -33,7 +33,7 @@ from pathlib import Path
 import torch
 
 from pdserve.planner.cpu_witness import SUSPECT_SHARE
-from pdserve.planner.validate import rounds_text
+from pdserve.planner.validation_report import rounds_text
 
 WORKLOADS = {
     "fixed-256-64": ["--workload", "fixed", "--input-len", "256", "--output-len", "64"],

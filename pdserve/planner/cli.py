@@ -42,9 +42,9 @@ from pdserve.planner.search import (
 )
 from pdserve.planner.track_record import TrackRecord, ValidationLog, record_key
 from pdserve.planner.validate import (
-    Validation, ValidationPlan, chosen, close_calls, format_validation, measured_best, report_record, validate,
-    validated_choice,
+    Validation, ValidationPlan, chosen, close_calls, measured_best, validate, validated_choice,
 )
+from pdserve.planner.validation_report import format_validation, report_record
 
 
 NAMED_CLOSE_CALLS = 3  # the plan's line names the best-ranked few; the count covers the rest
@@ -284,7 +284,8 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> Plan:
         "track_record": None if track is None else track.to_json()}
     checks = ValidationPlan(tuple(workload_argv(args)), slo,
                             replace(sweep, max_probes=args.validate_probes), first.setup.dtype, args.block_size,
-                            args.validate_repeats, validation_log=validation_log)
+                            args.validate_repeats, validation_log=validation_log,
+                            step_costs={setup: profile.step for setup, profile in profiles.items()})
     return Plan(results, report, checks, track)
 
 

@@ -11,7 +11,9 @@ straddling the SLO counts as missing it).
 `Rebalancer.decide` leaves a cluster alone while the window meets the attainment target on both
 SLOs, or holds too few samples to say. Otherwise it simulates the same N nodes in every split
 p + d = N at the window's rate and mix (pdserve/planner/simulator.py, on the nodes' profile: the same
-machinery as `pdserve plan`), and answers one node moved toward the best split, when that split's
+machinery as `pdserve plan`), each pool's steps stretched by the speed its nodes' steps ran at in
+the window (pdserve/planner/step_speed.py: their CPU seconds over what the profile predicts for the
+same steps; 1 where too few ran to tell), and answers one node moved toward the best split, when that split's
 predicted attainment beats the current one's by `margin`. One node per decision and the
 launcher's cooldown keep the pools from oscillating on noise.
 
@@ -23,15 +25,17 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 
 from prometheus_client.parser import text_string_to_metric_families
 
 from pdserve.bench.serve.metrics import Slo
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.step_shape import StepTotals
 from pdserve.planner.goodput import Traffic, simulate
 from pdserve.planner.profile import Profile, ServingCosts
 from pdserve.planner.cluster_spec import ClusterSpec, Pool
+from pdserve.planner.step_speed import NodeKey, StepSpeed, describe_speeds, parse_node_steps, pool_steps
 
 PROMPT, OUTPUT = "pdserve_request_prompt_tokens", "pdserve_request_generation_tokens"
 TTFT, TPOT = "pdserve_request_ttft_seconds", "pdserve_request_tpot_seconds"
@@ -42,11 +46,13 @@ SIMULATED_REQUESTS = 64  # at least this many per simulated run: the window's mi
 @dataclass(frozen=True)
 class Scrape:
     """The router's series at one moment: the cumulative buckets of its histograms (name ->
-    ((le, count), ...)), and how many requests had arrived (ended, of any status, or in flight)."""
+    ((le, count), ...)), how many requests had arrived (ended, of any status, or in flight), and
+    each node's step sums."""
 
     at_s: float
     buckets: dict[str, tuple[tuple[float, float], ...]]
     arrived: float = 0.0
+    steps: dict[NodeKey, StepTotals] = field(default_factory=dict)
 
     @classmethod
     def parse(cls, text: str, at_s: float) -> Scrape:
@@ -59,7 +65,7 @@ class Scrape:
                                               if s.name.endswith("_bucket"))
             elif family.name in (ENDED, IN_FLIGHT):
                 arrived += sum(s.value for s in family.samples if s.name in (f"{ENDED}_total", IN_FLIGHT))
-        return cls(at_s, {name: tuple(b) for name, b in buckets.items()}, arrived)
+        return cls(at_s, {name: tuple(b) for name, b in buckets.items()}, arrived, parse_node_steps(text))
 
 
 def _delta(after: Scrape, before: Scrape, name: str) -> list[tuple[float, float]]:
@@ -103,6 +109,7 @@ class Window:
     mix: tuple[tuple[int, int], ...]  # (prompt length, output length) of each finished sample
     ttft_share: float | None  # share within the TTFT SLO; None: no sample
     tpot_share: float | None
+    steps: dict[str, StepTotals] = field(default_factory=dict)  # each pool's steps in the window
 
     @classmethod
     def between(cls, before: Scrape, after: Scrape, slo: Slo, seed: int = 0) -> Window:
@@ -112,7 +119,7 @@ class Window:
         mix = tuple(zip(prompts, outputs))
         return cls(arrived / seconds if seconds > 0 and arrived > 0 else 0.0, mix,
                    _share_within(_delta(after, before, TTFT), slo.ttft_s),
-                   _share_within(_delta(after, before, TPOT), slo.tpot_s))
+                   _share_within(_delta(after, before, TPOT), slo.tpot_s), pool_steps(before.steps, after.steps))
 
     def describe(self) -> str:
         shares = ", ".join(f"{'-' if share is None else f'{share:.0%}'} within the {name} SLO"
@@ -140,10 +147,11 @@ class Move:
     target: str
     best: Split
     predicted: dict[Split, float]  # attainment of every split at the window's rate and mix
+    speeds: dict[str, StepSpeed] = field(default_factory=dict)  # each pool's steps in the window
 
     def describe(self, current: Split) -> str:
         return (f"a {self.source} node becomes a {self.target} node ({current.describe()} toward "
-                f"{self.best.describe()}; predicted attainment {_figures(self.predicted)})")
+                f"{self.best.describe()}; predicted attainment {_figures(self.predicted)}{_steps(self.speeds)})")
 
 
 @dataclass(frozen=True)
@@ -151,16 +159,21 @@ class Hold:
     """The window missed the target, and no split is predicted to do better by the margin."""
 
     predicted: dict[Split, float]  # attainment of every split at the window's rate and mix
+    speeds: dict[str, StepSpeed] = field(default_factory=dict)  # each pool's steps in the window
 
     def describe(self, current: Split) -> str:
         # The figures beside the window's own shares show where the simulator disagrees with the
         # cluster: a current split predicted to meet the target is one the load mode never leaves.
         return (f"no other split of {current.prefill + current.decode} nodes is predicted to do better by the "
-                f"margin (predicted attainment {_figures(self.predicted)})")
+                f"margin (predicted attainment {_figures(self.predicted)}{_steps(self.speeds)})")
 
 
 def _figures(predicted: dict[Split, float]) -> str:
     return ", ".join(f"{s.describe()} {a:.0%}" for s, a in sorted(predicted.items()))
+
+
+def _steps(speeds: dict[str, StepSpeed]) -> str:
+    return f"; the window's steps: {describe_speeds(speeds)}" if speeds else ""
 
 
 @dataclass(frozen=True)
@@ -189,15 +202,29 @@ class Rebalancer:
             return None
         predicted = {split: self.attainment(split, window) for split in _splits(current.prefill + current.decode)}
         best = max(predicted, key=lambda s: (predicted[s], s == current))
+        speeds = self.speeds(window)
         if best == current or predicted[best] < predicted[current] + self.config.margin:
-            return Hold(predicted)
+            return Hold(predicted, speeds)
         source, target = ("decode", "prefill") if best.prefill > current.prefill else ("prefill", "decode")
-        return Move(source, target, best, predicted)
+        return Move(source, target, best, predicted, speeds)
+
+    def speeds(self, window: Window) -> dict[str, StepSpeed]:
+        """How fast each pool's steps ran in the window against the profile."""
+        return {pool: StepSpeed.of(steps, self._profile.step) for pool, steps in window.steps.items()}
+
+    def _pool_profile(self, pool: str, window: Window) -> Profile:
+        """The profile with the pool's steps as slow as they ran in the window (as profiled where
+        too few ran to tell)."""
+        steps = window.steps.get(pool)
+        speed = None if steps is None else StepSpeed.of(steps, self._profile.step)
+        if speed is None or not speed.known:
+            return self._profile
+        return replace(self._profile, step=self._profile.step.scaled(speed.cpu_ratio))
 
     def attainment(self, split: Split, window: Window) -> float:
-        spec = ClusterSpec(prefill=Pool(split.prefill, self._engines["prefill"], self._profile),
-                           decode=Pool(split.decode, self._engines["decode"], self._profile), costs=self.costs,
-                           machine_cores=self.machine_cores)
+        spec = ClusterSpec(prefill=Pool(split.prefill, self._engines["prefill"], self._pool_profile("prefill", window)),
+                           decode=Pool(split.decode, self._engines["decode"], self._pool_profile("decode", window)),
+                           costs=self.costs, machine_cores=self.machine_cores)
         limit = self._profile.max_model_len
 
         def request(i: int) -> tuple[tuple[int, ...], int]:

@@ -29,7 +29,7 @@ from pdserve.bench.serve.sweep import SweepConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.goodput import Prediction, Traffic, predict_goodput, start_rate
 from pdserve.planner.profile import Profile, ServingCosts
-from pdserve.planner.step_cost import StepShape
+from pdserve.engine.step_shape import StepShape
 from pdserve.planner.cluster_spec import ClusterSpec, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
@@ -109,6 +109,10 @@ class Layout:
         pools = ((self.colocated_cores, self.colocated_tp), (self.prefill_cores, self.prefill_tp),
                  (self.decode_cores, self.decode_tp))
         return {(cores, tp) for cores, tp in pools if cores}
+
+    def pool_setup(self, kind: str) -> tuple[int, int]:
+        """(cores, TP) of each node of one kind: "colocated", "prefill" or "decode"."""
+        return getattr(self, f"{kind}_cores"), getattr(self, f"{kind}_tp")
 
     def describe(self) -> str:
         if self.colocated:

@@ -21,6 +21,10 @@ then each again — so a slow spell falls on every layout, not on one. A candida
 goodput is the median of its rounds, and the report gives their spread beside the error: an
 error smaller than the spread is not one the runs can show.
 
+Each round also reads how fast the nodes' steps ran against the profile (the router's step
+counters before and after the sweep, pdserve/planner/step_speed.py): a profile measured at
+another hour, or alone on the machine, shows there, apart from the simulator's own error.
+
 Each round's sweep is watched for what else took the machine's CPU while it ran (steal, and
 processes outside the plan's own tree: pdserve/planner/cpu_witness.py); the report marks a
 measurement during which that reached `SUSPECT_SHARE` of the machine, whose error is the
@@ -51,16 +55,19 @@ import statistics
 import subprocess
 import sys
 import tempfile
-from dataclasses import dataclass
+from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
 
 from pdserve.bench.serve.metrics import Slo, Summary
 from pdserve.bench.serve.sweep import Probe, SweepConfig, SweepResult
+from pdserve.cluster_load_mode import scrape_url
 from pdserve.cluster_process import ClusterProcess
 from pdserve.common.affinity import threads_pinned_to
 from pdserve.planner.cpu_witness import SUSPECT_SHARE, CpuUse, CpuWitness
-from pdserve.planner.search import Evaluated
+from pdserve.planner.search import Evaluated, Layout
+from pdserve.planner.step_cost import StepCost
+from pdserve.planner.step_speed import StepSpeed, describe_speeds, parse_node_steps, pool_steps
 from pdserve.planner.track_record import Checked, ValidationLog
 
 WARMUP_REQUESTS = 4  # every node's first shapes (kernel builds, allocator growth) before any probe
@@ -103,6 +110,7 @@ class Measurement:
     at_predicted_rate: Summary | None  # the real run at the predicted goodput (None: nothing was predicted)
     sweep: SweepResult[Summary]
     cpu: CpuUse | None = None  # where the machine's CPU went while the sweep ran (None: not watched)
+    speeds: dict[str, StepSpeed] = field(default_factory=dict)  # each kind of node's steps over the sweep
 
 
 @dataclass(frozen=True)
@@ -184,6 +192,8 @@ class ValidationPlan:
     repeats: int = 1  # rounds: each candidate measured this many times, one round after the other
     timeout_s: float = 600.0
     validation_log: ValidationLog | None = None  # where the measured errors are kept (None: nowhere)
+    # The profiles' step models by (cores, TP): what a node's steps are compared with.
+    step_costs: dict[tuple[int, int], StepCost] = field(default_factory=dict)
 
 
 def validate(candidates: list[Evaluated], model: str, plan: ValidationPlan, log=print) -> list[Validation]:
@@ -236,16 +246,27 @@ def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Measurement
         # The client is a process of its own, as users run it (in this one it would share an
         # interpreter, and a garbage collector, with the search's objects), started on the cores the
         # plan pinned the router to: where the simulator charged its CPU. It inherits this thread's.
-        with (ClusterProcess([*command[2:], "--http-port", "0"], workdir) as cluster,
+        with (ClusterProcess([*command[2:], "--http-port", "0", "--metrics-port", "0"], workdir) as cluster,
               threads_pinned_to(e.candidate.layout.router_cores)):
             argv = client_argv(cluster.router, e.prediction.goodput_rps, plan, output, e.candidate.layout.devices)
             log(f"validate: {layout}: {shlex.join(argv[2:])}")
+            scrape = scrape_url(cluster.state.children["router"].metrics_url)
+            before = scrape()
             witness = CpuWitness()  # this process's tree: the cluster and the client
             witness.start()
             _run_client(argv, lambda line: log(f"validate: {layout}: {line}"))
             cpu = witness.stop()
+            speeds = step_speeds(before, scrape(), e.candidate.layout, plan.step_costs)
         log(f"validate: {layout}: {cpu_text(cpu)}")
-        return measurement(json.loads(output.read_text()), e.prediction.goodput_rps, cpu)
+        log(f"validate: {layout}: its steps against the profile: {describe_speeds(speeds)}")
+        return replace(measurement(json.loads(output.read_text()), e.prediction.goodput_rps, cpu), speeds=speeds)
+
+
+def step_speeds(before: str, after: str, layout: Layout, costs: dict[tuple[int, int], StepCost]) -> dict[str, StepSpeed]:
+    """How fast each kind of node's steps ran between two /metrics texts of the router."""
+    steps = pool_steps(parse_node_steps(before), parse_node_steps(after))
+    return {kind: StepSpeed.of(totals, costs[layout.pool_setup(kind)]) for kind, totals in steps.items()
+            if layout.pool_setup(kind) in costs}
 
 
 def cpu_text(cpu: CpuUse) -> str:
@@ -283,18 +304,7 @@ def measurement(doc: dict, predicted_rps: float, cpu: CpuUse | None = None) -> M
     return Measurement(sweep.best_rate or 0.0, at_predicted, sweep, cpu)
 
 
-# -- the report ---------------------------------------------------------------------------------
-def _p90(summary: Summary | None, field: str) -> float | None:
-    dist = getattr(summary, field) if summary is not None else None
-    return None if dist is None else dist.p90
-
-
-def _error(predicted: float | None, measured: float | None) -> float | None:
-    if predicted is None or not measured:
-        return None
-    return (predicted - measured) / measured
-
-
+# -- what the rounds say -----------------------------------------------------------------------
 def median_abs_goodput_error(validations: list[Validation]) -> float | None:
     errors = [abs(v.goodput_error) for v in validations if v.goodput_error is not None]
     return statistics.median(errors) if errors else None
@@ -332,88 +342,3 @@ def validated_choice(validations: list[Validation]) -> Validation | None:
     first = validations[0]
     margin = max((s for s in (first.spread, best.spread, first.taken_share) if s is not None), default=0.0)
     return first if first.measured_per_device >= best.measured_per_device * (1 - margin) else best
-
-
-def validation_record(v: Validation) -> dict:
-    predicted = v.evaluated.prediction.run.summary
-    return {
-        "layout": v.evaluated.candidate.layout.describe(),
-        "predicted_goodput_rps": v.predicted_goodput_rps,
-        "measured_goodput_rps": v.measured_goodput_rps,
-        "measured_below_rps": v.measured_below_rps,
-        "goodput_error": v.goodput_error,
-        "goodput_error_is_a_lower_bound": v.error_is_a_bound,
-        "measured_spread": v.spread,
-        "cpu_taken_share": v.taken_share,
-        "suspect": v.suspect,
-        "measured_converged": v.rounds[0].sweep.converged,
-        "at_predicted_rate": {
-            "ttft_p90_s": {"predicted": _p90(predicted, "ttft_s"), "measured": _p90(v.at_predicted_rate, "ttft_s")},
-            "tpot_p90_s": {"predicted": _p90(predicted, "tpot_s"), "measured": _p90(v.at_predicted_rate, "tpot_s")},
-            "attainment": {"predicted": predicted.attainment,
-                           "measured": None if v.at_predicted_rate is None else v.at_predicted_rate.attainment},
-        },
-        "probes": _probes(v.rounds[0]),  # the first round's: the one sweep of reports from before rounds
-        "rounds": [{"measured_goodput_rps": m.goodput_rps, "probes": _probes(m),
-                    "cpu": None if m.cpu is None else m.cpu.record()} for m in v.rounds],
-    }
-
-
-def _probes(m: Measurement) -> list[dict]:
-    return [{"rate": p.rate, "attainment": p.result.attainment, "passed": p.passed} for p in m.sweep.probes]
-
-
-def report_record(validations: list[Validation]) -> dict:
-    return {"candidates": [validation_record(v) for v in validations],
-            "median_abs_goodput_error": median_abs_goodput_error(validations),
-            "median_measured_spread": median_spread(validations),
-            "recommended_share_of_best_measured": recommended_share_of_best(validations)}
-
-
-def _pct(value: float | None) -> str:
-    return "-" if value is None else f"{value:+.0%}"
-
-
-def _ms(value: float | None) -> str:
-    return "-" if value is None else f"{value * 1e3:.0f}"
-
-
-def rounds_text(goodputs: list[float], spread: float | None) -> str:
-    """A candidate's measured goodput by round and their spread, as the reports print them."""
-    return ", ".join(f"{g:.3g}" for g in goodputs) + (" (-)" if spread is None else f" ({spread:.0%})")
-
-
-def format_validation(validations: list[Validation]) -> str:
-    repeated = any(len(v.rounds) > 1 for v in validations)
-    rows = [("layout", "goodput pred/meas", "error", "TTFT p90 ms pred/meas", "TPOT p90 ms pred/meas",
-             *(("measured by round (spread)",) if repeated else ()))]
-    for v in validations:
-        predicted = v.evaluated.prediction.run.summary
-        ttft = (_p90(predicted, "ttft_s"), _p90(v.at_predicted_rate, "ttft_s"))
-        tpot = (_p90(predicted, "tpot_s"), _p90(v.at_predicted_rate, "tpot_s"))
-        measured = f"<{v.measured_below_rps:.3g}" if v.error_is_a_bound else f"{v.measured_goodput_rps:.3g}"
-        measured += "*" if v.suspect else ""
-        row = (v.evaluated.candidate.layout.describe(), f"{v.predicted_goodput_rps:.3g}/{measured}",
-               ("≥" if v.error_is_a_bound else "") + _pct(v.goodput_error),
-               f"{_ms(ttft[0])}/{_ms(ttft[1])} ({_pct(_error(*ttft))})",
-               f"{_ms(tpot[0])}/{_ms(tpot[1])} ({_pct(_error(*tpot))})")
-        rows.append((*row, rounds_text([m.goodput_rps for m in v.rounds], v.spread)) if repeated else row)
-    widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
-    lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
-    median, share = median_abs_goodput_error(validations), recommended_share_of_best(validations)
-    lines.append("median |goodput error|: " + ("-" if median is None else f"{median:.0%}") +
-                 "; the recommended configuration measured " +
-                 ("-" if share is None else f"{share:.0%}") + " of the best measured goodput per device")
-    spread = median_spread(validations)
-    if spread is not None:
-        lines.append(f"median spread of the measured goodput over its rounds: {spread:.0%} "
-                     "(an error under it is within the runs' own variation)")
-    if any(v.suspect for v in validations):
-        lines.append(f"(*: steal or processes outside the cluster took {SUSPECT_SHARE:.0%} or more of the machine's "
-                     "CPU while it was measured; its error is the machine's as much as the plan's)")
-    if any(v.error_is_a_bound for v in validations):
-        lines.append("(<R: no probed rate met the target, the lowest to fail was R; the error shown, and counted "
-                     "in the median, is the least it can be)")
-    lines.append("(error = (predicted - measured) / measured, measured = the median of the rounds; "
-                 "P90s at the predicted goodput rate, in the first round)")
-    return "\n".join(lines)

@@ -3,10 +3,12 @@ The real runs are tests/e2e/test_plan_validate.py's."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import sys
 
 import pytest
+from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.bench.serve import cli as serve_cli
 from pdserve.bench.serve import report
@@ -15,15 +17,21 @@ from pdserve.bench.serve.runner import Run
 from pdserve.bench.serve.sweep import SweepConfig, SweepResult
 from pdserve.bench.serve.workload_flags import DEFAULT_NUM_REQUESTS, build_workload, workload_argv
 from pdserve.bench.serve.workloads import ModelLimits
+from pdserve.engine.step_shape import StepShape, StepTotals
 from pdserve.planner import cli as plan_cli
 from pdserve.planner.goodput import Prediction, SimRun
 from pdserve.planner.search import Candidate, Evaluated, Knobs, Layout, layouts
 from pdserve.planner.cpu_witness import CpuUse
+from pdserve.planner.step_cost import StepCost
+from pdserve.planner.step_speed import StepSpeed
 from pdserve.planner.validate import (
-    GROWTH, WARMUP_REQUESTS, Measurement, Validation, ValidationPlan, chosen, client_argv, close_calls,
-    format_validation, measured_best, measurement, median_abs_goodput_error, median_spread, recommended_share_of_best,
-    report_record, validated_choice,
+    GROWTH, WARMUP_REQUESTS, Measurement, Validation, ValidationPlan, chosen, client_argv, close_calls, measured_best,
+    measurement, median_abs_goodput_error, median_spread, recommended_share_of_best, step_speeds, validated_choice,
 )
+from pdserve.planner.validation_report import format_validation, report_record
+from pdserve.proto import node_pb2
+from pdserve.router.cluster.registry import NodeKind, NodeRegistry
+from pdserve.router.fronts.metrics import RouterMetrics
 
 EMPTY = summarize([], Slo(), 1.0)
 
@@ -270,3 +278,38 @@ def test_the_validated_choice_is_the_best_measured_unless_the_runs_spread_cannot
     assert slowed(9.5).suspect and validated_choice([slowed(9.5), validation(other, 10)]).evaluated is first
     assert validated_choice([slowed(8), validation(other, 10)]).evaluated is other  # a lead beyond that
     assert validated_choice([slowed(0), validation(other, 10)]).evaluated is other
+
+
+def test_each_round_reads_its_nodes_step_speed_from_the_routers_counters_and_the_report_sums_the_rounds():
+    nodes = NodeRegistry(heartbeat_timeout_s=5.0, channel_close_grace_s=0.0, clock=lambda: 0.0)
+    nodes.register(NodeKind.PREFILL, "127.0.0.1:1", "prefill-0")
+    nodes.register(NodeKind.DECODE, "127.0.0.1:2", "decode-0")
+    registry = CollectorRegistry()
+    RouterMetrics(registry, nodes)
+    cost = StepCost(0.01, 0.001, 0.0, 0.0, 0.0)  # 10 ms a step, 1 ms a token
+    counts = {"prefill-0": StepTotals(), "decode-0": StepTotals()}
+
+    def run(node: str, steps: int, tokens: int, cpu_ratio: float) -> None:
+        for _ in range(steps):
+            shape = StepShape(tokens, 1, 0, 0)
+            counts[node].add(shape, 2 * cpu_ratio * cost.time(shape), cpu_ratio * cost.time(shape))
+            nodes.heartbeat(node, node_pb2.NodeStats(steps=node_pb2.StepTotals(**dataclasses.asdict(counts[node]))))
+
+    run("prefill-0", 3, 100, 1.0)  # before the sweep: not counted
+    before = generate_latest(registry).decode()
+    run("prefill-0", 20, 100, 1.2)  # 2.2 s predicted
+    run("decode-0", 200, 1, 0.9)  # 2.2 s predicted
+    speeds = step_speeds(before, generate_latest(registry).decode(), ONE_P_ONE_D, {(1, 1): cost})
+    assert speeds["prefill"].cpu_ratio == pytest.approx(1.2) and speeds["prefill"].steps == 20
+    assert speeds["decode"].cpu_ratio == pytest.approx(0.9) and speeds["decode"].clock_ratio == pytest.approx(1.8)
+    assert step_speeds(before, generate_latest(registry).decode(), ONE_P_ONE_D, {}) == {}  # no profile: no speed
+
+    e = evaluated(ONE_P_ONE_D, 3)
+    second = {"prefill": StepSpeed(20, 2.2, 4.4, 2.2 * 1.4), "decode": speeds["decode"]}
+    v = Validation(e, (Measurement(2, None, SweepResult(best_rate=2), speeds=speeds),
+                       Measurement(2, None, SweepResult(best_rate=2), speeds=second)))
+    row = report_record([v])["candidates"][0]
+    assert row["step_speeds"]["prefill"]["cpu_ratio"] == pytest.approx(1.3)  # both rounds' steps as one
+    assert row["rounds"][1]["step_speeds"]["prefill"]["cpu_ratio"] == pytest.approx(1.4)
+    lines = format_validation([v]).splitlines()
+    assert "steps/profile" in lines[0] and "P 1.30 D 0.90" in lines[1]
