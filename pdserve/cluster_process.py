@@ -114,6 +114,12 @@ class ClusterProcess:
     def router(self) -> str:
         return self.state.router
 
+    @property
+    def pid(self) -> int:
+        """The launcher's: every child of the cluster is under it."""
+        assert self._proc is not None, "the cluster is not running"
+        return self._proc.pid
+
     def addresses(self, kind: str) -> list[str]:
         return self.state.addresses(kind)
 

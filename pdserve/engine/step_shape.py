@@ -67,6 +67,11 @@ class StepTotals:
         self.seconds += seconds
         self.cpu_seconds += cpu_seconds
 
+    @classmethod
+    def of(cls, fields: object) -> StepTotals:
+        """From any object with these fields (the NodeStats proto's `steps`)."""
+        return cls(*(getattr(fields, f) for f in _FIELDS))
+
     def since(self, earlier: StepTotals) -> StepTotals | None:
         """The steps run between `earlier` and these; None when these do not follow it (counted
         on another engine: a restarted node starts from zero)."""

@@ -11,7 +11,10 @@ machine (pdserve/planner/track_record.py). SLOs that no candidate meets are refu
 the best figures attainable (exit 2). A plan that recommends, with a record, also names the layouts
 predicted within its error of the best (close calls that only a measurement can rank). `--validate K` then runs the top K and a
 few others for real, prints the plan's measured error (pdserve/planner/validate.py), adds it to that
-record and ends with the candidate the measurement chose (`validated_choice`). Owns the flags, their
+record and ends with the candidate the measurement chose (`validated_choice`). Beside each error it
+prints the goodput predicted again at the step speeds and the stack's CPU the runs measured
+(`at_measured_speeds`, pdserve/planner/step_speed.py, pdserve/planner/stack_use.py): the share of the
+error that was the profile's. Owns the flags, their
 checks and the output; decides nothing itself.
 """
 
@@ -21,6 +24,7 @@ import argparse
 import json
 import shlex
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass, replace
 from pathlib import Path
 
@@ -40,6 +44,8 @@ from pdserve.planner.profile_cli import default_model, int_list, profiles_for, s
 from pdserve.planner.search import (
     DEFAULT_LOCAL_PREFILL_MAX_TOKENS, Candidate, Evaluated, Knobs, evaluate, layouts, ranked, with_prompt_budgets,
 )
+from pdserve.planner.stack_use import scaled_costs, stack_scales
+from pdserve.planner.step_speed import step_scales
 from pdserve.planner.track_record import TrackRecord, ValidationLog, record_key
 from pdserve.planner.validate import (
     Validation, ValidationPlan, chosen, close_calls, measured_best, validate, validated_choice,
@@ -240,6 +246,9 @@ class Plan:
     report: dict  # what --output-json writes
     checks: ValidationPlan  # how --validate measures the chosen candidates
     track: TrackRecord | None  # the error of the plans validated before (None: nothing was ranked)
+    # A candidate's goodput predicted again with its pools' steps stretched by the first scales
+    # (by pool) and its stack's CPU by the second (router, fronts, client).
+    repredict: Callable[[Evaluated, dict[str, float], dict[str, float]], float]
 
 
 def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> Plan:
@@ -285,8 +294,25 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> Plan:
     checks = ValidationPlan(tuple(workload_argv(args)), slo,
                             replace(sweep, max_probes=args.validate_probes), first.setup.dtype, args.block_size,
                             args.validate_repeats, validation_log=validation_log,
-                            step_costs={setup: profile.step for setup, profile in profiles.items()})
-    return Plan(results, report, checks, track)
+                            step_costs={setup: profile.step for setup, profile in profiles.items()}, stack_costs=costs)
+
+    def repredict(e: Evaluated, steps: dict[str, float], stack: dict[str, float]) -> float:
+        c = e.candidate
+        return evaluate(c, base, profiles, traffic, slo, sweep, first.max_model_len,
+                        scaled_costs(costs[c.knobs.stream_interval], stack), steps).prediction.goodput_rps
+
+    return Plan(results, report, checks, track, repredict)
+
+
+def at_measured_speeds(validations: list[Validation], repredict: Callable[[Evaluated, dict[str, float],
+                                                                           dict[str, float]], float]) -> list[Validation]:
+    """Each validation with its goodput predicted again at the step speeds and the stack's CPU its
+    rounds measured."""
+    out = []
+    for v in validations:
+        steps, stack = step_scales(v.speeds), stack_scales(v.stack)
+        out.append(replace(v, predicted_at_speeds_rps=repredict(v.evaluated, steps, stack)) if steps or stack else v)
+    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -306,6 +332,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.validate and report["recommended"] is not None:
             validations = validate(chosen(results, args.validate, args.validate_others),
                                    default_model(args.model), checks, log=log)
+            validations = at_measured_speeds(validations, planned.repredict)
             print(format_validation(validations))
             report["validation"] = report_record(validations)
             choice = validated_choice(validations)

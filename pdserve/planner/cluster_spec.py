@@ -11,7 +11,8 @@ Pure data and its checks: no clock, no torch.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.profile import Profile, ServingCosts
@@ -65,6 +66,14 @@ class ClusterSpec:
             raise ValueError(f"stack_on: {self.stack_on!r} is not a pool of this cluster")
         if self.machine_cores is not None and self.machine_cores < 1:
             raise ValueError(f"machine_cores must be at least 1, got {self.machine_cores}")
+
+    def with_step_scales(self, scales: Mapping[str, float]) -> ClusterSpec:
+        """This cluster with each named pool's steps `scales[pool]` times as long as its profile's
+        ("colocated", "prefill" or "decode": how fast a pool's steps really ran,
+        pdserve/planner/step_speed.py)."""
+        pools = {name: replace(pool, profile=replace(pool.profile, step=pool.profile.step.scaled(scale)))
+                 for name, scale in scales.items() if (pool := getattr(self, name)) is not None}
+        return replace(self, **pools)
 
     @property
     def node_cores(self) -> int:

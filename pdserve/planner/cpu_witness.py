@@ -64,7 +64,8 @@ def tree_cpu_s(processes: dict[int, ProcessTimes], root: int) -> float:
     return total
 
 
-def _processes(proc: Path) -> dict[int, ProcessTimes]:
+def process_table(proc: Path = Path("/proc")) -> dict[int, ProcessTimes]:
+    """Every process's CPU times and parent, by pid."""
     found = {}
     for entry in proc.iterdir():
         if not entry.name.isdigit():
@@ -123,7 +124,7 @@ class CpuWitness:
 
     def snapshot(self) -> Snapshot:
         machine = MachineTimes.parse((self._proc / "stat").read_text())
-        return Snapshot(machine, tree_cpu_s(_processes(self._proc), self._root))
+        return Snapshot(machine, tree_cpu_s(process_table(self._proc), self._root))
 
     def start(self) -> None:
         self._start = self.snapshot()

@@ -20,9 +20,9 @@ from pdserve.bench.serve.arrivals import ArrivalProcess, arrival_times
 from pdserve.bench.serve.metrics import Slo, Summary, request_metrics, run_duration, summarize
 from pdserve.bench.serve.runner import RunLength
 from pdserve.bench.serve.sweep import SweepConfig, find_max_rate
+from pdserve.engine.step_shape import StepShape
 from pdserve.planner.cluster_spec import ClusterSpec
 from pdserve.planner.simulator import ClusterSim, SimRequest
-from pdserve.engine.step_shape import StepShape
 
 
 class Traffic:

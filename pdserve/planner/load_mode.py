@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 import random
 from collections.abc import Iterable
-from dataclasses import dataclass, field, replace
+from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -35,7 +35,9 @@ from pdserve.engine.step_shape import StepTotals
 from pdserve.planner.goodput import Traffic, simulate
 from pdserve.planner.profile import Profile, ServingCosts
 from pdserve.planner.cluster_spec import ClusterSpec, Pool
-from pdserve.planner.step_speed import NodeKey, StepSpeed, describe_speeds, parse_node_steps, pool_steps
+from pdserve.planner.step_speed import (
+    NodeKey, StepSpeed, describe_speeds, parse_node_steps, pool_steps, step_scales,
+)
 
 PROMPT, OUTPUT = "pdserve_request_prompt_tokens", "pdserve_request_generation_tokens"
 TTFT, TPOT = "pdserve_request_ttft_seconds", "pdserve_request_tpot_seconds"
@@ -212,19 +214,12 @@ class Rebalancer:
         """How fast each pool's steps ran in the window against the profile."""
         return {pool: StepSpeed.of(steps, self._profile.step) for pool, steps in window.steps.items()}
 
-    def _pool_profile(self, pool: str, window: Window) -> Profile:
-        """The profile with the pool's steps as slow as they ran in the window (as profiled where
-        too few ran to tell)."""
-        steps = window.steps.get(pool)
-        speed = None if steps is None else StepSpeed.of(steps, self._profile.step)
-        if speed is None or not speed.known:
-            return self._profile
-        return replace(self._profile, step=self._profile.step.scaled(speed.cpu_ratio))
-
     def attainment(self, split: Split, window: Window) -> float:
-        spec = ClusterSpec(prefill=Pool(split.prefill, self._engines["prefill"], self._pool_profile("prefill", window)),
-                           decode=Pool(split.decode, self._engines["decode"], self._pool_profile("decode", window)),
-                           costs=self.costs, machine_cores=self.machine_cores)
+        """Predicted for `split` at the window's rate and mix, each pool's steps as slow as they ran
+        in the window (as profiled where too few ran to tell)."""
+        spec = ClusterSpec(prefill=Pool(split.prefill, self._engines["prefill"], self._profile),
+                           decode=Pool(split.decode, self._engines["decode"], self._profile), costs=self.costs,
+                           machine_cores=self.machine_cores).with_step_scales(step_scales(self.speeds(window)))
         limit = self._profile.max_model_len
 
         def request(i: int) -> tuple[tuple[int, ...], int]:

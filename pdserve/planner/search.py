@@ -21,15 +21,15 @@ from __future__ import annotations
 
 import math
 import shlex
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass, replace
 
 from pdserve.bench.serve.metrics import Slo
 from pdserve.bench.serve.sweep import SweepConfig
 from pdserve.engine.config import EngineConfig
+from pdserve.engine.step_shape import StepShape
 from pdserve.planner.goodput import Prediction, Traffic, predict_goodput, start_rate
 from pdserve.planner.profile import Profile, ServingCosts
-from pdserve.engine.step_shape import StepShape
 from pdserve.planner.cluster_spec import ClusterSpec, Pool
 from pdserve.router.config import RouterConfig
 from pdserve.router.dispatch.hybrid import Disaggregation, PrefillChoice
@@ -333,8 +333,11 @@ class Evaluated:
 
 
 def evaluate(candidate: Candidate, base: EngineConfig, profiles: dict[int, Profile], traffic: Traffic, slo: Slo,
-             sweep: SweepConfig, max_model_len: int, costs: ServingCosts = ServingCosts()) -> Evaluated:
-    spec = candidate.spec(base, profiles, costs)
+             sweep: SweepConfig, max_model_len: int, costs: ServingCosts = ServingCosts(),
+             step_scales: Mapping[str, float] | None = None) -> Evaluated:
+    """`step_scales`: each pool's steps this many times as long as profiled (how fast a validation
+    measured them, pdserve/planner/step_speed.py); None: as profiled."""
+    spec = candidate.spec(base, profiles, costs).with_step_scales(step_scales or {})
     sweep = replace(sweep, start_rate=start_rate(spec, traffic)) if sweep.rate_min is None else sweep
     return Evaluated(candidate, predict_goodput(spec, traffic, slo, max_model_len, sweep))
 

@@ -29,10 +29,10 @@ from pdserve.engine.request import Request
 from pdserve.engine.sampling_params import SamplingParams
 from pdserve.engine.scheduler import SchedulerOutput, scheduler_for
 from pdserve.engine.step_profile import StepTimeModel
+from pdserve.engine.step_shape import StepShape
 from pdserve.engine.stop_rules import token_finish_reason
 from pdserve.engine.swap_space import SwapSpace, swap_blocks_for
 from pdserve.planner.profile import Profile
-from pdserve.engine.step_shape import StepShape
 from pdserve.router.cluster.placement import Candidate
 
 PLACEHOLDER_TOKEN = 1  # what a simulated step "samples"; requests ignore eos, so it never stops one

@@ -116,13 +116,20 @@ def pool_speeds(before: str, after: str, cost: StepCost) -> dict[str, StepSpeed]
             for kind, steps in pool_steps(parse_node_steps(before), parse_node_steps(after)).items()}
 
 
+def step_scales(speeds: dict[str, StepSpeed]) -> dict[str, float]:
+    """How much longer than profiled each kind's steps take, where enough ran to tell: what a
+    simulation stretches them by (`ClusterSpec.with_step_scales`)."""
+    return {kind: speed.cpu_ratio for kind, speed in speeds.items() if speed.known}
+
+
 def describe_speeds(speeds: dict[str, StepSpeed]) -> str:
     return "; ".join(f"{kind}: {speed.describe()}" for kind, speed in sorted(speeds.items())) or "no steps"
 
 
-def summed(rounds: list[dict[str, StepSpeed]]) -> dict[str, StepSpeed]:
-    """Each kind's steps over several windows (a validation's rounds), as one."""
-    total: dict[str, StepSpeed] = {}
+def summed(rounds: list[dict]) -> dict:
+    """Each kind's figures (a `StepSpeed`, or a `StackSpeed`) over several windows (a validation's
+    rounds), as one."""
+    total: dict = {}
     for speeds in rounds:
         for kind, speed in speeds.items():
             total[kind] = total[kind].plus(speed) if kind in total else speed

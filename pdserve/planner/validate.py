@@ -22,8 +22,10 @@ goodput is the median of its rounds, and the report gives their spread beside th
 error smaller than the spread is not one the runs can show.
 
 Each round also reads how fast the nodes' steps ran against the profile (the router's step
-counters before and after the sweep, pdserve/planner/step_speed.py): a profile measured at
-another hour, or alone on the machine, shows there, apart from the simulator's own error.
+counters before and after the sweep, pdserve/planner/step_speed.py) and how much CPU the router,
+the node fronts and the client took against the profile's costs for the requests and tokens served
+(pdserve/planner/stack_use.py): a profile measured at another hour, or alone on the machine, or a
+client busier than the profile's, shows there, apart from the simulator's own error.
 
 Each round's sweep is watched for what else took the machine's CPU while it ran (steal, and
 processes outside the plan's own tree: pdserve/planner/cpu_witness.py); the report marks a
@@ -64,10 +66,14 @@ from pdserve.bench.serve.sweep import Probe, SweepConfig, SweepResult
 from pdserve.cluster_load_mode import scrape_url
 from pdserve.cluster_process import ClusterProcess
 from pdserve.common.affinity import threads_pinned_to
+from pdserve.engine.step_shape import StepTotals
 from pdserve.planner.cpu_witness import SUSPECT_SHARE, CpuUse, CpuWitness
 from pdserve.planner.search import Evaluated, Layout
 from pdserve.planner.step_cost import StepCost
-from pdserve.planner.step_speed import StepSpeed, describe_speeds, parse_node_steps, pool_steps
+from pdserve.planner.profile import ServingCosts
+from pdserve.planner.stack_use import StackCpu, StackSpeed, served, stack_speeds
+from pdserve.planner.stack_use import short_text as stack_text
+from pdserve.planner.step_speed import NodeKey, StepSpeed, describe_speeds, pool_steps, summed
 from pdserve.planner.track_record import Checked, ValidationLog
 
 WARMUP_REQUESTS = 4  # every node's first shapes (kernel builds, allocator growth) before any probe
@@ -111,12 +117,27 @@ class Measurement:
     sweep: SweepResult[Summary]
     cpu: CpuUse | None = None  # where the machine's CPU went while the sweep ran (None: not watched)
     speeds: dict[str, StepSpeed] = field(default_factory=dict)  # each kind of node's steps over the sweep
+    stack: dict[str, StackSpeed] = field(default_factory=dict)  # the router's, the fronts', the client's CPU
 
 
 @dataclass(frozen=True)
 class Validation:
     evaluated: Evaluated
     rounds: tuple[Measurement, ...]  # in the order they ran; at least one
+    # The goodput predicted again with each pool's steps as slow, and the stack's CPU as costly, as
+    # the rounds measured them (`speeds`, `stack`); None: not predicted again (too little ran to
+    # tell). What is left of the error then is the simulator's, not the profile's.
+    predicted_at_speeds_rps: float | None = None
+
+    @property
+    def speeds(self) -> dict[str, StepSpeed]:
+        """Each kind of node's steps over every round, as one."""
+        return summed([m.speeds for m in self.rounds])
+
+    @property
+    def stack(self) -> dict[str, StackSpeed]:
+        """Each kind of stack process's CPU over every round, as one."""
+        return summed([m.stack for m in self.rounds])
 
     @property
     def predicted_goodput_rps(self) -> float:
@@ -159,10 +180,18 @@ class Validation:
         """(predicted - measured) / measured. Where no rate passed, the least it can be, against
         `measured_below_rps` (`error_is_a_bound`): such a candidate counts in the median error,
         never out of it. None when nothing was measured at all."""
+        return self._error_of(self.predicted_goodput_rps)
+
+    @property
+    def error_at_speeds(self) -> float | None:
+        """`goodput_error` of `predicted_at_speeds_rps`."""
+        return None if self.predicted_at_speeds_rps is None else self._error_of(self.predicted_at_speeds_rps)
+
+    def _error_of(self, predicted: float) -> float | None:
         measured = self.measured_goodput_rps or self.measured_below_rps
         if not measured:
             return None
-        return (self.predicted_goodput_rps - measured) / measured
+        return (predicted - measured) / measured
 
     @property
     def error_is_a_bound(self) -> bool:
@@ -194,6 +223,8 @@ class ValidationPlan:
     validation_log: ValidationLog | None = None  # where the measured errors are kept (None: nowhere)
     # The profiles' step models by (cores, TP): what a node's steps are compared with.
     step_costs: dict[tuple[int, int], StepCost] = field(default_factory=dict)
+    # The serving stack's costs the prediction charged, by the router's --stream-interval.
+    stack_costs: dict[int, ServingCosts] = field(default_factory=dict)
 
 
 def validate(candidates: list[Evaluated], model: str, plan: ValidationPlan, log=print) -> list[Validation]:
@@ -250,21 +281,52 @@ def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Measurement
               threads_pinned_to(e.candidate.layout.router_cores)):
             argv = client_argv(cluster.router, e.prediction.goodput_rps, plan, output, e.candidate.layout.devices)
             log(f"validate: {layout}: {shlex.join(argv[2:])}")
-            scrape = scrape_url(cluster.state.children["router"].metrics_url)
-            before = scrape()
+            before = _Readings.take(cluster)
             witness = CpuWitness()  # this process's tree: the cluster and the client
             witness.start()
             _run_client(argv, lambda line: log(f"validate: {layout}: {line}"))
             cpu = witness.stop()
-            speeds = step_speeds(before, scrape(), e.candidate.layout, plan.step_costs)
+            after = _Readings.take(cluster)
+        speeds = step_speeds(before.steps, after.steps, e.candidate.layout, plan.step_costs)
+        stack = after.stack_against(before, plan.stack_costs.get(e.candidate.knobs.stream_interval),
+                                    e.candidate.layout)
         log(f"validate: {layout}: {cpu_text(cpu)}")
-        log(f"validate: {layout}: its steps against the profile: {describe_speeds(speeds)}")
-        return replace(measurement(json.loads(output.read_text()), e.prediction.goodput_rps, cpu), speeds=speeds)
+        log(f"validate: {layout}: its steps against the profile: {describe_speeds(speeds)}; the stack's CPU against "
+            f"the profile's: {stack_text(stack)}")
+        return replace(measurement(json.loads(output.read_text()), e.prediction.goodput_rps, cpu), speeds=speeds,
+                       stack=stack)
 
 
-def step_speeds(before: str, after: str, layout: Layout, costs: dict[tuple[int, int], StepCost]) -> dict[str, StepSpeed]:
-    """How fast each kind of node's steps ran between two /metrics texts of the router."""
-    steps = pool_steps(parse_node_steps(before), parse_node_steps(after))
+@dataclass(frozen=True)
+class _Readings:
+    """The router's /metrics, each node's step sums and the stack processes' CPU at one moment of a
+    validated cluster. The steps are asked of each node (`GetStats`: its engine core's counts now),
+    not read from the router's copy of its last heartbeat, which a short sweep can end before."""
+
+    metrics: str
+    steps: dict[NodeKey, StepTotals]
+    cpu: StackCpu
+
+    @classmethod
+    def take(cls, cluster: ClusterProcess) -> _Readings:
+        children = cluster.state.children
+        steps = {(name, children[name].kind): StepTotals.of(stats.steps) for name, stats in cluster.node_stats().items()}
+        fronts = [child.pid for child in children.values() if child.kind != "router"]
+        return cls(scrape_url(children["router"].metrics_url)(), steps,
+                   StackCpu.read(children["router"].pid, fronts, cluster.pid))
+
+    def stack_against(self, before: _Readings, costs: ServingCosts | None, layout: Layout) -> dict[str, StackSpeed]:
+        if costs is None:
+            return {}
+        (requests_then, tokens_then), (requests, tokens) = served(before.metrics), served(self.metrics)
+        return stack_speeds(self.cpu.used_since(before.cpu), requests - requests_then, tokens - tokens_then, costs,
+                            1 if layout.mode == "colocated" else 2)
+
+
+def step_speeds(before: dict[NodeKey, StepTotals], after: dict[NodeKey, StepTotals], layout: Layout,
+                costs: dict[tuple[int, int], StepCost]) -> dict[str, StepSpeed]:
+    """How fast each kind of node's steps ran between two readings of every node's step sums."""
+    steps = pool_steps(before, after)
     return {kind: StepSpeed.of(totals, costs[layout.pool_setup(kind)]) for kind, totals in steps.items()
             if layout.pool_setup(kind) in costs}
 
@@ -305,8 +367,11 @@ def measurement(doc: dict, predicted_rps: float, cpu: CpuUse | None = None) -> M
 
 
 # -- what the rounds say -----------------------------------------------------------------------
-def median_abs_goodput_error(validations: list[Validation]) -> float | None:
-    errors = [abs(v.goodput_error) for v in validations if v.goodput_error is not None]
+def median_abs_goodput_error(validations: list[Validation], at_speeds: bool = False) -> float | None:
+    """Over the candidates measured; `at_speeds`: of the predictions at the measured step speeds,
+    over those predicted again."""
+    found = [v.error_at_speeds if at_speeds else v.goodput_error for v in validations]
+    errors = [abs(e) for e in found if e is not None]
     return statistics.median(errors) if errors else None
 
 

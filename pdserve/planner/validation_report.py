@@ -12,7 +12,8 @@ from __future__ import annotations
 
 from pdserve.bench.serve.metrics import Summary
 from pdserve.planner.cpu_witness import SUSPECT_SHARE
-from pdserve.planner.step_speed import StepSpeed, short_text, summed
+from pdserve.planner.stack_use import short_text as stack_text
+from pdserve.planner.step_speed import short_text
 from pdserve.planner.validate import (
     Measurement, Validation, median_abs_goodput_error, median_spread, recommended_share_of_best,
 )
@@ -48,15 +49,25 @@ def validation_record(v: Validation) -> dict:
             "attainment": {"predicted": predicted.attainment,
                            "measured": None if v.at_predicted_rate is None else v.at_predicted_rate.attainment},
         },
-        "step_speeds": _speeds_record(summed([m.speeds for m in v.rounds])),
+        "step_speeds": _speeds_record(v.speeds),
+        "stack_speeds": _speeds_record(v.stack),
+        "predicted_at_step_speeds_rps": v.predicted_at_speeds_rps,
+        "goodput_error_at_step_speeds": v.error_at_speeds,
         "probes": _probes(v.rounds[0]),  # the first round's: the one sweep of reports from before rounds
         "rounds": [{"measured_goodput_rps": m.goodput_rps, "probes": _probes(m),
-                    "cpu": None if m.cpu is None else m.cpu.record(), "step_speeds": _speeds_record(m.speeds)}
+                    "cpu": None if m.cpu is None else m.cpu.record(), "step_speeds": _speeds_record(m.speeds),
+                    "stack_speeds": _speeds_record(m.stack)}
                    for m in v.rounds],
     }
 
 
-def _speeds_record(speeds: dict[str, StepSpeed]) -> dict:
+def _at_speeds(v: Validation) -> str:
+    if v.predicted_at_speeds_rps is None:
+        return "-"
+    return f"{v.predicted_at_speeds_rps:.3g} ({'≥' if v.error_is_a_bound else ''}{_pct(v.error_at_speeds)})"
+
+
+def _speeds_record(speeds: dict) -> dict:
     return {kind: speed.record() for kind, speed in speeds.items()}
 
 
@@ -67,6 +78,7 @@ def _probes(m: Measurement) -> list[dict]:
 def report_record(validations: list[Validation]) -> dict:
     return {"candidates": [validation_record(v) for v in validations],
             "median_abs_goodput_error": median_abs_goodput_error(validations),
+            "median_abs_goodput_error_at_step_speeds": median_abs_goodput_error(validations, at_speeds=True),
             "median_measured_spread": median_spread(validations),
             "recommended_share_of_best_measured": recommended_share_of_best(validations)}
 
@@ -87,7 +99,7 @@ def rounds_text(goodputs: list[float], spread: float | None) -> str:
 def format_validation(validations: list[Validation]) -> str:
     repeated = any(len(v.rounds) > 1 for v in validations)
     rows = [("layout", "goodput pred/meas", "error", "TTFT p90 ms pred/meas", "TPOT p90 ms pred/meas",
-             "steps/profile", *(("measured by round (spread)",) if repeated else ()))]
+             "steps/profile", "stack/profile", "at those: pred (error)", *(("measured by round (spread)",) if repeated else ()))]
     for v in validations:
         predicted = v.evaluated.prediction.run.summary
         ttft = (_p90(predicted, "ttft_s"), _p90(v.at_predicted_rate, "ttft_s"))
@@ -98,7 +110,7 @@ def format_validation(validations: list[Validation]) -> str:
                ("≥" if v.error_is_a_bound else "") + _pct(v.goodput_error),
                f"{_ms(ttft[0])}/{_ms(ttft[1])} ({_pct(_error(*ttft))})",
                f"{_ms(tpot[0])}/{_ms(tpot[1])} ({_pct(_error(*tpot))})",
-               short_text(summed([m.speeds for m in v.rounds])))
+               short_text(v.speeds), stack_text(v.stack), _at_speeds(v))
         rows.append((*row, rounds_text([m.goodput_rps for m in v.rounds], v.spread)) if repeated else row)
     widths = [max(len(r[i]) for r in rows) for i in range(len(rows[0]))]
     lines = ["  ".join(c.ljust(w) for c, w in zip(r, widths)).rstrip() for r in rows]
@@ -106,6 +118,10 @@ def format_validation(validations: list[Validation]) -> str:
     lines.append("median |goodput error|: " + ("-" if median is None else f"{median:.0%}") +
                  "; the recommended configuration measured " +
                  ("-" if share is None else f"{share:.0%}") + " of the best measured goodput per device")
+    at_speeds = median_abs_goodput_error(validations, at_speeds=True)
+    if at_speeds is not None:
+        lines.append(f"median |goodput error| predicted again at the step speeds and stack CPU measured: "
+                     f"{at_speeds:.0%} (what is left is the simulator's; the rest was the profile's)")
     spread = median_spread(validations)
     if spread is not None:
         lines.append(f"median spread of the measured goodput over its rounds: {spread:.0%} "
@@ -119,5 +135,6 @@ def format_validation(validations: list[Validation]) -> str:
     lines.append("(error = (predicted - measured) / measured, measured = the median of the rounds; "
                  "P90s at the predicted goodput rate, in the first round; steps/profile: the CPU seconds of each "
                  "kind of node's steps (Colocated, Prefill, Decode) over what the profile predicts for them, above 1 "
-                 "slower than profiled)")
+                 "slower than profiled; stack/profile: the CPU of the Router, the node Fronts and the Client over what "
+                 "the profile's costs give for the requests and tokens served)")
     return "\n".join(lines)

@@ -10,6 +10,8 @@ import shlex
 import subprocess
 import sys
 
+import pytest
+
 from pdserve.engine.dtype_choice import resolve_dtype
 from pdserve.planner.profile import (
     PROFILE_VERSION, NodeSetup, ProfileCache, machine_facts, model_hash, profile_key,
@@ -73,6 +75,16 @@ def test_plan_validate_runs_the_recommended_cluster_and_reports_predicted_beside
     assert cpu["capacity_s"] > 0 and cpu["tree_s"] > 0 and cpu["others_s"] >= 0 and cpu["steal_s"] >= 0
     assert checked["cpu_taken_share"] == cpu["taken_share"]
     assert "validate: colocated x1 (1 core): while it was measured, steal took " in result.stderr
+    # How its steps and its stack ran against the profile, read from the router's counters and /proc:
+    # the router served the warm-up's and every probe's requests of 4 tokens, which the synthetic
+    # costs price at 0.1 ms a request and 0.01 ms a token for each of the router, a front, the client.
+    steps = checked["step_speeds"]["colocated"]
+    assert steps["steps"] >= 4 and steps["predicted_s"] > 0.002 * steps["steps"] and steps["cpu_seconds"] > 0
+    served = 4 + 6 * len(probes)
+    for role in ("router", "fronts", "client"):
+        stack = checked["stack_speeds"][role]
+        assert stack["predicted_s"] == pytest.approx(served * (1e-4 + 4 * 1e-5)) and stack["cpu_s"] > 0, role
+    assert "validate: colocated x1 (1 core): its steps against the profile: colocated: " in result.stderr
 
     # The plan had no error bar yet; its validation is now the record the next plan prints.
     assert "measured error: none yet for this model on this machine" in result.stdout

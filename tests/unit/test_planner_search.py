@@ -288,3 +288,19 @@ def test_the_stream_interval_joins_the_routers_other_flags_in_the_command():
     assert pool[pool.index("--router-args") + 1] == "--disaggregation auto --stream-interval 8"
     once = Candidate(Layout(colocated=2, colocated_cores=1), Knobs(512, 64)).command("/m", "float32", 16)
     assert "--router-args" not in once  # one token per response: the router's default
+
+
+def test_a_candidate_predicted_at_measured_step_speeds_is_one_whose_pools_profiles_ran_that_slow():
+    """1P1D with the decode pool's steps 1.5× as long: the prediction of a profile 1.5× slower on
+    the decode nodes only, and a lower goodput than as profiled."""
+    per_core = synthetic_profile(base_s=0.005, per_token_s=0.001)
+    slower = replace(per_core, step=per_core.step.scaled(1.5))
+    pair = next(lay for lay in layouts(2) if lay.prefill == 1 and lay.decode == 1)
+    candidate, work, slo = Candidate(pair, Knobs(512, 64)), traffic(64, 32), Slo(ttft_s=1.0, tpot_s=0.02)
+    as_profiled = evaluate(candidate, BASE, {(1, 1): per_core}, work, slo, SWEEP, 4096)
+    at_speed = evaluate(candidate, BASE, {(1, 1): per_core}, work, slo, SWEEP, 4096, step_scales={"decode": 1.5})
+    spec = candidate.spec(BASE, {(1, 1): per_core}, ServingCosts())
+    by_hand = replace(spec, decode=replace(spec.decode, profile=slower))
+    assert at_speed.candidate.spec(BASE, {(1, 1): per_core}, ServingCosts()).with_step_scales({"decode": 1.5}) == by_hand
+    assert spec.with_step_scales({"colocated": 3.0}) == spec  # no such pool here: nothing changes
+    assert 0 < at_speed.prediction.goodput_rps < as_profiled.prediction.goodput_rps

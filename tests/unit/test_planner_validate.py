@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import re
 import sys
 
 import pytest
@@ -23,7 +24,7 @@ from pdserve.planner.goodput import Prediction, SimRun
 from pdserve.planner.search import Candidate, Evaluated, Knobs, Layout, layouts
 from pdserve.planner.cpu_witness import CpuUse
 from pdserve.planner.step_cost import StepCost
-from pdserve.planner.step_speed import StepSpeed
+from pdserve.planner.step_speed import StepSpeed, parse_node_steps
 from pdserve.planner.validate import (
     GROWTH, WARMUP_REQUESTS, Measurement, Validation, ValidationPlan, chosen, client_argv, close_calls, measured_best,
     measurement, median_abs_goodput_error, median_spread, recommended_share_of_best, step_speeds, validated_choice,
@@ -299,10 +300,11 @@ def test_each_round_reads_its_nodes_step_speed_from_the_routers_counters_and_the
     before = generate_latest(registry).decode()
     run("prefill-0", 20, 100, 1.2)  # 2.2 s predicted
     run("decode-0", 200, 1, 0.9)  # 2.2 s predicted
-    speeds = step_speeds(before, generate_latest(registry).decode(), ONE_P_ONE_D, {(1, 1): cost})
+    after = parse_node_steps(generate_latest(registry).decode())
+    speeds = step_speeds(parse_node_steps(before), after, ONE_P_ONE_D, {(1, 1): cost})
     assert speeds["prefill"].cpu_ratio == pytest.approx(1.2) and speeds["prefill"].steps == 20
     assert speeds["decode"].cpu_ratio == pytest.approx(0.9) and speeds["decode"].clock_ratio == pytest.approx(1.8)
-    assert step_speeds(before, generate_latest(registry).decode(), ONE_P_ONE_D, {}) == {}  # no profile: no speed
+    assert step_speeds(parse_node_steps(before), after, ONE_P_ONE_D, {}) == {}  # no profile: no speed
 
     e = evaluated(ONE_P_ONE_D, 3)
     second = {"prefill": StepSpeed(20, 2.2, 4.4, 2.2 * 1.4), "decode": speeds["decode"]}
@@ -313,3 +315,23 @@ def test_each_round_reads_its_nodes_step_speed_from_the_routers_counters_and_the
     assert row["rounds"][1]["step_speeds"]["prefill"]["cpu_ratio"] == pytest.approx(1.4)
     lines = format_validation([v]).splitlines()
     assert "steps/profile" in lines[0] and "P 1.30 D 0.90" in lines[1]
+
+    asked = []
+
+    def repredict(e: Evaluated, steps: dict[str, float], stack: dict[str, float]) -> float:
+        asked.append((e, steps, stack))
+        return 2.5
+
+    unmeasured = validation(evaluated(ONE_NODE_2_CORES, 6), 8)  # no step counted: not predicted again
+    again, same = plan_cli.at_measured_speeds([v, unmeasured], repredict)
+    [(e_asked, scales, stack)] = asked
+    assert e_asked is e and scales == {"prefill": pytest.approx(1.3), "decode": pytest.approx(0.9)} and stack == {}
+    assert same is unmeasured and same.error_at_speeds is None
+    assert again.predicted_at_speeds_rps == 2.5 and again.error_at_speeds == pytest.approx(0.25)
+    record = report_record([again, same])
+    assert record["candidates"][0]["goodput_error_at_step_speeds"] == pytest.approx(0.25)
+    assert record["median_abs_goodput_error_at_step_speeds"] == pytest.approx(0.25)
+    lines = format_validation([again, same]).splitlines()
+    assert "2.5 (+25%)" in lines[1]
+    assert re.split(r"\s{2,}", lines[2])[5:8] == ["-", "-", "-"]  # no step or stack speed, no prediction at them
+    assert "median |goodput error| predicted again at the step speeds and stack CPU measured: 25%" in "\n".join(lines)
