@@ -38,17 +38,17 @@ from pdserve.bench.serve.workload_flags import (
 from pdserve.bench.serve.workloads import ModelLimits, RequestSpec
 from pdserve.common.refusal import Refused
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE, DTYPE_NAMES, EngineConfig
+from pdserve.planner.calibration import Calibration
 from pdserve.planner.goodput import Traffic
 from pdserve.planner.profile import ClientCost, Profile, ProfileCache, model_hash
 from pdserve.planner.profile_cli import default_model, int_list, profiles_for, serving_costs_for
 from pdserve.planner.search import (
     DEFAULT_LOCAL_PREFILL_MAX_TOKENS, Candidate, Evaluated, Knobs, evaluate, layouts, ranked, with_prompt_budgets,
 )
-from pdserve.planner.stack_use import scaled_costs, stack_scales
-from pdserve.planner.step_speed import step_scales
+from pdserve.planner.stack_use import scaled_costs
 from pdserve.planner.track_record import TrackRecord, ValidationLog, record_key
 from pdserve.planner.validate import (
-    Validation, ValidationPlan, chosen, close_calls, measured_best, validate, validated_choice,
+    Validation, ValidationPlan, at_measured_inputs, chosen, close_calls, measured_best, validate, validated_choice,
 )
 from pdserve.planner.validation_report import format_validation, report_record
 
@@ -97,6 +97,10 @@ def _parser() -> argparse.ArgumentParser:
                         help="stop when the bracket is this fraction (a prediction is the bracket's low end: "
                              "this is its own resolution, well under the error the validation measures)")
     search.add_argument("--max-probes", type=int, default=12, help="simulated runs per candidate at most")
+    search.add_argument("--calibrate", action="store_true",
+                        help="scale each pool's steps and the serving stack's CPU by the medians earlier "
+                             "validations of this model on this machine measured (the plan prints them; "
+                             "a pool setup never validated keeps the profile's steps)")
     check = p.add_argument_group("validation (runs clusters for real: minutes per candidate)")
     check.add_argument("--validate", type=int, default=0, metavar="K",
                        help="start the top K candidates and --validate-others more for real, sweep each with "
@@ -274,13 +278,16 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> Plan:
     traffic = _traffic(args, model, first)
     slo = Slo(args.ttft_slo, args.tpot_slo)
     sweep = SweepConfig(args.attainment, tolerance=args.tolerance, max_probes=args.max_probes)
+    validation_log = ValidationLog(cache.folder, record_key(model_hash(model), first.machine, first.setup.dtype,
+                                                            args.block_size))
+    calibration = Calibration.of(validation_log.read()) if args.calibrate else None
+    if calibration is not None:
+        log(calibration.text())
     results = ranked([evaluate(c, base, profiles, traffic, slo, sweep, first.max_model_len,
-                               costs[c.knobs.stream_interval])
+                               *Calibration.applied(calibration, c.layout, costs[c.knobs.stream_interval]))
                       for c in tqdm(candidates, desc="simulating", unit="config", disable=args.no_progress)], slo)
     records = [candidate_record(e, model, first.setup.dtype, args.block_size) for e in results]
     best = records[0] if results and results[0].prediction.goodput_rps > 0 else None
-    validation_log = ValidationLog(cache.folder, record_key(model_hash(model), first.machine, first.setup.dtype,
-                                                            args.block_size))
     # The error bar: what the validations before this plan measured (this one's own is "validation").
     top = results[0].candidate.layout if results else None
     track = None if top is None else validation_log.track_record(top.mode, top.describe())
@@ -290,7 +297,8 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> Plan:
         "candidates": records,
         # What every simulated run sent (a prediction is only comparable under the same run length).
         "traffic": {"num_requests": traffic.num_requests, "min_duration_s": traffic.min_duration_s},
-        "track_record": None if track is None else track.to_json()}
+        "track_record": None if track is None else track.to_json(),
+        "calibration": None if calibration is None else calibration.to_json()}
     checks = ValidationPlan(tuple(workload_argv(args)), slo,
                             replace(sweep, max_probes=args.validate_probes), first.setup.dtype, args.block_size,
                             args.validate_repeats, validation_log=validation_log,
@@ -304,15 +312,6 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> Plan:
     return Plan(results, report, checks, track, repredict)
 
 
-def at_measured_speeds(validations: list[Validation], repredict: Callable[[Evaluated, dict[str, float],
-                                                                           dict[str, float]], float]) -> list[Validation]:
-    """Each validation with its goodput predicted again at the step speeds and the stack's CPU its
-    rounds measured."""
-    out = []
-    for v in validations:
-        steps, stack = step_scales(v.speeds), stack_scales(v.stack)
-        out.append(replace(v, predicted_at_speeds_rps=repredict(v.evaluated, steps, stack)) if steps or stack else v)
-    return out
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -332,7 +331,7 @@ def main(argv: list[str] | None = None) -> int:
         if args.validate and report["recommended"] is not None:
             validations = validate(chosen(results, args.validate, args.validate_others),
                                    default_model(args.model), checks, log=log)
-            validations = at_measured_speeds(validations, planned.repredict)
+            validations = at_measured_inputs(validations, planned.repredict)
             print(format_validation(validations))
             report["validation"] = report_record(validations)
             choice = validated_choice(validations)

@@ -20,8 +20,11 @@ A measurement marked suspect (the machine was busy with other work while it ran,
 pdserve/planner/cpu_witness.py) is kept in the file but left out of the figures. An unreadable line
 (a file cut off mid-write) is skipped.
 
-Must never: change a prediction (the record is reported, not applied), or fail a plan because the
-file cannot be read (a validation that cannot write it says so and goes on).
+Each record also keeps what its runs measured of the profile's inputs (step speeds, the stack's
+CPU), which `pdserve plan --calibrate` applies (pdserve/planner/calibration.py).
+
+Must never: change a prediction by its errors (they are reported, never applied), or fail a plan
+because the file cannot be read (a validation that cannot write it says so and goes on).
 """
 
 from __future__ import annotations
@@ -30,7 +33,7 @@ import json
 import os
 import statistics
 from collections.abc import Iterable, Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import BinaryIO
 
@@ -56,6 +59,10 @@ class Checked:
     goodput_error: float  # (predicted - measured) / measured
     error_is_a_bound: bool  # no probed rate passed: the least the error can be
     suspect: bool
+    # What its runs measured of the profile's inputs (pdserve/planner/calibration.py): each pool's
+    # step speed by "kind coresxTP", and the stack's CPU ratios (router, fronts, client).
+    step_scales: dict[str, float] = field(default_factory=dict)
+    stack_scales: dict[str, float] = field(default_factory=dict)
 
 
 @dataclass(frozen=True)

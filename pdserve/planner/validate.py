@@ -57,6 +57,7 @@ import statistics
 import subprocess
 import sys
 import tempfile
+from collections.abc import Callable
 from dataclasses import dataclass, field, replace
 from datetime import datetime, timezone
 from pathlib import Path
@@ -67,13 +68,14 @@ from pdserve.cluster_load_mode import scrape_url
 from pdserve.cluster_process import ClusterProcess
 from pdserve.common.affinity import threads_pinned_to
 from pdserve.engine.step_shape import StepTotals
+from pdserve.planner.calibration import pool_key
 from pdserve.planner.cpu_witness import SUSPECT_SHARE, CpuUse, CpuWitness
 from pdserve.planner.search import Evaluated, Layout
 from pdserve.planner.step_cost import StepCost
 from pdserve.planner.profile import ServingCosts
-from pdserve.planner.stack_use import StackCpu, StackSpeed, served, stack_speeds
+from pdserve.planner.stack_use import StackCpu, StackSpeed, served, stack_scales, stack_speeds
 from pdserve.planner.stack_use import short_text as stack_text
-from pdserve.planner.step_speed import NodeKey, StepSpeed, describe_speeds, pool_steps, summed
+from pdserve.planner.step_speed import NodeKey, StepSpeed, describe_speeds, pool_steps, step_scales, summed
 from pdserve.planner.track_record import Checked, ValidationLog
 
 WARMUP_REQUESTS = 4  # every node's first shapes (kernel builds, allocator growth) before any probe
@@ -243,13 +245,25 @@ def validate(candidates: list[Evaluated], model: str, plan: ValidationPlan, log=
     return validations
 
 
+def at_measured_inputs(validations: list[Validation],
+                       repredict: Callable[[Evaluated, dict[str, float], dict[str, float]], float]) -> list[Validation]:
+    """Each validation with its goodput predicted again (`repredict(candidate, step scales, stack
+    scales)`) at the step speeds and the stack's CPU its rounds measured, where they measured any."""
+    out = []
+    for v in validations:
+        steps, stack = step_scales(v.speeds), stack_scales(v.stack)
+        out.append(replace(v, predicted_at_speeds_rps=repredict(v.evaluated, steps, stack)) if steps or stack else v)
+    return out
+
+
 def checked_record(v: Validation, when: str) -> Checked | None:
     """What the track record keeps of a validated candidate (None: nothing was measured)."""
     if v.goodput_error is None:
         return None
     layout = v.evaluated.candidate.layout
+    steps = {pool_key(kind, layout.pool_setup(kind)): scale for kind, scale in step_scales(v.speeds).items()}
     return Checked(when, layout.mode, layout.describe(), v.predicted_goodput_rps, v.goodput_error,
-                   v.error_is_a_bound, v.suspect)
+                   v.error_is_a_bound, v.suspect, steps, stack_scales(v.stack))
 
 
 def client_argv(router: str, predicted_rps: float, plan: ValidationPlan, output: Path, devices: int = 1) -> list[str]:
