@@ -13,7 +13,7 @@ predicted within its error of the best (close calls that only a measurement can 
 few others for real, prints the plan's measured error (pdserve/planner/validate.py), adds it to that
 record and ends with the candidate the measurement chose (`validated_choice`). Beside each error it
 prints the goodput predicted again at the step speeds and the stack's CPU the runs measured
-(`at_measured_speeds`, pdserve/planner/step_speed.py, pdserve/planner/stack_use.py): the share of the
+(`at_measured_inputs`, pdserve/planner/step_speed.py, pdserve/planner/stack_use.py): the share of the
 error that was the profile's. Owns the flags, their
 checks and the output; decides nothing itself.
 """

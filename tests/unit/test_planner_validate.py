@@ -26,7 +26,8 @@ from pdserve.planner.cpu_witness import CpuUse
 from pdserve.planner.step_cost import StepCost
 from pdserve.planner.step_speed import StepSpeed, parse_node_steps
 from pdserve.planner.validate import (
-    GROWTH, WARMUP_REQUESTS, Measurement, Validation, ValidationPlan, chosen, client_argv, close_calls, measured_best,
+    GROWTH, WARMUP_REQUESTS, Measurement, Validation, ValidationPlan, at_measured_inputs, chosen, client_argv,
+    close_calls, measured_best,
     measurement, median_abs_goodput_error, median_spread, recommended_share_of_best, step_speeds, validated_choice,
 )
 from pdserve.planner.validation_report import format_validation, report_record
@@ -323,7 +324,7 @@ def test_each_round_reads_its_nodes_step_speed_from_the_routers_counters_and_the
         return 2.5
 
     unmeasured = validation(evaluated(ONE_NODE_2_CORES, 6), 8)  # no step counted: not predicted again
-    again, same = plan_cli.at_measured_speeds([v, unmeasured], repredict)
+    again, same = at_measured_inputs([v, unmeasured], repredict)
     [(e_asked, scales, stack)] = asked
     assert e_asked is e and scales == {"prefill": pytest.approx(1.3), "decode": pytest.approx(0.9)} and stack == {}
     assert same is unmeasured and same.error_at_speeds is None
