@@ -19,12 +19,12 @@ import subprocess
 import sys
 import threading
 import time
-import urllib.request
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 from pdserve.common.affinity import available_cpus
+from pdserve.common.metrics_endpoint import scrape
 
 if TYPE_CHECKING:  # the planner is imported only by a launcher that runs the load mode
     from pdserve.planner.load_mode import LoadModeConfig, Move, Rebalancer, Scrape, Split, Window
@@ -143,10 +143,7 @@ def _dtype(name: str) -> str:
 
 
 def scrape_url(url: str) -> Callable[[], str]:
-    def scrape() -> str:
-        with urllib.request.urlopen(url, timeout=SCRAPE_TIMEOUT_S) as response:
-            return response.read().decode()
-    return scrape
+    return lambda: scrape(url, SCRAPE_TIMEOUT_S)
 
 
 class LoadWatcher:

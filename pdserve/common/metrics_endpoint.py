@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import socket
 import threading
+import urllib.request
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from socketserver import ThreadingMixIn
@@ -107,3 +108,10 @@ def _verdict(health: HealthCheck) -> Health:
         return health()
     except Exception as exc:  # noqa: BLE001 - a health check that breaks says "not serving", never 500
         return Health(False, f"the health check failed: {type(exc).__name__}: {exc}")
+
+
+def scrape(url: str, timeout_s: float = 10.0) -> str:
+    """The exposition text a /metrics endpoint serves (the load mode's, a validation's and the
+    tests' one way of reading one)."""
+    with urllib.request.urlopen(url, timeout=timeout_s) as response:
+        return response.read().decode()

@@ -38,7 +38,7 @@ from pdserve.bench.serve.workload_flags import (
 from pdserve.bench.serve.workloads import ModelLimits, RequestSpec
 from pdserve.common.refusal import Refused
 from pdserve.engine.config import DEFAULT_BLOCK_SIZE, DTYPE_NAMES, EngineConfig
-from pdserve.planner.calibration import Calibration
+from pdserve.planner.calibration import Calibration, current_inputs
 from pdserve.planner.goodput import Traffic
 from pdserve.planner.profile import ClientCost, Profile, ProfileCache, model_hash
 from pdserve.planner.profile_cli import default_model, int_list, profiles_for, serving_costs_for
@@ -267,6 +267,7 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> Plan:
     profiles = profiles_for(model, setups, args.dtype, args.block_size, cache, not args.no_progress, log=log)
     candidates = [Candidate(lay, k) for lay in with_prompt_budgets(spread, profiles, args.tpot_slo) for k in knobs]
     costs = {n: serving_costs_for(model, cache, log=log, stream_interval=n) for n in {k.stream_interval for k in knobs}}
+    inputs = current_inputs(profiles, costs)  # as measured: what a calibration's ratios are against
     if not (args.client_here or args.validate):  # the clients run elsewhere
         costs = {n: replace(c, client=ClientCost.free()) for n, c in costs.items()}
     first = profiles[setups[0]]
@@ -280,7 +281,8 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> Plan:
     sweep = SweepConfig(args.attainment, tolerance=args.tolerance, max_probes=args.max_probes)
     validation_log = ValidationLog(cache.folder, record_key(model_hash(model), first.machine, first.setup.dtype,
                                                             args.block_size))
-    calibration = Calibration.of(validation_log.read()) if args.calibrate else None
+    calibration = Calibration.of(validation_log.read() + validation_log.read(calibrated=True), inputs) \
+        if args.calibrate else None
     if calibration is not None:
         log(calibration.text())
     results = ranked([evaluate(c, base, profiles, traffic, slo, sweep, first.max_model_len,
@@ -302,7 +304,8 @@ def plan(args: argparse.Namespace, knobs: list[Knobs], log=print) -> Plan:
     checks = ValidationPlan(tuple(workload_argv(args)), slo,
                             replace(sweep, max_probes=args.validate_probes), first.setup.dtype, args.block_size,
                             args.validate_repeats, validation_log=validation_log,
-                            step_costs={setup: profile.step for setup, profile in profiles.items()}, stack_costs=costs)
+                            step_costs={setup: profile.step for setup, profile in profiles.items()}, stack_costs=costs,
+                            calibrated=calibration is not None)
 
     def repredict(e: Evaluated, steps: dict[str, float], stack: dict[str, float]) -> float:
         c = e.candidate

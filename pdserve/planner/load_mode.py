@@ -212,7 +212,8 @@ class Rebalancer:
 
     def speeds(self, window: Window) -> dict[str, StepSpeed]:
         """How fast each pool's steps ran in the window against the profile."""
-        return {pool: StepSpeed.of(steps, self._profile.step) for pool, steps in window.steps.items()}
+        return {pool: StepSpeed.of(steps, self._profile.step, self._engines[pool].tensor_parallel_size)
+                for pool, steps in window.steps.items() if pool in self._engines}
 
     def attainment(self, split: Split, window: Window) -> float:
         """Predicted for `split` at the window's rate and mix, each pool's steps as slow as they ran

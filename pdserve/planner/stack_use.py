@@ -14,9 +14,8 @@ Above 1 it cost more than profiled: measured on the 2-core AVX2 machine, the swe
 predicts a validated candidate again with its costs scaled by these (pdserve/planner/cli.py), beside
 its step speeds (pdserve/planner/step_speed.py): what is left of the error is then the simulator's.
 
-A front's requests are counted once per request on a colocated layout, twice on the others (the
-prefill leg and the decode leg; a prompt a hybrid's decode node computes itself passes one front,
-so there it is an over-count of the per-request part, a few percent of a front's CPU).
+A request passes one front, and a second when its prompt went through the prefill pool (the
+router's `pdserve_prompt_routes_total{route="prefill_pool"}`).
 
 Must never: start or stop anything (it reads /proc and /metrics texts).
 """
@@ -47,6 +46,7 @@ class StackCpu:
     cluster_s: float  # the launcher and every process under it
     tree_s: float  # this process and every process under it: the cluster, the client
     own_s: float  # this process's own
+    pids: tuple[int, ...] = ()  # the router's, then the fronts': a restart between two readings changes them
 
     @classmethod
     def read(cls, router_pid: int, front_pids: Sequence[int], cluster_pid: int, proc: Path = Path("/proc")) -> StackCpu:
@@ -57,13 +57,17 @@ class StackCpu:
 
         me = os.getpid()
         return cls(own(router_pid), sum(own(pid) for pid in front_pids), tree_cpu_s(processes, cluster_pid),
-                   tree_cpu_s(processes, me), own(me))
+                   tree_cpu_s(processes, me), own(me), (router_pid, *front_pids))
 
     def used_since(self, earlier: StackCpu) -> dict[str, float]:
-        """CPU seconds of each kind of stack process between `earlier` and this."""
+        """CPU seconds of each kind of stack process between `earlier` and this; the router's and
+        the fronts' left out when one of them restarted in between (a new pid: its CPU started
+        again from zero)."""
         client = (self.tree_s - earlier.tree_s) - (self.cluster_s - earlier.cluster_s) - (self.own_s - earlier.own_s)
-        return {"router": self.router_s - earlier.router_s, "fronts": self.fronts_s - earlier.fronts_s,
-                "client": max(0.0, client)}
+        used = {"client": max(0.0, client)}
+        if self.pids == earlier.pids:
+            used.update(router=self.router_s - earlier.router_s, fronts=self.fronts_s - earlier.fronts_s)
+        return used
 
 
 @dataclass(frozen=True)
@@ -73,7 +77,7 @@ class StackSpeed:
 
     @property
     def known(self) -> bool:
-        return self.predicted_s >= MIN_PREDICTED_S
+        return self.predicted_s >= MIN_PREDICTED_S and self.cpu_s > 0
 
     @property
     def ratio(self) -> float:
@@ -86,29 +90,41 @@ class StackSpeed:
         return {"cpu_s": self.cpu_s, "predicted_s": self.predicted_s, "ratio": self.ratio if self.known else None}
 
 
-def served(metrics_text: str) -> tuple[float, float]:
-    """(requests ended, tokens streamed) so far, from the router's /metrics."""
-    requests = tokens = 0.0
-    for family in text_string_to_metric_families(metrics_text):
-        if family.name in ("pdserve_requests", "pdserve_generated_tokens"):
-            total = sum(s.value for s in family.samples if s.name.endswith("_total"))
-            if family.name == "pdserve_requests":
-                requests = total
-            else:
-                tokens = total
-    return requests, tokens
+@dataclass(frozen=True)
+class Served:
+    """What the router had served at one moment, from its /metrics."""
+
+    requests: float = 0.0  # ended, whatever their status
+    tokens: float = 0.0  # streamed to clients
+    via_prefill_pool: float = 0.0  # requests whose prompt a prefill pool computed: they pass two fronts
+
+    @classmethod
+    def parse(cls, metrics_text: str) -> Served:
+        totals: dict[str, float] = {}
+        for family in text_string_to_metric_families(metrics_text):
+            for s in family.samples:
+                if family.name in ("pdserve_requests", "pdserve_generated_tokens") and s.name.endswith("_total"):
+                    totals[family.name] = totals.get(family.name, 0.0) + s.value
+                elif family.name == "pdserve_prompt_routes" and s.labels.get("route") == "prefill_pool":
+                    totals[family.name] = s.value
+        return cls(totals.get("pdserve_requests", 0.0), totals.get("pdserve_generated_tokens", 0.0),
+                   totals.get("pdserve_prompt_routes", 0.0))
+
+    def since(self, earlier: Served) -> Served:
+        return Served(self.requests - earlier.requests, self.tokens - earlier.tokens,
+                      self.via_prefill_pool - earlier.via_prefill_pool)
 
 
-def stack_speeds(used: dict[str, float], requests: float, tokens: float, costs: ServingCosts,
-                 front_legs: int) -> dict[str, StackSpeed]:
-    """Each kind of stack process's CPU against the profile's for `requests` requests streaming
-    `tokens` tokens, each request through `front_legs` fronts; a kind the profile charges nothing
-    (a client it was told runs elsewhere) is left out."""
-    legs = {"router": 1, "fronts": front_legs, "client": 1}
+def stack_speeds(used: dict[str, float], served: Served, costs: ServingCosts) -> dict[str, StackSpeed]:
+    """Each kind of stack process's CPU against the profile's for what was `served`; a kind the
+    profile charges nothing (a client it was told runs elsewhere), or whose CPU could not be read
+    (`StackCpu.used_since`), is left out."""
+    requests = {"router": served.requests, "fronts": served.requests + served.via_prefill_pool,
+                "client": served.requests}
     speeds = {}
     for role, cost in zip(STACK_ROLES, (costs.router, costs.fronts, costs.client)):
-        predicted = cost.per_request_s * requests * legs[role] + cost.per_token_s * tokens
-        if predicted > 0:
+        predicted = cost.per_request_s * requests[role] + cost.per_token_s * served.tokens
+        if predicted > 0 and role in used:
             speeds[role] = StackSpeed(used[role], predicted)
     return speeds
 

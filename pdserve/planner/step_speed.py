@@ -57,13 +57,13 @@ def _totals(values: dict[str, float]) -> StepTotals:
 
 
 def pool_steps(before: dict[NodeKey, StepTotals], after: dict[NodeKey, StepTotals]) -> dict[str, StepTotals]:
-    """The steps each kind of node ran between two scrapes, summed over the nodes. A node not in
-    the first had not reported a step yet (it joined since, or had not sent its first stats): its
-    count starts from zero. One whose counts went back restarted, and says nothing of the window;
-    one gone by the second is left out."""
+    """The steps each kind of node ran between two readings, summed over the nodes in both. A node
+    missing from either says nothing of the window: the router exports live nodes only, so one
+    missing from the first may have been late with a heartbeat, and its counts since it started
+    are not the window's. One whose counts went back restarted, and says nothing either."""
     pools: dict[str, StepTotals] = {}
     for key, now in after.items():
-        delta = now.since(before.get(key, StepTotals()))
+        delta = now.since(before[key]) if key in before else None
         if delta is not None:
             kind = key[1]
             pools[kind] = pools.get(kind, StepTotals()).plus(delta)
@@ -77,14 +77,20 @@ class StepSpeed:
     seconds: float  # on the clock
     cpu_seconds: float  # in the stepping thread's CPU
 
+    comparable: bool = True  # False: a tensor-parallel node's, whose CPU says nothing of its time
+
     @classmethod
-    def of(cls, steps: StepTotals, cost: StepCost) -> StepSpeed:
-        return cls(steps.steps, cost.total(steps), steps.seconds, steps.cpu_seconds)
+    def of(cls, steps: StepTotals, cost: StepCost, tensor_parallel_size: int = 1) -> StepSpeed:
+        """A tensor-parallel node's stepping thread sleeps in its ranks' collectives, time its CPU
+        leaves out: its speed is reported, never applied. A node of several threads is compared
+        as it is: its stepping thread spins at the threads' barriers, so a step held up by a
+        descheduled thread counts, a slowdown the simulator does not model otherwise."""
+        return cls(steps.steps, cost.total(steps), steps.seconds, steps.cpu_seconds, tensor_parallel_size == 1)
 
     @property
     def known(self) -> bool:
-        """Enough steps to say anything (`MIN_PREDICTED_S`)."""
-        return self.predicted_s >= MIN_PREDICTED_S
+        """Enough steps to say anything (`MIN_PREDICTED_S`), CPU comparable with the profile's time."""
+        return self.comparable and self.predicted_s >= MIN_PREDICTED_S and self.cpu_seconds > 0
 
     @property
     def cpu_ratio(self) -> float:
@@ -96,7 +102,7 @@ class StepSpeed:
 
     def plus(self, other: StepSpeed) -> StepSpeed:
         return StepSpeed(self.steps + other.steps, self.predicted_s + other.predicted_s, self.seconds + other.seconds,
-                         self.cpu_seconds + other.cpu_seconds)
+                         self.cpu_seconds + other.cpu_seconds, self.comparable and other.comparable)
 
     def record(self) -> dict:
         return {"steps": self.steps, "predicted_s": self.predicted_s, "seconds": self.seconds,
@@ -104,6 +110,8 @@ class StepSpeed:
                 "clock_ratio": self.clock_ratio if self.known else None}
 
     def describe(self) -> str:
+        if not self.comparable:
+            return f"{self.steps} steps on tensor-parallel ranks, whose CPU cannot tell their speed"
         if not self.known:
             return f"{self.steps} steps, too few to tell their speed"
         return (f"{self.steps} steps ran {self.cpu_ratio:.2f}× the profile's time in CPU, "
@@ -143,5 +151,8 @@ def short_text(speeds: dict[str, StepSpeed]) -> str:
     return " ".join(known) or "-"
 
 
+POOLS = ("colocated", "prefill", "decode")  # the kinds of node, in the order reports name them
+
+
 def _pool_order(item: tuple[str, StepSpeed]) -> int:
-    return ("colocated", "prefill", "decode").index(item[0]) if item[0] in ("colocated", "prefill", "decode") else 3
+    return POOLS.index(item[0]) if item[0] in POOLS else len(POOLS)

@@ -21,7 +21,8 @@ pdserve/planner/cpu_witness.py) is kept in the file but left out of the figures.
 (a file cut off mid-write) is skipped.
 
 Each record also keeps what its runs measured of the profile's inputs (step speeds, the stack's
-CPU), which `pdserve plan --calibrate` applies (pdserve/planner/calibration.py).
+CPU), which `pdserve plan --calibrate` applies (pdserve/planner/calibration.py), and whether its
+prediction was calibrated: the figures are of uncalibrated predictions only.
 
 Must never: change a prediction by its errors (they are reported, never applied), or fail a plan
 because the file cannot be read (a validation that cannot write it says so and goes on).
@@ -63,6 +64,10 @@ class Checked:
     # step speed by "kind coresxTP", and the stack's CPU ratios (router, fronts, client).
     step_scales: dict[str, float] = field(default_factory=dict)
     stack_scales: dict[str, float] = field(default_factory=dict)
+    # Each of those scales' key -> the digest of what it was measured against (the setup's step
+    # model, the stack's costs: pdserve/planner/calibration.py `digest`).
+    inputs: dict[str, str] = field(default_factory=dict)
+    calibrated: bool = False  # predicted with `--calibrate`: its error is kept apart (`ValidationLog.read`)
 
 
 @dataclass(frozen=True)
@@ -135,8 +140,10 @@ class ValidationLog:
                 lines = "\n" + lines  # after a line cut off mid-write: that one is lost, not these
             f.write(lines.encode())  # one write per validation: lines of two never interleave
 
-    def read(self) -> list[Checked]:
-        """The key's candidates that were measured with the machine to themselves."""
+    def read(self, calibrated: bool = False) -> list[Checked]:
+        """The key's candidates that were measured with the machine to themselves, predicted with
+        the profile as measured (or, `calibrated`, with `--calibrate`: what a record's errors
+        summarise is one kind of prediction)."""
         try:
             text = self.path.read_text()
         except OSError:
@@ -149,7 +156,7 @@ class ValidationLog:
                     found.append(Checked(**entry))
             except (ValueError, TypeError, KeyError, AttributeError):
                 continue  # a line cut off mid-write, or from another version of this file
-        return [c for c in found if not c.suspect]
+        return [c for c in found if not c.suspect and c.calibrated == calibrated]
 
     def track_record(self, mode: str, layout: str) -> TrackRecord:
         """The record as a plan whose best candidate has this mode and layout reports it."""

@@ -21,11 +21,12 @@ then each again — so a slow spell falls on every layout, not on one. A candida
 goodput is the median of its rounds, and the report gives their spread beside the error: an
 error smaller than the spread is not one the runs can show.
 
-Each round also reads how fast the nodes' steps ran against the profile (the router's step
-counters before and after the sweep, pdserve/planner/step_speed.py) and how much CPU the router,
+Each round also reads how fast the nodes' steps ran against the profile (each node's step sums,
+asked of it before and after the sweep, pdserve/planner/step_speed.py) and how much CPU the router,
 the node fronts and the client took against the profile's costs for the requests and tokens served
 (pdserve/planner/stack_use.py): a profile measured at another hour, or alone on the machine, or a
-client busier than the profile's, shows there, apart from the simulator's own error.
+client busier than the profile's, shows there, apart from the simulator's own error. The window is
+the client's whole run, its few warm-up requests among the hundreds it sends.
 
 Each round's sweep is watched for what else took the machine's CPU while it ran (steal, and
 processes outside the plan's own tree: pdserve/planner/cpu_witness.py); the report marks a
@@ -64,16 +65,16 @@ from pathlib import Path
 
 from pdserve.bench.serve.metrics import Slo, Summary
 from pdserve.bench.serve.sweep import Probe, SweepConfig, SweepResult
-from pdserve.cluster_load_mode import scrape_url
 from pdserve.cluster_process import ClusterProcess
 from pdserve.common.affinity import threads_pinned_to
+from pdserve.common.metrics_endpoint import scrape
 from pdserve.engine.step_shape import StepTotals
-from pdserve.planner.calibration import pool_key
+from pdserve.planner.calibration import digest, pool_key
 from pdserve.planner.cpu_witness import SUSPECT_SHARE, CpuUse, CpuWitness
 from pdserve.planner.search import Evaluated, Layout
 from pdserve.planner.step_cost import StepCost
 from pdserve.planner.profile import ServingCosts
-from pdserve.planner.stack_use import StackCpu, StackSpeed, served, stack_scales, stack_speeds
+from pdserve.planner.stack_use import Served, StackCpu, StackSpeed, stack_scales, stack_speeds
 from pdserve.planner.stack_use import short_text as stack_text
 from pdserve.planner.step_speed import NodeKey, StepSpeed, describe_speeds, pool_steps, step_scales, summed
 from pdserve.planner.track_record import Checked, ValidationLog
@@ -227,6 +228,7 @@ class ValidationPlan:
     step_costs: dict[tuple[int, int], StepCost] = field(default_factory=dict)
     # The serving stack's costs the prediction charged, by the router's --stream-interval.
     stack_costs: dict[int, ServingCosts] = field(default_factory=dict)
+    calibrated: bool = False  # the predictions were made with `--calibrate`
 
 
 def validate(candidates: list[Evaluated], model: str, plan: ValidationPlan, log=print) -> list[Validation]:
@@ -239,7 +241,8 @@ def validate(candidates: list[Evaluated], model: str, plan: ValidationPlan, log=
     validations = [Validation(e, tuple(r[i] for r in rounds)) for i, e in enumerate(candidates)]
     if plan.validation_log is not None:
         try:
-            plan.validation_log.add(checked for v in validations if (checked := checked_record(v, when)) is not None)
+            plan.validation_log.add(checked for v in validations
+                                    if (checked := checked_record(v, when, plan)) is not None)
         except OSError as err:  # the validation stands without its record
             log(f"validate: could not keep this validation's errors in {plan.validation_log.path}: {err}")
     return validations
@@ -256,14 +259,19 @@ def at_measured_inputs(validations: list[Validation],
     return out
 
 
-def checked_record(v: Validation, when: str) -> Checked | None:
+def checked_record(v: Validation, when: str, plan: ValidationPlan) -> Checked | None:
     """What the track record keeps of a validated candidate (None: nothing was measured)."""
     if v.goodput_error is None:
         return None
-    layout = v.evaluated.candidate.layout
+    layout, interval = v.evaluated.candidate.layout, v.evaluated.candidate.knobs.stream_interval
     steps = {pool_key(kind, layout.pool_setup(kind)): scale for kind, scale in step_scales(v.speeds).items()}
+    stack = stack_scales(v.stack)
+    # What each was measured against: the setup's step model, the stack's costs at its interval.
+    inputs = {pool_key(kind, layout.pool_setup(kind)): digest(plan.step_costs[layout.pool_setup(kind)])
+              for kind in step_scales(v.speeds)}
+    inputs.update({role: digest(plan.stack_costs[interval]) for role in stack})
     return Checked(when, layout.mode, layout.describe(), v.predicted_goodput_rps, v.goodput_error,
-                   v.error_is_a_bound, v.suspect, steps, stack_scales(v.stack))
+                   v.error_is_a_bound, v.suspect, steps, stack, inputs, plan.calibrated)
 
 
 def client_argv(router: str, predicted_rps: float, plan: ValidationPlan, output: Path, devices: int = 1) -> list[str]:
@@ -295,20 +303,21 @@ def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Measurement
               threads_pinned_to(e.candidate.layout.router_cores)):
             argv = client_argv(cluster.router, e.prediction.goodput_rps, plan, output, e.candidate.layout.devices)
             log(f"validate: {layout}: {shlex.join(argv[2:])}")
-            before = _Readings.take(cluster)
+            before = _Readings.take(cluster, log)
             witness = CpuWitness()  # this process's tree: the cluster and the client
             witness.start()
             _run_client(argv, lambda line: log(f"validate: {layout}: {line}"))
             cpu = witness.stop()
-            after = _Readings.take(cluster)
-        speeds = step_speeds(before.steps, after.steps, e.candidate.layout, plan.step_costs)
-        stack = after.stack_against(before, plan.stack_costs.get(e.candidate.knobs.stream_interval),
-                                    e.candidate.layout)
+            after = _Readings.take(cluster, log)
         log(f"validate: {layout}: {cpu_text(cpu)}")
+        measured = measurement(json.loads(output.read_text()), e.prediction.goodput_rps, cpu)
+        if before is None or after is None:
+            return measured
+        speeds = step_speeds(before.steps, after.steps, e.candidate.layout, plan.step_costs)
+        stack = after.stack_against(before, plan.stack_costs.get(e.candidate.knobs.stream_interval))
         log(f"validate: {layout}: its steps against the profile: {describe_speeds(speeds)}; the stack's CPU against "
             f"the profile's: {stack_text(stack)}")
-        return replace(measurement(json.loads(output.read_text()), e.prediction.goodput_rps, cpu), speeds=speeds,
-                       stack=stack)
+        return replace(measured, speeds=speeds, stack=stack)
 
 
 @dataclass(frozen=True)
@@ -322,27 +331,34 @@ class _Readings:
     cpu: StackCpu
 
     @classmethod
-    def take(cls, cluster: ClusterProcess) -> _Readings:
-        children = cluster.state.children
-        steps = {(name, children[name].kind): StepTotals.of(stats.steps) for name, stats in cluster.node_stats().items()}
-        fronts = [child.pid for child in children.values() if child.kind != "router"]
-        return cls(scrape_url(children["router"].metrics_url)(), steps,
-                   StackCpu.read(children["router"].pid, fronts, cluster.pid))
+    def take(cls, cluster: ClusterProcess, log) -> _Readings | None:
+        """None when a node or the router could not be read (logged): these readings explain a
+        measurement, and a validation goes on without them."""
+        try:
+            children = cluster.refresh().children  # a child the launcher restarted has a new pid
+            steps = {(name, children[name].kind): StepTotals.of(stats.steps)
+                     for name, stats in cluster.node_stats().items()}
+            fronts = [child.pid for child in children.values() if child.kind != "router"]
+            return cls(scrape(children["router"].metrics_url), steps,
+                       StackCpu.read(children["router"].pid, fronts, cluster.pid))
+        except Exception as err:  # a node's GetStats (gRPC), the router's /metrics (HTTP), /proc
+            log(f"validate: the cluster's steps and the stack's CPU could not be read ({type(err).__name__}: {err}); "
+                "this measurement goes without them")
+            return None
 
-    def stack_against(self, before: _Readings, costs: ServingCosts | None, layout: Layout) -> dict[str, StackSpeed]:
+    def stack_against(self, before: _Readings, costs: ServingCosts | None) -> dict[str, StackSpeed]:
         if costs is None:
             return {}
-        (requests_then, tokens_then), (requests, tokens) = served(before.metrics), served(self.metrics)
-        return stack_speeds(self.cpu.used_since(before.cpu), requests - requests_then, tokens - tokens_then, costs,
-                            1 if layout.mode == "colocated" else 2)
+        served = Served.parse(self.metrics).since(Served.parse(before.metrics))
+        return stack_speeds(self.cpu.used_since(before.cpu), served, costs)
 
 
 def step_speeds(before: dict[NodeKey, StepTotals], after: dict[NodeKey, StepTotals], layout: Layout,
                 costs: dict[tuple[int, int], StepCost]) -> dict[str, StepSpeed]:
     """How fast each kind of node's steps ran between two readings of every node's step sums."""
     steps = pool_steps(before, after)
-    return {kind: StepSpeed.of(totals, costs[layout.pool_setup(kind)]) for kind, totals in steps.items()
-            if layout.pool_setup(kind) in costs}
+    return {kind: StepSpeed.of(totals, costs[layout.pool_setup(kind)], layout.pool_setup(kind)[1])
+            for kind, totals in steps.items() if layout.pool_setup(kind) in costs}
 
 
 def cpu_text(cpu: CpuUse) -> str:

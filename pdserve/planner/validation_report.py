@@ -120,8 +120,10 @@ def format_validation(validations: list[Validation]) -> str:
                  ("-" if share is None else f"{share:.0%}") + " of the best measured goodput per device")
     at_speeds = median_abs_goodput_error(validations, at_speeds=True)
     if at_speeds is not None:
+        again = median_abs_goodput_error([v for v in validations if v.error_at_speeds is not None])
         lines.append(f"median |goodput error| predicted again at the step speeds and stack CPU measured: "
-                     f"{at_speeds:.0%} (what is left is the simulator's; the rest was the profile's)")
+                     f"{at_speeds:.0%}, against {again:.0%} as first predicted for the same candidates (what is left "
+                     "is the simulator's; the rest was the profile's)")
     spread = median_spread(validations)
     if spread is not None:
         lines.append(f"median spread of the measured goodput over its rounds: {spread:.0%} "

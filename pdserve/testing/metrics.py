@@ -3,16 +3,9 @@ and the benches' records (e.g. `pdserve_prompt_routes_total` by route)."""
 
 from __future__ import annotations
 
-import urllib.request
-
 from prometheus_client.parser import text_string_to_metric_families
 
-SCRAPE_TIMEOUT_S = 10.0
-
-
-def scrape(metrics_url: str) -> str:
-    with urllib.request.urlopen(metrics_url, timeout=SCRAPE_TIMEOUT_S) as response:
-        return response.read().decode()
+from pdserve.common.metrics_endpoint import scrape
 
 
 def counter_in(text: str, family: str, label: str) -> dict[str, float]:

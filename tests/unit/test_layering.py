@@ -30,9 +30,9 @@ ALLOWED: dict[str, set[str]] = {
     "router": {"engine", "proto", "common"},
     # The test harness: it runs the real router server (router), serves the node services and
     # registers like a node (proto, and kv_transfer for the KV layout version a fingerprint
-    # states). Only tests and bench import it; the model fixtures stay in tests/ (model_factory
-    # belongs to the top part).
-    "testing": {"router", "proto", "kv_transfer"},
+    # states), and reads /metrics as everything else does (common). Only tests and bench import
+    # it; the model fixtures stay in tests/ (model_factory belongs to the top part).
+    "testing": {"router", "proto", "kv_transfer", "common"},
     # On top beside bench and pdserve: the simulator reuses bench's workloads, metrics and goodput
     # search, the router's placement policies and the prefill node's policy, its commands the demo
     # model (pdserve.model_factory); only the CLI imports it (by name, when the command runs). A TP

@@ -12,7 +12,7 @@ from pdserve.bench.serve.metrics import Distribution, Slo, summarize
 from pdserve.bench.serve.sweep import SweepConfig
 from pdserve.engine.config import EngineConfig
 from pdserve.planner.cli import main, unattainable
-from pdserve.planner.goodput import Prediction, SimRun, Traffic
+from pdserve.planner.goodput import Prediction, SimRun, Traffic, predict_goodput, start_rate
 from pdserve.planner.profile import ServingCosts
 from pdserve.planner.search import (
     TIE_BAND, Candidate, Evaluated, Knobs, Layout, evaluate, layouts, ranked, slo_share, tpot_prompt_budget,
@@ -301,6 +301,8 @@ def test_a_candidate_predicted_at_measured_step_speeds_is_one_whose_pools_profil
     at_speed = evaluate(candidate, BASE, {(1, 1): per_core}, work, slo, SWEEP, 4096, step_scales={"decode": 1.5})
     spec = candidate.spec(BASE, {(1, 1): per_core}, ServingCosts())
     by_hand = replace(spec, decode=replace(spec.decode, profile=slower))
-    assert at_speed.candidate.spec(BASE, {(1, 1): per_core}, ServingCosts()).with_step_scales({"decode": 1.5}) == by_hand
+    assert spec.with_step_scales({"decode": 1.5}) == by_hand
     assert spec.with_step_scales({"colocated": 3.0}) == spec  # no such pool here: nothing changes
+    sweep = replace(SWEEP, start_rate=start_rate(by_hand, work))
+    assert at_speed.prediction == predict_goodput(by_hand, work, slo, 4096, sweep)
     assert 0 < at_speed.prediction.goodput_rps < as_profiled.prediction.goodput_rps

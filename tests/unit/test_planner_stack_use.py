@@ -13,12 +13,18 @@ import pytest
 from prometheus_client import CollectorRegistry, generate_latest
 
 from pdserve.planner.profile import ClientCost, FrontCost, RouterCost, ServingCosts
-from pdserve.planner.stack_use import StackCpu, StackSpeed, scaled_costs, served, short_text, stack_scales, stack_speeds
+from pdserve.planner.stack_use import (
+    Served, StackCpu, StackSpeed, scaled_costs, short_text, stack_scales, stack_speeds,
+)
+from pdserve.router.dispatch.state import PromptRoute, RouteCounts
 from pdserve.router.fronts.metrics import RouterMetrics
 from tests.unit.test_router_metrics import FakeContext, drain, last, stream
 
-# Burns CPU until its own process time reaches argv[1], writes argv[2], then waits for argv[3].
+# Waits for argv[4] (when given), burns CPU until its own process time reaches argv[1], writes
+# argv[2], then waits for argv[3].
 BURN = ("import os, sys, time\n"
+        "while len(sys.argv) > 4 and not os.path.exists(sys.argv[4]):\n"
+        "    time.sleep(0.01)\n"
         "while time.process_time() < float(sys.argv[1]):\n"
         "    sum(i * i for i in range(10000))\n"
         "open(sys.argv[2], 'w').write('done')\n"
@@ -45,10 +51,12 @@ def test_each_stack_process_is_read_by_its_pid_and_the_client_as_the_rest_of_thi
     stop = tmp_path / "stop"
     cluster = subprocess.Popen([sys.executable, "-c", LAUNCHER, BURN, str(stop), str(tmp_path)],
                                stdout=subprocess.PIPE, text=True)
-    client = subprocess.Popen([sys.executable, "-c", BURN, "0.8", str(tmp_path / "client"), str(stop)])
+    go = tmp_path / "go"  # the client burns only once the first reading is taken
+    client = subprocess.Popen([sys.executable, "-c", BURN, "0.8", str(tmp_path / "client"), str(stop), str(go)])
     try:
         router, front = (int(pid) for pid in cluster.stdout.readline().split())
         before = StackCpu.read(router, [front], cluster.pid)
+        go.write_text("go")
         _wait_for(tmp_path / "router", tmp_path / "front", tmp_path / "client")
         after = StackCpu.read(router, [front], cluster.pid)
     finally:
@@ -60,21 +68,23 @@ def test_each_stack_process_is_read_by_its_pid_and_the_client_as_the_rest_of_thi
     assert 0.4 - before.router_s == pytest.approx(used["router"], abs=0.05)
     assert 0.6 - before.fronts_s == pytest.approx(used["fronts"], abs=0.05)
     assert 0.4 < used["router"] + used["fronts"] <= 1.0 + 0.05
-    assert 0.5 < used["client"] <= 0.8 + 0.1  # this process's own reading of /proc is left out
+    assert 0.6 < used["client"] <= 0.8 + 0.05  # less its start-up; this process's own CPU left out
 
 
 def test_the_stacks_cpu_is_set_against_the_profiles_for_the_requests_and_tokens_the_router_served():
-    registry = CollectorRegistry()
-    metrics = RouterMetrics(registry)
+    registry, routes = CollectorRegistry(), RouteCounts()
+    metrics = RouterMetrics(registry, routes=routes)
+    routes.count(PromptRoute.COLOCATED)
     before = generate_latest(registry).decode()
-    for _ in range(4):
+    for route in (PromptRoute.PREFILL_POOL, PromptRoute.PREFILL_POOL, PromptRoute.DECODE_NODE, PromptRoute.COLOCATED):
+        routes.count(route)
         drain(metrics, stream([last(0, [7] * 50, 50, 0.2, 0.7)]), FakeContext())
-    requests, tokens = (a - b for a, b in zip(served(generate_latest(registry).decode()), served(before)))
-    assert (requests, tokens) == (4, 200)
+    served = Served.parse(generate_latest(registry).decode()).since(Served.parse(before))
+    assert served == Served(requests=4, tokens=200, via_prefill_pool=2)  # two passed two fronts
 
     costs = ServingCosts(RouterCost(0.002, 0.0003, "x"), FrontCost(0.001, 0.0002, "x"), ClientCost.free())
     used = {"router": 2 * (4 * 0.002 + 200 * 0.0003), "fronts": 2 * 0.001 * 4 + 200 * 0.0002, "client": 0.3}
-    speeds = stack_speeds(used, requests, tokens, costs, front_legs=2)
+    speeds = stack_speeds(used, Served(4, 200, via_prefill_pool=4), costs)  # each passed two fronts
     assert set(speeds) == {"router", "fronts"}  # the client runs elsewhere: the profile charges it nothing
     assert speeds["router"] == StackSpeed(used["router"], 0.068) and speeds["router"].ratio == pytest.approx(2.0)
     assert speeds["fronts"].ratio == pytest.approx(1.0)  # a request passes two fronts

@@ -50,16 +50,15 @@ def test_the_router_exports_each_nodes_step_sums_and_they_read_back_exactly():
                                                                     ("d0", "decode"): sent["d0"]}
 
 
-def test_a_window_sums_each_kinds_nodes_counts_new_ones_from_zero_and_skips_a_restarted_one():
+def test_a_window_sums_each_kinds_nodes_in_both_readings_and_skips_a_restarted_one():
     before = {("d0", "decode"): totals(STEPS[:1], 1.0, 1.0), ("d1", "decode"): totals(STEPS, 4.0, 4.0)}
     after = {("d0", "decode"): totals(STEPS[:2], 2.0, 1.5),  # one step more
              ("d1", "decode"): totals(STEPS[:1], 1.0, 1.0),  # counts went back: restarted
-             ("d2", "decode"): totals(STEPS[3:], 0.5, 0.25),  # not in the first scrape: joined since
-             ("p0", "prefill"): totals(STEPS[2:3], 3.0, 3.0)}
+             ("d2", "decode"): totals(STEPS[3:], 0.5, 0.25),  # not in the first: late, or joined since
+             ("p0", "prefill"): totals(STEPS[2:3], 3.0, 3.0)}  # not in the first either
     pools = pool_steps(before, after)
-    assert set(pools) == {"decode", "prefill"}
-    assert pools["decode"] == totals([STEPS[1], STEPS[3]], 1.5, 0.75)
-    assert pools["prefill"] == after[("p0", "prefill")]
+    assert set(pools) == {"decode"}
+    assert pools["decode"] == totals([STEPS[1]], 1.0, 0.5)
 
 
 def test_the_speed_is_the_cpu_seconds_over_the_profiles_and_says_nothing_of_a_few_short_steps():
@@ -71,6 +70,8 @@ def test_the_speed_is_the_cpu_seconds_over_the_profiles_and_says_nothing_of_a_fe
     assert summed([{"decode": many}, {"decode": many, "prefill": speed}]) == {"decode": many.plus(many),
                                                                                "prefill": speed}
     assert short_text({"decode": many, "prefill": speed}) == "D 2.00"  # the prefill's too few to tell
+    tp = StepSpeed.of(totals(STEPS * 100, 300 * predicted, 200 * predicted), COST, tensor_parallel_size=2)
+    assert not tp.known and "tensor-parallel" in tp.describe()  # its CPU leaves out the collectives' waits
 
 
 def test_the_load_mode_simulates_each_pool_as_slow_as_its_steps_ran():

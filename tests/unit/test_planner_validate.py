@@ -27,8 +27,8 @@ from pdserve.planner.step_cost import StepCost
 from pdserve.planner.step_speed import StepSpeed, parse_node_steps
 from pdserve.planner.validate import (
     GROWTH, WARMUP_REQUESTS, Measurement, Validation, ValidationPlan, at_measured_inputs, chosen, client_argv,
-    close_calls, measured_best,
-    measurement, median_abs_goodput_error, median_spread, recommended_share_of_best, step_speeds, validated_choice,
+    close_calls, measured_best, measurement, median_abs_goodput_error, median_spread, recommended_share_of_best,
+    step_speeds, validated_choice,
 )
 from pdserve.planner.validation_report import format_validation, report_record
 from pdserve.proto import node_pb2
@@ -298,6 +298,7 @@ def test_each_round_reads_its_nodes_step_speed_from_the_routers_counters_and_the
             nodes.heartbeat(node, node_pb2.NodeStats(steps=node_pb2.StepTotals(**dataclasses.asdict(counts[node]))))
 
     run("prefill-0", 3, 100, 1.0)  # before the sweep: not counted
+    run("decode-0", 1, 1, 1.0)
     before = generate_latest(registry).decode()
     run("prefill-0", 20, 100, 1.2)  # 2.2 s predicted
     run("decode-0", 200, 1, 0.9)  # 2.2 s predicted
@@ -335,4 +336,5 @@ def test_each_round_reads_its_nodes_step_speed_from_the_routers_counters_and_the
     lines = format_validation([again, same]).splitlines()
     assert "2.5 (+25%)" in lines[1]
     assert re.split(r"\s{2,}", lines[2])[5:8] == ["-", "-", "-"]  # no step or stack speed, no prediction at them
-    assert "median |goodput error| predicted again at the step speeds and stack CPU measured: 25%" in "\n".join(lines)
+    assert ("median |goodput error| predicted again at the step speeds and stack CPU measured: 25%, against 50% as "
+            "first predicted for the same candidates") in "\n".join(lines)
