@@ -4,7 +4,6 @@ measured of the profile's inputs, kept with each record, and a plan predicting w
 from __future__ import annotations
 
 import json
-import shutil
 
 import pytest
 
@@ -18,7 +17,7 @@ from pdserve.planner.profile_cli import serving_costs_for
 from pdserve.planner.search import layouts
 from pdserve.planner.track_record import Checked, ValidationLog, record_key
 from tests.unit.planner_profiles import synthetic_profile
-from tests.unit.test_planner_cli import plan, planned  # noqa: F401 - the module's fixture
+from tests.unit.test_planner_cli import balanced, own_cache, planned  # noqa: F401 - the module's fixture
 
 WHEN = "2026-12-07T10:00:00+00:00"
 
@@ -68,11 +67,8 @@ def test_a_record_keeps_what_its_runs_measured_and_reads_back_older_lines_withou
 
 
 def test_a_calibrated_plan_predicts_with_the_recorded_inputs_and_says_so(planned, tmp_path, capsys):  # noqa: F811
-    model, _ = planned
-    profiles = tmp_path / "profiles"
-    shutil.copytree(planned[1], profiles)
-    out_file = tmp_path / "plan.json"
-    argv = plan((model, str(profiles)), "--ttft-slo", "2", "--tpot-slo", "0.5", "--output-json", str(out_file))
+    model, profiles, out_file = own_cache(planned, tmp_path)
+    argv = balanced(model, profiles, out_file)
     assert main(argv) == 0
     raw = {c["layout"]: c["predicted_goodput_rps"] for c in json.loads(out_file.read_text())["candidates"]}
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import shlex
 import shutil
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,6 +42,19 @@ def plan(planned, *flags: str) -> list[str]:
     return ["--model", model, "--profile-dir", profiles, "--devices", "2", "--no-progress", "--workload", "fixed",
             "--input-len", "128", "--output-len", "16", "--num-requests", "40", "--min-duration-s", "0",
             "--batched-tokens", "256", *flags]
+
+
+def own_cache(planned, tmp_path) -> tuple[str, Path, Path]:
+    """(the model, a copy of the module's profile cache that a test may add to, the plan's JSON file)."""
+    model, _ = planned
+    profiles = tmp_path / "profiles"
+    shutil.copytree(planned[1], profiles)
+    return model, profiles, tmp_path / "plan.json"
+
+
+def balanced(model: str, profiles: Path, out_file: Path, *flags: str) -> list[str]:
+    """A plan's argv under SLOs every layout can meet, with its JSON written to `out_file`."""
+    return plan((model, str(profiles)), "--ttft-slo", "2", "--tpot-slo", "0.5", "--output-json", str(out_file), *flags)
 
 
 def test_plan_prints_the_ranking_and_writes_the_recommendation(planned, tmp_path, capsys):
@@ -103,15 +117,11 @@ def test_tp_sizes_are_searched_where_they_divide_a_nodes_cores(planned, tmp_path
 def test_a_stream_interval_that_relieves_a_busy_router_is_recommended_in_the_command(planned, tmp_path):
     """Costs where one token per response takes the router 4 ms and eight per response 0.5 ms a
     token: the router bounds the goodput, and every layout is tried at both intervals."""
-    model, _ = planned
-    profiles = tmp_path / "profiles"
-    shutil.copytree(planned[1], profiles)
+    model, profiles, out_file = own_cache(planned, tmp_path)
     cache, digest, machine = ProfileCache(profiles), model_hash(model), machine_facts()
     store_synthetic_costs(cache, digest, machine, stream_interval=1, router_per_token_s=0.004)
     store_synthetic_costs(cache, digest, machine, stream_interval=8, router_per_token_s=0.0005)
-    out_file = tmp_path / "plan.json"
-    argv = plan((model, str(profiles)), "--ttft-slo", "2", "--tpot-slo", "0.5", "--no-hybrid",
-                "--stream-intervals", "1,8", "--output-json", str(out_file))
+    argv = balanced(model, profiles, out_file, "--no-hybrid", "--stream-intervals", "1,8")
     assert main(argv) == 0
     report = json.loads(out_file.read_text())
     candidates = report["candidates"]
@@ -140,11 +150,8 @@ def test_a_plan_prints_and_writes_the_error_its_key_was_validated_with(planned, 
     median error under its table and writes it as `track_record`."""
     from pdserve.planner.track_record import Checked, ValidationLog, record_key
 
-    model, _ = planned
-    profiles = tmp_path / "profiles"
-    shutil.copytree(planned[1], profiles)
-    out_file = tmp_path / "plan.json"
-    argv = plan((model, str(profiles)), "--ttft-slo", "2", "--tpot-slo", "0.5", "--output-json", str(out_file))
+    model, profiles, out_file = own_cache(planned, tmp_path)
+    argv = balanced(model, profiles, out_file)
     assert main(argv) == 0
     assert "measured error: none yet for this model on this machine" in capsys.readouterr().out
     report = json.loads(out_file.read_text())
@@ -175,11 +182,8 @@ def test_a_validated_plan_hands_over_the_best_measured_and_a_later_plan_names_it
     from pdserve.bench.serve.sweep import SweepResult
     from pdserve.planner import validate as validate_module
 
-    model, _ = planned
-    profiles = tmp_path / "profiles"
-    shutil.copytree(planned[1], profiles)
-    out_file = tmp_path / "plan.json"
-    argv = plan((model, str(profiles)), "--ttft-slo", "2", "--tpot-slo", "0.5", "--output-json", str(out_file))
+    model, profiles, out_file = own_cache(planned, tmp_path)
+    argv = balanced(model, profiles, out_file)
     measured_share = iter([0.5, 1.0])
     monkeypatch.setattr(validate_module, "_measure", lambda e, model, checks, log: validate_module.Measurement(
         (rate := e.prediction.goodput_rps * next(measured_share)), None, SweepResult(best_rate=rate)))
@@ -225,12 +229,8 @@ def test_a_lead_within_the_rounds_spread_leaves_the_first_ranked_as_the_choice(p
     from pdserve.bench.serve.sweep import SweepResult
     from pdserve.planner import validate as validate_module
 
-    model, _ = planned
-    profiles = tmp_path / "profiles"
-    shutil.copytree(planned[1], profiles)
-    out_file = tmp_path / "plan.json"
-    argv = plan((model, str(profiles)), "--ttft-slo", "2", "--tpot-slo", "0.5", "--output-json", str(out_file),
-                "--validate", "1", "--validate-others", "1", "--validate-repeats", "2")
+    model, profiles, out_file = own_cache(planned, tmp_path)
+    argv = balanced(model, profiles, out_file, "--validate", "1", "--validate-others", "1", "--validate-repeats", "2")
     shares = iter([0.8, None, 1.0, None])  # rounds: first, other, first, other (None: the first's prediction)
     first_rps: list[float] = []
 
