@@ -67,17 +67,16 @@ from pdserve.bench.serve.metrics import Slo, Summary
 from pdserve.bench.serve.sweep import Probe, SweepConfig, SweepResult
 from pdserve.cluster_process import ClusterProcess
 from pdserve.common.affinity import threads_pinned_to
-from pdserve.common.metrics_endpoint import scrape
-from pdserve.engine.step_shape import StepTotals
 from pdserve.planner.calibration import digest, pool_key
 from pdserve.planner.cpu_witness import SUSPECT_SHARE, CpuUse, CpuWitness
-from pdserve.planner.search import Evaluated, Layout
-from pdserve.planner.step_cost import StepCost
 from pdserve.planner.profile import ServingCosts
-from pdserve.planner.stack_use import Served, StackCpu, StackSpeed, stack_scales, stack_speeds
+from pdserve.planner.search import Evaluated
+from pdserve.planner.step_cost import StepCost
+from pdserve.planner.stack_use import StackSpeed, stack_scales
 from pdserve.planner.stack_use import short_text as stack_text
-from pdserve.planner.step_speed import NodeKey, StepSpeed, describe_speeds, pool_steps, step_scales, summed
+from pdserve.planner.step_speed import StepSpeed, describe_speeds, step_scales, summed
 from pdserve.planner.track_record import Checked, ValidationLog
+from pdserve.planner.validation_inputs import Readings, step_speeds
 
 WARMUP_REQUESTS = 4  # every node's first shapes (kernel builds, allocator growth) before any probe
 GROWTH = 1.25  # the sweep's step from the predicted rate: × 1.25 up after a pass, ÷ 1.25 down after a miss
@@ -303,12 +302,12 @@ def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Measurement
               threads_pinned_to(e.candidate.layout.router_cores)):
             argv = client_argv(cluster.router, e.prediction.goodput_rps, plan, output, e.candidate.layout.devices)
             log(f"validate: {layout}: {shlex.join(argv[2:])}")
-            before = _Readings.take(cluster, log)
+            before = Readings.take(cluster, log)
             witness = CpuWitness()  # this process's tree: the cluster and the client
             witness.start()
             _run_client(argv, lambda line: log(f"validate: {layout}: {line}"))
             cpu = witness.stop()
-            after = _Readings.take(cluster, log)
+            after = Readings.take(cluster, log)
         log(f"validate: {layout}: {cpu_text(cpu)}")
         measured = measurement(json.loads(output.read_text()), e.prediction.goodput_rps, cpu)
         if before is None or after is None:
@@ -318,47 +317,6 @@ def _measure(e: Evaluated, model: str, plan: ValidationPlan, log) -> Measurement
         log(f"validate: {layout}: its steps against the profile: {describe_speeds(speeds)}; the stack's CPU against "
             f"the profile's: {stack_text(stack)}")
         return replace(measured, speeds=speeds, stack=stack)
-
-
-@dataclass(frozen=True)
-class _Readings:
-    """The router's /metrics, each node's step sums and the stack processes' CPU at one moment of a
-    validated cluster. The steps are asked of each node (`GetStats`: its engine core's counts now),
-    not read from the router's copy of its last heartbeat, which a short sweep can end before."""
-
-    metrics: str
-    steps: dict[NodeKey, StepTotals]
-    cpu: StackCpu
-
-    @classmethod
-    def take(cls, cluster: ClusterProcess, log) -> _Readings | None:
-        """None when a node or the router could not be read (logged): these readings explain a
-        measurement, and a validation goes on without them."""
-        try:
-            children = cluster.refresh().children  # a child the launcher restarted has a new pid
-            steps = {(name, children[name].kind): StepTotals.of(stats.steps)
-                     for name, stats in cluster.node_stats().items()}
-            fronts = [child.pid for child in children.values() if child.kind != "router"]
-            return cls(scrape(children["router"].metrics_url), steps,
-                       StackCpu.read(children["router"].pid, fronts, cluster.pid))
-        except Exception as err:  # a node's GetStats (gRPC), the router's /metrics (HTTP), /proc
-            log(f"validate: the cluster's steps and the stack's CPU could not be read ({type(err).__name__}: {err}); "
-                "this measurement goes without them")
-            return None
-
-    def stack_against(self, before: _Readings, costs: ServingCosts | None) -> dict[str, StackSpeed]:
-        if costs is None:
-            return {}
-        served = Served.parse(self.metrics).since(Served.parse(before.metrics))
-        return stack_speeds(self.cpu.used_since(before.cpu), served, costs)
-
-
-def step_speeds(before: dict[NodeKey, StepTotals], after: dict[NodeKey, StepTotals], layout: Layout,
-                costs: dict[tuple[int, int], StepCost]) -> dict[str, StepSpeed]:
-    """How fast each kind of node's steps ran between two readings of every node's step sums."""
-    steps = pool_steps(before, after)
-    return {kind: StepSpeed.of(totals, costs[layout.pool_setup(kind)], layout.pool_setup(kind)[1])
-            for kind, totals in steps.items() if layout.pool_setup(kind) in costs}
 
 
 def cpu_text(cpu: CpuUse) -> str:

@@ -28,8 +28,9 @@ from pdserve.planner.step_speed import StepSpeed, parse_node_steps
 from pdserve.planner.validate import (
     GROWTH, WARMUP_REQUESTS, Measurement, Validation, ValidationPlan, at_measured_inputs, chosen, client_argv,
     close_calls, measured_best, measurement, median_abs_goodput_error, median_spread, recommended_share_of_best,
-    step_speeds, validated_choice,
+    validated_choice,
 )
+from pdserve.planner.validation_inputs import step_speeds
 from pdserve.planner.validation_report import format_validation, report_record
 from pdserve.proto import node_pb2
 from pdserve.router.cluster.registry import NodeKind, NodeRegistry
